@@ -1,0 +1,18 @@
+"""`dense`: ordinary softmax attention through torch SDPA (FlashAttention on GPUs)."""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from nats.attention.registry import AttentionCore, AttentionDims, AttentionOutput, register_attention
+
+
+@register_attention("dense")
+class DenseAttention(AttentionCore):
+    def __init__(self, dims: AttentionDims):
+        super().__init__(dims)
+
+    def forward(self, q, k, v, x) -> AttentionOutput:
+        # q: [B, Hq, N, D], k/v: [B, Hkv, N, D] -> y: [B, Hq, N, D]
+        gqa = q.shape[1] != k.shape[1]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.dims.causal, enable_gqa=gqa)
+        return AttentionOutput(y)

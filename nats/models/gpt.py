@@ -1,0 +1,252 @@
+"""GPT-2 with a pluggable attention core, in one file (after nanoGPT).
+
+GPT-2-small: 12 layers, 12 heads, d=768, vocab padded to 50304, context 1024, no biases, tied embeddings,
+pre-LayerNorm, GELU MLP of 4d, init N(0, 0.02) with the residual projections scaled by 1/sqrt(2L).
+Positions by RoPE (default, as in the NAtS code) or learned absolute embeddings; `n_kv_head` < `n_head`
+gives grouped-query attention. The attention core is chosen by name (`attention.name`) from
+`nats.attention.registry`; `attention.output_gate` adds the gated-attention output gate (Qiu et al.).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nats.attention.registry import AttentionDims, build_attention
+
+OUTPUT_GATES = ("none", "headwise", "elementwise")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
+    block_size: int = 1024  # the longest sequence the model accepts
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None  # None = n_head (multi-head); fewer = grouped-query attention
+    n_embd: int = 768
+    pos_emb: str = "rope"  # "rope" | "learned" | "none"
+    rope_base: float = 10000.0
+    dropout: float = 0.0
+    bias: bool = False
+    tie_embeddings: bool = True
+    causal: bool = True
+    n_out: int | None = None  # output classes if not a language model (then tie_embeddings must be False)
+    attention: dict[str, Any] = field(default_factory=lambda: {"name": "dense"})
+
+    def __post_init__(self) -> None:
+        self.attention = dict(self.attention)
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        problems = []
+        if self.n_embd % self.n_head:
+            problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            problems.append(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+        if self.pos_emb not in ("rope", "learned", "none"):
+            problems.append(f"pos_emb={self.pos_emb!r} is not one of rope, learned, none")
+        if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
+            problems.append("RoPE needs an even head dimension")
+        if self.n_out is not None and self.tie_embeddings:
+            problems.append("n_out is set (a classifier head), so tie_embeddings must be false")
+        gate = self.attention.get("output_gate", "none")
+        if gate not in OUTPUT_GATES:
+            problems.append(f"attention.output_gate={gate!r} is not one of {OUTPUT_GATES}")
+        if self.block_size < 1 or self.n_layer < 1:
+            problems.append("block_size and n_layer must be >= 1")
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> "GPTConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(cfg) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**dict(cfg))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GPTOutput:
+    logits: torch.Tensor  # [B, N, vocab] (or [B, N, n_out])
+    loss: torch.Tensor | None  # mean cross-entropy, if targets were given
+    aux_loss: torch.Tensor | None  # sum of the attention cores' auxiliary losses
+    stats: dict[str, torch.Tensor]  # "layer{l}/{name}" -> scalar
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (rotate-half form): cos/sin tables for positions 0..block_size-1."""
+
+    def __init__(self, head_dim: int, block_size: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        t = torch.arange(block_size, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [block_size, D/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [B, H, N, D]; positions: [N]
+        cos = self.cos[positions].to(x.dtype)  # [N, D/2]
+        sin = self.sin[positions].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    """Projections + RoPE + pluggable core + optional output gate + output projection."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        self.qkv = nn.Linear(c.n_embd, (c.n_head + 2 * c.n_kv_head) * c.head_dim, bias=c.bias)
+        self.proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
+        self.proj.is_residual_projection = True
+        attn_cfg = dict(c.attention)
+        self.output_gate = attn_cfg.pop("output_gate", "none")
+        if self.output_gate == "headwise":  # one sigmoid gate per head, from the block input
+            self.gate = nn.Linear(c.n_embd, c.n_head, bias=c.bias)
+        elif self.output_gate == "elementwise":  # one per output channel
+            self.gate = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
+        dims = AttentionDims(
+            n_embd=c.n_embd, n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim,
+            block_size=c.block_size, layer_idx=layer_idx, n_layer=c.n_layer, causal=c.causal,
+        )
+        self.core = build_attention(attn_cfg, dims)
+        self.resid_dropout = nn.Dropout(c.dropout)
+
+    def project(self, x: torch.Tensor, rope: RotaryEmbedding | None, positions: torch.Tensor):
+        """x [B, N, C] -> q [B, Hq, N, D], k and v [B, Hkv, N, D], positions applied."""
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q = q.view(B, N, self.n_head, self.head_dim).transpose(1, 2)  # [B, Hq, N, D]
+        k = k.view(B, N, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, Hkv, N, D]
+        v = v.view(B, N, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, Hkv, N, D]
+        if rope is not None:
+            q, k = rope(q, positions), rope(k, positions)
+        return q, k, v
+
+    def gate_and_project(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y [B, Hq, N, D] (core output), x [B, N, C] (normalised block input) -> [B, N, C]."""
+        B, H, N, D = y.shape
+        if self.output_gate == "headwise":
+            y = y * torch.sigmoid(self.gate(x)).transpose(1, 2).unsqueeze(-1)  # gate [B, N, H] -> [B, H, N, 1]
+        elif self.output_gate == "elementwise":
+            y = y * torch.sigmoid(self.gate(x)).view(B, N, H, D).transpose(1, 2)  # [B, H, N, D]
+        y = y.transpose(1, 2).reshape(B, N, H * D)  # [B, N, C]
+        return self.resid_dropout(self.proj(y))
+
+    def forward(self, x, rope, positions):
+        q, k, v = self.project(x, rope, positions)
+        out = self.core(q, k, v, x)
+        return self.gate_and_project(out.y, x), out
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.proj.is_residual_projection = True
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope, positions):
+        a, out = self.attn(self.ln_1(x), rope, positions)
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))
+        return x, out
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = nn.Embedding(c.block_size, c.n_embd) if c.pos_emb == "learned" else None
+        self.rope = RotaryEmbedding(c.head_dim, c.block_size, c.rope_base) if c.pos_emb == "rope" else None
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList([Block(c, i) for i in range(c.n_layer)])
+        self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.lm_head = nn.Linear(c.n_embd, c.n_out or c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "is_residual_projection", False):
+                std = 0.02 / math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.wpe is not None:
+            n -= self.wpe.weight.numel()
+        return n
+
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)  # [B, N, C]
+        if self.wpe is not None:
+            x = x + self.wpe(positions)
+        return self.drop(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
+        """idx [B, N] int64 -> logits [B, N, V]; loss = mean CE over targets != -100."""
+        B, N = idx.shape
+        if N > self.config.block_size:
+            raise ValueError(
+                f"sequence length {N} is longer than the model's block_size {self.config.block_size}: "
+                f"use shorter windows (data.block_size) or a model with a larger model.block_size"
+            )
+        positions = torch.arange(N, device=idx.device)
+        x = self.embed(idx, positions)
+        aux_loss, stats = None, {}
+        for i, block in enumerate(self.blocks):
+            x, out = block(x, self.rope, positions)
+            if out.aux_loss is not None:
+                aux_loss = out.aux_loss if aux_loss is None else aux_loss + out.aux_loss
+            for name, value in out.stats.items():
+                stats[f"layer{i}/{name}"] = value
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
+        return GPTOutput(logits=logits, loss=loss, aux_loss=aux_loss, stats=stats)
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (6N + attention), as in the PaLM appendix / nanoGPT's MFU."""
+        c = self.config
+        n = seq_len or c.block_size
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * n

@@ -1,0 +1,79 @@
+"""`nats-train`: instantiate what the config names and wire it together (Hydra app).
+
+    nats-train                                   # small model on the embedded Gutenberg corpus, CPU
+    nats-train experiment=pg19_gpt2_dense trainer=ddp data.path=/data/pg19
+    nats-train ckpt_path=/path/to/last.ckpt      # resume exactly
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from nats.utils import grad_accumulation, world_size_of
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def build(cfg: DictConfig):
+    """Instantiate datamodule, module, callbacks, loggers and trainer from a composed config."""
+    L.seed_everything(cfg.seed, workers=True)
+    world = world_size_of(cfg.trainer)
+    accum = grad_accumulation(cfg.global_batch_size, cfg.data.micro_batch_size, world)
+    if cfg.eval_every < 1:
+        raise ValueError(f"eval_every must be >= 1 optimizer steps, got {cfg.eval_every}")
+
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    module: L.LightningModule = hydra.utils.instantiate(cfg.module, _convert_="all")
+    callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer,
+        accumulate_grad_batches=accum,
+        val_check_interval=cfg.eval_every * accum,  # counted in micro-batches
+        check_val_every_n_epoch=None,
+        use_distributed_sampler=False,  # the datamodule splits samples across ranks itself (exact resume)
+        callbacks=callbacks,
+        logger=loggers or False,
+    )
+    return datamodule, module, trainer
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Train (or resume) and validate; returns the final metrics."""
+    if cfg.get("float32_matmul_precision"):
+        torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
+    datamodule, module, trainer = build(cfg)
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None and not os.path.isfile(ckpt_path):
+        raise FileNotFoundError(f"ckpt_path={ckpt_path} does not exist: pass the path of a .ckpt file to resume from")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    if cfg.get("final_validation", True):
+        final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+        metrics.update({k: float(v) for k, v in final.items()})
+    if trainer.is_global_zero:
+        if "val/ppl" not in metrics and "val/loss" in metrics:
+            metrics["val/ppl"] = math.exp(metrics["val/loss"])
+        if hasattr(datamodule, "unigram_perplexity"):
+            print(f"unigram_ppl {datamodule.unigram_perplexity('validation'):.2f}")
+        print(f"val_loss {metrics.get('val/loss', float('nan')):.4f}")
+        print(f"val_ppl {metrics.get('val/ppl', float('nan')):.2f}")
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    if cfg.get("print_config"):
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+    metrics = run(cfg)
+    return metrics.get("val/loss")  # for Hydra sweepers that optimise a value
+
+
+if __name__ == "__main__":
+    main()

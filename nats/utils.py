@@ -1,0 +1,41 @@
+"""Small helpers shared by the entry points."""
+from __future__ import annotations
+
+
+def grad_accumulation(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """Gradient-accumulation steps so that micro_batch x world_size x accumulation == global batch.
+
+    >>> grad_accumulation(480, 24, 4)
+    5
+    """
+    if min(global_batch_size, micro_batch_size, world_size) < 1:
+        raise ValueError(
+            f"global_batch_size ({global_batch_size}), micro_batch_size ({micro_batch_size}) and "
+            f"world_size ({world_size}) must all be >= 1"
+        )
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step:
+        divisors = [m for m in range(1, global_batch_size + 1) if global_batch_size % (m * world_size) == 0]
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by micro_batch_size x world_size = "
+            f"{micro_batch_size} x {world_size} = {per_step}. Choose data.micro_batch_size from {divisors} "
+            f"for {world_size} process(es), or change global_batch_size."
+        )
+    return global_batch_size // per_step
+
+
+def world_size_of(trainer_cfg) -> int:
+    """Number of training processes a Trainer config asks for (devices x nodes; 'auto' resolved here)."""
+    devices = trainer_cfg.get("devices", "auto")
+    accelerator = trainer_cfg.get("accelerator", "auto")
+    nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
+    if isinstance(devices, (list, tuple)):
+        n = len(devices)
+    elif devices in ("auto", -1, "-1"):
+        import torch
+
+        use_gpu = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+        n = torch.cuda.device_count() if use_gpu else 1
+    else:
+        n = int(devices)
+    return n * nodes
