@@ -37,6 +37,7 @@ __all__ = [
     "next_global_index",
     "prev_global_index",
     "hard_types",
+    "snap_one_hot",
     "nats_mask_hard",
     "nats_mask_soft",
     "nats_attention_reference",
@@ -176,6 +177,17 @@ def hard_types(type_weights: Tensor) -> Tensor:
     return type_weights.detach().argmax(-1)
 
 
+def snap_one_hot(type_weights: Tensor) -> Tensor:
+    """``onehot(argmax w) + (w - w.detach())``: exactly one-hot values, the gradient of ``w`` unchanged.
+
+    Straight-through weights ``onehot + y - y.detach()`` are one-hot only up to a rounding error of one
+    ulp; snapping makes the mask exactly 0/1 (spec section 2, "with hard types M_ij is 0 or 1"). Weights
+    are one-hot by contract (spec section 9); soft weights would be treated as their argmax.
+    """
+    hard = torch.nn.functional.one_hot(hard_types(type_weights), 3).to(type_weights.dtype)
+    return hard + (type_weights - type_weights.detach())
+
+
 def _gather_prefix(cum: Tensor, idx: Tensor) -> Tensor:
     """cum[..., idx] where idx >= 0, else 0 (cum is an inclusive cumsum, idx may be -1)."""
     out = cum.gather(-1, idx.clamp(min=0))
@@ -214,10 +226,12 @@ def nats_mask_soft(type_weights: Tensor, window: int) -> Tensor:
 
     with cnt_ij the number of hard globals strictly between j and i and e_j the first hard global after
     j, so that autograd gives exactly the derivatives of the product at the hard types (the segment
-    term of d g included). Hard types = argmax of the detached weights. dtype = type_weights.dtype.
+    term of d g included). Hard types = argmax of the detached weights; the values used are those
+    hard types (``snap_one_hot``), the gradient flows to ``type_weights`` unchanged.
+    dtype = type_weights.dtype.
     """
     window = check_window(window)
-    w = type_weights
+    w = snap_one_hot(type_weights)
     N = w.shape[-2]
     dev = w.device
     g, l, s = w.unbind(-1)  # [..., N]
@@ -330,7 +344,7 @@ def nats_density(type_weights: Tensor, window: int) -> Tensor:
     window = check_window(window)
     check_type_weights(type_weights)
     cdt = _compute_dtype(type_weights)
-    w = type_weights.to(cdt)
+    w = snap_one_hot(type_weights.to(cdt))
     N = w.shape[-2]
     g, l, s = w.unbind(-1)
     gh = hard_types(w) == TOKEN_GLOBAL
