@@ -1,0 +1,577 @@
+"""From text to batches: the token cache (``.bin`` files) and :class:`TokenDataModule`.
+
+Token cache
+    Each source is tokenised once into ``<cache_dir>/<source>-<fingerprint sha>-<tokenizer>/{split}.bin``
+    (plus ``meta.json``). A ``.bin`` file is a 64-byte header (:data:`MAGIC`, format version, dtype, token count,
+    vocabulary size, tokenizer name) followed by the tokens as little-endian uint16; documents are separated by
+    ``<|endoftext|>`` (50256), which also follows the last one. Files are written under a temporary name, fsynced
+    and renamed, so an interrupted prepare never leaves a partial file under the final name.
+
+Batches
+    ``(x, y)``: two int64 tensors of shape ``[B, block_size]``, ``y`` is ``x`` shifted left by one token.
+
+    * train: windows of ``block_size + 1`` tokens at random offsets. Sample number ``s`` (a global counter over
+      the whole run) has offset ``default_rng([seed, s]).integers(0, n - block_size)``, so the stream is a pure
+      function of ``(seed, s)``: rank ``r`` of ``W`` reads ``s = start + r, start + r + W, ...`` with
+      ``start = global_step * accumulate_grad_batches * micro_batch_size * W`` (the samples already consumed),
+      which makes resumption from a checkpoint exact and independent of the number of dataloader workers.
+    * validation / test: the consecutive windows ``tokens[k*N : k*N + N + 1]``, ``N = block_size``, in order;
+      window ``k`` predicts tokens ``k*N + 1 ... k*N + N``, so every token after the first is predicted exactly
+      once. Rank ``r`` takes windows ``r, r + W, ...`` (the count is cut to a multiple of ``W`` so that all ranks
+      run the same number of batches).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm.auto import tqdm
+
+from nats.data.sources import SPLITS, Document, TextSource, get_source
+from nats.data.tokenizer import EOT, VOCAB_SIZE, get_tokenizer
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "BinHeader",
+    "TokenCacheError",
+    "write_token_bin",
+    "read_bin_header",
+    "open_token_bin",
+    "cache_folder",
+    "prepare_token_cache",
+    "TrainWindows",
+    "ResumableSampler",
+    "EvalWindows",
+    "StridedSampler",
+    "TokenDataModule",
+]
+
+# --------------------------------------------------------------------------------------------------------------
+# .bin format
+# --------------------------------------------------------------------------------------------------------------
+
+MAGIC = b"NATSTOK\x00"
+FORMAT_VERSION = 1
+HEADER_SIZE = 64
+# magic, format version, dtype code, token count, vocabulary size, tokenizer name (NUL-padded); zero-padded to 64
+_HEADER = struct.Struct("<8sIIQI16s")
+_DTYPES = {1: np.dtype("<u2")}  # dtype code -> numpy dtype; code 1 = uint16 (vocabularies up to 65536)
+_DTYPE_CODE = 1
+_REBUILD = "delete it and rerun `nats-prepare` (or the training run) to rebuild the token cache"
+
+
+class TokenCacheError(RuntimeError):
+    """A ``.bin`` token file is truncated, foreign, of another format version or of another tokenizer."""
+
+
+@dataclass(frozen=True)
+class BinHeader:
+    """The fields of a ``.bin`` header."""
+
+    version: int
+    dtype: np.dtype
+    num_tokens: int
+    vocab_size: int
+    tokenizer: str
+
+
+def _pack_header(num_tokens: int, tokenizer: str, vocab_size: int) -> bytes:
+    name = tokenizer.encode("ascii")
+    if len(name) > 16:
+        raise ValueError(f"tokenizer name {tokenizer!r} longer than 16 bytes")
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, _DTYPE_CODE, num_tokens, vocab_size, name)
+    return head.ljust(HEADER_SIZE, b"\x00")
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_token_bin(
+    path: str | Path, chunks: Iterable[np.ndarray], tokenizer: str = "gpt2", vocab_size: int = VOCAB_SIZE
+) -> int:
+    """Write the concatenated ``chunks`` (1-D integer arrays) to ``path`` atomically; return the token count.
+
+    The tokens stream into ``.<name>.<random>.tmp`` in the same folder, the header is written last, the file is
+    fsynced and renamed over ``path``. On any exception (or interrupt) the temporary file is removed and
+    ``path`` is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    dtype = _DTYPES[_DTYPE_CODE]
+    try:
+        with open(tmp, "wb") as f:
+            f.write(b"\x00" * HEADER_SIZE)  # placeholder: a file without magic is never taken for a cache
+            n = 0
+            for chunk in chunks:
+                arr = np.asarray(chunk)
+                if arr.size and (arr.min() < 0 or arr.max() >= min(vocab_size, np.iinfo(dtype).max + 1)):
+                    raise ValueError(f"token ids outside [0, {vocab_size}) while writing {path}")
+                f.write(arr.astype(dtype, copy=False).tobytes())
+                n += arr.size
+            f.seek(0)
+            f.write(_pack_header(n, tokenizer, vocab_size))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return n
+
+
+def read_bin_header(path: str | Path, tokenizer: str | None = None) -> BinHeader:
+    """Read and validate the header of ``path``: magic, version, dtype, file size, and tokenizer if given.
+
+    Raises :class:`TokenCacheError` naming the file and the fix on any mismatch.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_SIZE)
+    if len(raw) < HEADER_SIZE or raw[:8] != MAGIC:
+        raise TokenCacheError(f"{path} is not a nats token file (bad magic bytes {raw[:8]!r}); {_REBUILD}")
+    magic, version, code, num_tokens, vocab_size, name = _HEADER.unpack_from(raw)
+    if version != FORMAT_VERSION:
+        raise TokenCacheError(f"{path} has format version {version}, this code reads {FORMAT_VERSION}; {_REBUILD}")
+    if code not in _DTYPES:
+        raise TokenCacheError(f"{path} has unknown dtype code {code}; {_REBUILD}")
+    dtype = _DTYPES[code]
+    expected = HEADER_SIZE + num_tokens * dtype.itemsize
+    if size != expected:
+        raise TokenCacheError(
+            f"{path} is truncated or corrupt: its header says {num_tokens} tokens ({expected} bytes) but the file "
+            f"has {size} bytes; {_REBUILD}"
+        )
+    header = BinHeader(version, dtype, num_tokens, vocab_size, name.rstrip(b"\x00").decode("ascii"))
+    if tokenizer is not None and header.tokenizer != tokenizer:
+        raise TokenCacheError(
+            f"{path} was tokenised with {header.tokenizer!r}, expected {tokenizer!r}; {_REBUILD}"
+        )
+    return header
+
+
+def open_token_bin(path: str | Path, tokenizer: str | None = None) -> np.ndarray:
+    """The tokens of ``path`` as a read-only ``np.memmap`` (1-D, uint16), after :func:`read_bin_header`."""
+    header = read_bin_header(path, tokenizer)
+    if header.num_tokens == 0:  # mmap cannot map zero bytes
+        return np.empty(0, dtype=header.dtype)
+    return np.memmap(path, dtype=header.dtype, mode="r", offset=HEADER_SIZE, shape=(header.num_tokens,))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tokenising a source into the cache
+# --------------------------------------------------------------------------------------------------------------
+
+
+def cache_folder(cache_dir: str | Path, source: TextSource, tokenizer: str = "gpt2") -> Path:
+    """``<cache_dir>/<source>-<sha1 of the source fingerprint, 10 hex>-<tokenizer>``."""
+    key = json.dumps({"format": FORMAT_VERSION, **source.fingerprint()}, sort_keys=True)
+    return Path(cache_dir) / f"{source.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}-{tokenizer}"
+
+
+def _tokenize(docs: Iterable[Document], tokenizer: str, names: list[str], bar: tqdm) -> Iterator[np.ndarray]:
+    """Encode documents in batches (tiktoken threads) and yield each as uint16 tokens followed by EOT."""
+    enc = get_tokenizer(tokenizer)
+    batch: list[str] = []
+
+    def flush() -> Iterator[np.ndarray]:
+        for ids in enc.encode_ordinary_batch(batch, num_threads=max(1, min(8, os.cpu_count() or 1))):
+            ids.append(EOT)
+            bar.update(1)
+            yield np.asarray(ids, dtype=np.uint16)
+        batch.clear()
+
+    chars = 0
+    for doc in docs:
+        names.append(doc.name)
+        batch.append(doc.text)
+        chars += len(doc.text)
+        if len(batch) >= 64 or chars >= 32_000_000:
+            yield from flush()
+            chars = 0
+    if batch:
+        yield from flush()
+
+
+def prepare_token_cache(source: TextSource, cache_dir: str | Path, tokenizer: str = "gpt2") -> Path:
+    """Tokenise ``source`` into its cache folder unless a complete cache is there; return the folder.
+
+    Splits whose ``.bin`` already exists (and is valid) are kept, so an interrupted prepare resumes with the
+    missing splits. ``meta.json`` (token and document counts, document names) is written last.
+    """
+    folder = cache_folder(cache_dir, source, tokenizer)
+    bins = {split: folder / f"{split}.bin" for split in SPLITS}
+    meta_path = folder / "meta.json"
+    if meta_path.is_file() and all(p.is_file() for p in bins.values()):
+        for p in bins.values():
+            read_bin_header(p, tokenizer)  # corrupt files raise here, with the fix in the message
+        return folder
+
+    source.prepare()
+    folder.mkdir(parents=True, exist_ok=True)
+    old_meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta: dict[str, Any] = {
+        "source": source.name,
+        "fingerprint": source.fingerprint(),
+        "tokenizer": tokenizer,
+        "format": FORMAT_VERSION,
+        "num_tokens": {},
+        "documents": {},
+    }
+    for split, path in bins.items():
+        if path.is_file():  # kept from an interrupted prepare; its document names are known only from old meta
+            meta["num_tokens"][split] = read_bin_header(path, tokenizer).num_tokens
+            meta["documents"][split] = old_meta.get("documents", {}).get(split)
+            continue
+        names: list[str] = []
+        with tqdm(total=source.num_documents(split), desc=f"tokenise {source.name}/{split}", unit="doc") as bar:
+            n = write_token_bin(path, _tokenize(source.documents(split), tokenizer, names, bar), tokenizer)
+        if not names:
+            path.unlink()
+            raise ValueError(f"{source.name}: split {split!r} has no documents; check the source")
+        meta["num_tokens"][split] = n
+        meta["documents"][split] = names
+    tmp = meta_path.with_name(f".meta.json.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, meta_path)
+    return folder
+
+
+# --------------------------------------------------------------------------------------------------------------
+# datasets and samplers
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _TokenFile:
+    """A ``.bin`` file memory-mapped lazily in each process (pickling sends the path, never the tokens)."""
+
+    def __init__(self, path: Path, tokenizer: str) -> None:
+        self.path, self.tokenizer = path, tokenizer
+        self.num_tokens = read_bin_header(path, tokenizer).num_tokens
+        self._tokens: np.ndarray | None = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = open_token_bin(self.path, self.tokenizer)
+        return self._tokens
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}
+
+
+def _xy(window: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.from_numpy(window.astype(np.int64))  # [N + 1]
+    return t[:-1], t[1:]  # x, y: [N] each
+
+
+class TrainWindows(Dataset):
+    """Random training windows: item ``s`` is the window of ``block_size + 1`` tokens at a pseudo-random offset
+    that depends on ``(seed, s)`` only. ``len`` is nominal: any non-negative ``s`` is valid."""
+
+    def __init__(self, file: _TokenFile, block_size: int, seed: int, length: int) -> None:
+        if file.num_tokens < block_size + 1:
+            raise ValueError(
+                f"{file.path} holds {file.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1}; use a "
+                "smaller block_size or more data"
+            )
+        self.file, self.block_size, self.seed, self.length = file, block_size, seed, length
+
+    def offset(self, s: int) -> int:
+        """Start of window ``s``: uniform over the ``n - block_size`` offsets where a full window fits."""
+        return int(np.random.default_rng([self.seed, s]).integers(0, self.file.num_tokens - self.block_size))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self.offset(s)
+        return _xy(self.file.tokens[i : i + self.block_size + 1])
+
+
+class ResumableSampler(Sampler[int]):
+    """Yields the global sample numbers of one rank: ``start + rank, start + rank + world_size, ...``.
+
+    ``start`` may be a callable, evaluated at each ``iter()`` (each epoch, each resumption), so that the stream
+    continues where the consumed-sample counter stands. ``len`` (``num_samples`` per rank) is fixed.
+    """
+
+    def __init__(
+        self, num_samples: int, rank: int = 0, world_size: int = 1, start: int | Callable[[], int] = 0
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside [0, {world_size})")
+        self.num_samples, self.rank, self.world_size, self.start = num_samples, rank, world_size, start
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.start() if callable(self.start) else self.start
+        first = start + self.rank
+        return iter(range(first, first + self.num_samples * self.world_size, self.world_size))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class EvalWindows(Dataset):
+    """Validation/test windows: item ``k`` is ``tokens[k*N : k*N + N + 1]`` with ``N = block_size``."""
+
+    def __init__(self, file: _TokenFile, block_size: int, max_windows: int | None = None) -> None:
+        if file.num_tokens < block_size + 1:
+            raise ValueError(
+                f"{file.path} holds {file.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1}; use a "
+                "smaller block_size or a larger split"
+            )
+        self.file, self.block_size = file, block_size
+        n = (file.num_tokens - 1) // block_size
+        self.num_windows = n if max_windows is None else min(n, max_windows)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= k < self.num_windows:
+            raise IndexError(k)
+        i = k * self.block_size
+        return _xy(self.file.tokens[i : i + self.block_size + 1])
+
+    def targets(self, num_windows: int | None = None) -> np.ndarray:
+        """The predicted tokens of the first ``num_windows`` windows (all by default), in order."""
+        n = self.num_windows if num_windows is None else num_windows
+        return self.file.tokens[1 : 1 + n * self.block_size]
+
+
+class StridedSampler(Sampler[int]):
+    """Indices ``rank, rank + world_size, ...`` below ``length`` cut to a multiple of ``world_size``: every rank
+    gets the same number of windows, none twice (at most ``world_size - 1`` trailing windows are dropped)."""
+
+    def __init__(self, length: int, rank: int = 0, world_size: int = 1) -> None:
+        self.used = length - length % world_size
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.used, self.world_size))
+
+    def __len__(self) -> int:
+        return self.used // self.world_size
+
+
+class _ResumableDataLoader(DataLoader):
+    """A DataLoader Lightning treats as resumable (``state_dict``/``load_state_dict``): its position is derived
+    from ``trainer.global_step`` by :class:`ResumableSampler`, so there is no state to save."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the datamodule
+# --------------------------------------------------------------------------------------------------------------
+
+
+class TokenDataModule(L.LightningDataModule):
+    """Language-modelling batches from a tokenised text source.
+
+    Args:
+        source: registered source name (``gutenberg``, ``pg19``, ``text_dir``).
+        cache_dir: folder of the token caches and raw downloads.
+        block_size: tokens per training/eval sequence ``N``; windows hold ``N + 1`` tokens.
+        micro_batch_size: sequences per training batch (per process).
+        eval_batch_size: sequences per validation/test batch (default: ``micro_batch_size``).
+        num_workers: DataLoader workers.
+        seed: seed of the training-window stream.
+        tokenizer: tokenizer name (see :func:`nats.data.tokenizer.get_tokenizer`).
+        max_eval_windows: cap on the number of validation/test windows (quick runs); ``None`` = all.
+        **source_options: passed to the source, e.g. ``path``, ``hf_name``, ``text_field``, ``sdist_path``.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        cache_dir: str,
+        block_size: int = 1024,
+        micro_batch_size: int = 8,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 1337,
+        tokenizer: str = "gpt2",
+        max_eval_windows: int | None = None,
+        **source_options: Any,
+    ) -> None:
+        super().__init__()
+        for name, value in [("block_size", block_size), ("micro_batch_size", micro_batch_size)]:
+            if int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if eval_batch_size is not None and eval_batch_size < 1:
+            raise ValueError(f"eval_batch_size must be >= 1 or None, got {eval_batch_size}")
+        if max_eval_windows is not None and max_eval_windows < 1:
+            raise ValueError(f"max_eval_windows must be >= 1 or None, got {max_eval_windows}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        get_tokenizer(tokenizer)  # unknown names fail here
+        self.save_hyperparameters()
+        self.source_name = source
+        self.cache_dir = Path(cache_dir)
+        self.block_size = int(block_size)
+        self.micro_batch_size = int(micro_batch_size)
+        self.eval_batch_size = int(eval_batch_size or micro_batch_size)
+        self.num_workers = int(num_workers)
+        self.seed = int(seed)
+        self.tokenizer = tokenizer
+        self.max_eval_windows = max_eval_windows
+        self.text_source = get_source(source, cache_dir=self.cache_dir, **source_options)
+        self._folder: Path | None = None
+        self._files: dict[str, _TokenFile] = {}
+        self._unigram_logp: np.ndarray | None = None
+
+    # -- properties ------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Size of the tokenizer's vocabulary (50257 for GPT-2)."""
+        return get_tokenizer(self.tokenizer).n_vocab
+
+    @property
+    def eot(self) -> int:
+        """Id of the end-of-text token that separates documents (50256 for GPT-2)."""
+        return get_tokenizer(self.tokenizer).eot_token
+
+    @property
+    def cache_path(self) -> Path:
+        """The cache folder of this source and tokenizer."""
+        if self._folder is None:
+            self._folder = cache_folder(self.cache_dir, self.text_source, self.tokenizer)
+        return self._folder
+
+    @property
+    def token_counts(self) -> dict[str, int]:
+        """Tokens per split (after :meth:`setup`)."""
+        return {split: f.num_tokens for split, f in self._files.items()}
+
+    # -- Lightning hooks -------------------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Download and tokenise (once; Lightning calls this on one process per node)."""
+        self._folder = prepare_token_cache(self.text_source, self.cache_dir, self.tokenizer)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Memory-map the three splits (validates their headers)."""
+        for split in SPLITS:
+            path = self.cache_path / f"{split}.bin"
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{path} does not exist: run `nats-prepare data={self.source_name}` (or call prepare_data()) "
+                    "first"
+                )
+            if split not in self._files:
+                self._files[split] = _TokenFile(path, self.tokenizer)
+
+    def _file(self, split: str) -> _TokenFile:
+        if split not in self._files:
+            self.setup()
+        return self._files[split]
+
+    def _rank_world(self) -> tuple[int, int]:
+        t = self.trainer
+        return (int(t.global_rank), int(t.world_size)) if t is not None else (0, 1)
+
+    def consumed_samples(self) -> int:
+        """Training samples already consumed by all ranks: ``global_step * accumulate * micro_batch * world``
+        when attached to a trainer, else 0."""
+        t = self.trainer
+        if t is None:
+            return 0
+        return int(t.global_step) * int(t.accumulate_grad_batches) * self.micro_batch_size * int(t.world_size)
+
+    def _train_samples_per_rank(self) -> int:
+        """Nominal samples per rank per epoch: all of ``max_steps`` when set, else ~one pass over the train
+        tokens; a whole number of optimizer steps either way."""
+        t = self.trainer
+        _, world = self._rank_world()
+        accum = int(t.accumulate_grad_batches) if t is not None else 1
+        if t is not None and t.max_steps is not None and t.max_steps > 0:
+            batches = int(t.max_steps) * accum
+        else:
+            per_batch = self.block_size * self.micro_batch_size * world
+            batches = max(1, self._file("train").num_tokens // per_batch)
+            batches = math.ceil(batches / accum) * accum
+        return batches * self.micro_batch_size
+
+    def _loader(self, dataset: Dataset, sampler: Sampler[int], batch_size: int, cls: type = DataLoader) -> DataLoader:
+        return cls(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=False,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        n = self._train_samples_per_rank()
+        dataset = TrainWindows(self._file("train"), self.block_size, self.seed, length=n * world)
+        sampler = ResumableSampler(n, rank, world, start=self.consumed_samples)
+        return self._loader(dataset, sampler, self.micro_batch_size, cls=_ResumableDataLoader)
+
+    def eval_dataset(self, split: str = "validation") -> EvalWindows:
+        """The windows of a held-out split (capped by ``max_eval_windows``)."""
+        if split not in ("validation", "test"):
+            raise ValueError(f"split must be 'validation' or 'test', got {split!r}")
+        return EvalWindows(self._file(split), self.block_size, self.max_eval_windows)
+
+    def _eval_loader(self, split: str) -> DataLoader:
+        rank, world = self._rank_world()
+        dataset = self.eval_dataset(split)
+        return self._loader(dataset, StridedSampler(len(dataset), rank, world), self.eval_batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader("validation")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader("test")
+
+    # -- baseline --------------------------------------------------------------------------------------------
+    def unigram_perplexity(self, split: str = "validation") -> float:
+        """Perplexity of ``split`` under a unigram model fitted on train (add-one smoothing over the vocabulary),
+        over the tokens the validation/test loaders predict (same windows, same cap, all ranks together)."""
+        if self._unigram_logp is None:
+            counts = np.ones(self.vocab_size, dtype=np.float64)  # add-one
+            train = self._file("train").tokens
+            for i in range(0, len(train), 1 << 24):  # chunks of 16M tokens: bounded memory for PG-19
+                counts += np.bincount(train[i : i + (1 << 24)], minlength=self.vocab_size)
+            self._unigram_logp = np.log(counts / counts.sum())
+        dataset = self.eval_dataset(split)
+        _, world = self._rank_world()
+        targets = dataset.targets(len(dataset) - len(dataset) % world)
+        return float(np.exp(-self._unigram_logp[targets].mean()))
