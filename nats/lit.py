@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import math
-import random
 from typing import Any, Mapping
 
 import lightning as L
-import numpy as np
 import torch
 
 from nats.models.gpt import GPT, GPTConfig
@@ -122,12 +120,11 @@ class LitGPT(L.LightningModule):
 
     # ------------------------------------------------------------------ exact resume
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Random-number states, so that a resumed run draws the same noise (e.g. Gumbel) as an uninterrupted one."""
+        """Torch random-number states, so that a resumed run draws the same noise (e.g. Gumbel) as an uninterrupted one."""
+        # tensors only, so that the checkpoint loads with torch.load(weights_only=True)
         checkpoint["rng_states"] = {
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": np.random.get_state(),
-            "python": random.getstate(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -137,5 +134,3 @@ class LitGPT(L.LightningModule):
         torch.set_rng_state(states["torch"])
         if states["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["cuda"])
-        np.random.set_state(states["numpy"])
-        random.setstate(states["python"])

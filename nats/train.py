@@ -28,6 +28,12 @@ def build(cfg: DictConfig):
     if cfg.eval_every < 1:
         raise ValueError(f"eval_every must be >= 1 optimizer steps, got {cfg.eval_every}")
 
+    data_len, model_len = cfg.data.get("block_size"), cfg.model.block_size
+    if data_len is not None and data_len > model_len:
+        raise ValueError(
+            f"data.block_size={data_len} is longer than model.block_size={model_len}: the model cannot attend "
+            f"that far. Set data.block_size <= {model_len} or train a model with model.block_size={data_len}."
+        )
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
     module: L.LightningModule = hydra.utils.instantiate(cfg.module, _convert_="all")
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]

@@ -1,0 +1,107 @@
+"""`nats`: Neural Attention Search attention (NATS_SPEC.md sections 1-4).
+
+A scorer per layer maps the block's normalised input x_j to type logits z_j = x_j W_s
+(W_s: d_model x 3*n_kv_head, no bias; x detached by default). Training draws straight-through
+Gumbel-softmax one-hots t_j = onehot(argmax y_j) + y_j - stopgrad(y_j), y_j = softmax((z_j + G_j) / tau);
+evaluation takes onehot(argmax z_j) without noise. Token 0 is forced global (the attention sink), without
+gradient. Attention is `nats.functional.nats_attention` with window W; the auxiliary loss is
+lambda * density / n_layer, so that the model's summed auxiliary loss is lambda * mean-over-layers density.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nats import functional as NF
+from nats.attention.registry import AttentionCore, AttentionDims, AttentionOutput, register_attention
+
+
+def kv_stats(types: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
+    """Per-(sequence, head) KV statistics of hard types [B, H, N] (spec section 6).
+
+    Returns tensors of shape [B, H]: density (= area fraction), peak (max_i c_i / N) and the fractions of
+    global, local and sliding tokens.
+    """
+    N = types.shape[-1]
+    sizes = NF.kv_cache_sizes(types, window).float()  # [B, H, N]: c_i
+    area = sizes.sum(-1) / (N * (N + 1) / 2)
+    peak = sizes.amax(-1) / N
+    frac = NF.type_fractions(types)  # [B, H, 3]
+    return {"density": area, "peak": peak, "frac_global": frac[..., 0], "frac_local": frac[..., 1],
+            "frac_sliding": frac[..., 2]}
+
+
+@register_attention("nats")
+class NAtSAttention(AttentionCore):
+    def __init__(
+        self,
+        dims: AttentionDims,
+        window: int = 16,
+        sparsity_lambda: float = 0.0,
+        tau: float = 1.0,
+        detach_scorer_input: bool = True,
+        backend: str = "auto",
+    ):
+        super().__init__(dims)
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"nats attention: window must be an integer >= 1, got {window!r}")
+        if tau <= 0:
+            raise ValueError(f"nats attention: tau must be > 0, got {tau}")
+        if sparsity_lambda < 0:
+            raise ValueError(f"nats attention: sparsity_lambda must be >= 0, got {sparsity_lambda}")
+        if backend not in NF.BACKENDS:
+            raise ValueError(f"nats attention: backend must be one of {NF.BACKENDS}, got {backend!r}")
+        self.window = window
+        self.sparsity_lambda = float(sparsity_lambda)
+        self.tau = float(tau)  # may be changed during training by nats.callbacks.TemperatureSchedule
+        self.detach_scorer_input = detach_scorer_input
+        self.backend = backend
+        self.scorer = nn.Linear(dims.n_embd, 3 * dims.n_kv_head, bias=False)
+        self.record_types = False  # set by analysis code: keep the last hard types in `last_types`
+        self.last_types: torch.Tensor | None = None
+
+    def type_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N, C] -> z [B, Hkv, N, 3] (float32)."""
+        B, N, _ = x.shape
+        xs = x.detach() if self.detach_scorer_input else x
+        z = self.scorer(xs).float().view(B, N, self.dims.n_kv_head, 3)
+        return z.transpose(1, 2)
+
+    def type_weights(self, z: torch.Tensor) -> torch.Tensor:
+        """Logits [B, H, N, 3] -> one-hot type weights (straight-through Gumbel-softmax in training)."""
+        if self.training:
+            gumbel = -torch.empty_like(z).exponential_().log()
+            y = F.softmax((z + gumbel) / self.tau, dim=-1)
+            hard = F.one_hot(y.argmax(-1), 3).to(y.dtype)
+            t = hard + y - y.detach()
+        else:
+            t = F.one_hot(z.argmax(-1), 3).to(z.dtype)
+        # token 0 is global, without gradient
+        first = torch.zeros_like(t[..., :1, :])
+        first[..., 0] = 1.0
+        return torch.cat([first, t[..., 1:, :]], dim=-2)
+
+    def hard_types(self, x: torch.Tensor) -> torch.Tensor:
+        """The inference types of x [B, N, C]: [B, Hkv, N] int64 (argmax, token 0 global)."""
+        types = self.type_logits(x).argmax(-1)
+        types[..., 0] = NF.TOKEN_GLOBAL
+        return types
+
+    def forward(self, q, k, v, x) -> AttentionOutput:
+        # q [B, Hq, N, D], k/v [B, Hkv, N, D], x [B, N, C]
+        if not self.dims.causal:
+            raise ValueError("nats attention is causal only: set model.causal=true")
+        t = self.type_weights(self.type_logits(x))  # [B, Hkv, N, 3]
+        y = NF.nats_attention(q, k, v, t.to(q.dtype) if q.dtype == torch.float64 else t, self.window,
+                              backend=self.backend)
+        density = NF.nats_density(t, self.window)  # [B, Hkv], differentiable in t
+        aux = None
+        if self.training and self.sparsity_lambda > 0:
+            aux = self.sparsity_lambda * density.mean() / self.dims.n_layer
+        with torch.no_grad():
+            types = t.argmax(-1)  # [B, Hkv, N]
+            if self.record_types:
+                self.last_types = types
+            stats = {name: value.mean() for name, value in kv_stats(types, self.window).items()}
+        return AttentionOutput(y, aux_loss=aux, stats=stats)

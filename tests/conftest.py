@@ -1,0 +1,42 @@
+"""Shared test set-up: `slow` tests run only with --runslow; `gpu` tests only where CUDA is present."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = str(REPO / "conf")
+# the Gutenberg cache that nats-train uses (prepared once, reused by later runs)
+DATA_DIR = Path(os.environ.get("NATS_TEST_DATA_DIR", REPO / "data"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    run_slow = config.getoption("--runslow")
+    has_gpu = torch.cuda.is_available()
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow: run with --runslow"))
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+def compose(overrides: list[str], tmp_path: Path, config_name: str = "train"):
+    """Compose a real config from conf/ with outputs under tmp_path and the shared data cache."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(
+            config_name,
+            overrides=[f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}/logs",
+                       f"paths.data_dir={DATA_DIR}", *overrides],
+        )
