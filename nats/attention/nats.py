@@ -74,7 +74,7 @@ class NAtSAttention(AttentionCore):
             gumbel = -torch.empty_like(z).exponential_().log()
             y = F.softmax((z + gumbel) / self.tau, dim=-1)
             hard = F.one_hot(y.argmax(-1), 3).to(y.dtype)
-            t = hard + y - y.detach()
+            t = hard + (y - y.detach())  # exactly one-hot in value (y - y.detach() == 0)
         else:
             t = F.one_hot(z.argmax(-1), 3).to(z.dtype)
         # token 0 is global, without gradient
@@ -105,3 +105,40 @@ class NAtSAttention(AttentionCore):
                 self.last_types = types
             stats = {name: value.mean() for name, value in kv_stats(types, self.window).items()}
         return AttentionOutput(y, aux_loss=aux, stats=stats)
+
+
+@torch.no_grad()
+def collect_types(model: nn.Module, idx: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Run `model` (a GPT) on idx [B, N] in eval mode and return each NAtS layer's hard types [B, Hkv, N]."""
+    cores = {i: blk.attn.core for i, blk in enumerate(model.blocks) if isinstance(blk.attn.core, NAtSAttention)}
+    if not cores:
+        raise ValueError("the model has no nats attention layers (model.attention.name=nats)")
+    was_training = model.training
+    model.eval()
+    try:
+        for core in cores.values():
+            core.record_types = True
+        model(idx)
+        return {i: core.last_types for i, core in cores.items()}
+    finally:
+        for core in cores.values():
+            core.record_types, core.last_types = False, None
+        model.train(was_training)
+
+
+@torch.no_grad()
+def kv_report(model: nn.Module, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-layer and per-head KV statistics of a NAtS model on idx [B, N] (averaged over the batch).
+
+    Returns tensors of shape [n_nats_layers, Hkv] for density (area fraction), peak, frac_global,
+    frac_local and frac_sliding, plus "layers" (the layer indices).
+    """
+    types = collect_types(model, idx)
+    rows: dict[str, list[torch.Tensor]] = {}
+    for i, t in types.items():
+        core = model.blocks[i].attn.core
+        for name, value in kv_stats(t, core.window).items():
+            rows.setdefault(name, []).append(value.mean(0))  # [Hkv]
+    report = {name: torch.stack(values) for name, values in rows.items()}
+    report["layers"] = torch.tensor(sorted(types))
+    return report
