@@ -31,15 +31,16 @@ def peak_flops() -> float:
     return float("nan")
 
 
-def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compile: bool) -> dict:
+def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compile: bool, pos_emb: str = "rope",
+          compile_mode: str | None = None, clip: bool = True) -> dict:
     torch.manual_seed(0)
-    config = GPTConfig(attention=attention, block_size=seq)  # GPT-2-small defaults
+    config = GPTConfig(attention=attention, block_size=seq, pos_emb=pos_emb)  # GPT-2-small defaults
     model = GPT(config).cuda()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=6e-4, betas=(0.9, 0.95), fused=True)
-    fwd = torch.compile(model) if compile else model
+    fwd = torch.compile(model, mode=compile_mode) if compile else model
     x = torch.randint(0, 50257, (batch, seq + 1), device="cuda")
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
@@ -48,7 +49,8 @@ def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compil
             out = fwd(inp, tgt)
             loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -67,7 +69,8 @@ def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compil
     ms = start.elapsed_time(end) / steps
     tokens_per_s = batch * seq / (ms / 1e3)
     mfu = tokens_per_s * model.flops_per_token(seq) / peak_flops()
-    return dict(attention=attention["name"], batch=batch, seq=seq, ms_per_step=ms, tokens_per_s=tokens_per_s,
+    return dict(attention=attention["name"] + ("" if pos_emb == "rope" else f"/{pos_emb}")
+                + (f"/{compile_mode}" if compile_mode else "") + ("" if clip else "/noclip"), batch=batch, seq=seq, ms_per_step=ms, tokens_per_s=tokens_per_s,
                 mfu=mfu, loss=float(loss), warmup_s=compile_s, max_mem_gb=torch.cuda.max_memory_allocated() / 2**30,
                 params_m=model.num_params() / 1e6)
 
@@ -82,17 +85,37 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--compile-mode", default=None, help="e.g. max-autotune-no-cudagraphs")
+    ap.add_argument("--pos-emb", default="rope", choices=["rope", "learned", "none"])
+    ap.add_argument("--no-clip", action="store_true", help="skip gradient clipping (to measure its cost)")
+    ap.add_argument("--coordinate-descent", action="store_true",
+                    help="inductor coordinate-descent tuning of its generated kernels (longer compile)")
+    ap.add_argument("--sdpa", default="auto", choices=["auto", "cudnn", "flash"],
+                    help="restrict torch SDPA to one kernel family (dense attention)")
     ap.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    if args.coordinate_descent:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = True
+    if args.sdpa == "cudnn":
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_math_sdp(False)
+    elif args.sdpa == "flash":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     rows = []
     for name in args.attention:
         attention = {"name": name}
         if name == "nats":
             attention.update({"window": args.window, "sparsity_lambda": args.nats_lambda})
         for b in args.batch:
-            r = bench(attention, b, args.seq, args.steps, args.warmup, not args.no_compile)
+            r = bench(attention, b, args.seq, args.steps, args.warmup, not args.no_compile, args.pos_emb,
+                      args.compile_mode, not args.no_clip)
+            r["attention"] += "" if args.sdpa == "auto" else f"/sdpa-{args.sdpa}"
             rows.append(r)
             print(json.dumps(r), flush=True)
             torch.cuda.empty_cache()

@@ -61,6 +61,14 @@ class LitGPT(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, **schedule) / o["lr"])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Gradient clipping by global norm (`optim.grad_clip`), done here rather than by the Trainer, whose
+        clipping refuses fused optimizers; under bf16-mixed there is no loss scaler, so the gradients are final."""
+        clip = self.optim_cfg.get("grad_clip")
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), clip)
+            self.log("train/grad_norm", norm)
+
     # ------------------------------------------------------------------ steps
     def forward(self, idx, targets=None):
         return self._forward(idx, targets)

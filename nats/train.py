@@ -3,11 +3,11 @@
     nats-train                                   # small model on the embedded Gutenberg corpus, CPU
     nats-train experiment=pg19_gpt2_dense trainer=ddp data.path=/data/pg19
     nats-train ckpt_path=/path/to/last.ckpt      # resume exactly
+    nats-train -m hydra/launcher=submitit_slurm experiment=pg19_gpt2_nats ...   # SLURM (see slurm/README.md)
 """
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import hydra
@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from nats.runs import cluster_plugins, lightning_handles_requeue, resolve_ckpt_path, write_metrics
 from nats.utils import grad_accumulation, world_size_of
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -38,6 +39,7 @@ def build(cfg: DictConfig):
     module: L.LightningModule = hydra.utils.instantiate(cfg.module, _convert_="all")
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+    plugins = cluster_plugins(cfg.get("auto_requeue", True))  # SLURM: requeue on submitit's signal
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer,
         accumulate_grad_batches=accum,
@@ -46,6 +48,7 @@ def build(cfg: DictConfig):
         use_distributed_sampler=False,  # the datamodule splits samples across ranks itself (exact resume)
         callbacks=callbacks,
         logger=loggers or False,
+        **({"plugins": plugins} if plugins else {}),
     )
     return datamodule, module, trainer
 
@@ -55,14 +58,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("float32_matmul_precision"):
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
     datamodule, module, trainer = build(cfg)
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is not None and not os.path.isfile(ckpt_path):
-        raise FileNotFoundError(f"ckpt_path={ckpt_path} does not exist: pass the path of a .ckpt file to resume from")
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
-    if cfg.get("final_validation", True):
-        final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
-        metrics.update({k: float(v) for k, v in final.items()})
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)  # "auto": the run folder's newest
+    if ckpt_path is not None and cfg.get("ckpt_path") == "auto" and trainer.is_global_zero:
+        print(f"resuming from {ckpt_path} (ckpt_path=auto; ckpt_path=null starts from scratch)")
+    with lightning_handles_requeue(trainer):  # SLURM: Lightning saves hpc_ckpt_<n>.ckpt, then requeues
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+        if cfg.get("final_validation", True):
+            final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+            metrics.update({k: float(v) for k, v in final.items()})
     if trainer.is_global_zero:
         if "val/ppl" not in metrics and "val/loss" in metrics:
             metrics["val/ppl"] = math.exp(metrics["val/loss"])
@@ -70,6 +74,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
             print(f"unigram_ppl {datamodule.unigram_perplexity('validation'):.2f}")
         print(f"val_loss {metrics.get('val/loss', float('nan')):.4f}")
         print(f"val_ppl {metrics.get('val/ppl', float('nan')):.2f}")
+        write_metrics(cfg.paths.output_dir, metrics, global_step=int(trainer.global_step),
+                      world_size=int(trainer.world_size), accumulate_grad_batches=int(trainer.accumulate_grad_batches),
+                      micro_batch_size=int(cfg.data.micro_batch_size), global_batch_size=int(cfg.global_batch_size),
+                      tokens_seen=int(trainer.global_step) * int(cfg.global_batch_size)
+                      * int(getattr(datamodule, "block_size", cfg.model.block_size)),
+                      resumed_from=ckpt_path)
     return metrics
 
 

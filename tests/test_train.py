@@ -41,7 +41,7 @@ def small(overrides: list[str]) -> list[str]:
 def data_overrides(data: str, book_dir: Path) -> list[str]:
     out = [f"data={data}"]
     if data in ("pg19", "text_dir"):
-        out += [f"data.path={book_dir}", "data.num_workers=0"]
+        out += [f"data.path={book_dir}", "data.num_workers=0", f"data.cache_dir={book_dir}/cache"]
     if data in LM_DATA:
         out += ["data.max_eval_windows=4"]
     else:  # the synthetic tasks fix their own sequence length and vocabulary
@@ -54,7 +54,7 @@ def data_overrides(data: str, book_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_configs_compose_and_instantiate(experiment, tmp_path, book_dir):
-    cfg = compose([f"experiment={experiment}", "data.path=" + str(book_dir)]
+    cfg = compose([f"experiment={experiment}", f"data.path={book_dir}", f"data.cache_dir={tmp_path}/cache"]
                   if "pg19" in experiment else [f"experiment={experiment}"], tmp_path)
     OmegaConf.resolve(cfg)  # every interpolation resolves
     module = hydra.utils.instantiate(cfg.module, _convert_="all")

@@ -8,6 +8,10 @@ from nats.attention.registry import AttentionCore, AttentionDims, AttentionOutpu
 
 @register_attention("dense")
 class DenseAttention(AttentionCore):
+    """Causal (or bidirectional) softmax attention. Which SDPA kernel runs is torch's choice; to prefer one
+    (e.g. cuDNN attention on Hopper), use `torch.nn.attention.sdpa_kernel` around training or
+    `experiments/bench_train.py --sdpa cudnn` to measure it."""
+
     def __init__(self, dims: AttentionDims):
         super().__init__(dims)
 

@@ -25,12 +25,12 @@ layers.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 __all__ = [
     "match2", "match2_positive_rate", "khop_induction", "TaskDataModule", "Match2DataModule",
@@ -93,6 +93,26 @@ def pair_tokens(x: torch.Tensor, alphabet: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- data modules
+class _TrainStream(Dataset):
+    """Global sample number s -> index into the training set: data epoch e = s // n reads the training set in
+    the order of a permutation drawn from (seed, e); `len` is nominal, any s >= 0 is valid."""
+
+    def __init__(self, n: int, seed: int, length: int):
+        self.n, self.seed, self.length = n, seed, length
+        self._epoch, self._perm = -1, None
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, np.random.default_rng([len(SPLITS), self.seed, epoch]).permutation(self.n)
+        return self._perm
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, s: int) -> int:
+        return int(self.permutation(s // self.n)[s % self.n])
+
+
 class _Indices(Dataset):
     def __init__(self, n: int):
         self.n = n
@@ -102,6 +122,45 @@ class _Indices(Dataset):
 
     def __getitem__(self, i: int) -> int:
         return i
+
+
+class _StreamSampler(Sampler[int]):
+    """Global sample numbers of one rank, start + rank, start + rank + world, ... (num_samples of them);
+    `start` is a callable read at every iter(), so a resumed run continues where the step counter stands."""
+
+    def __init__(self, num_samples: int, rank: int, world: int, start: Callable[[], int]):
+        self.num_samples, self.rank, self.world, self.start = num_samples, rank, world, start
+
+    def __iter__(self) -> Iterator[int]:
+        first = self.start() + self.rank
+        return iter(range(first, first + self.num_samples * self.world, self.world))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class _StridedSampler(Sampler[int]):
+    """Evaluation: indices rank, rank + world, ... below n (every sample once across ranks, in order on one)."""
+
+    def __init__(self, n: int, rank: int, world: int):
+        self.n, self.rank, self.world = n, rank, world
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.n, self.world))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.world))
+
+
+class _ResumableLoader(DataLoader):
+    """Lightning treats a loader with state_dict/load_state_dict as resumable; the position lives in the
+    sampler's start (from trainer.global_step), so there is nothing to save."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
 
 
 class _Gather:
@@ -116,9 +175,13 @@ class _Gather:
 
 
 class TaskDataModule(L.LightningDataModule):
-    """A fixed training set of `n_train` samples (reshuffled every epoch, by `seed` and the epoch), and
-    validation and test sets of `n_test` samples. Across processes (DDP) every rank reads its own share
-    (`DistributedSampler`; the trainer is built with use_distributed_sampler=False).
+    """A fixed training set of `n_train` samples and validation and test sets of `n_test` samples.
+
+    Training reads a stream of samples: pass e over the training set is a permutation drawn from (seed, e),
+    and global sample s goes to rank s % world (the trainer is built with use_distributed_sampler=False).
+    The stream position is derived from `trainer.global_step`, so a run resumed from a checkpoint reads the
+    same batches as an uninterrupted one (as `nats.data.datamodule.TokenDataModule` does). One Lightning
+    epoch covers all of `trainer.max_steps` when set. Evaluation reads every sample once, in order.
 
     `vocab_size` and `n_classes` may be given to check them against the task (the configs pass them on to
     the model: `model.vocab_size: ${data.vocab_size}`).
@@ -155,32 +218,51 @@ class TaskDataModule(L.LightningDataModule):
         for name in SPLITS:
             self.split(name)
 
-    def _rank(self) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
-        if trainer is None:
-            return 1, 0
-        return trainer.world_size, trainer.global_rank
+    def _rank_world(self) -> tuple[int, int]:
+        t = getattr(self, "trainer", None)
+        return (int(t.global_rank), int(t.world_size)) if t is not None else (0, 1)
 
-    def _loader(self, name: str, train: bool) -> DataLoader:
+    def consumed_samples(self) -> int:
+        """Training samples consumed by all ranks so far (0 without a trainer)."""
+        t = getattr(self, "trainer", None)
+        if t is None:
+            return 0
+        return int(t.global_step) * int(getattr(t, "accumulate_grad_batches", 1)) * self.micro_batch_size * int(t.world_size)
+
+    def _train_samples_per_rank(self) -> int:
+        t = getattr(self, "trainer", None)
+        _, world = self._rank_world()
+        accum = int(getattr(t, "accumulate_grad_batches", 1)) if t is not None else 1
+        max_steps = getattr(t, "max_steps", None) if t is not None else None
+        if max_steps is not None and max_steps > 0:
+            batches = int(max_steps) * accum
+        else:  # about one pass over the training set, whole optimizer steps
+            batches = max(1, self.n_train // (self.micro_batch_size * world))
+            batches = -(-batches // accum) * accum
+        return batches * self.micro_batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        x, y = self.split("train")
+        rank, world = self._rank_world()
+        n = self._train_samples_per_rank()
+        return _ResumableLoader(
+            _TrainStream(len(x), self.seed, length=n * world), batch_size=self.micro_batch_size,
+            sampler=_StreamSampler(n, rank, world, start=self.consumed_samples), collate_fn=_Gather(x, y),
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+        )
+
+    def _eval_loader(self, name: str) -> DataLoader:
         x, y = self.split(name)
-        world, rank = self._rank()
-        sampler = DistributedSampler(_Indices(len(x)), num_replicas=world, rank=rank, shuffle=train,
-                                     seed=self.seed, drop_last=train)
-        return DataLoader(_Indices(len(x)), batch_size=self.micro_batch_size, sampler=sampler, drop_last=train,
+        rank, world = self._rank_world()
+        return DataLoader(_Indices(len(x)), batch_size=self.micro_batch_size, sampler=_StridedSampler(len(x), rank, world),
                           collate_fn=_Gather(x, y), num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
-
     def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", train=False)
+        return self._eval_loader("validation")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "n_train": self.n_train}
+        return self._eval_loader("test")
 
 
 class Match2DataModule(TaskDataModule):

@@ -97,9 +97,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [B, H, N, D]; positions: [N]
-        cos = self.cos[positions].to(x.dtype)  # [N, D/2]
-        sin = self.sin[positions].to(x.dtype)
+        # x: [B, N, H, D] (heads after tokens, the layout the projection writes); positions: [N]
+        cos = self.cos[positions].to(x.dtype)[:, None, :]  # [N, 1, D/2]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -130,14 +130,15 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, rope: RotaryEmbedding | None, positions: torch.Tensor):
         """x [B, N, C] -> q [B, Hq, N, D], k and v [B, Hkv, N, D], positions applied."""
         B, N, _ = x.shape
-        q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
-        )
-        q = q.view(B, N, self.n_head, self.head_dim).transpose(1, 2)  # [B, Hq, N, D]
-        k = k.view(B, N, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, Hkv, N, D]
-        v = v.view(B, N, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, Hkv, N, D]
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
+        qk, v = self.qkv(x).split([(H + Hkv) * D, Hkv * D], dim=-1)
+        qk = qk.view(B, N, H + Hkv, D)  # [B, N, Hq + Hkv, D]
         if rope is not None:
-            q, k = rope(q, positions), rope(k, positions)
+            qk = rope(qk, positions)  # one pass over q and k together
+        q, k = qk.split([H, Hkv], dim=2)
+        q = q.transpose(1, 2)  # [B, Hq, N, D]
+        k = k.transpose(1, 2)  # [B, Hkv, N, D]
+        v = v.view(B, N, Hkv, D).transpose(1, 2)  # [B, Hkv, N, D]
         return q, k, v
 
     def gate_and_project(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

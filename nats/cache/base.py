@@ -1,0 +1,167 @@
+"""The per-layer KV-cache interface that every policy implements.
+
+A :class:`LayerCache` holds the keys and values of one attention layer for ``batch`` sequences, per KV head
+(GQA: the query heads of a group share their KV head's cache, and a policy that scores keys sums over the
+group). Row ``r = b * Hkv + h`` is sequence b, KV head h. All sequences of a batch are at the same position.
+
+Protocol, for the decode loop of :mod:`nats.cache.decode`:
+
+* ``prefill(q, k, v, x) -> y`` from an empty cache: the layer's attention output ``[B, Hq, N, D]`` for the
+  N prompt tokens and the cache state after them. The default runs ``step`` once per position (exact for any
+  policy, inside one layer); policies with a parallel exact form override it.
+* ``step(q, k, v, x, pos) -> y``: one new token at position ``pos`` (LongTensor ``[1]`` on the cache's
+  device); q ``[B, Hq, 1, D]``, k and v ``[B, Hkv, 1, D]`` (RoPE applied at the original position), x
+  ``[B, 1, C]`` the block's normalised input (NAtS scores its type from it). Admits the token, attends over
+  exactly the policy's visible set, then evicts. A policy whose ``graph_safe`` is true does this with device
+  tensors only (no host synchronisation, fixed shapes), so the step can be captured in a CUDA graph.
+* ``maintain() -> bool``: host-side upkeep between steps (e.g. NAtS' periodic compaction); True when the
+  storage tensors were reallocated (a captured CUDA graph must then be captured again). ``step`` calls it
+  itself unless ``auto_maintain`` is False (set that while capturing a CUDA graph and call ``maintain``
+  between replays).
+
+Measurements (spec section 6): with ``track=True`` every step adds its cache size c_i (the keys query i
+attended to, before eviction) per row; :meth:`fractions` gives the area fraction ``sum_i c_i / sum_i (i+1)``
+and the peak fraction ``max_i c_i / N`` per ``[B, Hkv]``. :meth:`kept` is the number of tokens held now,
+:meth:`nbytes` the bytes the cache has allocated (keys, values and metadata).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nats.cache.attention import resolve_backend
+
+
+class LayerCache:
+    """Base class. Subclasses are registered with ``@register_cache("name")``."""
+
+    name: str = "?"
+    budgeted: bool = False  # takes a token budget B (spec section 7)
+    decodable: bool = True  # False for eval-only approximations (prefill only)
+    graph_safe: bool = True  # step() uses device tensors only (CUDA-graph capturable with the Triton backend)
+
+    def __init__(self, *, batch: int, n_head: int, n_kv_head: int, head_dim: int, max_len: int,
+                 device: Any = "cpu", dtype: torch.dtype = torch.float32, layer_idx: int = 0, core=None,
+                 backend: str = "auto", track: bool = True, budget: int | None = None):
+        if n_head % n_kv_head:
+            raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
+        if max_len < 1 or batch < 1:
+            raise ValueError(f"batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
+        self.batch, self.n_head, self.n_kv_head, self.head_dim = batch, n_head, n_kv_head, head_dim
+        self.group = n_head // n_kv_head
+        self.rows = batch * n_kv_head
+        self.max_len = int(max_len)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.layer_idx = layer_idx
+        self.core = core
+        self.backend = resolve_backend(backend, self.device)
+        self.track = track
+        self.budget = budget
+        self.auto_maintain = True
+        self.t = 0  # tokens processed (host counter; not used inside step's device computation)
+        self._area = torch.zeros(self.rows, dtype=torch.float64, device=self.device)
+        self._peak = torch.zeros(self.rows, dtype=torch.int64, device=self.device)
+
+    # ------------------------------------------------------------------ budgets
+    @classmethod
+    def check_budget(cls, budget: int | None, n: int, **options: Any) -> None:
+        """Raise a clear ValueError unless `budget` suits a sequence of `n` tokens (budgeted policies)."""
+        if not cls.budgeted:
+            return
+        if budget is None:
+            raise ValueError(f"cache policy {cls.name!r} needs a token budget (budget=B with 1 <= B < N)")
+        if int(budget) != budget or budget < 1:
+            raise ValueError(f"cache policy {cls.name!r}: the budget must be a positive integer, got {budget!r}")
+        if budget >= n:
+            raise ValueError(
+                f"cache policy {cls.name!r}: budget B={budget} >= N={n} tokens keeps everything (that is `full`); "
+                f"use a budget below N, e.g. N/2 = {n // 2}"
+            )
+
+    # ------------------------------------------------------------------ shapes
+    def _kv_rows(self, t: Tensor) -> Tensor:
+        """k or v [B, Hkv, 1, D] -> [R, D]."""
+        if t.shape[2] != 1:
+            raise ValueError(f"step() takes one token, got {t.shape[2]}")
+        return t.reshape(self.rows, self.head_dim)
+
+    def _q_rows(self, t: Tensor) -> Tensor:
+        """q [B, Hq, 1, D] -> [R, G, D] (query head h * G + g uses KV head h)."""
+        if t.shape[2] != 1:
+            raise ValueError(f"step() takes one token, got {t.shape[2]}")
+        return t.reshape(self.rows, self.group, self.head_dim)
+
+    def _out(self, y: Tensor) -> Tensor:
+        """[R, G, D] -> [B, Hq, 1, D]."""
+        return y.reshape(self.batch, self.n_head, 1, self.head_dim)
+
+    # ------------------------------------------------------------------ the protocol
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
+        """Default: one `step` per position (exact, sequential inside the layer)."""
+        if self.t:
+            raise RuntimeError("prefill() starts from an empty cache")
+        N = q.shape[2]
+        ys = []
+        for i in range(N):
+            pos = torch.full((1,), i, dtype=torch.long, device=q.device)
+            ys.append(self.step(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], x[:, i:i + 1], pos))
+        return torch.cat(ys, dim=2)
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, pos: Tensor) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def maintain(self) -> bool:
+        return False
+
+    def kept(self) -> Tensor:  # pragma: no cover - interface
+        """Tokens held now (after the last step's eviction), LongTensor [B, Hkv]."""
+        raise NotImplementedError
+
+    def tensors(self) -> list[Tensor]:  # pragma: no cover - interface
+        """The tensors the cache owns (for `nbytes`)."""
+        raise NotImplementedError
+
+    def kv_tensors(self) -> list[Tensor]:  # pragma: no cover - interface
+        """The key/value storage tensors (for `kv_nbytes`)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ measurements
+    def _record(self, sizes: Tensor) -> None:
+        """Add one step's cache sizes c_i (LongTensor [R])."""
+        if self.track:
+            self._area += sizes.to(torch.float64)
+            torch.maximum(self._peak, sizes.to(torch.int64), out=self._peak)
+
+    def _record_many(self, sizes: Tensor) -> None:
+        """Add N steps' cache sizes (LongTensor [R, N])."""
+        if self.track:
+            self._area += sizes.to(torch.float64).sum(-1)
+            torch.maximum(self._peak, sizes.to(torch.int64).amax(-1), out=self._peak)
+
+    def fractions(self) -> dict[str, Tensor]:
+        """Area and peak fractions so far (spec section 6), float64 [B, Hkv] each."""
+        n = self.t
+        if n == 0:
+            raise RuntimeError("no token processed yet")
+        area = self._area / (n * (n + 1) / 2.0)
+        peak = self._peak.to(torch.float64) / n
+        return {"area": area.view(self.batch, self.n_kv_head), "peak": peak.view(self.batch, self.n_kv_head)}
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache owns (keys, values and metadata)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the key/value storage."""
+        return sum(t.numel() * t.element_size() for t in self.kv_tensors())
+
+    def kept_nbytes(self) -> int:
+        """Bytes of the keys and values of the tokens held now."""
+        return int(self.kept().sum()) * 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(name={self.name!r}, layer={self.layer_idx}, batch={self.batch}, "
+                f"kv_heads={self.n_kv_head}, t={self.t}, budget={self.budget}, backend={self.backend!r})")

@@ -1,0 +1,211 @@
+"""Decoding a `nats.models.gpt.GPT` through per-layer KV caches: parallel prefill, token steps, `generate`.
+
+The functions call the model's own submodules (``embed``, ``blocks[i].ln_1``, ``attn.project`` with the
+token's original position, ``attn.gate_and_project``, ``ln_2``, ``mlp``, ``ln_f``, ``lm_head``) and replace only
+the attention core by the cache policy, so a policy that keeps everything (``full``) or the NAtS cache with the
+model's own types reproduces the model's parallel forward.
+
+    caches = make_caches(model, "nats", batch=B, max_len=N)
+    logits = prefill(model, caches, idx[:, :P])              # [B, P, V], the caches hold the state after P
+    step_logits = decode_step(model, caches, idx[:, P], P)   # [B, V]
+    out = generate(model, idx, 50, policy="h2o", budget=256) # [B, T + 50]
+
+Supported models: causal language models whose attention core is ``dense`` or ``nats`` (any output gate,
+RoPE or learned positions, GQA). Positions are the original ones, so a sequence cannot outgrow the model's
+block_size.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from nats.cache.base import LayerCache
+from nats.cache.registry import get_cache_class
+
+SUPPORTED_CORES = ("dense", "nats")
+
+__all__ = ["SUPPORTED_CORES", "check_model", "make_caches", "prefill", "decode_step", "policy_logits", "generate",
+           "eval_mode"]
+
+
+def check_model(model) -> None:
+    """Raise a clear error unless `model` is a GPT that the caches can decode."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "blocks"):
+        raise TypeError(f"expected a nats.models.gpt.GPT, got {type(model).__name__}")
+    name = config.attention.get("name")
+    if name not in SUPPORTED_CORES:
+        raise ValueError(
+            f"KV-cache decoding supports GPT models with attention {SUPPORTED_CORES}; this model uses "
+            f"attention {name!r}, whose attention the cache policies cannot reproduce (train with "
+            f"model/attention=dense or model/attention=nats)"
+        )
+    if not config.causal or config.n_out is not None:
+        raise ValueError("KV-cache decoding needs a causal language model (model.causal=true, model.n_out=null)")
+
+
+@contextlib.contextmanager
+def eval_mode(model) -> Iterator[None]:
+    """Eval mode (no dropout, no Gumbel noise) and no autograd inside; the previous mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def make_caches(model, policy: str, batch: int, max_len: int, *, budget: int | None = None,
+                device: Any = None, dtype: torch.dtype | None = None, backend: str = "auto", track: bool = True,
+                budget_check_len: int | None = None, **options: Any) -> list[LayerCache]:
+    """One cache of policy `policy` per layer of `model`, for `batch` sequences of up to `max_len` tokens.
+
+    `budget` (budgeted policies only) is checked against `budget_check_len` (default `max_len`): B >= N or a
+    budget too small for the policy (e.g. StreamingLLM's sinks) fails with a message naming the fix. Extra
+    `options` go to the policy (e.g. ``sinks=4`` for streaming_llm, ``recent=`` for h2o, ``window=`` /
+    ``check_every=`` for nats).
+    """
+    check_model(model)
+    cls = get_cache_class(policy)
+    c = model.config
+    if max_len > c.block_size:
+        raise ValueError(
+            f"max_len={max_len} tokens exceed the model's block_size={c.block_size} (positions are kept, so the "
+            f"RoPE/position tables end there): use shorter sequences"
+        )
+    if cls.budgeted:
+        cls.check_budget(budget, budget_check_len or max_len, **options)
+        options = {**options, "budget": int(budget)}
+    elif budget is not None:
+        raise ValueError(f"cache policy {policy!r} takes no budget (got budget={budget})")
+    if policy == "nats":
+        from nats.attention.nats import NAtSAttention  # noqa: PLC0415
+
+        if not all(isinstance(b.attn.core, NAtSAttention) for b in model.blocks):
+            raise ValueError(
+                f"cache policy 'nats' needs a NAtS model (model.attention.name=nats); this model uses attention "
+                f"{c.attention.get('name')!r}: evaluate it with full, streaming_llm or h2o"
+            )
+    param = next(model.parameters())
+    device = param.device if device is None else device
+    dtype = param.dtype if dtype is None else dtype
+    caches = []
+    for i, block in enumerate(model.blocks):
+        try:
+            caches.append(cls(batch=batch, n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim,
+                              max_len=max_len, device=device, dtype=dtype, layer_idx=i, core=block.attn.core,
+                              backend=backend, track=track, **options))
+        except TypeError as err:
+            raise TypeError(f"cache policy {policy!r} does not accept the options {sorted(options)}: {err}") from err
+    return caches
+
+
+def _check_caches(model, caches) -> None:
+    if len(caches) != len(model.blocks):
+        raise ValueError(f"need one cache per layer: {len(caches)} caches for {len(model.blocks)} layers")
+
+
+def prefill(model, caches: list[LayerCache], idx: Tensor) -> Tensor:
+    """Process idx [B, N] layer by layer from empty caches; returns logits [B, N, V].
+
+    Each layer's attention is its cache's `prefill` (a parallel masked attention for full, streaming_llm and
+    nats; H2O's exact sequential rule run over the positions inside the layer)."""
+    _check_caches(model, caches)
+    with eval_mode(model):
+        B, N = idx.shape
+        positions = torch.arange(N, device=idx.device)
+        x = model.embed(idx, positions)
+        for block, cache in zip(model.blocks, caches):
+            h = block.ln_1(x)
+            q, k, v = block.attn.project(h, model.rope, positions)
+            y = cache.prefill(q, k, v, h)
+            x = x + block.attn.gate_and_project(y, h)
+            x = x + block.mlp(block.ln_2(x))
+        return model.lm_head(model.ln_f(x))
+
+
+def decode_step(model, caches: list[LayerCache], token: Tensor, pos: int | Tensor) -> Tensor:
+    """One token per sequence (token [B], position `pos`, an int or a LongTensor [1] on the model's device)
+    through all layers; returns the logits [B, V]. With a device `pos` and graph-safe caches the step runs
+    without host synchronisation (CUDA-graph capturable; the caller must be in eval mode and no_grad)."""
+    if isinstance(pos, int):
+        pos = torch.full((1,), pos, dtype=torch.long, device=token.device)
+    x = model.embed(token[:, None], pos)
+    for block, cache in zip(model.blocks, caches):
+        h = block.ln_1(x)
+        q, k, v = block.attn.project(h, model.rope, pos)
+        y = cache.step(q, k, v, h, pos)
+        x = x + block.attn.gate_and_project(y, h)
+        x = x + block.mlp(block.ln_2(x))
+    return model.lm_head(model.ln_f(x))[:, 0]
+
+
+def policy_logits(model, idx: Tensor, policy: str = "full", *, sequential: bool = False,
+                  prefill_len: int = 0, budget: int | None = None, backend: str = "auto", **options: Any):
+    """Logits [B, N, V] of idx [B, N] under a cache policy, and the caches (for their measurements).
+
+    sequential=False: the layer-wise `prefill` of all N tokens. sequential=True: `prefill` of the first
+    `prefill_len` tokens (0 = none), then one `decode_step` per remaining token (the decode loop)."""
+    B, N = idx.shape
+    caches = make_caches(model, policy, B, N, budget=budget, backend=backend, **options)
+    if not get_cache_class(policy).decodable and sequential:
+        raise ValueError(f"cache policy {policy!r} is a parallel approximation and cannot decode token by token")
+    with eval_mode(model):
+        if not sequential:
+            return prefill(model, caches, idx), caches
+        if not 0 <= prefill_len <= N:
+            raise ValueError(f"prefill_len must be in [0, {N}], got {prefill_len}")
+        out = []
+        if prefill_len:
+            out.append(prefill(model, caches, idx[:, :prefill_len]))
+        for i in range(prefill_len, N):
+            out.append(decode_step(model, caches, idx[:, i], i)[:, None])
+        return torch.cat(out, dim=1), caches
+
+
+def _sample(logits: Tensor, temperature: float, top_k: int | None, greedy: bool, generator) -> Tensor:
+    if greedy or temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def generate(model, idx: Tensor, max_new_tokens: int, policy: str = "full", *, budget: int | None = None,
+             temperature: float = 1.0, top_k: int | None = None, greedy: bool = False,
+             generator: torch.Generator | None = None, backend: str = "auto", **options: Any) -> Tensor:
+    """Continue idx [B, T] by `max_new_tokens` tokens under a cache policy; returns [B, T + max_new_tokens].
+
+    The prompt is prefilled layer by layer (`prefill`), then each new token is one `decode_step`. Sampling:
+    greedy (or temperature 0), else softmax(logits / temperature) restricted to the `top_k` largest."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    B, T = idx.shape
+    if T < 1:
+        raise ValueError("generate needs a prompt of at least one token")
+    total = T + max_new_tokens
+    if total > model.config.block_size:
+        raise ValueError(
+            f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's block_size "
+            f"{model.config.block_size}: positions are kept, so shorten the prompt or generate fewer tokens"
+        )
+    if not get_cache_class(policy).decodable:
+        raise ValueError(f"cache policy {policy!r} is a parallel approximation and cannot decode")
+    caches = make_caches(model, policy, B, total, budget=budget, backend=backend,
+                         budget_check_len=max(total, (budget or 0) + 1), **options)
+    out = [idx]
+    with eval_mode(model):
+        logits = prefill(model, caches, idx)[:, -1]
+        for s in range(max_new_tokens):
+            nxt = _sample(logits, temperature, top_k, greedy, generator)
+            out.append(nxt)
+            if s + 1 < max_new_tokens:
+                logits = decode_step(model, caches, nxt[:, 0], T + s)
+    return torch.cat(out, dim=1)

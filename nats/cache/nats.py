@@ -1,0 +1,236 @@
+"""`nats`: the NAtS KV cache (spec section 5), batched, per KV head, with per-head lengths.
+
+At step i the new token's type t_i (argmax of the layer's scorer on the block's normalised input, token 0
+global) is computed per KV head, its key/value admitted, and query i attends to exactly ``{j <= i : M_ij = 1}``
+(spec section 2). Then: sliding tokens older than W - 1 steps are evicted, a head's locals are evicted once one
+of its globals has been queried, globals stay.
+
+Storage (one layer; row r = sequence b, KV head h):
+
+* **ring** ``[R, W, D]`` (+ valid flags ``[R, W]``): token i is written to slot ``i % W`` of every row, valid
+  where its type is sliding. The slot held token i - W, whose window ended at query i - 1, so sliding tokens
+  expire by being overwritten; after query i the slot of token i - W + 1 is marked invalid (its window ends).
+* **pool** ``[P + 1, D]`` with a segment ``[start[r], start[r] + cap[r])`` per row, holding ``length[r]``
+  tokens: the row's globals (``n_global[r]`` of them) followed by its live locals (those after its last
+  global). Global or local tokens are appended at ``start + length`` (a scatter; rows whose token is sliding
+  write to the scratch slot P). After query i, in the rows where t_i is global, the token is moved from
+  ``start + length - 1`` to ``start + n_global`` and ``length = n_global + 1``: the locals are dropped by
+  truncation, so segments never hold holes. Each step costs O(B * Hkv * D), never a copy of the cache.
+* **periodic compaction** (:meth:`maintain`, host side, every ``check_every`` steps, one synchronisation): if
+  some row has fewer than ``check_every`` free slots (it could overflow before the next check), or the pool is
+  larger than ``shrink_above`` times what the rows need (e.g. after many locals were dropped), the pool is laid
+  out again: row r gets ``cap = length + max(check_every, ceil(slack * length))`` slots and the segments are
+  copied over (O(kept tokens)). Between compactions everything runs on the device with fixed shapes, so a
+  decode step is CUDA-graph capturable; a compaction reallocates the pool (``maintain`` returns True).
+
+Memory is therefore the kept tokens plus a slack of ``max(check_every, slack * length)`` per row plus W ring
+slots per row (the paper's Algorithm 3 keeps per-head buffers with valid lengths and compacts them
+periodically in the same spirit). Attention reads each segment and the valid ring slots once
+(:func:`nats.cache.attention.pool_attention`; Triton on CUDA).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nats import functional as NF
+from nats.cache.attention import pool_attention
+from nats.cache.base import LayerCache
+from nats.cache.registry import register_cache
+
+GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
+
+
+@register_cache("nats")
+class NAtSCache(LayerCache):
+    """Args (besides LayerCache's): window W (default: the core's), check_every, slack, shrink_above,
+    init_capacity (initial segment length per row, default check_every)."""
+
+    def __init__(self, *, window: int | None = None, check_every: int = 16, slack: float = 1 / 32,
+                 shrink_above: float = 1.25, init_capacity: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        if window is None:
+            if self.core is None or not hasattr(self.core, "window"):
+                raise ValueError("nats cache: pass window=W or the layer's NAtS attention core (core=...)")
+            window = self.core.window
+        self.window = NF._ref.check_window(window)
+        if check_every < 1 or slack < 0 or shrink_above <= 1:
+            raise ValueError(f"nats cache: need check_every >= 1, slack >= 0, shrink_above > 1; got {check_every}, "
+                             f"{slack}, {shrink_above}")
+        self.check_every, self.slack, self.shrink_above = int(check_every), float(slack), float(shrink_above)
+        R, W, D, dev = self.rows, self.window, self.head_dim, self.device
+        self.ring_k = torch.zeros(R, W, D, device=dev, dtype=self.dtype)
+        self.ring_v = torch.zeros(R, W, D, device=dev, dtype=self.dtype)
+        self.ring_valid = torch.zeros(R, W, device=dev, dtype=torch.bool)
+        self.length = torch.zeros(R, device=dev, dtype=torch.long)
+        self.n_global = torch.zeros(R, device=dev, dtype=torch.long)
+        self.type_counts = torch.zeros(R, 3, device=dev, dtype=torch.long)
+        cap0 = int(init_capacity) if init_capacity is not None else self.check_every
+        self._layout(torch.full((R,), max(cap0, 1), device=dev, dtype=torch.long))
+        self._since_check = 0
+        self.compactions = 0
+        self.max_nbytes = self.nbytes()
+
+    # ------------------------------------------------------------------ storage
+    def _layout(self, cap: torch.Tensor, old: tuple | None = None) -> None:
+        """(Re)allocate the pool with per-row capacities `cap` [R]; copy the old segments over."""
+        start = torch.zeros_like(cap)
+        start[1:] = cap.cumsum(0)[:-1]
+        P = int(cap.sum())
+        k_pool = torch.zeros(P + 1, self.head_dim, device=self.device, dtype=self.dtype)
+        v_pool = torch.zeros(P + 1, self.head_dim, device=self.device, dtype=self.dtype)
+        if old is not None:
+            old_k, old_v, old_start = old
+            n = self.length
+            total = int(n.sum())
+            if total:
+                rows = torch.repeat_interleave(torch.arange(self.rows, device=self.device), n)
+                first = torch.cumsum(n, 0) - n
+                off = torch.arange(total, device=self.device) - first[rows]
+                k_pool[start[rows] + off] = old_k[old_start[rows] + off]
+                v_pool[start[rows] + off] = old_v[old_start[rows] + off]
+        self.k_pool, self.v_pool, self.start, self.cap = k_pool, v_pool, start, cap
+        self.scratch = torch.full((self.rows,), P, device=self.device, dtype=torch.long)
+        self.max_cap = int(cap.max())
+
+    def _wanted(self, length: torch.Tensor) -> torch.Tensor:
+        extra = torch.clamp(torch.ceil(length.to(torch.float64) * self.slack).to(torch.long), min=self.check_every)
+        return length + extra
+
+    def compact(self) -> None:
+        """Lay the pool out again with `length + slack` slots per row (drops unused capacity)."""
+        old = (self.k_pool, self.v_pool, self.start)
+        self._layout(self._wanted(self.length), old)
+        self.compactions += 1
+        self.max_nbytes = max(self.max_nbytes, self.nbytes())
+
+    def maintain(self) -> bool:
+        """Every `check_every` steps: compact if a row could overflow before the next check, or if the pool
+        exceeds `shrink_above` x what the rows need. Returns True if the pool was reallocated."""
+        self._since_check += 1
+        if self._since_check < self.check_every and self.t > 0:
+            return False
+        self._since_check = 0
+        free = self.cap - self.length
+        need = self._wanted(self.length)
+        if bool((free < self.check_every).any()) or int(self.cap.sum()) > self.shrink_above * int(need.sum()):
+            self.compact()
+            return True
+        return False
+
+    # ------------------------------------------------------------------ types
+    def types_of(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Inference types of one token per row: x [B, 1, C] -> LongTensor [R] (token 0 global)."""
+        if self.core is None:
+            raise ValueError("nats cache: step() without types= needs the layer's NAtS core (core=...)")
+        t = self.core.type_logits(x).argmax(-1)[..., 0].reshape(self.rows)  # [B, Hkv, 1] -> [R]
+        return torch.where(pos == 0, torch.full_like(t, GLOBAL), t)
+
+    # ------------------------------------------------------------------ the protocol
+    def step(self, q, k, v, x, pos, types: torch.Tensor | None = None):
+        """One token; `types` ([B, Hkv] or [R]) overrides the scorer (tests, synthetic benchmarks)."""
+        if self.auto_maintain:
+            self.maintain()
+        t = self.types_of(x, pos) if types is None else types.reshape(self.rows).to(torch.long)
+        kr, vr = self._kv_rows(k), self._kv_rows(v)
+        W = self.window
+        slot = pos % W
+        # ring: every row writes slot i % W (valid where sliding); the old occupant's window has ended
+        self.ring_k.index_copy_(1, slot, kr[:, None])
+        self.ring_v.index_copy_(1, slot, vr[:, None])
+        self.ring_valid.index_copy_(1, slot, (t == SLIDING)[:, None])
+        # pool: globals and locals are appended to their row's segment
+        gl = t != SLIDING
+        dest = torch.where(gl, self.start + self.length, self.scratch)
+        self.k_pool.index_copy_(0, dest, kr)
+        self.v_pool.index_copy_(0, dest, vr)
+        self.length += gl
+        if self.track:
+            self._record(self.length + self.ring_valid.sum(1))
+            self.type_counts += torch.nn.functional.one_hot(t, 3)
+        self.t += 1
+        # query i over the segment and the valid ring slots
+        max_len = self.max_cap if self.backend == "triton" else int(self.length.max())
+        y = pool_attention(self._q_rows(q), self.k_pool, self.v_pool, self.start, self.length, max_len,
+                           ring_k=self.ring_k, ring_v=self.ring_v, ring_valid=self.ring_valid, backend=self.backend)
+        # evict: in rows where token i is global, its locals go (move the token down over them)
+        isg = t == GLOBAL
+        src = torch.where(isg, self.start + self.length - 1, self.scratch)
+        dst = torch.where(isg, self.start + self.n_global, self.scratch)
+        self.k_pool.index_copy_(0, dst, self.k_pool.index_select(0, src))
+        self.v_pool.index_copy_(0, dst, self.v_pool.index_select(0, src))
+        self.n_global += isg
+        self.length.copy_(torch.where(isg, self.n_global, self.length))
+        # the sliding token i - W + 1 has now been seen by W queries
+        self.ring_valid.index_fill_(1, (pos + 1) % W, False)
+        return self._out(y)
+
+    def prefill(self, q, k, v, x, types: torch.Tensor | None = None):
+        """Parallel prefill: attention with the mask of the scorer's types (the model's own eval forward), then
+        the cache state after the N tokens written directly (see :meth:`load`)."""
+        if self.t:
+            raise RuntimeError("prefill() starts from an empty cache")
+        if types is None:
+            if self.core is None:
+                raise ValueError("nats cache: prefill() without types= needs the layer's NAtS core (core=...)")
+            types = self.core.hard_types(x)  # [B, Hkv, N], token 0 global
+        w = NF.types_to_weights(types, torch.float64 if q.dtype == torch.float64 else torch.float32)
+        backend = getattr(self.core, "backend", "auto")
+        y = NF.nats_attention(q, k, v, w, self.window, backend=backend)
+        self.load(k, v, types)
+        return y
+
+    def load(self, k: torch.Tensor, v: torch.Tensor, types: torch.Tensor) -> None:
+        """Write the state after N tokens directly: k, v [B, Hkv, N, D], types [B, Hkv, N] (token 0 should be
+        global). Kept: every global, the locals after the row's last global, and the sliding tokens of the last
+        W - 1 positions. Sizes are the spec's c_i (kv_cache_sizes)."""
+        if self.t:
+            raise RuntimeError("load() starts from an empty cache")
+        B, H, N, D = k.shape
+        R, W = self.rows, self.window
+        t = types.reshape(R, N).to(torch.long)
+        pos = torch.arange(N, device=self.device)
+        isg = t == GLOBAL
+        last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(1)  # [R]
+        keep = isg | ((t == LOCAL) & (pos[None, :] > last_g[:, None]))
+        length = keep.sum(1)
+        self.length.copy_(length)
+        self.n_global.copy_(isg.sum(1))
+        self._layout(self._wanted(length))
+        rows, j = keep.nonzero(as_tuple=True)  # row-major: positions ascending within a row
+        first = torch.cumsum(length, 0) - length
+        off = torch.arange(rows.numel(), device=self.device) - first[rows]
+        kr, vr = k.reshape(R, N, D), v.reshape(R, N, D)
+        self.k_pool[self.start[rows] + off] = kr[rows, j]
+        self.v_pool[self.start[rows] + off] = vr[rows, j]
+        # ring: sliding tokens still inside their window after query N-1, i.e. positions > N - W
+        lo = max(0, N - W + 1)
+        ring_pos = torch.arange(lo, N, device=self.device)
+        slots = ring_pos % W
+        self.ring_k[:, slots] = kr[:, ring_pos]
+        self.ring_v[:, slots] = vr[:, ring_pos]
+        self.ring_valid[:, slots] = t[:, ring_pos] == SLIDING
+        if self.track:
+            self._record_many(NF.kv_cache_sizes(t, W))
+            self.type_counts += torch.nn.functional.one_hot(t, 3).sum(1)
+        self.t = N
+        self._since_check = 0
+        self.max_nbytes = max(self.max_nbytes, self.nbytes())
+
+    # ------------------------------------------------------------------ measurements
+    def kept(self):
+        return (self.length + self.ring_valid.sum(1)).view(self.batch, self.n_kv_head)
+
+    def type_fractions(self) -> torch.Tensor:
+        """Fractions of global, local and sliding tokens so far, float64 [B, Hkv, 3]."""
+        c = self.type_counts.to(torch.float64)
+        return (c / c.sum(-1, keepdim=True).clamp(min=1)).view(self.batch, self.n_kv_head, 3)
+
+    def tensors(self):
+        return [self.k_pool, self.v_pool, self.ring_k, self.ring_v, self.ring_valid, self.length, self.n_global,
+                self.start, self.cap, self.scratch, self.type_counts]
+
+    def kv_tensors(self):
+        return [self.k_pool, self.v_pool, self.ring_k, self.ring_v]
+

@@ -1,0 +1,92 @@
+"""`streaming_llm`: attention sinks + a recent window, budget B (spec section 7).
+
+Key j is visible to query i iff ``j <= i and (j < sinks or i - j < B - sinks)``. The cache holds the first
+``sinks`` tokens and a ring of the last ``B - sinks`` ones; keys keep the RoPE of their original position (no
+position shift; positions stay within the model's block_size). The mask is static, so the parallel prefill is a
+masked forward and decoding equals it exactly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nats.cache.attention import pool_attention
+from nats.cache.base import LayerCache
+from nats.cache.registry import register_cache
+
+
+def streaming_mask(n: int, budget: int, sinks: int = 4, device=None) -> torch.Tensor:
+    """The StreamingLLM mask ``[n, n]`` (query x key), spec section 7."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    return (j <= i) & ((j < sinks) | (i - j < budget - sinks))
+
+
+@register_cache("streaming_llm")
+class StreamingLLMCache(LayerCache):
+    budgeted = True
+
+    def __init__(self, *, budget: int, sinks: int = 4, **kwargs):
+        super().__init__(budget=budget, **kwargs)
+        type(self).check_budget(budget, 10**18, sinks=sinks)
+        self.sinks = int(sinks)
+        self.ring = budget - self.sinks
+        shape = (self.batch, self.n_kv_head, budget, self.head_dim)
+        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.start = torch.arange(self.rows, device=self.device, dtype=torch.long) * budget
+        self.length = torch.zeros(self.rows, device=self.device, dtype=torch.long)
+
+    @classmethod
+    def check_budget(cls, budget, n, sinks: int = 4, **options):
+        super().check_budget(budget, n)
+        if sinks < 0:
+            raise ValueError(f"streaming_llm: sinks must be >= 0, got {sinks}")
+        if budget <= sinks:
+            raise ValueError(
+                f"streaming_llm: budget B={budget} is too small for {sinks} attention sinks (B - sinks recent "
+                f"tokens must be >= 1): use a budget >= {sinks + 1} or fewer sinks (cache.sinks=...)"
+            )
+
+    def _slot(self, pos):
+        return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks) % self.ring)
+
+    def prefill(self, q, k, v, x):
+        if self.t:
+            raise RuntimeError("prefill() starts from an empty cache")
+        N = q.shape[2]
+        mask = streaming_mask(N, self.budget, self.sinks, device=q.device)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        pos = torch.arange(N, device=q.device)
+        keep = (pos < self.sinks) | (pos > N - 1 - self.ring)
+        pos = pos[keep]
+        slots = self._slot(pos)
+        self.k.index_copy_(2, slots, k[:, :, pos])
+        self.v.index_copy_(2, slots, v[:, :, pos])
+        self.length.fill_(min(N, self.budget))
+        sizes = torch.arange(1, N + 1, device=self.device).clamp(max=self.budget)
+        self._record_many(sizes.expand(self.rows, N))
+        self.t = N
+        return y
+
+    def step(self, q, k, v, x, pos):
+        slot = self._slot(pos)
+        self.k.index_copy_(2, slot, k)
+        self.v.index_copy_(2, slot, v)
+        self.length.copy_((pos + 1).clamp(max=self.budget).expand(self.rows))
+        self._record(self.length)
+        self.t += 1
+        D = self.head_dim
+        max_len = self.budget if self.backend == "triton" else min(self.t, self.budget)
+        y = pool_attention(self._q_rows(q), self.k.view(-1, D), self.v.view(-1, D), self.start, self.length, max_len,
+                           row_stride=self.budget, backend=self.backend)
+        return self._out(y)
+
+    def kept(self):
+        return self.length.view(self.batch, self.n_kv_head).clone()
+
+    def tensors(self):
+        return [self.k, self.v, self.start, self.length]
+
+    def kv_tensors(self):
+        return [self.k, self.v]
