@@ -1,0 +1,34 @@
+"""NAtS attention kernels (Triton) beside their exact PyTorch reference (``reference.py``).
+
+- ``triton_nats_attention(q, k, v, type_weights, window)``: fused training attention, differentiable in
+  q, k, v and type_weights exactly as NATS_SPEC.md section 3 (forward.py, backward.py, autograd.py).
+- ``nats_prefill(q, k, v, types, window)``: inference prefill with hard integer types, cost proportional
+  to the kept entries (prefill.py).
+
+The Triton kernels are imported lazily, on first access of one of these names, so that importing the
+reference (``nats_kernels.nats_attention.reference``) needs neither Triton nor a GPU. Without a CUDA GPU
+the kernels run in Triton's CPU interpreter (see ``_env.py``). ``docs/kernels.md`` describes them.
+"""
+
+import importlib
+
+_LAZY = {
+    "NatsAttentionFunction": ".autograd",
+    "triton_nats_attention": ".autograd",
+    "nats_prefill": ".prefill",
+    "prefill_plan": ".prefill",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,52 @@
+"""Import-time Triton setup shared by the NAtS kernels.
+
+On a machine without a CUDA GPU the kernels can only run in Triton's CPU interpreter, which Triton
+selects when ``@triton.jit`` decorates a function while ``TRITON_INTERPRET=1`` is set. So, before any
+kernel of this package is defined, switch the interpreter on when no GPU is present (an explicit
+``TRITON_INTERPRET`` setting always wins). The interpreter is slow: use it for small shapes (tests).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+# NATS_KERNELS_AUTOTUNE=0: every kernel uses the first of its autotune configs (saves compile time,
+# e.g. for tests); read when the kernels are defined (first import).
+AUTOTUNE = os.environ.get("NATS_KERNELS_AUTOTUNE", "1") != "0"
+
+import triton
+import triton.language as tl
+
+# Tests set this (or NATS_KERNELS_POISON=1) so that outputs start as NaN: an element a kernel forgets to
+# write then fails the comparison with the reference instead of passing by luck.
+POISON = os.environ.get("NATS_KERNELS_POISON", "0") == "1"
+
+
+def empty(shape, dtype, device) -> torch.Tensor:
+    """Output allocation of the launchers: uninitialised, or NaN-filled when POISON is set."""
+    if POISON:
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def configs(cfgs: list, interpret_cfg) -> list:
+    """Autotune configs: one fixed config in the interpreter, the first one without autotuning."""
+    if INTERPRET:
+        return [interpret_cfg]
+    return cfgs if AUTOTUNE else cfgs[:1]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Input precision of tl.dot on fp32 operands: exact for fp32 inputs, tf32 otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+__all__ = ["AUTOTUNE", "INTERPRET", "POISON", "cdiv", "configs", "dot_precision", "empty", "tl", "triton"]

@@ -1,0 +1,349 @@
+"""Fused backward of NAtS attention: dQ, dK, dV and the type-weight gradient (NATS_SPEC.md section 3).
+
+With p_ij = exp(s_ij - LSE_i) (the *unmasked* normalised exponential), D_i = dO_i . O_i and
+
+    dM_ij = p_ij (dO_i . v_j - D_i)            for every j <= i, masked pairs included,
+
+the score gradient is dS_ij = M_ij dM_ij, and the type gradients are
+
+    d s_k = sum_{i=k}^{k+W-1} dM_ik,   d l_k = sum_{i=k}^{e_k} dM_ik,
+    d g_k = sum_{i>=k} dM_ik - S(k),   S(k) = sum_{local j, p_k<j<k} sum_{i=k+1}^{e_k} dM_ij.
+
+The segment term S reduces to O(N) quantities. Write C_j(m) = sum_{i<=m} dM_ij (column prefix) and
+note d l_j = C_j(e_j). All locals j in (p_k, k) share e_j = e_k if k is not global, and e_j = k if k is:
+
+    k not global:  S(k) = sum_{local j in (p_k,k)} [C_j(e_k) - C_j(k)] = sum_{local j in (p_k,k)} dl_j - T(k)
+    k global:      S(k) = sum_{local j in (p_k,k)} [C_j(e_{e_j}) - C_j(e_j)] = sum_{local j in (p_k,k)} (dl2_j - dl_j)
+
+with dl2_j = C_j(e_{e_j}) (column sum up to the global after the next one) and
+T(k) = sum_{local j in (p_k,k)} C_j(k), a triangle of *visible* pairs inside k's segment; by rows,
+
+    T(k) = sum_{m in (p_k,k)} ([m local] dM_mm + Rd_m) + Rd_k,    Rd_i = sum_{local j in (p_i,i)} dM_ij
+
+(Rd_i: row i's dM over its visible local keys before i). So S needs four column sums of dM (all rows,
+rows <= e_k, rows < k+W, rows <= e_{e_k}), two row sums (Rd_i, dM_ii) and segmented prefix sums.
+
+Three kernels, run in this order:
+
+1. ``_bwd_dq_kernel``, one program per (query block, batch, query head), walks only the key blocks with a
+   visible pair (the forward's block lists): stores D_i, computes dQ and the row sums Rd_i and dM_ii.
+2. ``_bwd_dkdv_kernel``, one program per (key block, batch, KV head), loops over the query heads of the
+   group and over *all* query blocks from the diagonal on (d g_k sums dM over every later query); it
+   accumulates dK and dV (on the query blocks that see the key block) and the four column sums, as
+   reductions along the query axis of key-major tiles (inside a warp), without atomics.
+3. ``_type_grad_kernel``, one program per (batch, KV head), sums the row quantities over the query heads
+   of the group, runs the segmented prefix sums (restarting after every global, chunked with a carry)
+   and writes (dg, dl, ds) in the dtype of ``type_weights``.
+"""
+
+import torch
+
+from . import _env
+from ._env import INTERPRET, cdiv, dot_precision, tl, triton
+from .forward import key_limit
+from .plan import block_lists
+
+# Largest exponent (base 2) of exp(s_ij - LSE_i) at masked pairs: half the float32 range, as in the reference.
+EXP2_MAX = tl.constexpr(64.0)
+
+
+def dq_blocks(head_dim: int) -> tuple[int, int]:
+    """Fixed (BLOCK_M, BLOCK_N) of the dQ kernel (its key-block lists depend on them)."""
+    if INTERPRET:
+        return 32, 16
+    return 64, 64
+
+
+def _dq_configs():
+    return _env.configs([triton.Config({}, num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 2), (4, 3), (8, 3)]],
+                        triton.Config({}, num_warps=4, num_stages=1))
+
+
+def _dkdv_configs():
+    return _env.configs(
+        [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+         for bm, bn, w, s in [(32, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 3)]],
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1))
+
+
+@triton.autotune(configs=_dq_configs(), key=["HEAD_DIM"])
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, O, DO, LSE, DELTA, T, E, DQ, RD, DD, KB_IDX, KB_CNT,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
+    N, W, sm_scale, qk_scale,
+    H_Q, GROUP, NQB, NKB,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H_Q).to(tl.int64)  # int64: batch offsets can exceed 2**31
+    h = pid_bh % H_Q
+    hk = h // GROUP
+    H_KV = H_Q // GROUP
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + pid_bh * N + offs_m, delta, mask=row_ok)
+    lse = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0)
+
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    head = b * H_KV + hk
+    tp_off = head * N
+    list_base = KB_IDX + (head * NQB + pid_m) * NKB
+    n_list = tl.load(KB_CNT + head * NQB + pid_m)
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    rd = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of dM over the row's visible locals before it
+    dd = tl.zeros([BLOCK_M], dtype=tl.float32)  # dM on the diagonal
+    i2 = offs_m[:, None]
+    for t in range(n_list):
+        n0 = tl.load(list_base + t) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < N
+        ty = tl.load(T + tp_off + offs_n, mask=col_ok, other=3).to(tl.int32)
+        e = tl.load(E + tp_off + offs_n, mask=col_ok, other=-1)
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        j2 = offs_n[None, :]
+
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        # Rows beyond N give dM = 0 (q = dO = 0, LSE = D = 0); columns beyond N only occur in diagonal tiles.
+        dm = tl.math.exp2(tl.minimum(qk - lse[:, None], EXP2_MAX)) * (dp - delta[:, None])
+        if n0 + BLOCK_N - 1 > m0:  # tile crossing the diagonal
+            dm = tl.where(j2 <= i2, dm, 0.0)
+            dd += tl.sum(tl.where(j2 == i2, dm, 0.0), axis=1)
+        lim = key_limit(ty, e, offs_n, W, N)
+        ds = tl.where(i2 <= lim[None, :], dm, 0.0)
+        # (the dot stays unconditional: a dot under an `if` stops Triton from pipelining the loads)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+        rd += tl.sum(tl.where((ty[None, :] == 1) & (j2 < i2), ds, 0.0), axis=1)
+
+    dq = dq * sm_scale
+    tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(RD + pid_bh * N + offs_m, rd, mask=row_ok)
+    tl.store(DD + pid_bh * N + offs_m, dd, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_hi, l_end, l2_end, s_end, m0,
+               q_base, do_base, lse_base, delta_base, sqn, sdon, offs_d, N, W, qk_scale,
+               BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, WITH_DKDV: tl.constexpr):
+    """One query block of the dK/dV kernel (key-major tiles [BLOCK_N, BLOCK_M])."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < N
+    q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+    i2 = offs_m[None, :]
+    j2 = offs_n[:, None]
+    qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    # exp(s - LSE) is unbounded at masked pairs: clamp the exponent (as the reference does) so that dM
+    # stays finite; visible pairs have s - LSE <= 0 and are unaffected.
+    pT = tl.math.exp2(tl.minimum(qkT - lse[None, :], EXP2_MAX))
+    dmT = pT * (dpT - delta[None, :])  # 0 in rows beyond N
+    if m0 < n_hi:  # tile crossing the diagonal
+        dmT = tl.where(j2 <= i2, dmT, 0.0)
+    if WITH_DKDV:
+        vis = (j2 <= i2) & (i2 <= lim[:, None])
+        dv += tl.dot(tl.where(vis, pT, 0.0).to(do.dtype), do, input_precision=DOT_PREC)
+        dk += tl.dot(tl.where(vis, dmT, 0.0).to(q.dtype), q, input_precision=DOT_PREC)
+    col_all += tl.sum(dmT, axis=1)
+    if m0 <= l_end:
+        col_l += tl.sum(tl.where(i2 <= e[:, None], dmT, 0.0), axis=1)
+    if m0 <= s_end:
+        col_s += tl.sum(tl.where(i2 - j2 < W, dmT, 0.0), axis=1)
+    if m0 <= l2_end:
+        col_l2 += tl.sum(tl.where(i2 <= e2[:, None], dmT, 0.0), axis=1)
+    return dk, dv, col_all, col_l, col_s, col_l2
+
+
+@triton.autotune(configs=_dkdv_configs(), key=["HEAD_DIM"])
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, T, E, DK, DV, COLS,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+    N, W, sm_scale, qk_scale,
+    H_Q, GROUP,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # b * H_KV + hk
+    H_KV = H_Q // GROUP
+    b = (pid_bh // H_KV).to(tl.int64)
+    hk = pid_bh % H_KV
+
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n < N
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    ty = tl.load(T + pid_bh * N + offs_n, mask=col_ok, other=3).to(tl.int32)
+    e = tl.load(E + pid_bh * N + offs_n, mask=col_ok, other=-1)
+    e2 = tl.load(E + pid_bh * N + tl.maximum(e, 0), mask=col_ok, other=-1)  # global after the next one
+    lim = key_limit(ty, e, offs_n, W, N)
+
+    # Query blocks [m_start, live_end] see some key of the block (dK, dV); the masked column sums reach
+    # queries l_end, l2_end and s_end at most; the plain one needs every query block.
+    n_hi = tl.minimum(n0 + BLOCK_N, N) - 1
+    m_start = (n0 // BLOCK_M) * BLOCK_M
+    live_end = tl.max(lim, axis=0)
+    l_end = tl.max(e, axis=0)
+    l2_end = tl.max(e2, axis=0)
+    s_end = n_hi + W - 1
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    col_all = tl.zeros([BLOCK_N], dtype=tl.float32)
+    col_l = tl.zeros([BLOCK_N], dtype=tl.float32)
+    col_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    col_l2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * H_Q + h
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        # two loops, so that neither holds a dot under an `if` (which would stop load pipelining)
+        for m0 in range(m_start, live_end + 1, BLOCK_M):
+            dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
+                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_hi, l_end, l2_end, s_end, m0,
+                q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
+                BLOCK_M, DOT_PREC, True)
+        m_dead = tl.maximum(m_start, (live_end + 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+        for m0 in range(m_dead, N, BLOCK_M):
+            dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
+                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_hi, l_end, l2_end, s_end, m0,
+                q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
+                BLOCK_M, DOT_PREC, False)
+
+    dk = dk * sm_scale
+    tl.store(DK + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=col_ok[:, None])
+    tl.store(DV + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=col_ok[:, None])
+    cols = COLS + (pid_bh * N + offs_n) * 4
+    tl.store(cols, col_all, mask=col_ok)
+    tl.store(cols + 1, col_l, mask=col_ok)
+    tl.store(cols + 2, col_s, mask=col_ok)
+    tl.store(cols + 3, col_l2, mask=col_ok)
+
+
+@triton.jit
+def _seg_add(a1, b1, c1, f1, a2, b2, c2, f2):
+    """Segmented-sum combine: a flag marks the first element of a segment."""
+    keep = f2 != 0
+    return tl.where(keep, a2, a1 + a2), tl.where(keep, b2, b1 + b2), tl.where(keep, c2, c1 + c2), f1 | f2
+
+
+@triton.jit
+def _type_grad_kernel(T, COLS, RD, DD, DTW, N, GROUP, stb, sth, stn, stc, H_KV, CH: tl.constexpr):
+    head = tl.program_id(0)
+    b = (head // H_KV).to(tl.int64)
+    hk = head % H_KV
+    base = head.to(tl.int64) * N
+    ca = 0.0  # carries: segment sums of x_a, x_b, x_t up to the end of the previous chunk
+    cb = 0.0
+    ct = 0.0
+    for c0 in range(0, N, CH):
+        offs = c0 + tl.arange(0, CH)
+        ok = offs < N
+        ty = tl.load(T + base + offs, mask=ok, other=3).to(tl.int32)
+        ty_prev = tl.load(T + base + offs - 1, mask=ok & (offs >= 1), other=0).to(tl.int32)
+        col_all = tl.load(COLS + (base + offs) * 4, mask=ok, other=0.0)
+        dl = tl.load(COLS + (base + offs) * 4 + 1, mask=ok, other=0.0)
+        ds = tl.load(COLS + (base + offs) * 4 + 2, mask=ok, other=0.0)
+        dl2 = tl.load(COLS + (base + offs) * 4 + 3, mask=ok, other=0.0)
+        rd = tl.zeros([CH], dtype=tl.float32)
+        dd = tl.zeros([CH], dtype=tl.float32)
+        for g in range(GROUP):
+            row = (head.to(tl.int64) * GROUP + g) * N
+            rd += tl.load(RD + row + offs, mask=ok, other=0.0)
+            dd += tl.load(DD + row + offs, mask=ok, other=0.0)
+        is_l = ty == 1
+        xa = tl.where(is_l, dl, 0.0)
+        xb = tl.where(is_l, dl2 - dl, 0.0)
+        xt = tl.where(is_l, dd, 0.0) + rd
+        # a new segment starts after every global (and at position 0)
+        flag = ((ty_prev == 0) | (offs == 0)).to(tl.int32)
+        za, zb, zt, started = tl.associative_scan((xa, xb, xt, flag), 0, _seg_add)
+        fresh = started == 0  # still in the segment carried over from the previous chunk
+        za = tl.where(fresh, za + ca, za)
+        zb = tl.where(fresh, zb + cb, zb)
+        zt = tl.where(fresh, zt + ct, zt)
+        last = offs == c0 + CH - 1
+        ca = tl.sum(tl.where(last, za, 0.0), axis=0)
+        cb = tl.sum(tl.where(last, zb, 0.0), axis=0)
+        ct = tl.sum(tl.where(last, zt, 0.0), axis=0)
+        # exclusive sums over (p_k, k)
+        sa = za - xa
+        sb = zb - xb
+        st = zt - xt
+        seg = tl.where(ty == 0, sb, sa - (st + rd))
+        dg = col_all - seg
+        out = DTW + b * stb + hk * sth + offs * stn
+        tl.store(out, dg.to(DTW.dtype.element_ty), mask=ok)
+        tl.store(out + stc, dl.to(DTW.dtype.element_ty), mask=ok)
+        tl.store(out + 2 * stc, ds.to(DTW.dtype.element_ty), mask=ok)
+
+
+def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | None = None,
+                  tw_dtype: torch.dtype = torch.float32):
+    """Gradients (dq, dk, dv, d_type_weights) of NAtS attention.
+
+    ``lse`` is the forward's base-2 log-sum-exp; ``types``/``e`` are int8/int32 [B, Hkv, N] (hard types
+    and next-global indices). ``d_type_weights`` is [B, Hkv, N, 3] in ``tw_dtype`` holding (dg, dl, ds),
+    summed over the query heads of each GQA group.
+    """
+    B, HQ, N, D = q.shape
+    HKV = k.shape[1]
+    if sm_scale is None:
+        sm_scale = D ** -0.5
+    W = int(min(max(int(window), 1), N + 1))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dq/dk/dv reuse their strides
+    do = do if do.stride(-1) == 1 else do.contiguous()
+    dev = q.device
+    dq = _env.empty(q.shape, q.dtype, dev)
+    dk = _env.empty(k.shape, k.dtype, dev)
+    dv = _env.empty(v.shape, v.dtype, dev)
+    delta = _env.empty((B, HQ, N), torch.float32, dev)
+    rd = _env.empty((B, HQ, N), torch.float32, dev)
+    dd = _env.empty((B, HQ, N), torch.float32, dev)
+    cols = _env.empty((B, HKV, N, 4), torch.float32, dev)
+    dtw = _env.empty((B, HKV, N, 3), tw_dtype, dev)
+    qk_scale = sm_scale * 1.4426950408889634
+    group = HQ // HKV
+    prec = dot_precision(q.dtype)
+
+    bm, bn = dq_blocks(D)
+    kb_idx, kb_cnt = block_lists(types, e, W, bm, bn)
+    _bwd_dq_kernel[(cdiv(N, bm), B * HQ)](
+        q, k, v, o, do, lse, delta, types, e, dq, rd, dd, kb_idx, kb_cnt,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        N, W, sm_scale, qk_scale, HQ, group, kb_idx.shape[2], kb_idx.shape[3],
+        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec,
+    )
+    grid_k = lambda meta: (cdiv(N, meta["BLOCK_N"]), B * HKV)
+    _bwd_dkdv_kernel[grid_k](
+        q, k, v, do, lse, delta, types, e, dk, dv, cols,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        N, W, sm_scale, qk_scale, HQ, group,
+        HEAD_DIM=D, DOT_PREC=prec,
+    )
+    ch = 64 if INTERPRET else min(1024, max(64, triton.next_power_of_2(N)))
+    _type_grad_kernel[(B * HKV,)](types, cols, rd, dd, dtw, N, group, *dtw.stride(), HKV, CH=ch, num_warps=4)
+    return dq, dk, dv, dtw

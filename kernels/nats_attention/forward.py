@@ -1,0 +1,178 @@
+"""Training forward kernel: FlashAttention-2 style attention under the NAtS mask, built on chip.
+
+For query i and key j the kernel decides visibility from the key's hard type t_j (int8) and e_j (the
+index of the next global token of its head, see ``indices.py``):
+
+    visible(i, j) = j <= i and (t_j == global or (t_j == local and i <= e_j) or (t_j == sliding and i - j < W))
+
+No N x N mask exists in memory. Key blocks that no query of the current query block can see are skipped
+(exact at block granularity: a key block is skipped only if every one of its keys is invisible to every
+query of the block): the launcher lists, per query block, the live key blocks (O(N^2 / (BLOCK_M BLOCK_N))
+small integers, from O(N) per-key-block summaries), and the kernel walks only that list, so its loads stay
+unconditional and pipelined. Key blocks that every query of the block sees entirely skip the masking. The
+kernel also writes the row log-sum-exp (base 2, of the scaled scores) for the backward pass.
+"""
+
+import torch
+
+from . import _env
+from ._env import INTERPRET, cdiv, dot_precision, tl, triton
+from .plan import block_lists
+
+
+@triton.jit
+def key_limit(ty, e, offs_n, W, N):
+    """Per key j: the last query that sees it (key j is visible to the queries j..limit), -1 for padding.
+
+    N-1 for a global, e_j for a local, j+W-1 for a sliding key; ``ty`` is 3 beyond the sequence.
+    """
+    return tl.where(ty == 0, N - 1, tl.where(ty == 1, e, tl.where(ty == 2, offs_n + W - 1, -1)))
+
+
+HEAD_DIMS = (16, 32, 64, 128)
+
+
+def check_head_dim(d: int) -> None:
+    if d not in HEAD_DIMS:
+        raise ValueError(f"the NAtS Triton kernels support head dims {HEAD_DIMS}, got {d}; use the reference")
+
+
+# Query/key block sizes of the forward are fixed per head dim (the live-block lists below depend on
+# them); the autotuner picks warps and pipeline stages only.
+def fwd_blocks(head_dim: int) -> tuple[int, int]:
+    if INTERPRET:
+        return 32, 16
+    return 128, 64
+
+
+def _fwd_configs():
+    return _env.configs([triton.Config({}, num_warps=w, num_stages=s) for w, s in [(8, 3), (4, 3), (8, 2), (4, 4)]],
+                        triton.Config({}, num_warps=4, num_stages=1))
+
+
+def live_key_blocks(types: torch.Tensor, e: torch.Tensor, window: int, block_m: int, block_n: int):
+    """Per (batch, KV head, query block): the key blocks holding a pair visible to the query block.
+
+    A key block is visible to the queries [its start, last] with last = N-1 if it holds a global, else
+    the largest of e_j over its locals and j+W-1 over its sliding keys; a query block [m0, m1] needs it
+    iff start <= m1 and last >= m0 (exact at block granularity: no visible pair is skipped).
+    PyTorch version (for tests) of ``plan.block_lists``, which the kernels use.
+
+    Returns ``idx`` int32 [B, Hkv, NQB, NKB] (listed key-block indices first, ascending) and ``cnt``
+    int32 [B, Hkv, NQB].
+    """
+    B, H, N = types.shape
+    nkb, nqb = -(-N // block_n), -(-N // block_m)
+    pad = nkb * block_n - N
+    t = torch.nn.functional.pad(types.to(torch.int32), (0, pad), value=3).view(B, H, nkb, block_n)
+    ee = torch.nn.functional.pad(e, (0, pad), value=-1).view(B, H, nkb, block_n)
+    pos = torch.arange(nkb * block_n, device=types.device, dtype=torch.int32).view(nkb, block_n)
+    has_g = (t == 0).any(-1)
+    last_l = torch.where(t == 1, ee, -1).amax(-1)
+    last_s = torch.where(t == 2, pos + (window - 1), -1).amax(-1)
+    last = torch.where(has_g, N - 1, torch.maximum(last_l, last_s))  # [B, H, nkb]
+    q_start = torch.arange(nqb, device=types.device) * block_m
+    q_end = (q_start + block_m).clamp(max=N) - 1
+    k_start = torch.arange(nkb, device=types.device) * block_n
+    causal = k_start[None, :] <= q_end[:, None]  # [nqb, nkb]
+    live = causal & (last[:, :, None, :] >= q_start[None, None, :, None])
+    cnt = live.sum(-1, dtype=torch.int32)
+    idx = torch.argsort((~live).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return idx.contiguous(), cnt.contiguous()
+
+
+@triton.autotune(configs=_fwd_configs(), key=["HEAD_DIM"])
+@triton.jit
+def _nats_fwd_kernel(
+    Q, K, V, T, E, O, LSE, KB_IDX, KB_CNT,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+    N, W, qk_scale,  # qk_scale = sm_scale * log2(e)
+    H_Q, GROUP, NQB, NKB,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H_Q).to(tl.int64)  # int64: batch offsets can exceed 2**31
+    h = pid_bh % H_Q
+    hk = h // GROUP
+    H_KV = H_Q // GROUP
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N
+
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    head = b * H_KV + hk
+    t_base = T + head * N
+    e_base = E + head * N
+    list_base = KB_IDX + (head * NQB + pid_m) * NKB
+    n_live = tl.load(KB_CNT + head * NQB + pid_m)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    q_hi = tl.minimum(m0 + BLOCK_M, N) - 1  # last real query of the block
+    for t in range(n_live):
+        n0 = tl.load(list_base + t) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < N
+        ty = tl.load(t_base + offs_n, mask=col_ok, other=3).to(tl.int32)
+        e = tl.load(e_base + offs_n, mask=col_ok, other=-1)
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        lim = key_limit(ty, e, offs_n, W, N)
+        # A block strictly below the diagonal whose keys every query of the block sees needs no mask.
+        below = n0 + BLOCK_N - 1 <= m0
+        full = tl.min(lim, axis=0) >= q_hi
+        if below & full:
+            s = qk
+        else:
+            vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] <= lim[None, :])
+            s = tl.where(vis, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    # Every real row sees its own key (M_ii = 1), so l_i > 0 there.
+    l_safe = tl.where(row_ok, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + pid_bh * N + offs_m, m_i + tl.math.log2(l_safe), mask=row_ok)
+
+
+def nats_forward(q, k, v, types, e, window: int, sm_scale: float | None = None):
+    """o [B,Hq,N,D] and lse2 [B,Hq,N] fp32 (log2-sum-exp2 of sm_scale*log2(e)*q.k over visible keys).
+
+    ``types`` int8 [B,Hkv,N] (contiguous), ``e`` int32 [B,Hkv,N] next-global indices.
+    """
+    B, HQ, N, D = q.shape
+    HKV = k.shape[1]
+    assert HQ % HKV == 0, "the number of query heads must be a multiple of the number of KV heads"
+    check_head_dim(D)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if sm_scale is None:
+        sm_scale = D ** -0.5
+    W = int(min(max(int(window), 1), N + 1))
+    o = _env.empty(q.shape, q.dtype, q.device)
+    lse = _env.empty((B, HQ, N), torch.float32, q.device)
+    bm, bn = fwd_blocks(D)
+    kb_idx, kb_cnt = block_lists(types, e, W, bm, bn)
+    grid = (cdiv(N, bm), B * HQ)
+    _nats_fwd_kernel[grid](
+        q, k, v, types, e, o, lse, kb_idx, kb_cnt,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        N, W, sm_scale * 1.4426950408889634,
+        HQ, HQ // HKV, kb_idx.shape[2], kb_idx.shape[3],
+        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype),
+    )
+    return o, lse

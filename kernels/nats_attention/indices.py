@@ -1,0 +1,35 @@
+"""O(N) per-key index tensors that the kernels read instead of an N x N mask.
+
+For hard types t_j in {0 global, 1 local, 2 sliding} of shape [..., N]:
+- ``next_global(t)[j]`` = e_j, the first global index > j (N - 1 if there is none);
+- ``prev_global(t)[j]`` = p_j, the last global index < j (-1 if there is none).
+A local j is visible to queries j..e_j, a sliding j to queries j..j+W-1, a global j to all i >= j.
+"""
+
+import torch
+
+TOKEN_GLOBAL, TOKEN_LOCAL, TOKEN_SLIDING = 0, 1, 2
+
+
+def hard_types(type_weights: torch.Tensor) -> torch.Tensor:
+    """argmax over the last axis (g, l, s) of ``type_weights`` [..., N, 3], as contiguous int8 [..., N]."""
+    return type_weights.detach().argmax(dim=-1).to(torch.int8).contiguous()
+
+
+def next_global(types: torch.Tensor) -> torch.Tensor:
+    n = types.shape[-1]
+    pos = torch.arange(n, device=types.device, dtype=torch.int32).expand_as(types)
+    idx = torch.where(types == TOKEN_GLOBAL, pos, torch.full_like(pos, n - 1))
+    # e_j = min over k > j of idx_k: a reversed cumulative minimum, shifted by one.
+    rev_min = torch.flip(torch.cummin(torch.flip(idx, [-1]), dim=-1).values, [-1])
+    e = torch.cat([rev_min[..., 1:], torch.full_like(rev_min[..., :1], n - 1)], dim=-1)
+    return e.to(torch.int32).contiguous()
+
+
+def prev_global(types: torch.Tensor) -> torch.Tensor:
+    n = types.shape[-1]
+    pos = torch.arange(n, device=types.device, dtype=torch.int32).expand_as(types)
+    idx = torch.where(types == TOKEN_GLOBAL, pos, torch.full_like(pos, -1))
+    run_max = torch.cummax(idx, dim=-1).values
+    p = torch.cat([torch.full_like(run_max[..., :1], -1), run_max[..., :-1]], dim=-1)
+    return p.to(torch.int32).contiguous()
