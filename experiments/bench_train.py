@@ -113,8 +113,17 @@ def main() -> None:
         if name == "nats":
             attention.update({"window": args.window, "sparsity_lambda": args.nats_lambda})
         for b in args.batch:
-            r = bench(attention, b, args.seq, args.steps, args.warmup, not args.no_compile, args.pos_emb,
-                      args.compile_mode, not args.no_clip)
+            try:
+                r = bench(attention, b, args.seq, args.steps, args.warmup, not args.no_compile, args.pos_emb,
+                          args.compile_mode, not args.no_clip)
+            except Exception as err:  # a compiler failure should not lose the measurement: retry eagerly
+                if args.no_compile:
+                    raise
+                print(f"compiled {name} failed ({type(err).__name__}: {str(err)[:200]}); measuring it eagerly")
+                torch._dynamo.reset()
+                r = bench(attention, b, args.seq, args.steps, args.warmup, False, args.pos_emb, None,
+                          not args.no_clip)
+                r["attention"] += "/eager"
             r["attention"] += "" if args.sdpa == "auto" else f"/sdpa-{args.sdpa}"
             rows.append(r)
             print(json.dumps(r), flush=True)

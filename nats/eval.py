@@ -124,7 +124,8 @@ def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, An
                              f"(conf/cache/*.yaml, composed into `policies`)")
         pcfg = policies[method]
         cls = get_cache_class(pcfg.name)
-        options = OmegaConf.to_container(pcfg.get("options") or {}, resolve=True)
+        opts = pcfg.get("options")
+        options = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
         sequential = bool(pcfg.get("sequential", False))
         if sequential and not cls.decodable:
             raise ValueError(f"{method}: policy {pcfg.name!r} is a parallel approximation; set "
@@ -134,14 +135,24 @@ def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, An
             continue
         budgets = [None]
         if cls.budgeted:
-            budgets = [resolve_budget(b, n) for b in (cfg.budgets or [])]
-            if not budgets:
+            if not cfg.budgets:
                 raise ValueError(f"{method} needs budgets: set budgets=[0.5,0.25,...] (fractions of N or token counts)")
-            for b in budgets:
+            budgets = []
+            for spec in cfg.budgets:
+                b = resolve_budget(spec, n)
                 try:
                     cls.check_budget(b, n, **options)
                 except ValueError as err:
+                    # a fraction that rounds to a budget this policy cannot use (e.g. N/32 = 4 tokens for 4
+                    # StreamingLLM sinks at N = 128) is skipped with a note; a token count is an error
+                    if isinstance(spec, float) and 0 < spec < 1 and b < n:
+                        notes.append(f"{method}: budget {spec} x N = {b} skipped ({err})")
+                        continue
                     raise ValueError(f"{method} at N={n}: {err}") from err
+                budgets.append(b)
+            if not budgets:
+                raise ValueError(f"{method}: no usable budget at N={n} ({'; '.join(notes)}); give token counts, "
+                                 f"e.g. budgets=[{n // 2}]")
         for b in budgets:
             runs.append({"method": method, "policy": pcfg.name, "label": pcfg.get("label", method), "budget": b,
                          "sequential": sequential, "options": options})

@@ -95,16 +95,24 @@ class NAtSAttention(AttentionCore):
         t = self.type_weights(self.type_logits(x))  # [B, Hkv, N, 3]
         y = NF.nats_attention(q, k, v, t.to(q.dtype) if q.dtype == torch.float64 else t, self.window,
                               backend=self.backend)
-        density = NF.nats_density(t, self.window)  # [B, Hkv], differentiable in t
+        aux, stats = self._sparsity_and_stats(t)
+        return AttentionOutput(y, aux_loss=aux, stats=stats)
+
+    # Inductor (torch 2.11) fails to generate code for the cummax scans of these O(N) helpers, so they run
+    # eagerly inside a compiled model (a small graph break per layer).
+    @torch.compiler.disable
+    def _sparsity_and_stats(self, t: torch.Tensor):
+        """Auxiliary loss lambda * density / n_layer (training) and the layer's KV statistics."""
         aux = None
         if self.training and self.sparsity_lambda > 0:
+            density = NF.nats_density(t, self.window)  # [B, Hkv], differentiable in t
             aux = self.sparsity_lambda * density.mean() / self.dims.n_layer
         with torch.no_grad():
             types = t.argmax(-1)  # [B, Hkv, N]
             if self.record_types:
                 self.last_types = types
             stats = {name: value.mean() for name, value in kv_stats(types, self.window).items()}
-        return AttentionOutput(y, aux_loss=aux, stats=stats)
+        return aux, stats
 
 
 @torch.no_grad()

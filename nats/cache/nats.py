@@ -30,7 +30,6 @@ periodically in the same spirit). Attention reads each segment and the valid rin
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -48,7 +47,7 @@ class NAtSCache(LayerCache):
     init_capacity (initial segment length per row, default check_every)."""
 
     def __init__(self, *, window: int | None = None, check_every: int = 16, slack: float = 1 / 32,
-                 shrink_above: float = 1.25, init_capacity: int | None = None, **kwargs):
+                 shrink_above: float = 1.15, init_capacity: int | None = None, **kwargs):
         super().__init__(**kwargs)
         if window is None:
             if self.core is None or not hasattr(self.core, "window"):
@@ -66,6 +65,7 @@ class NAtSCache(LayerCache):
         self.length = torch.zeros(R, device=dev, dtype=torch.long)
         self.n_global = torch.zeros(R, device=dev, dtype=torch.long)
         self.type_counts = torch.zeros(R, 3, device=dev, dtype=torch.long)
+        self._t = torch.zeros(R, device=dev, dtype=torch.long)  # the current token's types (fused path)
         cap0 = int(init_capacity) if init_capacity is not None else self.check_every
         self._layout(torch.full((R,), max(cap0, 1), device=dev, dtype=torch.long))
         self._since_check = 0
@@ -132,6 +132,8 @@ class NAtSCache(LayerCache):
         """One token; `types` ([B, Hkv] or [R]) overrides the scorer (tests, synthetic benchmarks)."""
         if self.auto_maintain:
             self.maintain()
+        if self.backend == "triton":
+            return self._step_fused(q, k, v, x, pos, types)
         t = self.types_of(x, pos) if types is None else types.reshape(self.rows).to(torch.long)
         kr, vr = self._kv_rows(k), self._kv_rows(v)
         W = self.window
@@ -148,7 +150,7 @@ class NAtSCache(LayerCache):
         self.length += gl
         if self.track:
             self._record(self.length + self.ring_valid.sum(1))
-            self.type_counts += torch.nn.functional.one_hot(t, 3)
+            self.type_counts.scatter_add_(1, t[:, None], torch.ones_like(t)[:, None])
         self.t += 1
         # query i over the segment and the valid ring slots
         max_len = self.max_cap if self.backend == "triton" else int(self.length.max())
@@ -164,6 +166,29 @@ class NAtSCache(LayerCache):
         self.length.copy_(torch.where(isg, self.n_global, self.length))
         # the sliding token i - W + 1 has now been seen by W queries
         self.ring_valid.index_fill_(1, (pos + 1) % W, False)
+        return self._out(y)
+
+    def _step_fused(self, q, k, v, x, pos, types):
+        """The same step with the Triton backend: two fused launches around the attention kernel."""
+        from nats.cache.triton_decode import nats_append, nats_evict  # noqa: PLC0415
+
+        R = self.rows
+        if types is None:
+            if self.core is None:
+                raise ValueError("nats cache: step() without types= needs the layer's NAtS core (core=...)")
+            z, tin = self.core.type_logits(x).reshape(R, 3).contiguous(), None
+        else:
+            z, tin = None, types.reshape(R).to(device=self.device, dtype=torch.long).contiguous()
+        kr, vr = self._kv_rows(k).contiguous(), self._kv_rows(v).contiguous()
+        nats_append(z, tin, pos, self._t, kr, vr, self.ring_k, self.ring_v, self.ring_valid, self.k_pool,
+                    self.v_pool, self.start, self.length)
+        if self.track:
+            self._record(self.length + self.ring_valid.sum(1))
+            self.type_counts.scatter_add_(1, self._t[:, None], torch.ones_like(self._t)[:, None])
+        self.t += 1
+        y = pool_attention(self._q_rows(q), self.k_pool, self.v_pool, self.start, self.length, self.max_cap,
+                           ring_k=self.ring_k, ring_v=self.ring_v, ring_valid=self.ring_valid, backend="triton")
+        nats_evict(self._t, pos, self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.ring_valid)
         return self._out(y)
 
     def prefill(self, q, k, v, x, types: torch.Tensor | None = None):

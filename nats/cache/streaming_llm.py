@@ -45,7 +45,8 @@ class StreamingLLMCache(LayerCache):
         if budget <= sinks:
             raise ValueError(
                 f"streaming_llm: budget B={budget} is too small for {sinks} attention sinks (B - sinks recent "
-                f"tokens must be >= 1): use a budget >= {sinks + 1} or fewer sinks (cache.sinks=...)"
+                f"tokens must be >= 1): use a budget >= {sinks + 1} or fewer sinks (sinks=...; in nats-eval "
+                f"policies.streaming_llm.options.sinks=...)"
             )
 
     def _slot(self, pos):

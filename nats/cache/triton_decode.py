@@ -25,11 +25,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 BLOCK_N = 64
+MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split count); the combine reads up to 64
 
 
 @triton.jit
-def _pool_decode_kernel(Q, KP, VP, START, LEN, RK, RV, RVALID, M_OUT, L_OUT, ACC_OUT, qk_scale,
-                        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+def _pool_decode_kernel(Q, KP, VP, START, LEN, RK, RV, RVALID, M_OUT, L_OUT, ACC_OUT, qk_scale, SPLITS,
+                        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr, HAS_RING: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -37,8 +38,8 @@ def _pool_decode_kernel(Q, KP, VP, START, LEN, RK, RV, RVALID, M_OUT, L_OUT, ACC
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     q = tl.load(Q + pid * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    start = tl.load(START + r).to(tl.int64)
-    length = tl.load(LEN + r).to(tl.int64)
+    start = tl.load(START + r).to(tl.int64)  # pool offsets in int64; positions inside a segment in int32
+    length = tl.load(LEN + r).to(tl.int32)
     per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per
     hi = tl.minimum(lo + per, length)
@@ -49,7 +50,7 @@ def _pool_decode_kernel(Q, KP, VP, START, LEN, RK, RV, RVALID, M_OUT, L_OUT, ACC
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = offs_n < hi
-        rows = start + offs_n
+        rows = start + offs_n.to(tl.int64)
         kv_mask = ok[:, None] & dmask[None, :]
         k = tl.load(KP + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1) * qk_scale
@@ -67,7 +68,7 @@ def _pool_decode_kernel(Q, KP, VP, START, LEN, RK, RV, RVALID, M_OUT, L_OUT, ACC
             offs_w = tl.arange(0, BLOCK_W)
             okw = offs_w < W
             valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
-            rrows = r * W + offs_w
+            rrows = r.to(tl.int64) * W + offs_w
             kv_mask = valid[:, None] & dmask[None, :]
             k = tl.load(RK + rrows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             s = tl.sum(k * q[None, :], axis=1) * qk_scale
@@ -81,15 +82,13 @@ def _pool_decode_kernel(Q, KP, VP, START, LEN, RK, RV, RVALID, M_OUT, L_OUT, ACC
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
     out = pid * SPLITS + split
-    one = tl.arange(0, 1)
-    tl.store(M_OUT + out + one, m_i)
-    tl.store(L_OUT + out + one, l_i)
+    tl.store(M_OUT + out, tl.max(m_i, axis=0))  # [1] -> scalar
+    tl.store(L_OUT + out, tl.sum(l_i, axis=0))
     tl.store(ACC_OUT + out * D + offs_d, acc, mask=dmask)
 
 
 @triton.jit
-def _combine_kernel(M, L, ACC, OUT, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
+def _combine_kernel(M, L, ACC, OUT, SPLITS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     pid = tl.program_id(0)
     offs_s = tl.arange(0, BLOCK_S)
     ok = offs_s < SPLITS
@@ -108,7 +107,7 @@ def _combine_kernel(M, L, ACC, OUT, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLI
 
 def default_splits(max_len: int, rows: int) -> int:
     """Split-K count: chunks of about 256 keys, at most 64 splits (rows x splits programs in all)."""
-    return int(min(64, max(1, math.ceil(max(int(max_len), 1) / 256))))
+    return int(min(MAX_SPLITS, max(1, math.ceil(max(int(max_len), 1) / 256))))
 
 
 def triton_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None,
@@ -119,6 +118,8 @@ def triton_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=None
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or k_pool.stride(0) != D or v_pool.stride(0) != D:
         raise ValueError("k_pool and v_pool must be contiguous [P, D]")
     splits = int(splits or default_splits(max_len, R * G))
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     dev = q.device
     m = torch.empty(R * G * splits, device=dev, dtype=torch.float32)
     l = torch.empty(R * G * splits, device=dev, dtype=torch.float32)
@@ -128,15 +129,90 @@ def triton_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=None
     if has_ring:
         W = ring_k.shape[1]
         rk, rv = ring_k.contiguous(), ring_v.contiguous()
-        rvalid = ring_valid.contiguous().to(torch.int8) if ring_valid.dtype == torch.bool else ring_valid
+        rvalid = ring_valid.contiguous()
+        rvalid = rvalid.view(torch.int8) if rvalid.dtype == torch.bool else rvalid
     else:
         W, rk, rv, rvalid = 1, k_pool, v_pool, start  # unused placeholders
     block_d = triton.next_power_of_2(D)
     _pool_decode_kernel[(R * G, splits)](
-        q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, 1.0 / math.sqrt(D),
-        G=G, D=D, BLOCK_D=block_d, SPLITS=splits, BLOCK_N=BLOCK_N, HAS_RING=has_ring, W=W,
+        q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, 1.0 / math.sqrt(D), splits,
+        G=G, D=D, BLOCK_D=block_d, BLOCK_N=BLOCK_N, HAS_RING=has_ring, W=W,
         BLOCK_W=triton.next_power_of_2(W),
     )
-    _combine_kernel[(R * G,)](m, l, acc, out, D=D, BLOCK_D=block_d, SPLITS=splits,
-                              BLOCK_S=triton.next_power_of_2(splits))
+    _combine_kernel[(R * G,)](m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# NAtS cache maintenance, fused: one launch before the attention (type, ring write, append), one after (evict)
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _nats_append_kernel(Z, TIN, POS, TOUT, KNEW, VNEW, RK, RV, RVALID, KP, VP, START, LENGTH,
+                        HAS_LOGITS: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0)
+    pos = tl.load(POS)
+    if HAS_LOGITS:  # t = argmax(z) (first maximum on ties, like torch.argmax); token 0 is global
+        z0 = tl.load(Z + r * 3)
+        z1 = tl.load(Z + r * 3 + 1)
+        z2 = tl.load(Z + r * 3 + 2)
+        t = tl.where(z1 > z0, 1, 0)
+        t = tl.where(z2 > tl.maximum(z0, z1), 2, t)
+        t = tl.where(pos == 0, 0, t).to(tl.int64)
+    else:
+        t = tl.load(TIN + r).to(tl.int64)
+    tl.store(TOUT + r, t)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    k = tl.load(KNEW + r * D + offs_d, mask=dmask)
+    v = tl.load(VNEW + r * D + offs_d, mask=dmask)
+    slot = (pos % W).to(tl.int64)
+    ring = r.to(tl.int64) * W + slot
+    tl.store(RK + ring * D + offs_d, k, mask=dmask)
+    tl.store(RV + ring * D + offs_d, v, mask=dmask)
+    tl.store(RVALID + ring, (t == 2).to(tl.int8))
+    if t != 2:
+        length = tl.load(LENGTH + r)
+        dst = tl.load(START + r) + length
+        tl.store(KP + dst * D + offs_d, k, mask=dmask)
+        tl.store(VP + dst * D + offs_d, v, mask=dmask)
+        tl.store(LENGTH + r, length + 1)
+
+
+@triton.jit
+def _nats_evict_kernel(T, POS, KP, VP, START, LENGTH, NGLOBAL, RVALID, W: tl.constexpr, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    r = tl.program_id(0)
+    pos = tl.load(POS)
+    t = tl.load(T + r)
+    if t == 0:  # the row's token was global: its locals go (move the token down over them)
+        start = tl.load(START + r)
+        ng = tl.load(NGLOBAL + r)
+        src = start + tl.load(LENGTH + r) - 1
+        dst = start + ng
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        k = tl.load(KP + src * D + offs_d, mask=dmask)
+        v = tl.load(VP + src * D + offs_d, mask=dmask)
+        tl.store(KP + dst * D + offs_d, k, mask=dmask)
+        tl.store(VP + dst * D + offs_d, v, mask=dmask)
+        tl.store(NGLOBAL + r, ng + 1)
+        tl.store(LENGTH + r, ng + 1)
+    # the sliding token pos - W + 1 has now been seen by W queries
+    tl.store(RVALID + r.to(tl.int64) * W + ((pos + 1) % W).to(tl.int64), (t * 0).to(tl.int8))
+
+
+def nats_append(z, types, pos, t_out, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length):
+    """Type (argmax of z [R, 3], or the given types [R]), ring write and segment append for one token."""
+    R, W, D = ring_k.shape
+    has_logits = z is not None
+    _nats_append_kernel[(R,)](z if has_logits else types, types if not has_logits else z, pos, t_out, k_new, v_new,
+                              ring_k, ring_v, ring_valid.view(torch.int8), k_pool, v_pool, start, length,
+                              HAS_LOGITS=has_logits, W=W, D=D, BLOCK_D=triton.next_power_of_2(D))
+
+
+def nats_evict(t, pos, k_pool, v_pool, start, length, n_global, ring_valid):
+    """After the query: locals of the rows whose token was global are dropped; the expired ring slot cleared."""
+    R, W = ring_valid.shape
+    D = k_pool.shape[1]
+    _nats_evict_kernel[(R,)](t, pos, k_pool, v_pool, start, length, n_global, ring_valid.view(torch.int8),
+                             W=W, D=D, BLOCK_D=triton.next_power_of_2(D))

@@ -1,0 +1,503 @@
+"""KV-cache policies (nats.cache): visible sets against brute-force definitions of spec sections 5 and 7,
+decoding against the parallel forward (float64, GQA, evictions), cache sizes, the Triton decode kernel in
+Triton's CPU interpreter, generate, and clear errors."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from nats import functional as NF
+from nats.cache import available_caches, generate, make_caches, policy_logits
+from nats.cache.attention import torch_pool_attention
+from nats.cache.decode import decode_step
+from nats.cache.h2o import H2OCache, h2o_dense_mask
+from nats.cache.nats import NAtSCache
+from nats.cache.streaming_llm import StreamingLLMCache, streaming_mask
+from nats.models.gpt import GPT, GPTConfig
+
+V = 61
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Decoding runs many tiny ops: one thread avoids OpenMP spin overhead on shared cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(attention: dict, n_layer: int = 3, block_size: int = 72, **kw) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=V, block_size=block_size, n_layer=n_layer, n_head=4, n_kv_head=2, n_embd=32,
+                    attention=attention, **kw)
+    return GPT(cfg).double().eval()
+
+
+def nats_model(window: int = 4, **kw) -> GPT:
+    model = tiny({"name": "nats", "window": window}, **kw)
+    with torch.no_grad():  # spread the scorer so that all three types occur
+        g = torch.Generator().manual_seed(1)
+        for block in model.blocks:
+            w = block.attn.core.scorer.weight
+            w.copy_(torch.randn(w.shape, generator=g, dtype=w.dtype))
+    return model
+
+
+def masked_forward(model: GPT, idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Reference: the model with softmax attention restricted to a given [N, N] (query x key) mask."""
+    B, N = idx.shape
+    pos = torch.arange(N)
+    x = model.embed(idx, pos)
+    for block in model.blocks:
+        h = block.ln_1(x)
+        q, k, v = block.attn.project(h, model.rope, pos)
+        G = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        y = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+        x = x + block.attn.gate_and_project(y, h)
+        x = x + block.mlp(block.ln_2(x))
+    return model.lm_head(model.ln_f(x))
+
+
+def onehot_probe(R: int, N: int, G: int = 1):
+    """q = 0 (uniform attention over the visible keys) and v_j = e_j: the output row of query i is the
+    indicator of its visible set divided by its size."""
+    q = torch.zeros(R, G, N, N, dtype=torch.float64)
+    k = torch.randn(R, N, N, dtype=torch.float64)
+    v = torch.eye(N, dtype=torch.float64).expand(R, N, N)
+    return q, k, v
+
+
+def step_all(cache, q, k, v, types=None):
+    """Step a cache over N positions with per-row q [R, G, N, D], k/v [R, N, D]; returns out [R, G, N, D]."""
+    R, G, N, D = q.shape
+    B, H = cache.batch, cache.n_kv_head
+    outs = []
+    for i in range(N):
+        qi = q[:, :, i].reshape(B, H * G, 1, D)
+        ki = k[:, i].reshape(B, H, 1, D)
+        vi = v[:, i].reshape(B, H, 1, D)
+        pos = torch.tensor([i])
+        kw = {} if types is None else {"types": types[..., i]}
+        y = cache.step(qi, ki, vi, None, pos, **kw)
+        outs.append(y.reshape(R, G, D))
+    return torch.stack(outs, dim=2)
+
+
+def new_cache(cls, B, H, N, G=1, **kw):
+    return cls(batch=B, n_head=H * G, n_kv_head=H, head_dim=N, max_len=N, dtype=torch.float64, backend="torch",
+               **kw)
+
+
+# ----------------------------------------------------------------------------------------------------
+# registry
+# ----------------------------------------------------------------------------------------------------
+def test_registry_lists_policies_and_rejects_unknown():
+    assert {"full", "streaming_llm", "h2o", "nats", "h2o_dense"} <= set(available_caches())
+    with pytest.raises(ValueError, match="unknown cache policy 'bogus'.*full"):
+        make_caches(tiny({"name": "dense"}), "bogus", 1, 8)
+
+
+# ----------------------------------------------------------------------------------------------------
+# visible sets against brute-force definitions
+# ----------------------------------------------------------------------------------------------------
+def brute_nats_visible(types: list[int], window: int) -> list[set[int]]:
+    """Spec section 2 by loops: local j visible to i iff no global strictly between; sliding iff i - j < W."""
+    out = []
+    for i in range(len(types)):
+        vis = set()
+        for j in range(i + 1):
+            t = types[j]
+            if t == 0 or (t == 1 and not any(types[m] == 0 for m in range(j + 1, i))) or (t == 2 and i - j < window):
+                vis.add(j)
+        out.append(vis)
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_nats_cache_visible_sets_sizes_and_kept(window):
+    torch.manual_seed(0)
+    B, H, N = 3, 2, 40
+    types = torch.randint(0, 3, (B, H, N))
+    types[..., 0] = 0
+    types[0, 0, 5:25] = 1  # a long local run (grows and then truncates a segment)
+    types[1, 1] = 2
+    types[1, 1, 0] = 0
+    cache = new_cache(NAtSCache, B, H, N, window=window, check_every=2, init_capacity=1)
+    q, k, v = onehot_probe(B * H, N)
+    out = step_all(cache, q, k, v, types=types)  # [R, 1, N, N]
+    vis = out[:, 0] > 0  # [R, N(query), N(key)]
+    expect = NF.nats_mask(types, window).reshape(B * H, N, N)
+    assert torch.equal(vis, expect)
+    rows = types.reshape(B * H, N).tolist()
+    for r in range(B * H):
+        brute = brute_nats_visible(rows[r], window)
+        assert [set(torch.nonzero(vis[r, i]).flatten().tolist()) for i in range(N)] == brute
+    sizes = NF.kv_cache_sizes(types, window).double()  # [B, H, N]
+    fr = cache.fractions()
+    assert torch.allclose(fr["area"], sizes.sum(-1) / (N * (N + 1) / 2))
+    assert torch.allclose(fr["peak"], sizes.amax(-1) / N)
+    # kept after the last step = the keys that query N would still see (globals, live locals, sliding)
+    nxt = torch.cat([types, torch.full((B, H, 1), 2)], -1)  # a sliding token N: does not evict anything
+    kept = NF.nats_mask(nxt, window)[..., N, :N].sum(-1)
+    assert torch.equal(cache.kept(), kept)
+    assert cache.compactions > 0  # compaction happened and kept the contents right
+
+
+def test_nats_load_equals_stepping_state():
+    torch.manual_seed(1)
+    B, H, N, D, W = 2, 3, 33, 8, 4
+    types = torch.randint(0, 3, (B, H, N))
+    types[..., 0] = 0
+    k = torch.randn(B, H, N, D, dtype=torch.float64)
+    v = torch.randn(B, H, N, D, dtype=torch.float64)
+    stepped = NAtSCache(batch=B, n_head=H, n_kv_head=H, head_dim=D, max_len=N, dtype=torch.float64, window=W,
+                        backend="torch")
+    q = torch.randn(B * H, 1, N, D, dtype=torch.float64)
+    step_all(stepped, q, k.reshape(B * H, N, D), v.reshape(B * H, N, D), types=types)
+    loaded = NAtSCache(batch=B, n_head=H, n_kv_head=H, head_dim=D, max_len=N, dtype=torch.float64, window=W,
+                       backend="torch")
+    loaded.load(k, v, types)
+    assert torch.equal(stepped.length, loaded.length) and torch.equal(stepped.n_global, loaded.n_global)
+    assert torch.equal(stepped.ring_valid, loaded.ring_valid)
+    assert torch.equal(stepped.kept(), loaded.kept())
+    for r in range(B * H):
+        n = int(stepped.length[r])
+        a = stepped.k_pool[stepped.start[r]:stepped.start[r] + n]
+        b = loaded.k_pool[loaded.start[r]:loaded.start[r] + n]
+        assert torch.equal(a, b)
+        assert torch.equal(stepped.ring_k[r][stepped.ring_valid[r]], loaded.ring_k[r][loaded.ring_valid[r]])
+    fa, fb = stepped.fractions(), loaded.fractions()
+    assert torch.allclose(fa["area"], fb["area"]) and torch.allclose(fa["peak"], fb["peak"])
+    assert torch.allclose(stepped.type_fractions(), loaded.type_fractions())
+
+
+def test_streaming_visible_sets_brute_force():
+    B, H, N, budget, sinks = 2, 2, 30, 9, 4
+    cache = new_cache(StreamingLLMCache, B, H, N, budget=budget, sinks=sinks)
+    q, k, v = onehot_probe(B * H, N)
+    vis = step_all(cache, q, k, v)[:, 0] > 0
+    brute = torch.tensor([[j <= i and (j < sinks or i - j < budget - sinks) for j in range(N)] for i in range(N)])
+    assert torch.equal(streaming_mask(N, budget, sinks), brute)
+    assert torch.equal(vis, brute.expand(B * H, N, N))
+    area, peak = NF.budget_fractions(budget, N)
+    fr = cache.fractions()
+    assert torch.allclose(fr["area"], torch.tensor(area, dtype=torch.float64))
+    assert torch.allclose(fr["peak"], torch.tensor(peak, dtype=torch.float64))
+
+
+def test_h2o_hand_example_uniform_attention():
+    """q = 0: every kept key gets 1/|S|. With B = 4, R = 2 the scores after step 3 are
+    (0: 1 + 1/2 + 1/3 + 1/4, 1: 1/2 + 1/3 + 1/4, 2: 1/3 + 1/4, 3: 1/4): step 4 evicts key 2 (the lowest
+    non-recent score), step 5 evicts key 3 (0.25 + 0.25 < the others), step 6 evicts key 4."""
+    N = 8
+    cache = new_cache(H2OCache, 1, 1, N, budget=4)
+    q, k, v = onehot_probe(1, N)
+    vis = step_all(cache, q, k, v)[0, 0] > 0
+    got = [sorted(torch.nonzero(vis[i]).flatten().tolist()) for i in range(N)]
+    assert got[:4] == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+    assert got[4] == [0, 1, 3, 4]
+    assert got[5] == [0, 1, 4, 5]
+    assert got[6] == [0, 1, 5, 6]
+    assert got[7] == [0, 1, 6, 7]
+
+
+def brute_h2o(q, k, v, budget, recent):
+    """The sequential rule of spec section 7 by a slow loop, one row: q [G, N, D], k/v [N, D]."""
+    G, N, D = q.shape
+    kept: list[int] = []
+    score: dict[int, float] = {}
+    outs, visible = [], []
+    for i in range(N):
+        kept.append(i)
+        score[i] = 0.0
+        if len(kept) > budget:
+            cands = [j for j in kept if j <= i - recent]
+            victim = min(cands, key=lambda j: (score[j], j))
+            kept.remove(victim)
+            del score[victim]
+        kk, vv = k[kept], v[kept]
+        p = torch.softmax(q[:, i] @ kk.T / math.sqrt(D), dim=-1)  # [G, |S|]
+        outs.append(p @ vv)
+        for c, j in enumerate(kept):
+            score[j] += float(p[:, c].sum())
+        visible.append(sorted(kept))
+    return torch.stack(outs, 1), visible
+
+
+@pytest.mark.parametrize("budget,recent", [(6, None), (7, 2), (10, None)])
+def test_h2o_matches_slow_loop_gqa(budget, recent):
+    torch.manual_seed(2)
+    B, H, G, N, D = 2, 2, 2, 28, 8
+    q = torch.randn(B * H, G, N, D, dtype=torch.float64) * 2
+    k = torch.randn(B * H, N, D, dtype=torch.float64)
+    v = torch.randn(B * H, N, D, dtype=torch.float64)
+    cache = H2OCache(batch=B, n_head=H * G, n_kv_head=H, head_dim=D, max_len=N, dtype=torch.float64,
+                     backend="torch", budget=budget, recent=recent)
+    out = step_all(cache, q, k, v)
+    R = budget // 2 if recent is None else recent
+    for r in range(B * H):
+        ref, _ = brute_h2o(q[r], k[r], v[r], budget, R)
+        assert torch.allclose(out[r], ref, atol=1e-12, rtol=0)
+    assert torch.equal(cache.kept(), torch.full((B, H), budget))
+    area, peak = NF.budget_fractions(budget, N)
+    assert torch.allclose(cache.fractions()["area"], torch.tensor(area, dtype=torch.float64))
+
+
+def test_h2o_dense_approximation_mask_sizes():
+    torch.manual_seed(3)
+    q = torch.randn(1, 4, 20, 8)
+    k = torch.randn(1, 2, 20, 8)
+    mask = h2o_dense_mask(q, k, budget=6, recent=3)
+    assert mask.shape == (1, 2, 20, 20)
+    assert torch.equal(mask.sum(-1)[0, 0], torch.arange(1, 21).clamp(max=6))
+    assert not torch.triu(mask[0, 0], 1).any()
+    i = torch.arange(20)
+    assert mask[0, :, i, i].all() and mask[0, :, i[2:], i[2:] - 2].all()  # the recent keys
+
+
+# ----------------------------------------------------------------------------------------------------
+# decoding equals the parallel forward (float64, GQA, several layers, evictions)
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prefill_len", [0, 23])
+def test_full_decode_equals_forward(prefill_len):
+    model = tiny({"name": "dense", "output_gate": "headwise"})
+    idx = torch.randint(0, V, (2, 64))
+    ref = model(idx).logits
+    out, _ = policy_logits(model, idx, "full", sequential=True, prefill_len=prefill_len)
+    assert torch.allclose(out, ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("prefill_len", [0, 31])
+def test_nats_decode_equals_forward(prefill_len):
+    model = nats_model(window=4)
+    idx = torch.randint(0, V, (3, 61))
+    ref = model(idx).logits
+    out, caches = policy_logits(model, idx, "nats", sequential=True, prefill_len=prefill_len, check_every=4)
+    assert torch.allclose(out, ref, atol=1e-10, rtol=0)
+    par, pcaches = policy_logits(model, idx, "nats")
+    assert torch.allclose(par, ref, atol=1e-12, rtol=0)
+    # the measured cache sizes are kv_cache_sizes of the model's own types; all three types occur
+    from nats.attention.nats import collect_types
+
+    types = collect_types(model, idx)
+    seen = set()
+    for layer, t in types.items():
+        seen |= set(t.unique().tolist())
+        sizes = NF.kv_cache_sizes(t, 4).double()
+        for c in (caches[layer], pcaches[layer]):
+            assert torch.allclose(c.fractions()["area"], sizes.sum(-1) / (61 * 62 / 2))
+            assert torch.allclose(c.fractions()["peak"], sizes.amax(-1) / 61)
+    assert seen == {0, 1, 2}
+    assert any(c.compactions for c in caches)
+
+
+def test_nats_decode_learned_positions_and_elementwise_gate():
+    model = nats_model(window=3, pos_emb="learned", n_layer=2)
+    gated = tiny({"name": "nats", "window": 3, "output_gate": "elementwise"}, n_layer=2)
+    idx = torch.randint(0, V, (2, 40))
+    for m in (model, gated):
+        out, _ = policy_logits(m, idx, "nats", sequential=True)
+        assert torch.allclose(out, m(idx).logits, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("prefill_len", [0, 30])
+def test_streaming_decode_equals_masked_forward(prefill_len):
+    model = tiny({"name": "dense"})
+    idx = torch.randint(0, V, (2, 50))
+    budget, sinks = 12, 4
+    ref = masked_forward(model, idx, streaming_mask(50, budget, sinks))
+    seq, _ = policy_logits(model, idx, "streaming_llm", sequential=True, prefill_len=prefill_len, budget=budget)
+    par, _ = policy_logits(model, idx, "streaming_llm", budget=budget)
+    assert torch.allclose(seq, ref, atol=1e-10, rtol=0)
+    assert torch.allclose(par, ref, atol=1e-10, rtol=0)
+    assert not torch.allclose(ref, model(idx).logits, atol=1e-3)  # the budget matters
+
+
+def test_h2o_layerwise_prefill_equals_token_steps():
+    model = tiny({"name": "dense"})
+    idx = torch.randint(0, V, (2, 40))
+    a, _ = policy_logits(model, idx, "h2o", sequential=True, budget=10)
+    b, _ = policy_logits(model, idx, "h2o", sequential=False, budget=10)
+    c, _ = policy_logits(model, idx, "h2o", sequential=True, prefill_len=17, budget=10)
+    assert torch.allclose(a, b, atol=1e-12, rtol=0) and torch.allclose(a, c, atol=1e-12, rtol=0)
+
+
+def test_generate_greedy_matches_naive_loop():
+    for model, policy in ((tiny({"name": "dense"}), "full"), (nats_model(), "nats")):
+        idx = torch.randint(0, V, (2, 9))
+        out = generate(model, idx, 12, policy=policy, greedy=True)
+        naive = idx
+        for _ in range(12):
+            naive = torch.cat([naive, model(naive).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        assert torch.equal(out, naive)
+    g = torch.Generator().manual_seed(0)
+    sampled = generate(tiny({"name": "dense"}), idx, 5, policy="h2o", budget=6, top_k=5, generator=g)
+    assert sampled.shape == (2, 14) and torch.equal(sampled[:, :9], idx)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the Triton decode kernel (CPU interpreter here; the same code runs on CUDA)
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_pool_attention_matches_torch(dtype):
+    from nats.cache.triton_decode import triton_pool_attention
+
+    torch.manual_seed(0)
+    R, G, D, W = 5, 2, 16, 4
+    length = torch.tensor([0, 3, 70, 130, 1])
+    cap = length + 5
+    start = torch.zeros_like(cap)
+    start[1:] = cap.cumsum(0)[:-1]
+    P = int(cap.sum())
+    kp, vp = torch.randn(P + 1, D).to(dtype), torch.randn(P + 1, D).to(dtype)
+    q = torch.randn(R, G, D).to(dtype)
+    rk, rv = torch.randn(R, W, D).to(dtype), torch.randn(R, W, D).to(dtype)
+    rvalid = torch.rand(R, W) < 0.5
+    rvalid[0, 0] = True  # row 0 has an empty segment: its ring must hold a key
+    ref = torch_pool_attention(q, kp, vp, start, length, int(length.max()), rk, rv, rvalid)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for splits in (1, 3, None):
+        out = triton_pool_attention(q, kp, vp, start, length, int(length.max()), ring_k=rk, ring_v=rv,
+                                    ring_valid=rvalid, splits=splits)
+        assert out.dtype == dtype
+        assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=0), splits
+    ln = length.clamp(min=1)
+    ref = torch_pool_attention(q, kp, vp, start, ln, int(ln.max()))
+    out = triton_pool_attention(q, kp, vp, start, ln, int(ln.max()), splits=2)
+    assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=0)
+
+
+def test_nats_decode_with_triton_backend():
+    """The NAtS cache stepping through the Triton kernel (interpreted: few tokens) equals the forward."""
+    model = nats_model(window=3, n_layer=2).float()
+    idx = torch.randint(0, V, (2, 12))
+    ref = model(idx).logits
+    out, caches = policy_logits(model, idx, "nats", sequential=True, backend="triton", check_every=2)
+    assert caches[0].backend == "triton"
+    assert torch.allclose(out, ref, atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# memory: per-head segments with slack, not padded to the longest head
+# ----------------------------------------------------------------------------------------------------
+def test_nats_cache_memory_follows_kept_tokens_per_head():
+    torch.manual_seed(0)
+    B, H, N, D, W = 2, 4, 3000, 16, 8
+    # very different head sizes: head h keeps a fraction 0.02 * 4**h of its tokens as globals
+    rate = torch.tensor([0.02, 0.05, 0.2, 0.6]).view(1, H, 1)
+    u = torch.rand(B, H, N)
+    types = torch.where(u < rate, 0, torch.where(u < rate + 0.02, 1, 2))
+    types[..., 0] = 0
+    k = torch.randn(B, H, N, D)
+    cache = NAtSCache(batch=B, n_head=H, n_kv_head=H, head_dim=D, max_len=N, window=W, backend="torch")
+    cache.load(k, k, types)
+    kv_ratio = cache.kv_nbytes() / cache.kept_nbytes()
+    padded = B * H * int(cache.length.max()) / int(cache.kept().sum())
+    assert kv_ratio < 1.1 < padded, (kv_ratio, padded)
+    q = torch.randn(B * H, 1, 64, D)
+    step_all(cache, q, torch.randn(B * H, 64, D), torch.randn(B * H, 64, D),
+             types=torch.randint(0, 3, (B, H, 64)))
+    assert cache.kv_nbytes() / cache.kept_nbytes() < 1.15
+
+
+# ----------------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------------
+def test_budget_errors():
+    model = tiny({"name": "dense"})
+    with pytest.raises(ValueError, match="budget B=64 >= N=64"):
+        make_caches(model, "h2o", 1, 64, budget=64)
+    with pytest.raises(ValueError, match="too small for 4 attention sinks"):
+        make_caches(model, "streaming_llm", 1, 64, budget=4)
+    with pytest.raises(ValueError, match="needs a token budget"):
+        make_caches(model, "streaming_llm", 1, 64)
+    with pytest.raises(ValueError, match="takes no budget"):
+        make_caches(model, "full", 1, 64, budget=8)
+    with pytest.raises(ValueError, match="h2o: budget B=1 is too small"):
+        make_caches(model, "h2o", 1, 64, budget=1)
+    with pytest.raises(ValueError, match="exceed the model's block_size"):
+        make_caches(model, "full", 1, 100)
+    with pytest.raises(ValueError, match="exceeds the model's block_size"):
+        generate(model, torch.zeros(1, 70, dtype=torch.long), 5)
+
+
+def test_model_errors():
+    with pytest.raises(ValueError, match="needs a NAtS model"):
+        make_caches(tiny({"name": "dense"}), "nats", 1, 8)
+    anna = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_embd=16, attention={"name": "anna"}))
+    with pytest.raises(ValueError, match="attention 'anna'"):
+        make_caches(anna, "full", 1, 8)
+    with pytest.raises(ValueError, match="cannot decode"):
+        policy_logits(tiny({"name": "dense"}), torch.zeros(1, 20, dtype=torch.long), "h2o_dense", budget=8,
+                      sequential=True)
+
+
+def test_decode_benchmark_helpers_on_cpu():
+    """experiments/bench_decode.py (a GPU script): its synthetic cache fill and decode steps, on CPU."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_decode", REPO / "experiments" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = nats_model(window=4, n_layer=2, block_size=96).float()
+    gen = torch.Generator().manual_seed(0)
+    B, L = 2, 64
+    types = bench.synthetic_types(B, 2, L, gen, "cpu")
+    assert (types[..., 0] == 0).all() and 0.03 < float((types == 0).float().mean()) < 0.2
+    for policy in ("full", "full_sdpa", "nats", "h2o", "streaming_llm"):
+        budget = 12 if policy in ("h2o", "streaming_llm") else None
+        caches = make_caches(model, policy, B, L + 8, budget=budget, backend="torch", track=False)
+        bench.fill(caches, policy, L, gen, types if policy == "nats" else None)
+        token = torch.randint(0, V, (B,))
+        pos = torch.tensor([L])
+        later = torch.full((B, 2, 8), 2)
+        later[0, 0, 3] = 0  # one global for row (0, 0) at position L + 3
+        if policy == "nats":
+            for c in caches:
+                c.core = bench.SyntheticTypes(c.core, later, L, pos)
+        for i in range(L, L + 8):
+            logits = decode_step(model, caches, token, pos)
+            token = logits.argmax(-1)
+            pos += 1
+        assert torch.isfinite(logits).all()
+        kept = sum(int(c.kept().sum()) for c in caches)
+        expect = {"full": 2 * B * 2 * (L + 8), "full_sdpa": 2 * B * 2 * (L + 8), "h2o": 2 * B * 2 * 12,
+                  "streaming_llm": 2 * B * 2 * 12}
+        if policy in expect:
+            assert kept == expect[policy], policy
+        else:
+            assert 0 < kept < 2 * B * 2 * (L + 8) * 0.5
+            c = caches[0]
+            assert int(c.type_counts.sum()) == 0  # track=False
+            assert int(c.n_global[0]) == int((types[0, 0] == 0).sum()) + 1 and int(c.n_global[1]) == int(
+                (types[0, 1] == 0).sum())
+
+
+def test_nats_fused_triton_step_equals_torch_step():
+    """The Triton backend's fused append/evict launches leave the same cache state as the torch ops."""
+    torch.manual_seed(4)
+    B, H, G, N, D, W = 2, 2, 2, 14, 8, 3
+    types = torch.randint(0, 3, (B, H, N))
+    types[..., 0] = 0
+    q = torch.randn(B * H, G, N, D)
+    k, v = torch.randn(B * H, N, D), torch.randn(B * H, N, D)
+    caches = [NAtSCache(batch=B, n_head=H * G, n_kv_head=H, head_dim=D, max_len=N, window=W, backend=be,
+                        check_every=2, init_capacity=1) for be in ("torch", "triton")]
+    outs = [step_all(c, q, k, v, types=types) for c in caches]
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=0)
+    a, b = caches
+    for name in ("length", "n_global", "ring_valid", "type_counts", "start", "cap"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(a.k_pool[:-1], b.k_pool[:-1]) and torch.equal(a.ring_k, b.ring_k)
+    assert torch.allclose(a.fractions()["area"], b.fractions()["area"])
