@@ -13,8 +13,8 @@ SLURM requeue
     ``sbatch --signal=USR2@<signal_delay_s>`` (submitit's ``SUBMITIT_PREEMPT_SIGNAL``, USR2 by default). On that
     signal Lightning saves ``hpc_ckpt_<n>.ckpt`` into the run folder and calls ``scontrol requeue <job>``;
     the restarted job finds it through ``ckpt_path=auto``. submitit installs its own handler for the same
-    signal (it requeues without saving anything); :func:`release_requeue_signal` removes it just before
-    ``fit`` so that Lightning's handler, which saves the state first, is the one that runs.
+    signal (it requeues without saving anything); :func:`lightning_handles_requeue` sets it aside during
+    ``fit``/``validate`` so that Lightning's handler, which saves the state first, is the one that runs.
 
 ``metrics.json``
     :func:`write_metrics` writes the final metrics (validation loss, perplexity, KV density for NAtS, ...) and
@@ -34,8 +34,8 @@ from typing import Any, Iterator, Mapping
 
 # conf/hydra/launcher/submitit_{slurm,local}.yaml carry the plugin's names on purpose (hydra/launcher=submitit_slurm)
 # and are checked against the plugin's schema of that name; Hydra 1.3 warns about that on every start
-warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_(slurm|local)' is validated against ConfigStore",
-                        category=UserWarning)
+warnings.filterwarnings("ignore", category=UserWarning,
+                        message=r"\s*'hydra/launcher/submitit_(slurm|local)' is validated against ConfigStore")
 
 AUTO = "auto"
 METRICS_FILE = "metrics.json"

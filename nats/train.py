@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import hydra
+from hydra.errors import InstantiationException
 import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -19,6 +20,17 @@ from nats.runs import cluster_plugins, lightning_handles_requeue, resolve_ckpt_p
 from nats.utils import grad_accumulation, world_size_of
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def instantiate(node, **kwargs):
+    """hydra.utils.instantiate, but a configuration mistake raised by our own code (ValueError, TypeError,
+    FileNotFoundError: an unknown attention name, a window < 1, ...) surfaces as itself, not wrapped."""
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, (ValueError, TypeError, FileNotFoundError)):
+            raise err.__cause__ from None
+        raise
 
 
 def build(cfg: DictConfig):
@@ -35,8 +47,8 @@ def build(cfg: DictConfig):
             f"data.block_size={data_len} is longer than model.block_size={model_len}: the model cannot attend "
             f"that far. Set data.block_size <= {model_len} or train a model with model.block_size={data_len}."
         )
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
-    module: L.LightningModule = hydra.utils.instantiate(cfg.module, _convert_="all")
+    datamodule: L.LightningDataModule = instantiate(cfg.data)
+    module: L.LightningModule = instantiate(cfg.module, _convert_="all")
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     plugins = cluster_plugins(cfg.get("auto_requeue", True))  # SLURM: requeue on submitit's signal

@@ -243,7 +243,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
         return GPTOutput(logits=logits, loss=loss, aux_loss=aux_loss, stats=stats)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:

@@ -1,0 +1,424 @@
+"""Sweeps and SLURM: the launcher configs, the batch script submitit would submit (rendered without sbatch), a
+2x2 multirun through the submitit_local launcher collected into one table, checkpoint auto-resume in the run
+folder, and the pre-emption path (signal -> hpc checkpoint -> requeue -> the same folder -> resume)."""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from conftest import DATA_DIR, REPO, compose
+from nats.runs import resolve_ckpt_path
+from nats.train import run
+
+BIN = Path(sys.executable).parent
+NATS_TRAIN = str(BIN / "nats-train")
+TINY = ["model.block_size=32", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.micro_batch_size=2",
+        "global_batch_size=2", "data.max_eval_windows=2", "callbacks.progress_bar=null", "callbacks.throughput=null",
+        "trainer.enable_progress_bar=false"]
+
+sys.path.insert(0, str(REPO / "experiments"))
+import collect  # noqa: E402  (experiments/collect.py)
+
+sys.path.insert(0, str(REPO / "slurm"))
+import pipeline  # noqa: E402  (slurm/pipeline.py)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fake SLURM commands: sbatch keeps the batch script and refuses the job, srun exists, scontrol records
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_slurm(tmp_path) -> dict[str, str]:
+    bin_dir = tmp_path / "fake_bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/sh\ncp "$1" "$FAKE_SLURM_DIR/sbatch_$$.sh"\n'
+        'echo "sbatch: error: a test double, nothing was submitted" >&2\nexit 1\n')
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    # scontrol records its arguments; with FAKE_SCONTROL_KILL=1 it then kills its caller, as SLURM ends a
+    # requeued job
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\necho "$@" >> "$FAKE_SLURM_DIR/scontrol.txt"\n'
+        'if [ "$FAKE_SCONTROL_KILL" = "1" ]; then kill -9 $PPID; fi\nexit 0\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_DIR=str(tmp_path),
+                PROJECT_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
+
+
+def sbatch_scripts(folder: Path) -> list[str]:
+    return [p.read_text() for p in sorted(folder.glob("sbatch_*.sh"))]
+
+
+def srun_command(script: str) -> list[str]:
+    """The command srun runs in a batch script (without srun and its options)."""
+    line = next(ln for ln in script.splitlines() if ln.startswith("srun "))
+    tokens = shlex.split(line)
+    i = tokens.index("-u")
+    return tokens[i - 1:]
+
+
+def load_pickles(folder: Path):
+    from submitit.core.utils import DelayedSubmission
+
+    return [DelayedSubmission.load(p) for p in sorted(folder.rglob("*.pkl"))]
+
+
+# ----------------------------------------------------------------------------------------------------
+# launcher configs
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("trainer, tasks", [("ddp", 4), ("gpu", 1)])
+def test_slurm_launcher_follows_the_trainer(trainer, tasks, tmp_path):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=[
+            "hydra/launcher=submitit_slurm", f"trainer={trainer}", "hydra.launcher.partition=gpu",
+            "hydra.launcher.account=proj", "hydra.launcher.mem_gb=256", "hydra.launcher.constraint=h100",
+            "hydra.launcher.timeout_min=600", f"paths.output_dir={tmp_path}"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher.tasks_per_node == launcher.gpus_per_node == tasks == cfg.trainer.devices
+    assert launcher.nodes == cfg.trainer.num_nodes == 1
+    assert (launcher.partition, launcher.account, launcher.mem_gb, launcher.constraint) == ("gpu", "proj", 256, "h100")
+    assert launcher.additional_parameters.requeue is True and launcher.max_num_timeout > 0
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        local = hydra_compose("train", overrides=["hydra/launcher=submitit_local", f"paths.output_dir={tmp_path}"],
+                              return_hydra_config=True)
+    assert local.hydra.launcher._target_.endswith("LocalLauncher") and local.hydra.launcher.tasks_per_node == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# the batch script of the paper's pipeline, rendered through the real pipeline -> Hydra -> submitit path
+# ----------------------------------------------------------------------------------------------------
+def test_pipeline_renders_the_batch_scripts(tmp_path, fake_slurm):
+    out = tmp_path / "paper"
+    cmd = [sys.executable, str(REPO / "slurm" / "pipeline.py"), "--stages", "train", "--out", str(out),
+           "--lambdas", "0.1", "0.3", "--partition", "gpu", "--account", "proj", "--constraint", "h100",
+           "--time-min", "600", "--mem-gb", "200", "--", "data.path=/data/pg19"]
+    res = subprocess.run(cmd, env=fake_slurm, capture_output=True, text=True, timeout=240)
+    assert "a test double" in res.stderr, res.stdout + res.stderr
+    scripts = sbatch_scripts(tmp_path)
+    assert len(scripts) == 2, res.stdout + res.stderr  # the NAtS sweep (a job array) and the dense baseline
+    by_kind = {("nats" if "/train/nats/" in s else "dense"): s for s in scripts}
+    for kind, script in by_kind.items():
+        flags = {ln.split("=", 1)[0]: ln.split("=", 1)[1] if "=" in ln else True
+                 for ln in (x[len("#SBATCH "):] for x in script.splitlines() if x.startswith("#SBATCH "))}
+        assert flags["--gpus-per-node"] == "4" and flags["--ntasks-per-node"] == "4" and flags["--nodes"] == "1"
+        assert flags["--partition"] == "gpu" and flags["--account"] == "proj" and flags["--constraint"] == "h100"
+        assert flags["--time"] == "600" and flags["--mem"] == "200GB" and flags["--requeue"] is True
+        assert flags["--signal"] == "USR2@120"  # what nats.runs.requeue_signal() listens to
+        assert flags["--cpus-per-task"] == "8"
+        command = srun_command(script)
+        assert command[1:4] == ["-u", "-m", "submitit.core._submit"]
+        assert command[4] == str(out / "train" / kind / ".submitit" / "%j")
+        assert "export SUBMITIT_EXECUTOR=slurm" in script
+    assert "--array=0-1%2" in by_kind["nats"] and "--array" not in by_kind["dense"]
+    # the pickled jobs: one per lambda plus the dense one, each with the pipeline's overrides
+    jobs = load_pickles(out / "train")
+    overrides = sorted(tuple(j.args[0]) for j in jobs)
+    assert len(overrides) == 3
+    assert all("ckpt_path=auto" in o and "data.path=/data/pg19" in o for o in overrides)
+    lambdas = sorted(next(x for x in o if x.startswith("model.attention.sparsity_lambda=")) for o in overrides
+                     if "experiment=pg19_gpt2_nats" in o)
+    assert lambdas == ["model.attention.sparsity_lambda=0.1", "model.attention.sparsity_lambda=0.3"]
+    assert sum("experiment=pg19_gpt2_dense" in o for o in overrides) == 1
+
+
+def test_plain_sbatch_script(tmp_path, fake_slurm, monkeypatch):
+    """slurm/train.sbatch: the paper's resources, the signal Lightning listens to, and a run folder named by the
+    job id (so that a requeued job finds it again); run with bash and an srun that prints what it would run."""
+    script = REPO / "slurm" / "train.sbatch"
+    flags = [ln.split()[1] for ln in script.read_text().splitlines() if ln.startswith("#SBATCH")]
+    assert {"--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4", "--signal=USR2@120", "--requeue"} <= set(flags)
+    fake_srun = Path(fake_slurm["PATH"].split(os.pathsep)[0]) / "srun"
+    fake_srun.write_text('#!/bin/sh\nfor a in "$@"; do echo "ARG $a"; done\n')
+    env = {**fake_slurm, "SLURM_JOB_ID": "77", "SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_NUM_NODES": "1",
+           "PYTHON": "python3"}
+    res = subprocess.run(["bash", str(script), "experiment=pg19_gpt2_nats", "data.path=/data/pg19"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    args = [ln[4:] for ln in res.stdout.splitlines() if ln.startswith("ARG ")]
+    assert args[:3] == ["python3", "-m", "nats.train"]
+    assert {"trainer=ddp", "trainer.devices=4", "trainer.num_nodes=1", "ckpt_path=auto",
+            f"hydra.run.dir={tmp_path}/logs/${{task_name}}/slurm/77", "experiment=pg19_gpt2_nats",
+            "data.path=/data/pg19"} <= set(args)
+    monkeypatch.delenv("SUBMITIT_PREEMPT_SIGNAL", raising=False)
+    from nats.runs import requeue_signal
+
+    assert requeue_signal() == signal.SIGUSR2
+
+
+def test_requeued_job_resolves_the_same_sweep_folder(tmp_path, fake_slurm, monkeypatch):
+    """The default sweep folder holds ${now:...}: the pickled job (which a requeue re-runs) keeps the value."""
+    from hydra.core.utils import setup_globals
+
+    monkeypatch.setenv("PROJECT_ROOT", str(tmp_path))  # read again in the job (sbatch passes the environment)
+
+    cmd = [NATS_TRAIN, "-m", "hydra/launcher=submitit_slurm", "trainer=cpu", "hydra.launcher.gpus_per_node=null",
+           "seed=1,2", f"paths.data_dir={DATA_DIR}", *TINY]
+    res = subprocess.run(cmd, env=fake_slurm, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert "a test double" in res.stderr, res.stdout + res.stderr
+    sweeps = list((tmp_path / "logs" / "train" / "multiruns").iterdir())
+    assert len(sweeps) == 1
+    time.sleep(1.1)  # a re-resolved ${now:%H-%M-%S} would differ now
+    setup_globals()
+    jobs = load_pickles(sweeps[0])
+    assert len(jobs) == 2
+    for job in jobs:
+        assert Path(str(job.function.config.hydra.sweep.dir)).resolve() == sweeps[0].resolve()
+
+
+# ----------------------------------------------------------------------------------------------------
+# a 2x2 multirun with the submitit_local launcher, collected into one table
+# ----------------------------------------------------------------------------------------------------
+def test_local_multirun_2x2_collects_4_rows(tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [NATS_TRAIN, "-m", "hydra/launcher=submitit_local", "model/attention=nats",
+           "model.attention.sparsity_lambda=0,0.5", "model.attention.window=4,8", "trainer.max_steps=2",
+           "eval_every=2", "logger=none", f"paths.data_dir={DATA_DIR}", f"hydra.sweep.dir={sweep}", *TINY]
+    env = dict(os.environ, PROJECT_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["0", "1", "2", "3"]
+    assert list((sweep / ".submitit").iterdir()), "submitit wrote no job folders"
+    rows = collect.main([str(sweep), "--out", str(tmp_path / "results")])
+    assert len(rows) == 4 and all(r["status"] == "done" and r["steps"] == 2 for r in rows)
+    assert sorted((r["lambda"], r["window"]) for r in rows) == [(0, 4), (0, 8), (0.5, 4), (0.5, 8)]
+    assert all(0 < r["kv_fraction"] <= 1 and r["val_ppl"] > 1 for r in rows)
+    with open(tmp_path / "results" / "runs.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 4 and {"lambda", "window", "seed", "val_ppl", "kv_fraction", "sweep"} <= set(table[0])
+    md = (tmp_path / "results" / "runs.md").read_text()
+    assert md.count("| done |") == 4
+    assert (tmp_path / "results" / "ppl_vs_kv.png").stat().st_size > 1000
+
+
+def fake_run(root: Path, name: str, attention: dict, seed: int, metrics: dict | None, eval_rows=None) -> Path:
+    import yaml
+
+    run_dir = root / name
+    (run_dir / ".hydra").mkdir(parents=True)
+    cfg = {"task_name": "train", "seed": seed, "global_batch_size": 480,
+           "model": {"n_layer": 12, "block_size": 1024, "attention": attention}}
+    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    overrides = [f"seed={seed}"] + [f"model.attention.{k}={v}" for k, v in attention.items() if k != "name"]
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if metrics is not None:
+        (run_dir / "metrics.json").write_text(json.dumps({"metrics": metrics, "global_step": 10}))
+    if eval_rows:
+        (run_dir / "eval" / ".hydra").mkdir(parents=True)
+        (run_dir / "eval" / ".hydra" / "config.yaml").write_text("task_name: eval\n")
+        with open(run_dir / "eval" / "results.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(eval_rows[0]))
+            w.writeheader()
+            w.writerows(eval_rows)
+    return run_dir
+
+
+def test_collect_dense_seeds_eval_and_unfinished(tmp_path):
+    root = tmp_path / "multirun"
+    for seed, shift in ((1, 0.0), (2, 0.2)):
+        fake_run(root, f"nats/l0.1_s{seed}", {"name": "nats", "window": 16, "sparsity_lambda": 0.1}, seed,
+                 {"val/loss": 3.0 + shift, "val/ppl": 20.0 + shift, "val/density": 0.2})
+        fake_run(root, f"nats/l1_s{seed}", {"name": "nats", "window": 16, "sparsity_lambda": 1.0}, seed,
+                 {"val/loss": 3.2 + shift, "val/density": 0.05})
+    eval_rows = [{"method": "full", "label": "full", "budget": "", "ppl": "21.0", "area": "1.0"},
+                 {"method": "h2o", "label": "h2o", "budget": "0.25", "ppl": "30.0", "area": "0.25"}]
+    fake_run(root, "dense/s1", {"name": "dense", "output_gate": "none"}, 1, {"val/loss": 2.9}, eval_rows)
+    fake_run(root, "nats/l3_s1", {"name": "nats", "window": 16, "sparsity_lambda": 3.0}, 1, None)  # still running
+    rows = collect.main([str(root)])
+    assert len(rows) == 6
+    dense = next(r for r in rows if r["attention"] == "dense")
+    assert dense["kv_fraction"] == 1.0 and dense["val_ppl"] == pytest.approx(math.exp(2.9))
+    running = next(r for r in rows if r["lambda"] == 3.0)
+    assert running["status"] == "running/failed"
+    means = collect.seed_means(rows)
+    l01 = next(m for m in means if m["lambda"] == 0.1)
+    assert l01["seeds"] == 2 and l01["val_ppl"] == pytest.approx(20.1) and l01["kv_fraction"] == pytest.approx(0.2)
+    md = (root / "runs.md").read_text()
+    assert "Mean over seeds" in md and md.count("| running/failed |") == 1
+    with open(root / "eval.csv", newline="") as f:
+        ev = list(csv.DictReader(f))
+    assert [e["method"] for e in ev] == ["full", "h2o"] and ev[0]["attention"] == "dense"
+    assert (root / "ppl_vs_kv.png").is_file() and (root / "eval_ppl_vs_area.png").is_file()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no runs"):
+        collect.collect([tmp_path / "empty"])
+
+
+def test_pipeline_dry_run_and_eval_overrides(tmp_path, capsys):
+    assert pipeline.main(["--dry-run", "--out", str(tmp_path), "--lambdas", "0.03", "1", "--seeds", "1", "2",
+                          "--windows", "8", "16", "--partition", "gpu", "--", "data.path=/data/pg19"]) == 0
+    text = capsys.readouterr().out
+    nats_line = next(ln for ln in text.splitlines() if ln.startswith("[train:nats]"))
+    for part in ("experiment=pg19_gpt2_nats", "model.attention.sparsity_lambda=0.03,1", "model.attention.window=8,16",
+                 "seed=1,2", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu", "ckpt_path=auto",
+                 f"hydra.sweep.dir={tmp_path / 'train' / 'nats'}", "data.path=/data/pg19"):
+        assert part in nats_line, part
+    assert "experiment=pg19_gpt2_dense" in next(ln for ln in text.splitlines() if ln.startswith("[train:dense]"))
+    assert "[collect]" in text
+    # the eval stage evaluates a finished run on the data it was trained on
+    import yaml
+
+    run_dir = tmp_path / "train" / "nats" / "W16_lambda0.1_seed1"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(
+        {"data": {"source": "pg19", "path": "/data/pg19", "hf_name": None, "seed": "${seed}"}}))
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["paths.data_dir=/cache", "seed=1"]))
+    assert pipeline.eval_data_overrides(run_dir) == ["data=pg19", "data.path=/data/pg19", "paths.data_dir=/cache"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# ckpt_path=auto: resume from the run folder
+# ----------------------------------------------------------------------------------------------------
+def test_resolve_ckpt_path(tmp_path):
+    assert resolve_ckpt_path(None, tmp_path) is None and resolve_ckpt_path("auto", tmp_path) is None
+    (tmp_path / "checkpoints").mkdir()
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.write_text("x")
+    assert resolve_ckpt_path("auto", tmp_path) == str(last)
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    hpc.write_text("x")
+    os.utime(last, (time.time() - 60, time.time() - 60))
+    assert resolve_ckpt_path("auto", tmp_path) == str(hpc)  # the newer one
+    os.utime(hpc, (time.time() - 120, time.time() - 120))
+    assert resolve_ckpt_path("auto", tmp_path) == str(last)
+    with pytest.raises(FileNotFoundError, match="nope.ckpt does not exist"):
+        resolve_ckpt_path(str(tmp_path / "nope.ckpt"), tmp_path)
+
+
+def test_auto_resume_from_the_run_folder(tmp_path, capsys):
+    base = TINY + ["eval_every=2", "logger=none", "callbacks.model_checkpoint.save_top_k=0"]  # last.ckpt only
+    run(compose(base + ["trainer.max_steps=2"], tmp_path))
+    assert json.loads((tmp_path / "metrics.json").read_text())["resumed_from"] is None
+    run(compose(base + ["trainer.max_steps=4"], tmp_path))  # ckpt_path=auto (the default)
+    info = json.loads((tmp_path / "metrics.json").read_text())
+    assert info["resumed_from"] == str(tmp_path / "checkpoints" / "last.ckpt") and info["global_step"] == 4
+    assert "resuming from" in capsys.readouterr().out
+    run(compose(base + ["trainer.max_steps=2", "ckpt_path=null"], tmp_path))  # null: from scratch
+    info = json.loads((tmp_path / "metrics.json").read_text())
+    assert info["resumed_from"] is None and info["global_step"] == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# pre-emption under SLURM: Lightning's handler saves hpc_ckpt_<n>.ckpt and requeues; the rerun resumes
+# ----------------------------------------------------------------------------------------------------
+class SignalAt(Callback):
+    """Sends `signum` to this process once, after optimizer step `step` (a pre-emption notice)."""
+
+    def __init__(self, step: int, signum: int = int(signal.SIGUSR2)):
+        self.step, self.signum, self.sent = step, signum, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+
+SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODELIST": "node1"}
+
+
+def test_preemption_saves_requeues_and_resumes(tmp_path, fake_slurm, monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("SLURM_"):
+            monkeypatch.delenv(key)
+    for key, value in {**SLURM_ENV, "PATH": fake_slurm["PATH"], "FAKE_SLURM_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+
+    def submitit_handler(signum, frame):  # stands for submitit's handler (which requeues without saving)
+        raise AssertionError("submitit's handler ran instead of Lightning's")
+
+    submitit_handler.__module__ = "submitit.core.job_environment"
+    previous = signal.signal(signal.SIGUSR2, submitit_handler)
+    run_dir = tmp_path / "run"
+    base = TINY + ["logger=none", "callbacks.model_checkpoint=null", "+trainer.enable_checkpointing=false",
+                   "eval_every=2", "final_validation=false"]
+    try:
+        run(compose(base + ["trainer.max_steps=4", "+callbacks.preempt._target_=test_sweeps.SignalAt",
+                            "+callbacks.preempt.step=3"], run_dir))
+        assert signal.getsignal(signal.SIGUSR2) is submitit_handler  # put back after fit
+        hpc = run_dir / "hpc_ckpt_1.ckpt"
+        assert hpc.is_file(), sorted(p.name for p in run_dir.iterdir())
+        assert torch.load(hpc, map_location="cpu", weights_only=False)["global_step"] == 3
+        assert (tmp_path / "scontrol.txt").read_text().split() == ["requeue", "4242"]
+        # the requeued job: same config, same folder -> resumes from the hpc checkpoint
+        run(compose(base + ["trainer.max_steps=6"], run_dir))
+        info = json.loads((run_dir / "metrics.json").read_text())
+        assert info["resumed_from"] == str(hpc) and info["global_step"] == 6
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.slow
+def test_requeue_of_a_submitit_job_end_to_end(tmp_path, fake_slurm):
+    """The whole path as on a cluster: nats-train -m with the SLURM launcher writes the job (sbatch refused); the
+    job runs as srun would run it; SIGUSR2 -> Lightning saves hpc_ckpt_1 and calls scontrol requeue, which kills
+    it as SLURM would; the job runs again, lands in the same folder and finishes from the hpc checkpoint."""
+    cmd = [NATS_TRAIN, "-m", "hydra/launcher=submitit_slurm", "trainer=cpu", "hydra.launcher.gpus_per_node=null",
+           "trainer.max_steps=40", "eval_every=10", "logger=none", f"paths.data_dir={DATA_DIR}", *TINY]
+    res = subprocess.run(cmd, env=fake_slurm, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert "a test double" in res.stderr, res.stdout + res.stderr
+    [script] = sbatch_scripts(tmp_path)
+    command = srun_command(script)
+    folder = Path(command[-1].replace("%j", "4242"))
+    folder.mkdir(parents=True)
+    [pkl] = glob.glob(str(folder.parent / "*.pkl"))
+    os.replace(pkl, folder / "4242_submitted.pkl")  # where sbatch's job 4242 finds it
+    env = {**fake_slurm, **SLURM_ENV, "SUBMITIT_EXECUTOR": "slurm", "FAKE_SCONTROL_KILL": "1"}
+    sweep = folder.parent.parent
+    p = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not list(sweep.glob("0/checkpoints/last.ckpt")) and p.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGUSR2)
+    assert p.wait(timeout=300) == -9  # killed by the requeue, as SLURM does
+    assert (tmp_path / "scontrol.txt").read_text().split() == ["requeue", "4242"]
+    hpc = sweep / "0" / "hpc_ckpt_1.ckpt"
+    assert hpc.is_file()
+    time.sleep(1.1)
+    again = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [d.name for d in sweep.parent.iterdir()] == [sweep.name]  # no second sweep folder
+    info = json.loads((sweep / "0" / "metrics.json").read_text())
+    assert info["resumed_from"] == str(hpc) and info["global_step"] == 40
+    assert (folder / "4242_0_result.pkl").is_file()
+
+
+@pytest.mark.slow
+def test_pipeline_locally_end_to_end(tmp_path):
+    """slurm/pipeline.py with local processes on the small model: train 2 NAtS lambdas + dense, nats-eval each
+    (when nats/eval.py exists), collect: 3 rows, and the eval rows of every run."""
+    out = tmp_path / "paper"
+    cmd = [sys.executable, str(REPO / "slurm" / "pipeline.py"), "--launcher", "submitit_local", "--out", str(out),
+           "--nats", "model/attention=nats", "--dense", "model/attention=dense", "--lambdas", "0", "0.5",
+           "--eval-overrides", "max_windows=2", "methods=[full,streaming_llm]", "budgets=[0.5]", "device=cpu",
+           "progress=false", "--", "trainer.max_steps=2", "eval_every=2", "logger=none", f"paths.data_dir={DATA_DIR}",
+           *TINY]
+    res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=900, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(out / "results" / "runs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["attention"], r["lambda"]) for r in rows) == [("dense", ""), ("nats", "0"), ("nats", "0.5")]
+    assert all(r["status"] == "done" for r in rows)
+    assert next(r for r in rows if r["attention"] == "dense")["kv_fraction"] == "1.0"
+    if pipeline.importlib.util.find_spec("nats.eval") is not None:
+        with open(out / "results" / "eval.csv", newline="") as f:
+            ev = list(csv.DictReader(f))
+        assert len(ev) == 6 and {e["method"] for e in ev} == {"full", "streaming_llm"}
+    else:
+        assert "[eval] skipped" in res.stdout
