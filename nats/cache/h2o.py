@@ -45,6 +45,8 @@ class H2OCache(LayerCache):
         sdt = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.score = torch.zeros((self.rows, budget), device=self.device, dtype=sdt)
         self._big = torch.iinfo(torch.long).max
+        # a device zero: assigning the Python scalar 0 would copy from the host, which CUDA-graph capture refuses
+        self._zero = torch.zeros((), device=self.device, dtype=sdt)
 
     @classmethod
     def check_budget(cls, budget, n, recent: int | None = None, **options):
@@ -69,7 +71,7 @@ class H2OCache(LayerCache):
         self.k[rows, slot] = kr
         self.v[rows, slot] = vr
         self.slot_pos[rows, slot] = pos.expand(self.rows)
-        self.score[rows, slot] = 0
+        self.score[rows, slot] = self._zero
         valid = self.slot_pos >= 0
         self._record(valid.sum(1))
         self.t += 1

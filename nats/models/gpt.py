@@ -37,6 +37,9 @@ class GPTConfig:
     causal: bool = True
     n_out: int | None = None  # output classes if not a language model (then tie_embeddings must be False)
     attention: dict[str, Any] = field(default_factory=lambda: {"name": "dense"})
+    # cross-entropy from the log-sum-exp only (no fp32 copy of the logits saved for the backward); same value
+    # and gradient as F.cross_entropy, less memory traffic on GPUs (experiments/bench_train.py --lse-ce)
+    lse_cross_entropy: bool = False
 
     def __post_init__(self) -> None:
         self.attention = dict(self.attention)
@@ -83,6 +86,33 @@ class GPTOutput:
     loss: torch.Tensor | None  # mean cross-entropy, if targets were given
     aux_loss: torch.Tensor | None  # sum of the attention cores' auxiliary losses
     stats: dict[str, torch.Tensor]  # "layer{l}/{name}" -> scalar
+
+
+class LSECrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits [M, V] (any float dtype) against targets [M] (-100 = ignored).
+
+    Saves only the logits (in their own dtype) and the fp32 log-sum-exp per row; the backward recomputes the
+    softmax in one pointwise pass and writes the gradient in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        valid = targets != -100
+        safe = torch.where(valid, targets, 0)
+        acc = torch.promote_types(logits.dtype, torch.float32)  # fp32 for bf16/fp16/fp32, fp64 for fp64
+        lse = torch.logsumexp(logits.to(acc), dim=-1)  # [M]
+        picked = logits.gather(1, safe[:, None]).squeeze(1).to(acc)  # [M]
+        n = valid.sum().clamp(min=1)
+        ctx.save_for_backward(logits, safe, valid, lse, n)
+        return ((lse - picked) * valid).sum() / n
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, safe, valid, lse, n = ctx.saved_tensors
+        p = torch.exp(logits.to(lse.dtype) - lse[:, None])  # [M, V] softmax
+        cols = torch.arange(logits.size(1), device=logits.device)
+        p = torch.where(cols[None, :] == safe[:, None], p - 1.0, p)
+        scale = (grad_out * valid / n)[:, None]
+        return (p * scale).to(logits.dtype), None
 
 
 class RotaryEmbedding(nn.Module):
@@ -243,7 +273,11 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+            flat_logits, flat_targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+            if self.config.lse_cross_entropy:
+                loss = LSECrossEntropy.apply(flat_logits, flat_targets)
+            else:
+                loss = F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=-100)
         return GPTOutput(logits=logits, loss=loss, aux_loss=aux_loss, stats=stats)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
