@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ def main() -> None:
 
     from nats.train import run
 
-    common = [f"trainer.max_steps={args.steps}", "callbacks.progress_bar=null", *args.extra]
+    common = [f"trainer.max_steps={args.steps}", "callbacks.progress_bar=null", "ckpt_path=null", *args.extra]
     settings = [] if args.no_dense else [("dense", None, ["model/attention=dense"])]
     settings += [("nats", lam, ["model/attention=nats", f"model.attention.sparsity_lambda={lam}"])
                  for lam in args.lambdas]
@@ -43,6 +44,7 @@ def main() -> None:
     for name, lam, overrides in settings:
         t0 = time.time()
         run_dir = Path(args.runs) / (name if lam is None else f"nats_lambda{lam:g}")
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume of an earlier sweep's
         m = run(compose(common + overrides, run_dir))
         row = {"attention": name, "lambda": "" if lam is None else lam, "val_ppl": m["val/ppl"],
                "val_loss": m["val/loss"], "density": m.get("val/density", 1.0), "peak": m.get("val/peak", 1.0),
