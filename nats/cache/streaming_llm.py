@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nats.cache.attention import pool_attention
-from nats.cache.base import LayerCache
+from nats.cache.full import SlotCache
 from nats.cache.registry import register_cache
 
 
@@ -23,19 +22,14 @@ def streaming_mask(n: int, budget: int, sinks: int = 4, device=None) -> torch.Te
 
 
 @register_cache("streaming_llm")
-class StreamingLLMCache(LayerCache):
+class StreamingLLMCache(SlotCache):
     budgeted = True
 
     def __init__(self, *, budget: int, sinks: int = 4, **kwargs):
-        super().__init__(budget=budget, **kwargs)
         type(self).check_budget(budget, 10**18, sinks=sinks)
+        super().__init__(capacity=budget, budget=budget, **kwargs)
         self.sinks = int(sinks)
         self.ring = budget - self.sinks
-        shape = (self.batch, self.n_kv_head, budget, self.head_dim)
-        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.start = torch.arange(self.rows, device=self.device, dtype=torch.long) * budget
-        self.length = torch.zeros(self.rows, device=self.device, dtype=torch.long)
 
     @classmethod
     def check_budget(cls, budget, n, sinks: int = 4, **options):
@@ -71,23 +65,4 @@ class StreamingLLMCache(LayerCache):
         return y
 
     def step(self, q, k, v, x, pos):
-        slot = self._slot(pos)
-        self.k.index_copy_(2, slot, k)
-        self.v.index_copy_(2, slot, v)
-        self.length.copy_((pos + 1).clamp(max=self.budget).expand(self.rows))
-        self._record(self.length)
-        self.t += 1
-        D = self.head_dim
-        max_len = self.budget if self.backend == "triton" else min(self.t, self.budget)
-        y = pool_attention(self._q_rows(q), self.k.view(-1, D), self.v.view(-1, D), self.start, self.length, max_len,
-                           row_stride=self.budget, backend=self.backend)
-        return self._out(y)
-
-    def kept(self):
-        return self.length.view(self.batch, self.n_kv_head).clone()
-
-    def tensors(self):
-        return [self.k, self.v, self.start, self.length]
-
-    def kv_tensors(self):
-        return [self.k, self.v]
+        return self._store_and_attend(q, k, v, self._slot(pos), (pos + 1).clamp(max=self.budget))
