@@ -11,13 +11,13 @@ statistics (logged per layer, e.g. KV density).
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
+
+from nats.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -54,45 +54,20 @@ class AttentionCore(nn.Module):
         raise NotImplementedError
 
 
-ATTENTION_CORES: dict[str, type[AttentionCore]] = {}
-
-
-def register_attention(name: str) -> Callable[[type[AttentionCore]], type[AttentionCore]]:
-    def deco(cls: type[AttentionCore]) -> type[AttentionCore]:
-        if name in ATTENTION_CORES and ATTENTION_CORES[name] is not cls:
-            raise ValueError(f"attention core {name!r} is registered twice ({ATTENTION_CORES[name]} and {cls})")
-        cls.name = name
-        ATTENTION_CORES[name] = cls
-        return cls
-
-    return deco
-
-
-def _import_all_cores() -> None:
-    """Import every module of `nats.attention` so that their `@register_attention` run."""
-    import nats.attention as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name != "registry":
-            importlib.import_module(f"nats.attention.{mod.name}")
-
-
-def available_attention() -> list[str]:
-    _import_all_cores()
-    return sorted(ATTENTION_CORES)
+ATTENTIONS = Registry(
+    "attention", "nats.attention", skip={"registry"},
+    hint="model.attention.name=..., or add a file to nats/attention/ with @register_attention",
+)
+ATTENTION_CORES = ATTENTIONS.entries  # name -> core class
+register_attention = ATTENTIONS.register
+available_attention = ATTENTIONS.names
 
 
 def build_attention(cfg: Mapping[str, Any], dims: AttentionDims) -> AttentionCore:
     """Build the core named by `cfg["name"]` with the remaining keys of `cfg` as keyword arguments."""
     cfg = dict(cfg)
-    name = cfg.pop("name", None)
-    _import_all_cores()
-    if name not in ATTENTION_CORES:
-        raise ValueError(
-            f"unknown attention {name!r}: choose one of {sorted(ATTENTION_CORES)} "
-            f"(model.attention.name=..., or add a file to nats/attention/ with @register_attention)"
-        )
-    cls = ATTENTION_CORES[name]
+    cls = ATTENTIONS.get(cfg.pop("name", None))
+    name = cls.name
     try:
         return cls(dims, **cfg)
     except TypeError as err:

@@ -6,53 +6,19 @@ per layer of a model. Unknown names fail with the list of registered ones.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from typing import Any, Callable
+from typing import Any
 
-CACHE_POLICIES: dict[str, type] = {}
+from nats.registry import Registry
 
 # modules of nats.cache that hold no policy (skipped when importing every policy file)
-_NOT_POLICIES = {"registry", "base", "decode", "attention", "triton_decode"}
-
-
-def register_cache(name: str) -> Callable[[type], type]:
-    """Class decorator: register a `LayerCache` subclass under `name` (sets `cls.name`)."""
-
-    def deco(cls: type) -> type:
-        if name in CACHE_POLICIES and CACHE_POLICIES[name] is not cls:
-            raise ValueError(f"cache policy {name!r} is registered twice ({CACHE_POLICIES[name]} and {cls})")
-        cls.name = name
-        CACHE_POLICIES[name] = cls
-        return cls
-
-    return deco
-
-
-def _import_all_policies() -> None:
-    """Import every module of `nats.cache` so that their `@register_cache` run."""
-    import nats.cache as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name not in _NOT_POLICIES:
-            importlib.import_module(f"nats.cache.{mod.name}")
-
-
-def available_caches() -> list[str]:
-    """Sorted names of the registered policies."""
-    _import_all_policies()
-    return sorted(CACHE_POLICIES)
-
-
-def get_cache_class(name: str) -> type:
-    """The policy class registered as `name`; a clear error listing the known names otherwise."""
-    _import_all_policies()
-    if name not in CACHE_POLICIES:
-        raise ValueError(
-            f"unknown cache policy {name!r}: choose one of {sorted(CACHE_POLICIES)} "
-            f"(or add a file to nats/cache/ with @register_cache)"
-        )
-    return CACHE_POLICIES[name]
+CACHES = Registry(
+    "cache policy", "nats.cache", skip={"registry", "base", "decode", "attention", "triton_decode"},
+    hint="or add a file to nats/cache/ with @register_cache",
+)
+CACHE_POLICIES = CACHES.entries  # name -> LayerCache subclass
+register_cache = CACHES.register
+available_caches = CACHES.names
+get_cache_class = CACHES.get
 
 
 def build_cache(name: str, **kwargs: Any):
