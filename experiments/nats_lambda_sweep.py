@@ -7,7 +7,7 @@ Each run is the default `nats-train` configuration (tiny GPT, context 128, Guten
 `model/attention=nats`, the same seed and steps; the table reports the final validation perplexity and the
 validation KV statistics of the learned (hard, noise-free) types: density (= area fraction), peak fraction and
 the fractions of global / local / sliding tokens, averaged over layers, heads and windows.
-Writes <out>/nats_lambda_sweep.{md,csv,png}.
+Writes <out>/nats_lambda_sweep_table.md, nats_lambda_sweep.csv and nats_lambda_sweep.png.
 """
 from __future__ import annotations
 
@@ -52,7 +52,10 @@ def main() -> None:
                "sliding": m.get("val/frac_sliding", 0.0), "minutes": (time.time() - t0) / 60}
         rows.append(row)
         print(row, flush=True)
+        write(rows, args)  # after every run, so that an interrupted sweep keeps what it measured
 
+
+def write(rows: list[dict], args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "nats_lambda_sweep.csv", "w", newline="") as f:
@@ -60,14 +63,15 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
     lines = [f"Tiny GPT (4 layers, d=128, context 128) on Gutenberg, {args.steps} steps, window W=16 unless "
-             f"overridden ({' '.join(args.extra) or 'no extra overrides'}).", "",
-             "| attention | lambda | val ppl | density (area) | peak | global | local | sliding |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"overridden ({' '.join(args.extra) or 'no extra overrides'}); validation on 256 windows.", "",
+             "| attention | lambda | val ppl | density (area) | peak | global | local | sliding | minutes |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['attention']} | {r['lambda']} | {r['val_ppl']:.1f} | {r['density']:.3f} | "
-                     f"{r['peak']:.3f} | {r['global']:.3f} | {r['local']:.3f} | {r['sliding']:.3f} |")
+                     f"{r['peak']:.3f} | {r['global']:.3f} | {r['local']:.3f} | {r['sliding']:.3f} | "
+                     f"{r['minutes']:.1f} |")
     table = "\n".join(lines)
-    (out / "nats_lambda_sweep.md").write_text(table + "\n")
+    (out / "nats_lambda_sweep_table.md").write_text(table + "\n")
     print(table)
 
     import matplotlib
@@ -88,6 +92,7 @@ def main() -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "nats_lambda_sweep.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
