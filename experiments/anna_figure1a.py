@@ -129,7 +129,7 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
     lines = [
         "# ANNA Figure 1a: test error of surrogate-trained models evaluated with ANNA attention",
         "",
-        f"One layer, one head, d = 64, MLP 4d GELU; Adam, constant lr 0.01, batch 32, 10000 training samples"
+        f"One layer, one head, d = 64, MLP 4d GELU; Adam, constant lr 0.01 unless overridden, batch 32, 10000 training samples"
         + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "") + "; "
         f"steps as listed; test error over all target positions of the 256 test samples (surrogate: the trained "
         f"softmax surrogate; l, z: the same weights with ANNA attention, mean over {args.hash_seeds} draws of the "
@@ -139,9 +139,9 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
         "|---|---|---|---|---|" + "---|" * len(cols),
     ]
     for r in results:
-        cells = [f"{r['anna'][f'l={l},z={z}']['mean']:.3f}" if f"l={l},z={z}" in r["anna"] else "-" for l, z in cols]
+        cells = [f"{r['anna'][f'l={l},z={z}']['mean']:.4f}" if f"l={l},z={z}" in r["anna"] else "-" for l, z in cols]
         secs = f"{r['train_seconds']:.0f}" if r.get("train_seconds") is not None else "-"
-        lines.append(f"| {r['task']} | {r['beta']:g} | {r['steps']} | {secs} | {r['surrogate']:.3f} | "
+        lines.append(f"| {r['task']} | {r['beta']:g} | {r['steps']} | {secs} | {r['surrogate']:.4f} | "
                      + " | ".join(cells) + " |")
     (out_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
