@@ -31,8 +31,42 @@ def peak_flops() -> float:
     return float("nan")
 
 
+KERNEL_GROUPS = [  # (group, substrings of CUDA kernel names), first match wins
+    ("attention (nats triton)", ["_nats_", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_type_grad_kernel",
+                                 "_types_kernel", "_block_list_kernel"]),
+    ("attention (sdpa)", ["flash", "fmha", "cudnn", "attention"]),
+    ("matmul", ["gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "mm_"]),
+    ("optimizer", ["adam", "multi_tensor", "foreach", "norm_"]),
+    ("inductor fused", ["triton_"]),
+]
+
+
+def profile_table(step, n_steps: int = 3) -> str:
+    """CUDA time per kernel group and the top kernels over n_steps steps (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n_steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3 / n_steps, e.count // n_steps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    groups: dict[str, float] = {}
+    for name, ms, _ in rows:
+        low = name.lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(k.lower() in low for k in keys)), "other")
+        groups[group] = groups.get(group, 0.0) + ms
+    lines = [f"CUDA time per step: {total:.2f} ms", "", "| group | ms/step | share |", "|---|---|---|"]
+    lines += [f"| {g} | {ms:.2f} | {100 * ms / total:.1f}% |" for g, ms in sorted(groups.items(), key=lambda x: -x[1])]
+    lines += ["", "| kernel | ms/step | calls/step |", "|---|---|---|"]
+    lines += [f"| {name[:110]} | {ms:.3f} | {calls} |" for name, ms, calls in rows[:25]]
+    return "\n".join(lines)
+
+
 def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compile: bool, pos_emb: str = "rope",
-          compile_mode: str | None = None, clip: bool = True, lse_ce: bool = False) -> dict:
+          compile_mode: str | None = None, clip: bool = True, lse_ce: bool = False, profile: bool = False) -> dict:
     torch.manual_seed(0)
     config = GPTConfig(attention=attention, block_size=seq, pos_emb=pos_emb,  # GPT-2-small defaults
                        lse_cross_entropy=lse_ce)
@@ -70,7 +104,8 @@ def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compil
     ms = start.elapsed_time(end) / steps
     tokens_per_s = batch * seq / (ms / 1e3)
     mfu = tokens_per_s * model.flops_per_token(seq) / peak_flops()
-    return dict(attention=attention["name"] + ("" if pos_emb == "rope" else f"/{pos_emb}")
+    prof = profile_table(step) if profile else None
+    return dict(profile=prof, attention=attention["name"] + ("" if pos_emb == "rope" else f"/{pos_emb}")
                 + (f"/{compile_mode}" if compile_mode else "") + ("" if clip else "/noclip")
                 + ("/lse-ce" if lse_ce else ""), batch=batch, seq=seq, ms_per_step=ms, tokens_per_s=tokens_per_s,
                 mfu=mfu, loss=float(loss), warmup_s=compile_s, max_mem_gb=torch.cuda.max_memory_allocated() / 2**30,
@@ -95,6 +130,8 @@ def main() -> None:
                     help="inductor coordinate-descent tuning of its generated kernels (longer compile)")
     ap.add_argument("--sdpa", default="auto", choices=["auto", "cudnn", "flash"],
                     help="restrict torch SDPA to one kernel family (dense attention)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 3 steps: CUDA time per kernel group and the top kernels (profile_*.md)")
     ap.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -118,18 +155,24 @@ def main() -> None:
         for b in args.batch:
             try:
                 r = bench(attention, b, args.seq, args.steps, args.warmup, not args.no_compile, args.pos_emb,
-                          args.compile_mode, not args.no_clip, args.lse_ce)
+                          args.compile_mode, not args.no_clip, args.lse_ce, args.profile)
             except Exception as err:  # a compiler failure should not lose the measurement: retry eagerly
                 if args.no_compile:
                     raise
                 print(f"compiled {name} failed ({type(err).__name__}: {str(err)[:200]}); measuring it eagerly")
                 torch._dynamo.reset()
                 r = bench(attention, b, args.seq, args.steps, args.warmup, False, args.pos_emb, None,
-                          not args.no_clip, args.lse_ce)
+                          not args.no_clip, args.lse_ce, args.profile)
                 r["attention"] += "/eager"
             r["attention"] += "" if args.sdpa == "auto" else f"/sdpa-{args.sdpa}"
             rows.append(r)
+            prof = r.pop("profile")
             print(json.dumps(r), flush=True)
+            if prof:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                tag = r["attention"].replace("/", "_")
+                (Path(args.out) / f"profile_{tag}_b{b}.md").write_text(prof + "\n")
+                print(prof, flush=True)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, compile={not args.no_compile}", "",

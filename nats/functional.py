@@ -36,11 +36,10 @@ Example::
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
+from nats import ops as _ops
 from nats_kernels.nats_attention import reference as _ref
 from nats_kernels.nats_attention.reference import (
     TOKEN_GLOBAL,
@@ -107,14 +106,22 @@ def nats_mask_soft(type_weights: Tensor, window: int) -> Tensor:
 # ----------------------------------------------------------------------------------------------------
 # attention
 # ----------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
+_TRITON_BACKEND: dict[str, object] = {}  # filled on first use: {"fn": callable or None, "reason": str or None}
+
+
 def _load_triton_backend():
-    """Return ``(fn, None)`` with the fused kernel, or ``(None, reason)`` if it cannot be imported."""
-    try:
-        from nats_kernels.nats_attention import triton_nats_attention  # noqa: PLC0415
-    except Exception as exc:  # ImportError, or triton failing to initialise
-        return None, f"{type(exc).__name__}: {exc}"
-    return triton_nats_attention, None
+    """Return ``(fn, None)`` with the fused kernel, or ``(None, reason)`` if it cannot be imported.
+
+    Cached in a plain module dict (not ``functools.lru_cache``) so that torch.compile traces it cleanly.
+    """
+    if not _TRITON_BACKEND:
+        try:
+            from nats_kernels.nats_attention import triton_nats_attention  # noqa: PLC0415
+        except Exception as exc:  # ImportError, or triton failing to initialise
+            _TRITON_BACKEND.update(fn=None, reason=f"{type(exc).__name__}: {exc}")
+        else:
+            _TRITON_BACKEND.update(fn=triton_nats_attention, reason=None)
+    return _TRITON_BACKEND["fn"], _TRITON_BACKEND["reason"]
 
 
 def triton_available() -> bool:
@@ -185,9 +192,12 @@ def nats_density(type_weights: Tensor, window: int) -> Tensor:
         ``[...]`` (e.g. ``[B, Hkv]``), float32 (float64 for float64 input). O(N) time and memory; value
         and gradient equal those of ``nats_mask_soft(type_weights, window)`` summed over the causal
         area (the segment term of the global gradient included). Equals the area fraction of
-        ``kv_fractions`` for hard types.
+        ``kv_fractions`` for hard types. Runs as the custom op ``nats::density_terms`` (``nats/ops.py``),
+        so a compiled model keeps it in its graph; ``reference.nats_density`` is the autograd reference.
     """
-    return _ref.nats_density(type_weights, window)
+    window = _ref.check_window(window)
+    _ref.check_type_weights(type_weights)
+    return _ops.density(type_weights, window)
 
 
 def kv_cache_sizes(types: Tensor, window: int) -> Tensor:

@@ -13,7 +13,6 @@ the kernels run in Triton's CPU interpreter (see ``_env.py``). ``docs/kernels.md
 import importlib
 
 _LAZY = {
-    "NatsAttentionFunction": ".autograd",
     "triton_nats_attention": ".autograd",
     "nats_prefill": ".prefill",
     "prefill_plan": ".prefill",

@@ -33,6 +33,16 @@ def empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
+def empty_bnhd(shape, dtype, device) -> torch.Tensor:
+    """Like ``empty`` for a [B, H, N, D] result, stored as [B, N, H, D] (a transposed view).
+
+    Attention in a transformer comes from, and goes back to, [B, N, H*D] activations: in this layout the
+    caller's ``transpose(1, 2).reshape(B, N, H * D)`` is free (as with torch's SDPA).
+    """
+    B, H, N, D = shape
+    return empty((B, N, H, D), dtype, device).transpose(1, 2)
+
+
 def configs(cfgs: list, interpret_cfg) -> list:
     """Autotune configs: one fixed config in the interpreter, the first one without autotuning."""
     if INTERPRET:
@@ -49,4 +59,4 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-__all__ = ["AUTOTUNE", "INTERPRET", "POISON", "cdiv", "configs", "dot_precision", "empty", "tl", "triton"]
+__all__ = ["AUTOTUNE", "INTERPRET", "POISON", "cdiv", "configs", "dot_precision", "empty", "empty_bnhd", "tl", "triton"]

@@ -1,36 +1,76 @@
 """``triton_nats_attention``: the fused NAtS attention as a differentiable function.
 
 Same shapes and semantics as ``reference.nats_attention_reference``: q [B, Hq, N, D], k and v
-[B, Hkv, N, D], type_weights [B, Hkv, N, 3] one-hot (g, l, s); returns [B, Hq, N, D]. The hard types
-are the argmax of the (detached) type weights; the gradient with respect to ``type_weights`` is the
-exact (dg, dl, ds) of NATS_SPEC.md section 3, returned as a plain tensor gradient so that a
-straight-through estimator upstream passes it on to the scorer logits.
+[B, Hkv, N, D], type_weights [B, Hkv, N, 3] one-hot (g, l, s); returns [B, Hq, N, D] (stored as
+[B, N, Hq, D], like torch's SDPA, so that merging the heads afterwards is free). The hard types are the
+argmax of the (detached) type weights; the gradient with respect to ``type_weights`` is the exact
+(dg, dl, ds) of NATS_SPEC.md section 3, returned as a plain tensor gradient so that a straight-through
+estimator upstream passes it on to the scorer logits.
+
+The kernels are wrapped as two ``torch.library`` custom ops, ``nats::attention_fwd`` and
+``nats::attention_bwd``, with fake (meta) implementations and a registered autograd formula. To
+``torch.compile`` they are opaque single nodes: a compiled NAtS model has no graph break at the attention
+and inductor never tries to trace into the Triton launchers.
 """
 
 import torch
+from torch import Tensor
 
 from .backward import nats_backward
 from .forward import nats_forward
 from .plan import type_indices
 
 
-class NatsAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, type_weights, window):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        types, e, _ = type_indices(type_weights)
-        o, lse = nats_forward(q, k, v, types, e, window)
-        ctx.save_for_backward(q, k, v, o, lse, types, e)
-        ctx.window = window
-        ctx.tw_dtype = type_weights.dtype
-        return o
+@torch.library.custom_op("nats::attention_fwd", mutates_args=())
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, type_weights: Tensor,
+                  window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(o [B,Hq,N,D], lse2 [B,Hq,N] fp32, types int8 [B,Hkv,N], e int32 [B,Hkv,N])."""
+    types, e, _ = type_indices(type_weights)
+    o, lse = nats_forward(q, k, v, types, e, window)
+    return o, lse, types, e
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, types, e = ctx.saved_tensors
-        dq, dk, dv, dtw = nats_backward(do.contiguous(), q, k, v, o, lse, types, e, ctx.window,
-                                        tw_dtype=ctx.tw_dtype)
-        return dq, dk, dv, dtw, None
+
+@attention_fwd.register_fake
+def _(q, k, v, type_weights, window):
+    B, HQ, N, D = q.shape
+    HKV = k.shape[1]
+    o = q.new_empty((B, N, HQ, D)).transpose(1, 2)
+    return (o, q.new_empty((B, HQ, N), dtype=torch.float32), q.new_empty((B, HKV, N), dtype=torch.int8),
+            q.new_empty((B, HKV, N), dtype=torch.int32))
+
+
+@torch.library.custom_op("nats::attention_bwd", mutates_args=())
+def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, types: Tensor,
+                  e: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d_type_weights fp32 [B,Hkv,N,3])."""
+    return nats_backward(do, q, k, v, o, lse, types, e, window, tw_dtype=torch.float32)
+
+
+@attention_bwd.register_fake
+def _(do, q, k, v, o, lse, types, e, window):
+    B, HKV, N, _ = k.shape
+
+    def bnhd(x):
+        return x.new_empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3])).transpose(1, 2)
+
+    return bnhd(q), bnhd(k), bnhd(v), q.new_empty((B, HKV, N, 3), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, type_weights, window = inputs
+    o, lse, types, e = output
+    ctx.save_for_backward(q, k, v, o, lse, types, e)
+    ctx.window = window
+    ctx.tw_dtype = type_weights.dtype
+
+
+def _backward(ctx, do, _dlse, _dtypes, _de):
+    q, k, v, o, lse, types, e = ctx.saved_tensors
+    dq, dk, dv, dtw = attention_bwd(do, q, k, v, o, lse, types, e, ctx.window)
+    return dq, dk, dv, dtw.to(ctx.tw_dtype), None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_nats_attention(q, k, v, type_weights, window: int):
@@ -41,4 +81,7 @@ def triton_nats_attention(q, k, v, type_weights, window: int):
         raise ValueError(f"expected q [B,Hq,N,D], k/v [B,Hkv,N,D] with Hq % Hkv == 0, got {q.shape}, {k.shape}")
     if tuple(type_weights.shape) != (k.shape[0], k.shape[1], k.shape[2], 3):
         raise ValueError(f"type_weights must be [B, Hkv, N, 3], got {tuple(type_weights.shape)}")
-    return NatsAttentionFunction.apply(q, k, v, type_weights, int(window))
+    return attention_fwd(q, k, v, type_weights, int(window))[0]
+
+
+__all__ = ["attention_bwd", "attention_fwd", "triton_nats_attention"]

@@ -70,7 +70,7 @@ def _dkdv_configs():
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, T, E, DQ, RD, DD, KB_IDX, KB_CNT,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
     N, W, sm_scale, qk_scale,
     H_Q, GROUP, NQB, NKB,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -104,6 +104,7 @@ def _bwd_dq_kernel(
     rd = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of dM over the row's visible locals before it
     dd = tl.zeros([BLOCK_M], dtype=tl.float32)  # dM on the diagonal
     i2 = offs_m[:, None]
+    m_hi = m0 + BLOCK_M - 1  # last query of the block (rows beyond N have dM = 0)
     for t in range(n_list):
         n0 = tl.load(list_base + t) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -118,28 +119,41 @@ def _bwd_dq_kernel(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         # Rows beyond N give dM = 0 (q = dO = 0, LSE = D = 0); columns beyond N only occur in diagonal tiles.
         dm = tl.math.exp2(tl.minimum(qk - lse[:, None], EXP2_MAX)) * (dp - delta[:, None])
+        lim = key_limit(ty, e, offs_n, W, N)
+        # Scalar branches choose the ALU work per tile; the dots below stay unconditional (a dot under an
+        # `if` stops Triton from pipelining the loads).
         if n0 + BLOCK_N - 1 > m0:  # tile crossing the diagonal
             dm = tl.where(j2 <= i2, dm, 0.0)
             dd += tl.sum(tl.where(j2 == i2, dm, 0.0), axis=1)
-        lim = key_limit(ty, e, offs_n, W, N)
-        ds = tl.where(i2 <= lim[None, :], dm, 0.0)
-        # (the dot stays unconditional: a dot under an `if` stops Triton from pipelining the loads)
+            ds = tl.where(i2 <= lim[None, :], dm, 0.0)
+        elif tl.min(lim, axis=0) >= m_hi:  # every query of the block sees every key of the tile
+            ds = dm
+        else:
+            ds = tl.where(i2 <= lim[None, :], dm, 0.0)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
-        rd += tl.sum(tl.where((ty[None, :] == 1) & (j2 < i2), ds, 0.0), axis=1)
+        if tl.max((ty == 1).to(tl.int32), axis=0) > 0:  # the tile holds local keys
+            rd += tl.sum(tl.where((ty[None, :] == 1) & (j2 < i2), ds, 0.0), axis=1)
 
     dq = dq * sm_scale
-    tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
     tl.store(RD + pid_bh * N + offs_m, rd, mask=row_ok)
     tl.store(DD + pid_bh * N + offs_m, dd, mask=row_ok)
 
 
 @triton.jit
-def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_hi, l_end, l2_end, s_end, m0,
-               q_base, do_base, lse_base, delta_base, sqn, sdon, offs_d, N, W, qk_scale,
-               BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, WITH_DKDV: tl.constexpr):
-    """One query block of the dK/dV kernel (key-major tiles [BLOCK_N, BLOCK_M])."""
+def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n0, n_hi, l_end, l2_end, s_end,
+               e_min, e2_min, lim_min, m0, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_d, N, W,
+               qk_scale, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, WITH_DKDV: tl.constexpr):
+    """One query block of the dK/dV kernel (key-major tiles [BLOCK_N, BLOCK_M]).
+
+    The masked column sums are the plain column sum ``cs`` of the tile for every key whose row limit lies
+    beyond the tile, zero for those whose limit lies before it; only tiles that hold some key's limit
+    (a few per key block) pay for a masked reduction. Scalar branches choose the ALU work per tile; the
+    dots stay unconditional (a dot under an `if` stops Triton from pipelining the loads).
+    """
     offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_hi = m0 + BLOCK_M - 1
     row_ok = offs_m < N
     q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -153,19 +167,34 @@ def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, 
     # stays finite; visible pairs have s - LSE <= 0 and are unaffected.
     pT = tl.math.exp2(tl.minimum(qkT - lse[None, :], EXP2_MAX))
     dmT = pT * (dpT - delta[None, :])  # 0 in rows beyond N
-    if m0 < n_hi:  # tile crossing the diagonal
+    crossing = m0 < n_hi  # tile crossing the diagonal
+    if crossing:
         dmT = tl.where(j2 <= i2, dmT, 0.0)
     if WITH_DKDV:
-        vis = (j2 <= i2) & (i2 <= lim[:, None])
-        dv += tl.dot(tl.where(vis, pT, 0.0).to(do.dtype), do, input_precision=DOT_PREC)
-        dk += tl.dot(tl.where(vis, dmT, 0.0).to(q.dtype), q, input_precision=DOT_PREC)
-    col_all += tl.sum(dmT, axis=1)
+        if crossing | (lim_min < m_hi):
+            vis = (j2 <= i2) & (i2 <= lim[:, None])
+            dv += tl.dot(tl.where(vis, pT, 0.0).to(do.dtype), do, input_precision=DOT_PREC)
+            dk += tl.dot(tl.where(vis, dmT, 0.0).to(q.dtype), q, input_precision=DOT_PREC)
+        else:  # every key of the block is visible to every query of the tile
+            dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
+            dk += tl.dot(dmT.to(q.dtype), q, input_precision=DOT_PREC)
+    cs = tl.sum(dmT, axis=1)
+    col_all += cs
     if m0 <= l_end:
-        col_l += tl.sum(tl.where(i2 <= e[:, None], dmT, 0.0), axis=1)
+        if e_min >= m_hi:
+            col_l += cs
+        else:
+            col_l += tl.sum(tl.where(i2 <= e[:, None], dmT, 0.0), axis=1)
     if m0 <= s_end:
-        col_s += tl.sum(tl.where(i2 - j2 < W, dmT, 0.0), axis=1)
+        if n0 + W - 1 >= m_hi:  # the first key's window (the shortest) covers the tile
+            col_s += cs
+        else:
+            col_s += tl.sum(tl.where(i2 - j2 < W, dmT, 0.0), axis=1)
     if m0 <= l2_end:
-        col_l2 += tl.sum(tl.where(i2 <= e2[:, None], dmT, 0.0), axis=1)
+        if e2_min >= m_hi:
+            col_l2 += cs
+        else:
+            col_l2 += tl.sum(tl.where(i2 <= e2[:, None], dmT, 0.0), axis=1)
     return dk, dv, col_all, col_l, col_s, col_l2
 
 
@@ -173,7 +202,7 @@ def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, 
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, T, E, DK, DV, COLS,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
     N, W, sm_scale, qk_scale,
     H_Q, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -203,6 +232,10 @@ def _bwd_dkdv_kernel(
     l_end = tl.max(e, axis=0)
     l2_end = tl.max(e2, axis=0)
     s_end = n_hi + W - 1
+    # (padding keys have e = lim = -1: the tile fast paths below are then never taken in the last block)
+    e_min = tl.min(e, axis=0)
+    e2_min = tl.min(e2, axis=0)
+    lim_min = tl.min(lim, axis=0)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -218,20 +251,22 @@ def _bwd_dkdv_kernel(
         # two loops, so that neither holds a dot under an `if` (which would stop load pipelining)
         for m0 in range(m_start, live_end + 1, BLOCK_M):
             dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
-                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_hi, l_end, l2_end, s_end, m0,
+                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n0, n_hi, l_end, l2_end, s_end,
+                e_min, e2_min, lim_min, m0,
                 q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
                 BLOCK_M, DOT_PREC, True)
         m_dead = tl.maximum(m_start, (live_end + 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
         for m0 in range(m_dead, N, BLOCK_M):
             dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
-                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_hi, l_end, l2_end, s_end, m0,
+                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n0, n_hi, l_end, l2_end, s_end,
+                e_min, e2_min, lim_min, m0,
                 q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
                 BLOCK_M, DOT_PREC, False)
 
     dk = dk * sm_scale
-    tl.store(DK + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=col_ok[:, None])
-    tl.store(DV + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=col_ok[:, None])
     cols = COLS + (pid_bh * N + offs_n) * 4
     tl.store(cols, col_all, mask=col_ok)
@@ -311,12 +346,9 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
     if sm_scale is None:
         sm_scale = D ** -0.5
     W = int(min(max(int(window), 1), N + 1))
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dq/dk/dv reuse their strides
-    do = do if do.stride(-1) == 1 else do.contiguous()
+    q, k, v, do, o = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, do, o))
     dev = q.device
-    dq = _env.empty(q.shape, q.dtype, dev)
-    dk = _env.empty(k.shape, k.dtype, dev)
-    dv = _env.empty(v.shape, v.dtype, dev)
+    dq, dk, dv = (_env.empty_bnhd(x.shape, x.dtype, dev) for x in (q, k, v))
     delta = _env.empty((B, HQ, N), torch.float32, dev)
     rd = _env.empty((B, HQ, N), torch.float32, dev)
     dd = _env.empty((B, HQ, N), torch.float32, dev)
@@ -332,7 +364,7 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
         q, k, v, o, do, lse, delta, types, e, dq, rd, dd, kb_idx, kb_cnt,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
+        do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
         N, W, sm_scale, qk_scale, HQ, group, kb_idx.shape[2], kb_idx.shape[3],
         HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec,
     )
@@ -341,6 +373,7 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
         q, k, v, do, lse, delta, types, e, dk, dv, cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         N, W, sm_scale, qk_scale, HQ, group,
         HEAD_DIM=D, DOT_PREC=prec,
     )

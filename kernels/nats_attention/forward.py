@@ -162,7 +162,7 @@ def nats_forward(q, k, v, types, e, window: int, sm_scale: float | None = None):
     if sm_scale is None:
         sm_scale = D ** -0.5
     W = int(min(max(int(window), 1), N + 1))
-    o = _env.empty(q.shape, q.dtype, q.device)
+    o = _env.empty_bnhd(q.shape, q.dtype, q.device)
     lse = _env.empty((B, HQ, N), torch.float32, q.device)
     bm, bn = fwd_blocks(D)
     kb_idx, kb_cnt = block_lists(types, e, W, bm, bn)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nats import functional as NF
+from nats import ops
 from nats.attention.registry import AttentionCore, AttentionDims, AttentionOutput, register_attention
 
 
@@ -23,13 +24,8 @@ def kv_stats(types: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
     Returns tensors of shape [B, H]: density (= area fraction), peak (max_i c_i / N) and the fractions of
     global, local and sliding tokens.
     """
-    N = types.shape[-1]
-    sizes = NF.kv_cache_sizes(types, window).float()  # [B, H, N]: c_i
-    area = sizes.sum(-1) / (N * (N + 1) / 2)
-    peak = sizes.amax(-1) / N
-    frac = NF.type_fractions(types)  # [B, H, 3]
-    return {"density": area, "peak": peak, "frac_global": frac[..., 0], "frac_local": frac[..., 1],
-            "frac_sliding": frac[..., 2]}
+    values = ops.kv_stats(types, int(window))  # [B, H, 5], an opaque node under torch.compile
+    return {name: values[..., i] for i, name in enumerate(ops.KV_STAT_NAMES)}
 
 
 @register_attention("nats")
@@ -98,9 +94,8 @@ class NAtSAttention(AttentionCore):
         aux, stats = self._sparsity_and_stats(t)
         return AttentionOutput(y, aux_loss=aux, stats=stats)
 
-    # Inductor (torch 2.11) fails to generate code for the cummax scans of these O(N) helpers, so they run
-    # eagerly inside a compiled model (a small graph break per layer).
-    @torch.compiler.disable
+    # The O(N) scans behind the density and the statistics run as custom ops (nats/ops.py): opaque nodes
+    # of a compiled graph, so torch.compile sees the whole layer without a graph break.
     def _sparsity_and_stats(self, t: torch.Tensor):
         """Auxiliary loss lambda * density / n_layer (training) and the layer's KV statistics."""
         aux = None
