@@ -2,7 +2,8 @@
 
 For each task (Match2, induction heads) and each beta in {0.1, 1, 10}: train the one-layer, one-head softmax
 surrogate with Lightning through the same Hydra configs as `nats-train experiment=anna_<task>
-model.attention.beta=<beta>` (Adam, constant lr 0.01, batch 32, 10000 training samples), then evaluate the
+model.attention.beta=<beta>` (Adam at peak lr 0.01: 1000 warm-up steps, cosine to 1e-4, gradient norm clipped
+at 1.0; batch 32, 10000 training samples), then evaluate the
 trained weights with ANNA attention in place of the surrogate (l in {1, 2, 4, 8} tables, z in {1, 2} bits)
 on the 256 test samples. ANNA's hashing is random: each (l, z) cell is the mean over --hash-seeds draws of
 the planes (min and max in the JSON).
@@ -90,6 +91,14 @@ def load_one(task: str, beta: float, steps: int, run_dir: Path, extra: list[str]
     return model, datamodule
 
 
+def run_optim(run_dir: Path) -> dict | None:
+    """The resolved optimiser settings the run was trained with (from its saved config.yaml)."""
+    from omegaconf import OmegaConf
+
+    path = run_dir / "config.yaml"
+    return OmegaConf.to_container(OmegaConf.load(path).optim) if path.exists() else None
+
+
 def evaluate(model, datamodule, ls, zs, hash_seeds: int) -> dict:
     from nats.attention.anna import use_anna
 
@@ -129,7 +138,8 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
     lines = [
         "# ANNA Figure 1a: test error of surrogate-trained models evaluated with ANNA attention",
         "",
-        f"One layer, one head, d = 64, MLP 4d GELU; Adam, constant lr 0.01 unless overridden, batch 32, 10000 training samples"
+        f"One layer, one head, d = 64, MLP 4d GELU; Adam at peak lr 0.01 (1000 warm-up steps, cosine to 1e-4, gradient "
+        f"norm clipped at 1.0) unless overridden, batch 32, 10000 training samples"
         + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "") + "; "
         f"steps as listed; test error over all target positions of the 256 test samples (surrogate: the trained "
         f"softmax surrogate; l, z: the same weights with ANNA attention, mean over {args.hash_seeds} draws of the "
@@ -207,6 +217,7 @@ def main() -> None:
             r = {"task": task, "beta": beta, "steps": args.steps, "train_seconds": seconds,
                  **evaluate(model, datamodule, args.ls, args.zs, args.hash_seeds)}
             r["eval_seconds"] = time.time() - t0
+            r["optim"] = run_optim(run_dir)
             results.append(r)
             best = r["anna"].get("l=8,z=1", {}).get("mean", math.nan)
             print(f"[{task} beta={beta:g}] train {seconds or 0:.0f}s surrogate error {r['surrogate']:.4f} "

@@ -34,11 +34,16 @@ def peak_flops() -> float:
 KERNEL_GROUPS = [  # (group, substrings of CUDA kernel names), first match wins
     ("attention (nats triton)", ["_nats_", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_type_grad_kernel",
                                  "_types_kernel", "_block_list_kernel"]),
-    ("attention (sdpa)", ["flash", "fmha", "cudnn", "attention"]),
-    ("matmul", ["gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "mm_"]),
-    ("optimizer", ["adam", "multi_tensor", "foreach", "norm_"]),
+    ("attention (sdpa)", ["flash", "fmha", "cudnn", "sdpa"]),
+    ("matmul", ["gemm", "sm90_xmma", "cutlass", "nvjet", "matmul"]),
     ("inductor fused", ["triton_"]),
+    ("optimizer", ["adam", "multi_tensor", "foreach"]),
 ]
+
+
+def group_of(kernel: str) -> str:
+    low = kernel.lower()
+    return next((g for g, keys in KERNEL_GROUPS if any(k.lower() in low for k in keys)), "other")
 
 
 def profile_table(step, n_steps: int = 3) -> str:
@@ -55,13 +60,11 @@ def profile_table(step, n_steps: int = 3) -> str:
     total = sum(r[1] for r in rows)
     groups: dict[str, float] = {}
     for name, ms, _ in rows:
-        low = name.lower()
-        group = next((g for g, keys in KERNEL_GROUPS if any(k.lower() in low for k in keys)), "other")
-        groups[group] = groups.get(group, 0.0) + ms
+        groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms
     lines = [f"CUDA time per step: {total:.2f} ms", "", "| group | ms/step | share |", "|---|---|---|"]
     lines += [f"| {g} | {ms:.2f} | {100 * ms / total:.1f}% |" for g, ms in sorted(groups.items(), key=lambda x: -x[1])]
-    lines += ["", "| kernel | ms/step | calls/step |", "|---|---|---|"]
-    lines += [f"| {name[:110]} | {ms:.3f} | {calls} |" for name, ms, calls in rows[:25]]
+    lines += ["", "| kernel | group | ms/step | calls/step |", "|---|---|---|---|"]
+    lines += [f"| {name[:100]} | {group_of(name)} | {ms:.3f} | {calls} |" for name, ms, calls in rows[:60]]
     return "\n".join(lines)
 
 

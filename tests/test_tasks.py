@@ -185,7 +185,9 @@ def test_experiment_configs_compose(experiment, causal, vocab, n_out):
     assert (model["n_layer"], model["n_head"], model["n_embd"]) == (1, 1, 64)
     assert (model["causal"], model["vocab_size"], model["n_out"]) == (causal, vocab, n_out)
     GPTConfig.from_dict(model)
-    assert cfg.optim.lr == cfg.optim.min_lr == 0.01 and cfg.optim.weight_decay == 0 and cfg.optim.warmup_steps == 0
+    # the paper's Adam lr 0.01 as the peak of warm-up + cosine, with clipping (docs/anna_and_gates.md, Figure 1a)
+    assert cfg.optim.lr == 0.01 and cfg.optim.weight_decay == 0 and tuple(cfg.optim.betas) == (0.9, 0.999)
+    assert (cfg.optim.warmup_steps, cfg.optim.min_lr, cfg.optim.grad_clip) == (1000, 1e-4, 1.0)
     assert cfg.trainer.max_steps == 20000 and cfg.global_batch_size == cfg.data.micro_batch_size == 32
     dm = hydra.utils.instantiate(cfg.data)
     assert dm.n_train == 10000 and dm.n_test == 256

@@ -21,6 +21,27 @@ AUTOTUNE = os.environ.get("NATS_KERNELS_AUTOTUNE", "1") != "0"
 import triton
 import triton.language as tl
 
+
+def _parse_blocks(spec: str) -> dict[str, tuple[int, int]]:
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        try:
+            name, size = item.split("=")
+            m, n = (int(v) for v in size.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"NATS_KERNELS_BLOCKS: expected e.g. 'fwd=128x64,dq=64x64', got {spec!r}") from None
+        out[name.strip()] = (m, n)
+    return out
+
+
+# Tile sizes (BLOCK_M, BLOCK_N) of the kernels whose key-block lists depend on them ("fwd", "dq"),
+# overriding the defaults of forward.fwd_blocks / backward.dq_blocks: NATS_KERNELS_BLOCKS="fwd=128x128,dq=128x64"
+# or assign BLOCKS["fwd"] = (128, 128) at run time (experiments/sweep_kernel_blocks.py does).
+BLOCKS: dict[str, tuple[int, int]] = _parse_blocks(os.environ.get("NATS_KERNELS_BLOCKS", ""))
+# The forward and dQ kernels walk a query block's key blocks directly (no index list) when all of them are
+# live; NATS_KERNELS_DIRECT=0 always walks the list (for comparison, experiments/sweep_kernel_blocks.py).
+DIRECT: bool = os.environ.get("NATS_KERNELS_DIRECT", "1") != "0"
+
 # Tests set this (or NATS_KERNELS_POISON=1) so that outputs start as NaN: an element a kernel forgets to
 # write then fails the comparison with the reference instead of passing by luck.
 POISON = os.environ.get("NATS_KERNELS_POISON", "0") == "1"
@@ -43,6 +64,26 @@ def empty_bnhd(shape, dtype, device) -> torch.Tensor:
     return empty((B, N, H, D), dtype, device).transpose(1, 2)
 
 
+def _is_dense(x: torch.Tensor) -> bool:
+    """True if x's elements fill its storage span without gaps or overlaps (a permuted contiguous tensor)."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def grad_like(x: torch.Tensor) -> torch.Tensor:
+    """Gradient buffer for a [B, H, N, D] input: x's own layout when x is dense (then autograd need not
+    copy it into a leaf's layout), else [B, N, H, D] like ``empty_bnhd`` (e.g. q sliced from a fused qkv)."""
+    if _is_dense(x):
+        if POISON:
+            return torch.full_like(x, float("nan"))
+        return torch.empty_like(x)
+    return empty_bnhd(x.shape, x.dtype, x.device)
+
+
 def configs(cfgs: list, interpret_cfg) -> list:
     """Autotune configs: one fixed config in the interpreter, the first one without autotuning."""
     if INTERPRET:
@@ -59,4 +100,4 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-__all__ = ["AUTOTUNE", "INTERPRET", "POISON", "cdiv", "configs", "dot_precision", "empty", "empty_bnhd", "tl", "triton"]
+__all__ = ["AUTOTUNE", "INTERPRET", "POISON", "cdiv", "configs", "dot_precision", "empty", "empty_bnhd", "grad_like", "tl", "triton"]

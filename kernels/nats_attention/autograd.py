@@ -16,6 +16,7 @@ and inductor never tries to trace into the Triton launchers.
 import torch
 from torch import Tensor
 
+from . import _env
 from .backward import nats_backward
 from .forward import nats_forward
 from .plan import type_indices
@@ -49,11 +50,7 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 @attention_bwd.register_fake
 def _(do, q, k, v, o, lse, types, e, window):
     B, HKV, N, _ = k.shape
-
-    def bnhd(x):
-        return x.new_empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3])).transpose(1, 2)
-
-    return bnhd(q), bnhd(k), bnhd(v), q.new_empty((B, HKV, N, 3), dtype=torch.float32)
+    return _env.grad_like(q), _env.grad_like(k), _env.grad_like(v), q.new_empty((B, HKV, N, 3), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):

@@ -51,7 +51,7 @@ def dq_blocks(head_dim: int) -> tuple[int, int]:
     """Fixed (BLOCK_M, BLOCK_N) of the dQ kernel (its key-block lists depend on them)."""
     if INTERPRET:
         return 32, 16
-    return 64, 64
+    return _env.BLOCKS.get("dq", (64, 32))  # H200 sweep: experiments/sweep_kernel_blocks.py
 
 
 def _dq_configs():
@@ -62,11 +62,45 @@ def _dq_configs():
 def _dkdv_configs():
     return _env.configs(
         [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-         for bm, bn, w, s in [(32, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 3)]],
+         for bm, bn, w, s in [(32, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 3),
+                              (32, 128, 4, 3), (64, 64, 8, 2), (16, 128, 4, 2)]],
         triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1))
 
 
-@triton.autotune(configs=_dq_configs(), key=["HEAD_DIM"])
+@triton.jit
+def _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m0, m_hi, offs_d, k_base, v_base, t_base, e_base, skn, svn,
+             N, W, qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One key block of the dQ kernel: dQ, and the row sums Rd (visible locals before i) and dM_ii."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    ty = tl.load(t_base + offs_n, mask=col_ok, other=3).to(tl.int32)
+    e = tl.load(e_base + offs_n, mask=col_ok, other=-1)
+    k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    j2 = offs_n[None, :]
+
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    # Rows beyond N give dM = 0 (q = dO = 0, LSE = D = 0); columns beyond N only occur in diagonal tiles.
+    dm = tl.math.exp2(tl.minimum(qk - lse[:, None], EXP2_MAX)) * (dp - delta[:, None])
+    lim = key_limit(ty, e, offs_n, W, N)
+    # Scalar branches choose the ALU work per tile; the dots stay unconditional (a dot under an `if` stops
+    # Triton from pipelining the loads).
+    if n0 + BLOCK_N - 1 > m0:  # tile crossing the diagonal
+        dm = tl.where(j2 <= i2, dm, 0.0)
+        dd += tl.sum(tl.where(j2 == i2, dm, 0.0), axis=1)
+        ds = tl.where(i2 <= lim[None, :], dm, 0.0)
+    elif tl.min(lim, axis=0) >= m_hi:  # every query of the block sees every key of the tile
+        ds = dm
+    else:
+        ds = tl.where(i2 <= lim[None, :], dm, 0.0)
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+    if tl.max((ty == 1).to(tl.int32), axis=0) > 0:  # the tile holds local keys
+        rd += tl.sum(tl.where((ty[None, :] == 1) & (j2 < i2), ds, 0.0), axis=1)
+    return dq, rd, dd
+
+
+@triton.autotune(configs=_dq_configs(), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DIRECT"])
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, T, E, DQ, RD, DD, KB_IDX, KB_CNT,
@@ -74,6 +108,7 @@ def _bwd_dq_kernel(
     N, W, sm_scale, qk_scale,
     H_Q, GROUP, NQB, NKB,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -105,34 +140,16 @@ def _bwd_dq_kernel(
     dd = tl.zeros([BLOCK_M], dtype=tl.float32)  # dM on the diagonal
     i2 = offs_m[:, None]
     m_hi = m0 + BLOCK_M - 1  # last query of the block (rows beyond N have dM = 0)
-    for t in range(n_list):
-        n0 = tl.load(list_base + t) * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < N
-        ty = tl.load(T + tp_off + offs_n, mask=col_ok, other=3).to(tl.int32)
-        e = tl.load(E + tp_off + offs_n, mask=col_ok, other=-1)
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        j2 = offs_n[None, :]
-
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        # Rows beyond N give dM = 0 (q = dO = 0, LSE = D = 0); columns beyond N only occur in diagonal tiles.
-        dm = tl.math.exp2(tl.minimum(qk - lse[:, None], EXP2_MAX)) * (dp - delta[:, None])
-        lim = key_limit(ty, e, offs_n, W, N)
-        # Scalar branches choose the ALU work per tile; the dots below stay unconditional (a dot under an
-        # `if` stops Triton from pipelining the loads).
-        if n0 + BLOCK_N - 1 > m0:  # tile crossing the diagonal
-            dm = tl.where(j2 <= i2, dm, 0.0)
-            dd += tl.sum(tl.where(j2 == i2, dm, 0.0), axis=1)
-            ds = tl.where(i2 <= lim[None, :], dm, 0.0)
-        elif tl.min(lim, axis=0) >= m_hi:  # every query of the block sees every key of the tile
-            ds = dm
-        else:
-            ds = tl.where(i2 <= lim[None, :], dm, 0.0)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
-        if tl.max((ty == 1).to(tl.int32), axis=0) > 0:  # the tile holds local keys
-            rd += tl.sum(tl.where((ty[None, :] == 1) & (j2 < i2), ds, 0.0), axis=1)
+    n_causal = (tl.minimum(m0 + BLOCK_M, N) - 1) // BLOCK_N + 1
+    if DIRECT and n_list == n_causal:  # all causal key blocks live: walk them in order (see the forward)
+        for kb in range(0, n_causal):
+            dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, kb * BLOCK_N, i2, m0, m_hi, offs_d, k_base,
+                                  v_base, T + tp_off, E + tp_off, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
+    else:
+        for t in range(n_list):
+            n0 = tl.load(list_base + t) * BLOCK_N
+            dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m0, m_hi, offs_d, k_base,
+                                  v_base, T + tp_off, E + tp_off, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
 
     dq = dq * sm_scale
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -348,7 +365,7 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
     W = int(min(max(int(window), 1), N + 1))
     q, k, v, do, o = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, do, o))
     dev = q.device
-    dq, dk, dv = (_env.empty_bnhd(x.shape, x.dtype, dev) for x in (q, k, v))
+    dq, dk, dv = (_env.grad_like(x) for x in (q, k, v))
     delta = _env.empty((B, HQ, N), torch.float32, dev)
     rd = _env.empty((B, HQ, N), torch.float32, dev)
     dd = _env.empty((B, HQ, N), torch.float32, dev)
@@ -366,7 +383,7 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
         N, W, sm_scale, qk_scale, HQ, group, kb_idx.shape[2], kb_idx.shape[3],
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec,
+        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec, DIRECT=_env.DIRECT,
     )
     grid_k = lambda meta: (cdiv(N, meta["BLOCK_N"]), B * HKV)
     _bwd_dkdv_kernel[grid_k](

@@ -42,7 +42,7 @@ def check_head_dim(d: int) -> None:
 def fwd_blocks(head_dim: int) -> tuple[int, int]:
     if INTERPRET:
         return 32, 16
-    return 128, 64
+    return _env.BLOCKS.get("fwd", (128, 64))
 
 
 def _fwd_configs():
@@ -81,7 +81,35 @@ def live_key_blocks(types: torch.Tensor, e: torch.Tensor, window: int, block_m: 
     return idx.contiguous(), cnt.contiguous()
 
 
-@triton.autotune(configs=_fwd_configs(), key=["HEAD_DIM"])
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, m0, q_hi, k_base, v_base, t_base, e_base, skn, svn, N, W,
+              qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online-softmax update of one query block with the key block starting at n0."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    ty = tl.load(t_base + offs_n, mask=col_ok, other=3).to(tl.int32)
+    e = tl.load(e_base + offs_n, mask=col_ok, other=-1)
+    k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    lim = key_limit(ty, e, offs_n, W, N)
+    # A block strictly below the diagonal whose keys every query of the block sees needs no mask.
+    below = n0 + BLOCK_N - 1 <= m0
+    full = tl.min(lim, axis=0) >= q_hi
+    if below & full:
+        s = qk
+    else:
+        vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] <= lim[None, :])
+        s = tl.where(vis, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.autotune(configs=_fwd_configs(), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DIRECT"])
 @triton.jit
 def _nats_fwd_kernel(
     Q, K, V, T, E, O, LSE, KB_IDX, KB_CNT,
@@ -89,6 +117,7 @@ def _nats_fwd_kernel(
     N, W, qk_scale,  # qk_scale = sm_scale * log2(e)
     H_Q, GROUP, NQB, NKB,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -116,30 +145,18 @@ def _nats_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     q_hi = tl.minimum(m0 + BLOCK_M, N) - 1  # last real query of the block
-    for t in range(n_live):
-        n0 = tl.load(list_base + t) * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < N
-        ty = tl.load(t_base + offs_n, mask=col_ok, other=3).to(tl.int32)
-        e = tl.load(e_base + offs_n, mask=col_ok, other=-1)
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        lim = key_limit(ty, e, offs_n, W, N)
-        # A block strictly below the diagonal whose keys every query of the block sees needs no mask.
-        below = n0 + BLOCK_N - 1 <= m0
-        full = tl.min(lim, axis=0) >= q_hi
-        if below & full:
-            s = qk
-        else:
-            vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] <= lim[None, :])
-            s = tl.where(vis, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    n_causal = q_hi // BLOCK_N + 1
+    if DIRECT and n_live == n_causal:
+        # every causal key block is live (the common case at training lengths): walk them in order, so that
+        # the K/V loads need no index loaded from memory first and pipeline freely
+        for kb in range(0, n_causal):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, kb * BLOCK_N, offs_m, offs_d, m0, q_hi, k_base, v_base,
+                                      t_base, e_base, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
+    else:
+        for t in range(n_live):
+            n0 = tl.load(list_base + t) * BLOCK_N
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, m0, q_hi, k_base, v_base,
+                                      t_base, e_base, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
 
     # Every real row sees its own key (M_ii = 1), so l_i > 0 there.
     l_safe = tl.where(row_ok, l_i, 1.0)
@@ -173,6 +190,6 @@ def nats_forward(q, k, v, types, e, window: int, sm_scale: float | None = None):
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         N, W, sm_scale * 1.4426950408889634,
         HQ, HQ // HKV, kb_idx.shape[2], kb_idx.shape[3],
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype),
+        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype), DIRECT=_env.DIRECT,
     )
     return o, lse
