@@ -3,7 +3,7 @@
 The forward and dQ kernels walk per-query-block lists of live key blocks, so their tile sizes are fixed per
 call (``kernels/nats_attention/_env.py``: ``BLOCKS`` / ``NATS_KERNELS_BLOCKS``) and not autotuned; this
 script measures the candidates at the benchmark shape of issue 4 (B=16, H=12, N=1024, D=64, bf16) for three
-type mixes, and with the direct walk over fully live query blocks on and off (``DIRECT``).
+type mixes.
 
 Times are GPU times: the fwd+bwd total is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``, no
 Python launch overhead), and the per-kernel split comes from torch.profiler.
@@ -20,18 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-BASE = ((128, 64), (64, 32), True)  # (fwd tile, dq tile, direct): the defaults
-CANDIDATES = [
-    BASE,
-    ((128, 64), (64, 32), False),
-    ((64, 128), (64, 32), True),
-    ((128, 64), (64, 64), True),
-    ((128, 64), (128, 32), True),
-    ((128, 64), (32, 32), True),
-    ((128, 64), (32, 64), True),
-]
-# (2026-11-21, H200: 128x128 dQ tiles fail (shared memory); 128x128, 64x64 forward tiles and 64x128, 128x64
-# dQ tiles were slower than these: docs/results/sweep_kernel_blocks_h200.md)
+BASE = ((128, 64), (64, 32))  # (fwd tile, dq tile): the defaults
+CANDIDATES = [BASE, ((64, 128), (64, 32)), ((128, 64), (64, 64)), ((128, 64), (128, 32))]
+# Measured on an H200 (docs/results/sweep_kernel_blocks_h200.md): 128x128 dQ tiles fail (shared memory); 128x128
+# and 64x64 forward tiles and 64x128, 128x64, 32x32, 32x64 dQ tiles were slower. A variant that walked the
+# causal key blocks directly when all are live (no index loads) was no faster in the forward and slower in dQ.
 MIXES = {"uniform": (1 / 3, 1 / 3, 1 / 3), "sparse": (0.05, 0.15, 0.80), "all_global": (1.0, 0.0, 0.0)}
 KERNELS = {"_nats_fwd_kernel": "fwd", "_bwd_dq_kernel": "dq", "_bwd_dkdv_kernel": "dkdv"}
 
@@ -71,8 +64,10 @@ def main() -> None:
     q, k, v, do = (torch.randn(B, H, N, D, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(4))
     leaves = [q, k, v]
 
-    def fwd_bwd(fn):
+    def fwd_bwd(fn, grads=leaves):
         def go():
+            for x in grads:  # no gradient accumulation kernels in the timings
+                x.grad = None
             fn().backward(do)
         return go
 
@@ -91,40 +86,39 @@ def main() -> None:
     lines = [f"GPU: {torch.cuda.get_device_name()}; B={B} H={H} N={N} D={D} W={W} bf16; GPU times (CUDA graphs)", ""]
     lines += ["| dense | fwd ms | fwd+bwd ms |", "|---|---|---|"]
     lines += [f"| {n} | {f:.3f} | {fb:.3f} |" for n, (f, fb) in dense.items()]
-    lines += ["", "| fwd tile | dq tile | direct | mix | fwd ms | dq ms | dkdv ms | other ms | fwd+bwd ms | x FA2 |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| fwd tile | dq tile | mix | fwd ms | dq ms | dkdv ms | other ms | fwd+bwd ms | x FA2 |",
+              "|---|---|---|---|---|---|---|---|---|"]
     tws = {}
     for mix, probs in MIXES.items():
         t = torch.multinomial(torch.tensor(probs), B * H * N, replacement=True, generator=gen).view(B, H, N)
         tws[mix] = types_to_weights(t, torch.float32).cuda().requires_grad_()
     totals: dict[tuple, float] = defaultdict(float)
     lines_other = ["", "Kernels in 'other' (defaults, uniform mix):", "", "| kernel | ms | calls |", "|---|---|---|"]
-    for fwd, dq, direct in CANDIDATES:
+    for fwd, dq in CANDIDATES:
         _env.BLOCKS.update(fwd=fwd, dq=dq)
-        _env.DIRECT = direct
         for mix, tw in tws.items():
-            go = fwd_bwd(lambda tw=tw: triton_nats_attention(q, k, v, tw, W))
+            go = fwd_bwd(lambda tw=tw: triton_nats_attention(q, k, v, tw, W), leaves + [tw])
             try:
                 go()  # autotune and compile outside the graph
                 total = timed(go, leaves + [tw])
-                detail = {} if (fwd, dq, direct) == BASE and mix == "uniform" else None
+                detail = {} if (fwd, dq) == BASE and mix == "uniform" else None
                 split = kernel_times(go, detail=detail)
                 if detail:
                     others = sorted(detail.items(), key=lambda kv: -kv[1][0])
                     lines_other.extend(f"| {name[:90]} | {ms:.4f} | {n} |" for name, (ms, n) in others)
             except Exception as exc:  # noqa: BLE001 - e.g. a tile too large for shared memory
-                lines.append(f"| {fwd[0]}x{fwd[1]} | {dq[0]}x{dq[1]} | {direct} | {mix} | error: "
-                             f"{type(exc).__name__}: {str(exc)[:80]} | | | | | |")
+                lines.append(f"| {fwd[0]}x{fwd[1]} | {dq[0]}x{dq[1]} | {mix} | error: "
+                             f"{type(exc).__name__}: {str(exc)[:80]} | | | | |")
                 print(lines[-1], flush=True)
-                totals[(fwd, dq, direct)] += 1e9
+                totals[(fwd, dq)] += 1e9
                 continue
-            totals[(fwd, dq, direct)] += total
-            lines.append(f"| {fwd[0]}x{fwd[1]} | {dq[0]}x{dq[1]} | {direct} | {mix} | {split['fwd']:.3f} | "
+            totals[(fwd, dq)] += total
+            lines.append(f"| {fwd[0]}x{fwd[1]} | {dq[0]}x{dq[1]} | {mix} | {split['fwd']:.3f} | "
                          f"{split['dq']:.3f} | {split['dkdv']:.3f} | {split['other']:.3f} | {total:.3f} | "
                          f"{total / flash_fb:.2f} |")
             print(lines[-1], flush=True)
     best = min(totals, key=totals.get)
-    lines += ["", f"best (sum of fwd+bwd over the mixes): fwd tile {best[0]}, dq tile {best[1]}, direct {best[2]}"]
+    lines += ["", f"best (sum of fwd+bwd over the mixes): fwd tile {best[0]}, dq tile {best[1]}"]
     lines += lines_other
     text = "\n".join(lines)
     print(text)

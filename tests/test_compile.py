@@ -58,6 +58,14 @@ def test_kv_stats_op_matches_masks():
             torch.testing.assert_close(got[b, h], want, rtol=0, atol=1e-6)
 
 
+def test_density_and_stats_in_one_pass():
+    z, w = st_weights(2, 3, 50, seed=9)
+    rho, stats = ops.density_and_stats(w, 7)
+    torch.testing.assert_close(stats, ops.kv_stats(w.argmax(-1), 7))
+    torch.testing.assert_close(rho, NF.nats_density(w, 7))
+    assert stats.shape == (2, 3, len(ops.KV_STAT_NAMES))
+
+
 def test_density_compiles_without_graph_break():
     z, _ = st_weights(2, 2, 40, seed=2)
 

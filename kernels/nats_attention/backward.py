@@ -100,7 +100,7 @@ def _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m0, m_hi, offs_d, k_base, v_
     return dq, rd, dd
 
 
-@triton.autotune(configs=_dq_configs(), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DIRECT"])
+@triton.autotune(configs=_dq_configs(), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, T, E, DQ, RD, DD, KB_IDX, KB_CNT,
@@ -108,7 +108,6 @@ def _bwd_dq_kernel(
     N, W, sm_scale, qk_scale,
     H_Q, GROUP, NQB, NKB,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    DIRECT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -140,16 +139,10 @@ def _bwd_dq_kernel(
     dd = tl.zeros([BLOCK_M], dtype=tl.float32)  # dM on the diagonal
     i2 = offs_m[:, None]
     m_hi = m0 + BLOCK_M - 1  # last query of the block (rows beyond N have dM = 0)
-    n_causal = (tl.minimum(m0 + BLOCK_M, N) - 1) // BLOCK_N + 1
-    if DIRECT and n_list == n_causal:  # all causal key blocks live: walk them in order (see the forward)
-        for kb in range(0, n_causal):
-            dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, kb * BLOCK_N, i2, m0, m_hi, offs_d, k_base,
-                                  v_base, T + tp_off, E + tp_off, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
-    else:
-        for t in range(n_list):
-            n0 = tl.load(list_base + t) * BLOCK_N
-            dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m0, m_hi, offs_d, k_base,
-                                  v_base, T + tp_off, E + tp_off, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
+    for t in range(n_list):
+        n0 = tl.load(list_base + t) * BLOCK_N
+        dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m0, m_hi, offs_d, k_base,
+                              v_base, T + tp_off, E + tp_off, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
 
     dq = dq * sm_scale
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -383,7 +376,7 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
         N, W, sm_scale, qk_scale, HQ, group, kb_idx.shape[2], kb_idx.shape[3],
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec, DIRECT=_env.DIRECT,
+        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec,
     )
     grid_k = lambda meta: (cdiv(N, meta["BLOCK_N"]), B * HKV)
     _bwd_dkdv_kernel[grid_k](

@@ -109,7 +109,7 @@ def _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, m0, q_hi, k_base, v_base, t_
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=_fwd_configs(), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DIRECT"])
+@triton.autotune(configs=_fwd_configs(), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
 @triton.jit
 def _nats_fwd_kernel(
     Q, K, V, T, E, O, LSE, KB_IDX, KB_CNT,
@@ -117,7 +117,6 @@ def _nats_fwd_kernel(
     N, W, qk_scale,  # qk_scale = sm_scale * log2(e)
     H_Q, GROUP, NQB, NKB,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    DIRECT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -145,18 +144,12 @@ def _nats_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     q_hi = tl.minimum(m0 + BLOCK_M, N) - 1  # last real query of the block
-    n_causal = q_hi // BLOCK_N + 1
-    if DIRECT and n_live == n_causal:
-        # every causal key block is live (the common case at training lengths): walk them in order, so that
-        # the K/V loads need no index loaded from memory first and pipeline freely
-        for kb in range(0, n_causal):
-            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, kb * BLOCK_N, offs_m, offs_d, m0, q_hi, k_base, v_base,
-                                      t_base, e_base, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
-    else:
-        for t in range(n_live):
-            n0 = tl.load(list_base + t) * BLOCK_N
-            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, m0, q_hi, k_base, v_base,
-                                      t_base, e_base, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
+    # (Walking the causal key blocks directly when all are live, to spare the index load, measured no faster:
+    # the list walk pipelines well. docs/results/sweep_kernel_blocks_h200.md)
+    for t in range(n_live):
+        n0 = tl.load(list_base + t) * BLOCK_N
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, m0, q_hi, k_base, v_base,
+                                  t_base, e_base, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
 
     # Every real row sees its own key (M_ii = 1), so l_i > 0 there.
     l_safe = tl.where(row_ok, l_i, 1.0)
@@ -190,6 +183,6 @@ def nats_forward(q, k, v, types, e, window: int, sm_scale: float | None = None):
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         N, W, sm_scale * 1.4426950408889634,
         HQ, HQ // HKV, kb_idx.shape[2], kb_idx.shape[3],
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype), DIRECT=_env.DIRECT,
+        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype),
     )
     return o, lse

@@ -98,15 +98,13 @@ class NAtSAttention(AttentionCore):
     # of a compiled graph, so torch.compile sees the whole layer without a graph break.
     def _sparsity_and_stats(self, t: torch.Tensor):
         """Auxiliary loss lambda * density / n_layer (training) and the layer's KV statistics."""
+        density, values = ops.density_and_stats(t, self.window)  # [B, Hkv] differentiable in t; [B, Hkv, 5]
         aux = None
         if self.training and self.sparsity_lambda > 0:
-            density = NF.nats_density(t, self.window)  # [B, Hkv], differentiable in t
             aux = self.sparsity_lambda * density.mean() / self.dims.n_layer
-        with torch.no_grad():
-            types = t.argmax(-1)  # [B, Hkv, N]
-            if self.record_types:
-                self.last_types = types
-            stats = {name: value.mean() for name, value in kv_stats(types, self.window).items()}
+        if self.record_types:
+            self.last_types = t.detach().argmax(-1)  # [B, Hkv, N]
+        stats = {name: values[..., i].mean() for i, name in enumerate(ops.KV_STAT_NAMES)}
         return aux, stats
 
 
