@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command to run the NAtS kernel checks on a GPU machine (about 7 minutes on one H100):
-#   1. the gpu-marked tests of tests/test_kernels.py (bf16, N up to 8k, D=128; autotuning off to save
+#   1. tests/test_kernels.py (on the GPU: + bf16, N up to 8k, D=128) and tests/test_compile.py (autotuning off to save
 #      compile time, so each kernel runs its first config),
 #   2. experiments/bench_attention.py (autotuned), writing bench_attention.{md,json,png} into $OUT
 #      (default experiments/results/), with a time budget so the whole script stays under ~8 minutes.
@@ -23,7 +23,7 @@ echo "== nvidia-smi"; nvidia-smi --query-gpu=name,memory.total,driver_version --
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 
 echo "== gpu tests"
-NATS_KERNELS_AUTOTUNE=0 timeout 240 $PY -m pytest tests/test_kernels.py -m gpu -q -rA --durations=15 -p no:cacheprovider \
+NATS_KERNELS_AUTOTUNE=0 timeout 240 $PY -m pytest tests/test_kernels.py tests/test_compile.py -q -rA --durations=15 -p no:cacheprovider \
   2>&1 | tee "$OUT/gpu_tests.log"
 test_rc=${PIPESTATUS[0]}
 echo "gpu tests exit code: $test_rc"
