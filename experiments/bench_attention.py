@@ -366,6 +366,8 @@ def bench_prefill(args, out, device_name):
     B, H, D = 1, 32, 128
     # N = 128k first: the headline comparison should not be the one the time budget cuts
     Ns = [131072, 16384, 32768, 65536] if not args.quick else [16384, 32768]
+    if args.prefill_n:
+        Ns = args.prefill_n
     targets = [0.5, 0.2, 0.1, 0.05]
     if args.smoke:
         B, H, D, Ns, targets = 1, 2, 32, [300], [0.5, 0.1]
@@ -389,6 +391,16 @@ def bench_prefill(args, out, device_name):
             dense_ms = None
         ROWS.append(row)
         log(row)
+        # SDPA's default backend (cuDNN on Hopper) as a second dense baseline; "speedup" stays vs FA2 (flash)
+        crow = {"part": "prefill", "N": N, "method": "sdpa_default_dense", "density": 1.0}
+        try:
+            crow["ms"] = bench(lambda: sdpa_causal(q, k, v, None), rep=200, warmup=5)
+            crow["speedup"] = dense_ms / crow["ms"] if dense_ms else None
+            crow["tflops"] = 4 * D * causal_entries / (crow["ms"] * 1e-3) / 1e12
+        except Exception as exc:  # noqa: BLE001
+            crow["note"] = f"error: {type(exc).__name__}: {exc}"[:120]
+        ROWS.append(crow)
+        log(crow)
         save(out, device_name)
 
         for tgt in targets:
@@ -415,7 +427,7 @@ def bench_prefill(args, out, device_name):
             log(row)
             save(out, device_name)
 
-            if flex is None or over_budget(args):
+            if flex is None or args.no_flex or over_budget(args):
                 continue
             frow = {"part": "prefill", "N": N, "target": tgt, "density": dens, "method": "flex_attention", "W": W}
             try:
@@ -453,6 +465,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip what remains after this many seconds")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["train", "prefill"])
+    ap.add_argument("--prefill-n", type=int, nargs="+", default=None, help="prefill lengths (default 128k..16k)")
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention in the prefill part")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU (Triton interpreter) too")
     args = ap.parse_args()
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
