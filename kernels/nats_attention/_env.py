@@ -38,8 +38,6 @@ def _parse_blocks(spec: str) -> dict[str, tuple[int, int]]:
 # overriding the defaults of forward.fwd_blocks / backward.dq_blocks: NATS_KERNELS_BLOCKS="fwd=128x128,dq=128x64"
 # or assign BLOCKS["fwd"] = (128, 128) at run time (experiments/sweep_kernel_blocks.py does).
 BLOCKS: dict[str, tuple[int, int]] = _parse_blocks(os.environ.get("NATS_KERNELS_BLOCKS", ""))
-# The prefill kernel reads K/V copied into its compact order (1) or gathers rows through the order (0).
-PREFILL_COMPACT: bool = os.environ.get("NATS_KERNELS_PREFILL_COMPACT", "1") != "0"
 
 # Tests set this (or NATS_KERNELS_POISON=1) so that outputs start as NaN: an element a kernel forgets to
 # write then fails the comparison with the reference instead of passing by luck.
