@@ -40,7 +40,7 @@ import torch
 
 from . import _env
 from ._env import INTERPRET, cdiv, dot_precision, tl, triton
-from .forward import key_limit
+from .forward import key_limit, load_key_tile
 from .plan import block_lists
 
 # Largest exponent (base 2) of exp(s_ij - LSE_i) at masked pairs: half the float32 range, as in the reference.
@@ -72,11 +72,7 @@ def _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m0, m_hi, offs_d, k_base, v_
              N, W, qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
     """One key block of the dQ kernel: dQ, and the row sums Rd (visible locals before i) and dM_ii."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    col_ok = offs_n < N
-    ty = tl.load(t_base + offs_n, mask=col_ok, other=3).to(tl.int32)
-    e = tl.load(e_base + offs_n, mask=col_ok, other=-1)
-    k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    ty, e, k, v = load_key_tile(t_base, e_base, k_base, v_base, offs_n, offs_d, skn, svn, N)
     j2 = offs_n[None, :]
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale

@@ -29,6 +29,28 @@ def key_limit(ty, e, offs_n, W, N):
     return tl.where(ty == 0, N - 1, tl.where(ty == 1, e, tl.where(ty == 2, offs_n + W - 1, -1)))
 
 
+@triton.jit
+def load_key_tile(t_base, e_base, k_base, v_base, offs_n, offs_d, skn, svn, N):
+    """Types (3 beyond N), next-global indices (-1 beyond N), K and V rows (0 beyond N) of key block offs_n."""
+    col_ok = offs_n < N
+    ty = tl.load(t_base + offs_n, mask=col_ok, other=3).to(tl.int32)
+    e = tl.load(e_base + offs_n, mask=col_ok, other=-1)
+    k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    return ty, e, k, v
+
+
+@triton.jit
+def online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
+    """FlashAttention's update of (acc, row max m_i, row sum l_i) with base-2 scores s [M, N] and values v."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
 HEAD_DIMS = (16, 32, 64, 128)
 
 
@@ -86,11 +108,7 @@ def _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, m0, q_hi, k_base, v_base, t_
               qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
     """Online-softmax update of one query block with the key block starting at n0."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    col_ok = offs_n < N
-    ty = tl.load(t_base + offs_n, mask=col_ok, other=3).to(tl.int32)
-    e = tl.load(e_base + offs_n, mask=col_ok, other=-1)
-    k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    ty, e, k, v = load_key_tile(t_base, e_base, k_base, v_base, offs_n, offs_d, skn, svn, N)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     lim = key_limit(ty, e, offs_n, W, N)
     # A block strictly below the diagonal whose keys every query of the block sees needs no mask.
@@ -101,12 +119,7 @@ def _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, m0, q_hi, k_base, v_base, t_
     else:
         vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] <= lim[None, :])
         s = tl.where(vis, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return acc, m_new, l_i
+    return online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
 
 
 @triton.autotune(configs=_fwd_configs(), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])

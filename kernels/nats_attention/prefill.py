@@ -25,7 +25,7 @@ import torch
 
 from . import _env
 from ._env import cdiv, dot_precision, tl, triton
-from .forward import check_head_dim
+from .forward import check_head_dim, online_softmax_step
 from .plan import type_indices
 
 
@@ -56,12 +56,7 @@ def _attend_range(acc, m_i, l_i, q, offs_m, m0, q_hi, lo, hi, ORD, LIM, k_base, 
         else:
             vis = (pos[None, :] <= offs_m[:, None]) & (offs_m[:, None] <= lim[None, :])
             s = tl.where(vis, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
     return acc, m_i, l_i
 
 
