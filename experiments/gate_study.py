@@ -8,6 +8,7 @@ the mean gate value, from `nats.analysis.dataset_diagnostics` over the first --d
 
     python experiments/gate_study.py                     # the default tiny model and steps of conf/train.yaml
     python experiments/gate_study.py --steps 100 data.max_eval_windows=64
+    python experiments/gate_study.py --seeds 0 1 2 trainer=gpu      # three seeds on a GPU
 
 Writes experiments/results/gate_study.{md,json}; logs go to logs/gate_study/.
 """
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GATES = ("none", "headwise", "elementwise")
 
 
-def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_batches: int) -> dict:
+def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_batches: int, seed: int = 0) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -35,6 +36,7 @@ def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_
     overrides = [
         "experiment=gate_study",
         f"model.attention.output_gate={gate}",
+        f"seed={seed}",
         f"paths.output_dir={run_dir}",
         "callbacks=none",  # the experiment's attention_sink monitor stays
         "trainer.enable_progress_bar=false",
@@ -54,6 +56,8 @@ def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_
     diag = dataset_diagnostics(module.model, datamodule.val_dataloader(), max_batches=diag_batches)
     return {
         "gate": gate,
+        "seed": seed,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "steps": int(trainer.global_step),
         "params": module.model.num_params(),
         "train_seconds": seconds,
@@ -73,23 +77,39 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
         "# Gate study: dense attention with and without the output gate",
         "",
         f"Default tiny model of conf/train.yaml (4 layers, 4 heads, d = 128, RoPE, context 128) on the default "
-        f"data (gutenberg), **{results[0]['steps']} optimizer steps**, same seed and data order for every row"
+        f"data (gutenberg), **{results[0]['steps']} optimizer steps**, seeds {sorted({r['seed'] for r in results})} "
+        f"(a seed sets the initialisation and the data order, the same for every gate)"
         + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "") + ". "
         f"Validation loss/perplexity over the validation windows (all of them unless data.max_eval_windows caps "
         f"them); first-token share (attention probability on key 0, mean over heads and queries; the first "
         f"query, which can only see key 0, included; uniform causal attention would give H_N / N = "
         f"{sum(1 / i for i in range(1, 129)) / 128:.4f} at N = 128) and mean gate per layer over "
-        f"{args.diag_batches} validation batches. CPU, torch threads = {torch.get_num_threads()}.",
+        f"{args.diag_batches} validation batches. Device: {results[0]['device']}"
+        + (f", torch threads = {torch.get_num_threads()}" if results[0]["device"] == "cpu" else "") + ".",
         "",
-        "| gate | params | train s | val loss | val ppl | " + " | ".join(f"sink L{i}" for i in range(n_layer))
+        "| gate | seed | params | train s | val loss | val ppl | " + " | ".join(f"sink L{i}" for i in range(n_layer))
         + " | " + " | ".join(f"gate L{i}" for i in range(n_layer)) + " |",
-        "|---|---|---|---|---|" + "---|" * (2 * n_layer),
+        "|---|---|---|---|---|---|" + "---|" * (2 * n_layer),
     ]
     for r in results:
         sinks = " | ".join(f"{s:.3f}" for s in r["first_token_share"])
         gates = " | ".join("-" if math.isnan(g) else f"{g:.3f}" for g in r["gate_mean"])
-        lines.append(f"| {r['gate']} | {r['params'] / 1e6:.2f}M | {r['train_seconds']:.0f} | {r['val_loss']:.4f} | "
-                     f"{r['val_ppl']:.2f} | {sinks} | {gates} |")
+        lines.append(f"| {r['gate']} | {r.get('seed', 0)} | {r['params'] / 1e6:.2f}M | {r['train_seconds']:.0f} | "
+                     f"{r['val_loss']:.4f} | {r['val_ppl']:.2f} | {sinks} | {gates} |")
+    by_gate: dict[str, list[dict]] = {}
+    for r in results:
+        by_gate.setdefault(r["gate"], []).append(r)
+    if any(len(rs) > 1 for rs in by_gate.values()):
+        lines += ["", "Mean ± standard deviation over the seeds:", "",
+                  "| gate | seeds | val ppl | mean first-token share | mean gate |", "|---|---|---|---|---|"]
+        for gate, rs in by_gate.items():
+            ppl = torch.tensor([r["val_ppl"] for r in rs], dtype=torch.float64)
+            sink = torch.tensor([sum(r["first_token_share"]) / n_layer for r in rs], dtype=torch.float64)
+            gmean = [sum(r["gate_mean"]) / n_layer for r in rs]
+            std = (lambda t: float(t.std()) if len(t) > 1 else 0.0)
+            g = "-" if any(math.isnan(x) for x in gmean) else f"{sum(gmean) / len(gmean):.3f}"
+            lines.append(f"| {gate} | {len(rs)} | {float(ppl.mean()):.2f} ± {std(ppl):.2f} | "
+                         f"{float(sink.mean()):.4f} ± {std(sink):.4f} | {g} |")
     (out_dir / "gate_study.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
@@ -98,6 +118,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: trainer.max_steps of the config)")
     p.add_argument("--gates", nargs="+", default=list(GATES), choices=GATES)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed and gate")
     p.add_argument("--diag-batches", type=int, default=8)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-dir", type=Path, default=ROOT / "logs" / "gate_study")
@@ -107,12 +128,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
-    for gate in args.gates:
-        results.append(run_one(gate, args.steps, args.log_dir / f"{gate}_steps{args.steps or 'default'}",
-                               args.overrides, args.diag_batches))
-        r = results[-1]
-        print(f"[{gate}] {r['steps']} steps in {r['train_seconds']:.0f}s: val ppl {r['val_ppl']:.2f}", flush=True)
-        write_outputs(results, args, args.out)
+    for seed in args.seeds:
+        for gate in args.gates:
+            run_dir = args.log_dir / f"{gate}_steps{args.steps or 'default'}_seed{seed}"
+            results.append(run_one(gate, args.steps, run_dir, args.overrides, args.diag_batches, seed))
+            r = results[-1]
+            print(f"[{gate}, seed {seed}] {r['steps']} steps in {r['train_seconds']:.0f}s: val ppl {r['val_ppl']:.2f}",
+                  flush=True)
+            write_outputs(results, args, args.out)
 
 
 if __name__ == "__main__":
