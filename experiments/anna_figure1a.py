@@ -42,11 +42,9 @@ def task_error(model, loader) -> float:
 
 
 def compose_cfg(task: str, beta: float, steps: int, run_dir: Path, extra: list[str]):
-    from hydra import compose, initialize_config_dir
+    from nats.train import compose_config
 
-    from nats.train import CONF_DIR
-
-    overrides = [
+    return compose_config([
         f"experiment=anna_{task}",
         f"model.attention.beta={beta}",
         f"trainer.max_steps={steps}",
@@ -56,9 +54,7 @@ def compose_cfg(task: str, beta: float, steps: int, run_dir: Path, extra: list[s
         "+trainer.enable_model_summary=false",
         "final_validation=false",
         *extra,
-    ]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+    ])
 
 
 def train_one(task: str, beta: float, steps: int, run_dir: Path, extra: list[str]) -> tuple[object, object, float]:

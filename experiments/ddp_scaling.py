@@ -97,11 +97,8 @@ def tail(path: Path, n: int = 25) -> str:
 PREFLIGHT = r"""
 import sys, time, torch
 import hydra
-from hydra import compose, initialize_config_dir
-from nats.train import CONF_DIR
-overrides = sys.argv[1:]
-with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-    cfg = compose("train", overrides=overrides)
+from nats.train import compose_config
+cfg = compose_config(sys.argv[1:])
 module = hydra.utils.instantiate(cfg.module, _convert_="all")
 model = module.model.cuda()
 B, N = int(cfg.data.micro_batch_size), int(cfg.model.block_size)

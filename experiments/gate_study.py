@@ -27,13 +27,12 @@ GATES = ("none", "headwise", "elementwise")
 
 
 def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_batches: int, seed: int = 0) -> dict:
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from nats.analysis import dataset_diagnostics
-    from nats.train import CONF_DIR, build
+    from nats.train import build, compose_config
 
-    overrides = [
+    cfg = compose_config([
         "experiment=gate_study",
         f"model.attention.output_gate={gate}",
         f"seed={seed}",
@@ -43,9 +42,7 @@ def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_
         "+trainer.enable_model_summary=false",
         *([f"trainer.max_steps={steps}"] if steps else []),
         *extra,
-    ]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+    ])
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     datamodule, module, trainer = build(cfg)

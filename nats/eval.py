@@ -42,8 +42,8 @@ from nats.cache.decode import SUPPORTED_CORES, policy_logits
 from nats.cache.registry import get_cache_class
 from nats.functional import budget_fractions
 from nats.models.gpt import GPT, GPTConfig
+from nats.utils import CONF_DIR
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 OUTPUT_FILES = ("results.csv", "results.json", "results.md", "ppl_vs_area.png", "ppl_vs_peak.png",
                 "kv_fractions.json")

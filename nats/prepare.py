@@ -11,14 +11,12 @@ tokenisation out of a (multi-GPU) job's time.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hydra
 from omegaconf import DictConfig
 
 # the checkout's conf/ (the package is installed editable); a relative "../conf" is not found when Hydra is
 # entered through the console script
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+from nats.utils import CONF_DIR
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="prepare")

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import hydra
 from hydra.errors import InstantiationException
@@ -17,9 +16,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nats.runs import cluster_plugins, lightning_handles_requeue, resolve_ckpt_path, write_metrics
-from nats.utils import grad_accumulation, world_size_of
+from nats.utils import CONF_DIR, grad_accumulation, world_size_of
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def compose_config(overrides: list[str], config_name: str = "train") -> DictConfig:
+    """The config a Hydra app would see for these command-line overrides, composed from conf/ in-process
+    (for scripts and tests that build and run a configuration without going through ``nats-train``)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))
 
 
 def instantiate(node, **kwargs):

@@ -1,6 +1,10 @@
 """Small helpers shared by the entry points."""
 from __future__ import annotations
 
+from pathlib import Path
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the Hydra config tree of the checkout
+
 
 def grad_accumulation(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
     """Gradient-accumulation steps so that micro_batch x world_size x accumulation == global batch.

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CONF_DIR = str(REPO / "conf")
 # the Gutenberg cache that nats-train uses (prepared once, reused by later runs)
 DATA_DIR = Path(os.environ.get("NATS_TEST_DATA_DIR", REPO / "data"))
 
@@ -31,12 +30,18 @@ def pytest_collection_modifyitems(config, items):
 
 def compose(overrides: list[str], tmp_path: Path, config_name: str = "train"):
     """Compose a real config from conf/ with outputs under tmp_path and the shared data cache."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from nats.train import compose_config
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(
-            config_name,
-            overrides=[f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}/logs",
-                       f"paths.data_dir={DATA_DIR}", *overrides],
-        )
+    return compose_config([f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}/logs",
+                           f"paths.data_dir={DATA_DIR}", *overrides], config_name)
+
+
+@pytest.fixture
+def one_thread():
+    """Decode loops run many tiny ops: one thread avoids OpenMP spin overhead on shared cores.
+
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

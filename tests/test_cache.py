@@ -24,13 +24,7 @@ from nats.models.gpt import GPT, GPTConfig
 V = 61
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Decoding runs many tiny ops: one thread avoids OpenMP spin overhead on shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tiny(attention: dict, n_layer: int = 3, block_size: int = 72, **kw) -> GPT:

@@ -21,13 +21,7 @@ from nats.lit import LitGPT
 TINY = {"vocab_size": 50304, "n_head": 4, "n_kv_head": 2, "n_embd": 32}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The decode loops run many tiny ops: one thread avoids OpenMP spin overhead on shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def make_checkpoint(path: Path, attention: dict, block_size: int = 32, n_layer: int = 2, **model) -> Path:

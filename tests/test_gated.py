@@ -169,12 +169,9 @@ def test_dataset_diagnostics_weights_batches_and_restores_mode():
 
 # ---------------------------------------------------------------------- configs and logging
 def compose(overrides):
-    from hydra import compose as hcompose, initialize_config_dir
+    from nats.train import compose_config
 
-    from nats.train import CONF_DIR
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hcompose(config_name="train", overrides=overrides + ["paths.output_dir=/tmp/nats_test_gated"])
+    return compose_config(overrides + ["paths.output_dir=/tmp/nats_test_gated"])
 
 
 @pytest.mark.parametrize("gate", ["none", "headwise", "elementwise"])

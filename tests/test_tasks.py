@@ -164,12 +164,9 @@ def test_vocab_mismatch_is_an_error():
 
 # ---------------------------------------------------------------------- configs
 def compose(overrides):
-    from hydra import compose as hcompose, initialize_config_dir
+    from nats.train import compose_config
 
-    from nats.train import CONF_DIR
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hcompose(config_name="train", overrides=overrides + ["paths.output_dir=/tmp/nats_test_tasks"])
+    return compose_config(overrides + ["paths.output_dir=/tmp/nats_test_tasks"])
 
 
 @pytest.mark.parametrize("experiment,causal,vocab,n_out", [("anna_match2", False, 37, 2), ("anna_induction", True, 20, 4)])
