@@ -7,6 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run in the interpreter, which must be chosen before anything imports triton
+# (Lightning or torch.compile may import it before a kernel module gets the chance): here, before any test.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 # the Gutenberg cache that nats-train uses (prepared once, reused by later runs)
 DATA_DIR = Path(os.environ.get("NATS_TEST_DATA_DIR", REPO / "data"))

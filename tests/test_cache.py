@@ -4,13 +4,9 @@ Triton's CPU interpreter, generate, and clear errors."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from nats import functional as NF
 from nats.cache import available_caches, generate, make_caches, policy_logits
