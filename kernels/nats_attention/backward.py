@@ -40,7 +40,7 @@ import torch
 
 from . import _env
 from ._env import INTERPRET, cdiv, dot_precision, tl, triton
-from .forward import key_limit, load_key_tile
+from .forward import key_limit, load_key_tile, load_rows, query_program
 from .plan import block_lists
 
 # Largest exponent (base 2) of exp(s_ij - LSE_i) at masked pairs: half the float32 range, as in the reference.
@@ -105,27 +105,16 @@ def _bwd_dq_kernel(
     H_Q, GROUP, NQB, NKB,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H_Q).to(tl.int64)  # int64: batch offsets can exceed 2**31
-    h = pid_bh % H_Q
-    hk = h // GROUP
-    H_KV = H_Q // GROUP
-
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < N
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, row_ok)
+    do = load_rows(DO + b * sdob + h * sdoh, offs_m, offs_d, sdon, row_ok)
+    o = load_rows(O + b * sob + h * soh, offs_m, offs_d, son, row_ok)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + pid_bh * N + offs_m, delta, mask=row_ok)
     lse = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0)
 
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    head = b * H_KV + hk
     tp_off = head * N
     list_base = KB_IDX + (head * NQB + pid_m) * NKB
     n_list = tl.load(KB_CNT + head * NQB + pid_m)

@@ -30,6 +30,30 @@ def key_limit(ty, e, offs_n, W, N):
 
 
 @triton.jit
+def query_program(N, H_Q, GROUP, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Who a program of a query-block kernel (grid: query blocks x batch*query heads) is.
+
+    Returns its ids, batch b, query head h, KV head hk (GQA), ``head`` = the (batch, KV head) row of the
+    per-head O(N) arrays, its first query m0, query rows offs_m, offs_d and the row mask.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H_Q).to(tl.int64)  # int64: batch offsets can exceed 2**31
+    h = pid_bh % H_Q
+    hk = h // GROUP
+    head = b * (H_Q // GROUP) + hk
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    return pid_m, pid_bh, b, h, hk, head, m0, offs_m, tl.arange(0, HEAD_DIM), offs_m < N
+
+
+@triton.jit
+def load_rows(base, offs_m, offs_d, stride_n, row_ok):
+    """Rows offs_m of a [N, D] slice as a [BLOCK_M, D] tile, 0 beyond N."""
+    return tl.load(base + offs_m[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+
+@triton.jit
 def load_key_tile(t_base, e_base, k_base, v_base, offs_n, offs_d, skn, svn, N):
     """Types (3 beyond N), next-global indices (-1 beyond N), K and V rows (0 beyond N) of key block offs_n."""
     col_ok = offs_n < N
@@ -131,22 +155,10 @@ def _nats_fwd_kernel(
     H_Q, GROUP, NQB, NKB,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H_Q).to(tl.int64)  # int64: batch offsets can exceed 2**31
-    h = pid_bh % H_Q
-    hk = h // GROUP
-    H_KV = H_Q // GROUP
-
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < N
-
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, row_ok)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    head = b * H_KV + hk
     t_base = T + head * N
     e_base = E + head * N
     list_base = KB_IDX + (head * NQB + pid_m) * NKB

@@ -25,7 +25,7 @@ import torch
 
 from . import _env
 from ._env import cdiv, dot_precision, tl, triton
-from .forward import check_head_dim, online_softmax_step
+from .forward import check_head_dim, load_rows, online_softmax_step, query_program
 from .plan import type_indices
 
 
@@ -68,21 +68,10 @@ def _nats_prefill_kernel(
     N, W, qk_scale, H_Q, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H_Q).to(tl.int64)  # int64: batch offsets can exceed 2**31
-    h = pid_bh % H_Q
-    hk = h // GROUP
-    H_KV = H_Q // GROUP
-
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < N
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    _, _, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, row_ok)
     q_hi = tl.minimum(m0 + BLOCK_M, N) - 1
 
-    head = b * H_KV + hk
     ordp = ORD + head * N
     limp = LIM + head * N
     cum = CUM + head * N * 3  # inclusive counts of (global, local, sliding) tokens at each position
