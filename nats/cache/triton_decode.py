@@ -29,6 +29,23 @@ MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split coun
 
 
 @triton.jit
+def _attend_rows(acc, m_i, l_i, q, KB, VB, rows, ok, offs_d, dmask, D, qk_scale):
+    """Online-softmax update (natural base; m_i may still be -inf) with the K/V rows ``rows`` where ``ok``."""
+    kv_mask = ok[:, None] & dmask[None, :]
+    k = tl.load(KB + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    s = tl.sum(k * q[None, :], axis=1) * qk_scale
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe)
+    v = tl.load(VB + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _pool_decode_kernel(Q, KP, VP, START, LEN, RK, RV, RVALID, M_OUT, L_OUT, ACC_OUT, qk_scale, SPLITS,
                         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr, HAS_RING: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -51,36 +68,14 @@ def _pool_decode_kernel(Q, KP, VP, START, LEN, RK, RV, RVALID, M_OUT, L_OUT, ACC
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = offs_n < hi
         rows = start + offs_n.to(tl.int64)
-        kv_mask = ok[:, None] & dmask[None, :]
-        k = tl.load(KP + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * qk_scale
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe)
-        v = tl.load(VP + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, KP, VP, rows, ok, offs_d, dmask, D, qk_scale)
     if HAS_RING:
         if split == 0:
             offs_w = tl.arange(0, BLOCK_W)
             okw = offs_w < W
             valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
             rrows = r.to(tl.int64) * W + offs_w
-            kv_mask = valid[:, None] & dmask[None, :]
-            k = tl.load(RK + rrows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.sum(k * q[None, :], axis=1) * qk_scale
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe)
-            v = tl.load(RV + rrows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            m_i = m_new
+            acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale)
     out = pid * SPLITS + split
     tl.store(M_OUT + out, tl.max(m_i, axis=0))  # [1] -> scalar
     tl.store(L_OUT + out, tl.sum(l_i, axis=0))
