@@ -76,3 +76,19 @@ def test_output_gate_shapes():
         assert model(torch.randint(0, 101, (1, 9))).logits.shape == (1, 9, 101)
     with pytest.raises(ValueError, match="output_gate"):
         small(attention={"name": "dense", "output_gate": "bogus"})
+
+
+def test_logits_detached_when_targets_given():
+    """With targets the loss carries the gradient and the logits are detached (a compiled graph would otherwise
+    get a zero [B, N, V] tangent for them); the gradients equal those of a CE over the attached logits."""
+    model = small().train()
+    x, y = torch.randint(0, 101, (2, 17)), torch.randint(0, 101, (2, 17))
+    out = model(x, y)
+    assert out.loss.requires_grad and not out.logits.requires_grad
+    assert all(not v.requires_grad for v in out.stats.values())
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
+    free = model(x).logits
+    assert free.requires_grad  # without targets the logits stay differentiable
+    ref = torch.autograd.grad(F.cross_entropy(free.flatten(0, 1), y.flatten()), list(model.parameters()))
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r)

@@ -82,7 +82,7 @@ class GPTConfig:
 
 @dataclass
 class GPTOutput:
-    logits: torch.Tensor  # [B, N, vocab] (or [B, N, n_out])
+    logits: torch.Tensor  # [B, N, vocab] (or [B, N, n_out]); detached when targets were given
     loss: torch.Tensor | None  # mean cross-entropy, if targets were given
     aux_loss: torch.Tensor | None  # sum of the attention cores' auxiliary losses
     stats: dict[str, torch.Tensor]  # "layer{l}/{name}" -> scalar
@@ -278,6 +278,12 @@ class GPT(nn.Module):
                 loss = LSECrossEntropy.apply(flat_logits, flat_targets)
             else:
                 loss = F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=-100)
+            # With targets the loss is the differentiable output and the logits are for metrics only. Returned
+            # attached, they would be a compiled graph's output that needs a gradient: autograd then feeds the
+            # backward a zero [B, N, V] tangent (one fill and one extra read of the logits, ~3% of a GPT-2-small
+            # step on an H100, experiments/bench_train.py). To differentiate the logits, call without targets.
+            logits = logits.detach()
+        stats = {name: value.detach() for name, value in stats.items()}
         return GPTOutput(logits=logits, loss=loss, aux_loss=aux_loss, stats=stats)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
