@@ -86,14 +86,17 @@ def main() -> None:
     lines = [f"GPU: {torch.cuda.get_device_name()}; B={B} H={H} N={N} D={D} W={W} bf16; GPU times (CUDA graphs)", ""]
     lines += ["| dense | fwd ms | fwd+bwd ms |", "|---|---|---|"]
     lines += [f"| {n} | {f:.3f} | {fb:.3f} |" for n, (f, fb) in dense.items()]
-    lines += ["", "| fwd tile | dq tile | mix | fwd ms | dq ms | dkdv ms | other ms | fwd+bwd ms | x FA2 |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| fwd tile | dq tile | mix | fwd ms | dq ms | dkdv ms | other ms | fwd+bwd ms | x FA2 |"
+              " x cuDNN | dkdv config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    cudnn_fb = dense["sdpa (default: cuDNN)"][1]
     tws = {}
     for mix, probs in MIXES.items():
         t = torch.multinomial(torch.tensor(probs), B * H * N, replacement=True, generator=gen).view(B, H, N)
         tws[mix] = types_to_weights(t, torch.float32).cuda().requires_grad_()
     totals: dict[tuple, float] = defaultdict(float)
     lines_other = ["", "Kernels in 'other' (defaults, uniform mix):", "", "| kernel | ms | calls |", "|---|---|---|"]
+    from nats_kernels.nats_attention.backward import _bwd_dkdv_kernel
+
     for fwd, dq in CANDIDATES:
         _env.BLOCKS.update(fwd=fwd, dq=dq)
         for mix, tw in tws.items():
@@ -108,14 +111,16 @@ def main() -> None:
                     lines_other.extend(f"| {name[:90]} | {ms:.4f} | {n} |" for name, (ms, n) in others)
             except Exception as exc:  # noqa: BLE001 - e.g. a tile too large for shared memory
                 lines.append(f"| {fwd[0]}x{fwd[1]} | {dq[0]}x{dq[1]} | {mix} | error: "
-                             f"{type(exc).__name__}: {str(exc)[:80]} | | | | |")
+                             f"{type(exc).__name__}: {str(exc)[:80]} | | | | | |")
                 print(lines[-1], flush=True)
                 totals[(fwd, dq)] += 1e9
                 continue
             totals[(fwd, dq)] += total
+            cfg = getattr(_bwd_dkdv_kernel, "best_config", None)
+            cfg = f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}" if cfg else "-"
             lines.append(f"| {fwd[0]}x{fwd[1]} | {dq[0]}x{dq[1]} | {mix} | {split['fwd']:.3f} | "
                          f"{split['dq']:.3f} | {split['dkdv']:.3f} | {split['other']:.3f} | {total:.3f} | "
-                         f"{total / flash_fb:.2f} |")
+                         f"{total / flash_fb:.2f} | {total / cudnn_fb:.2f} | {cfg} |")
             print(lines[-1], flush=True)
     best = min(totals, key=totals.get)
     lines += ["", f"best (sum of fwd+bwd over the mixes): fwd tile {best[0]}, dq tile {best[1]}"]

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from nats import ops as _ops
 from nats_kernels.nats_attention import reference as _ref
+from nats_kernels.nats_attention import triton_supports
 from nats_kernels.nats_attention.reference import (
     TOKEN_GLOBAL,
     TOKEN_LOCAL,
@@ -148,7 +149,8 @@ def nats_attention(
             may carry straight-through gradients (``onehot + y - y.detach()``).
         window: sliding window W >= 1.
         backend: ``"reference"`` (pure PyTorch, any device, O(N^2) memory), ``"triton"`` (the fused
-            kernel) or ``"auto"`` (Triton for CUDA inputs when the kernel imports, else reference).
+            kernel) or ``"auto"`` (Triton for CUDA inputs it supports: fp16/bf16/fp32, head dims 16-128,
+            when the kernel imports; else reference).
 
     Returns:
         ``[B, Hq, N, D]`` in q's dtype. Differentiable in q, k, v and type_weights exactly as in spec
@@ -170,7 +172,7 @@ def nats_attention(
             )
         return fn(q, k, v, type_weights, window)
     # auto
-    if q.is_cuda:
+    if triton_supports(q):
         fn, _ = _load_triton_backend()
         if fn is not None:
             return fn(q, k, v, type_weights, window)

@@ -353,6 +353,8 @@ def test_triton_pool_attention_matches_torch(dtype):
     rk, rv = torch.randn(R, W, D).to(dtype), torch.randn(R, W, D).to(dtype)
     rvalid = torch.rand(R, W) < 0.5
     rvalid[0, 0] = True  # row 0 has an empty segment: its ring must hold a key
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, the real kernel on a GPU
+    q, kp, vp, start, length, rk, rv, rvalid = (t.to(dev) for t in (q, kp, vp, start, length, rk, rv, rvalid))
     ref = torch_pool_attention(q, kp, vp, start, length, int(length.max()), rk, rv, rvalid)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for splits in (1, 3, None):
@@ -368,8 +370,9 @@ def test_triton_pool_attention_matches_torch(dtype):
 
 def test_nats_decode_with_triton_backend():
     """The NAtS cache stepping through the Triton kernel (interpreted: few tokens) equals the forward."""
-    model = nats_model(window=3, n_layer=2).float()
-    idx = torch.randint(0, V, (2, 12))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = nats_model(window=3, n_layer=2).float().to(dev)
+    idx = torch.randint(0, V, (2, 12)).to(dev)
     ref = model(idx).logits
     out, caches = policy_logits(model, idx, "nats", sequential=True, backend="triton", check_every=2)
     assert caches[0].backend == "triton"

@@ -12,6 +12,16 @@ the kernels run in Triton's CPU interpreter (see ``_env.py``). ``docs/kernels.md
 
 import importlib
 
+HEAD_DIMS = (16, 32, 64, 128)  # head dims the Triton kernels are built for
+
+
+def triton_supports(q) -> bool:
+    """Whether the Triton training kernel takes queries like ``q`` (a CUDA tensor, fp16/bf16/fp32, a head dim
+    in HEAD_DIMS); ``backend="auto"`` uses the reference otherwise (e.g. float64 checks, tiny heads)."""
+    import torch
+
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] in HEAD_DIMS
+
 _LAZY = {
     "triton_nats_attention": ".autograd",
     "nats_prefill": ".prefill",

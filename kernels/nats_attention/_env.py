@@ -93,6 +93,18 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis (query or key blocks of one head)
+
+
+def query_blocks(n: int, block: int) -> int:
+    """Blocks of `block` rows over n (the second grid axis of the query- and key-block kernels)."""
+    nb = cdiv(n, block)
+    if nb > MAX_GRID_Y:
+        raise ValueError(f"sequence length {n} needs {nb} blocks of {block} rows, more than the {MAX_GRID_Y} "
+                         "a CUDA grid axis allows; split the sequence (chunked prefill) or use larger blocks")
+    return nb
+
+
 def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 

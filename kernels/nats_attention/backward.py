@@ -25,12 +25,15 @@ rows <= e_k, rows < k+W, rows <= e_{e_k}), two row sums (Rd_i, dM_ii) and segmen
 
 Three kernels, run in this order:
 
-1. ``_bwd_dq_kernel``, one program per (query block, batch, query head), walks only the key blocks with a
+1. ``_bwd_dq_kernel``, one program per (batch, query head, query block), walks only the key blocks with a
    visible pair (the forward's block lists): stores D_i, computes dQ and the row sums Rd_i and dM_ii.
-2. ``_bwd_dkdv_kernel``, one program per (key block, batch, KV head), loops over the query heads of the
+2. ``_bwd_dkdv_kernel``, one program per (batch, KV head, key block), loops over the query heads of the
    group and over *all* query blocks from the diagonal on (d g_k sums dM over every later query); it
    accumulates dK and dV (on the query blocks that see the key block) and the four column sums, as
    reductions along the query axis of key-major tiles (inside a warp), without atomics.
+   (Computing dQ here too, adding each tile's dS K into an fp32 buffer with atomics so that every score tile
+   is computed once, was slower on an H200: 0.75 against 0.66 ms fwd+bwd at B=16, H=12, N=1024, D=64;
+   docs/kernels.md.)
 3. ``_type_grad_kernel``, one program per (batch, KV head), sums the row quantities over the query heads
    of the group, runs the segmented prefix sums (restarting after every global, chunked with a carry)
    and writes (dg, dl, ds) in the dtype of ``type_weights``.
@@ -39,7 +42,7 @@ Three kernels, run in this order:
 import torch
 
 from . import _env
-from ._env import INTERPRET, cdiv, dot_precision, tl, triton
+from ._env import INTERPRET, dot_precision, tl, triton
 from .forward import key_limit, load_key_tile, load_rows, query_program
 from .plan import block_lists
 
@@ -68,9 +71,12 @@ def _dkdv_configs():
 
 
 @triton.jit
-def _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m0, m_hi, offs_d, k_base, v_base, t_base, e_base, skn, svn,
-             N, W, qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One key block of the dQ kernel: dQ, and the row sums Rd (visible locals before i) and dM_ii."""
+def _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m_hi, offs_d, k_base, v_base, t_base, e_base, skn, svn,
+             N, W, qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, DIAG: tl.constexpr):
+    """One key block of the dQ kernel: dQ, and the row sums Rd (visible locals before i) and dM_ii.
+
+    DIAG: the key block crosses the query block's diagonal (causal mask, dM_ii); otherwise every key
+    precedes every query of the block."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     ty, e, k, v = load_key_tile(t_base, e_base, k_base, v_base, offs_n, offs_d, skn, svn, N)
     j2 = offs_n[None, :]
@@ -82,17 +88,19 @@ def _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m0, m_hi, offs_d, k_base, v_
     lim = key_limit(ty, e, offs_n, W, N)
     # Scalar branches choose the ALU work per tile; the dots stay unconditional (a dot under an `if` stops
     # Triton from pipelining the loads).
-    if n0 + BLOCK_N - 1 > m0:  # tile crossing the diagonal
+    if DIAG:
         dm = tl.where(j2 <= i2, dm, 0.0)
         dd += tl.sum(tl.where(j2 == i2, dm, 0.0), axis=1)
         ds = tl.where(i2 <= lim[None, :], dm, 0.0)
-    elif tl.min(lim, axis=0) >= m_hi:  # every query of the block sees every key of the tile
-        ds = dm
-    else:
-        ds = tl.where(i2 <= lim[None, :], dm, 0.0)
-    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
-    if tl.max((ty == 1).to(tl.int32), axis=0) > 0:  # the tile holds local keys
         rd += tl.sum(tl.where((ty[None, :] == 1) & (j2 < i2), ds, 0.0), axis=1)
+    else:
+        if tl.min(lim, axis=0) >= m_hi:  # every query of the block sees every key of the tile
+            ds = dm
+        else:
+            ds = tl.where(i2 <= lim[None, :], dm, 0.0)
+        if tl.max((ty == 1).to(tl.int32), axis=0) > 0:  # the tile holds local keys
+            rd += tl.sum(tl.where(ty[None, :] == 1, ds, 0.0), axis=1)
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
     return dq, rd, dd
 
 
@@ -124,10 +132,16 @@ def _bwd_dq_kernel(
     dd = tl.zeros([BLOCK_M], dtype=tl.float32)  # dM on the diagonal
     i2 = offs_m[:, None]
     m_hi = m0 + BLOCK_M - 1  # last query of the block (rows beyond N have dM = 0)
-    for t in range(n_list):
+    # As in the forward: the list ends with the key blocks that cross the diagonal, all live.
+    n_below = n_list - (tl.minimum(m_hi, N - 1) // BLOCK_N - m0 // BLOCK_N + 1)
+    for t in range(n_below):
         n0 = tl.load(list_base + t) * BLOCK_N
-        dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m0, m_hi, offs_d, k_base,
-                              v_base, T + tp_off, E + tp_off, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
+        dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m_hi, offs_d, k_base, v_base, T + tp_off,
+                              E + tp_off, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC, False)
+    for t in range(n_below, n_list):
+        n0 = tl.load(list_base + t) * BLOCK_N
+        dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m_hi, offs_d, k_base, v_base, T + tp_off,
+                              E + tp_off, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC, True)
 
     dq = dq * sm_scale
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -202,8 +216,8 @@ def _bwd_dkdv_kernel(
     H_Q, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)  # b * H_KV + hk
+    pid_bh = tl.program_id(0)  # b * H_KV + hk
+    pid_n = tl.program_id(1)  # key blocks start first to last: the early ones see the most queries
     H_KV = H_Q // GROUP
     b = (pid_bh // H_KV).to(tl.int64)
     hk = pid_bh % H_KV
@@ -355,7 +369,7 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
 
     bm, bn = dq_blocks(D)
     kb_idx, kb_cnt = block_lists(types, e, W, bm, bn)
-    _bwd_dq_kernel[(cdiv(N, bm), B * HQ)](
+    _bwd_dq_kernel[(B * HQ, _env.query_blocks(N, bm))](
         q, k, v, o, do, lse, delta, types, e, dq, rd, dd, kb_idx, kb_cnt,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -363,7 +377,7 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
         N, W, sm_scale, qk_scale, HQ, group, kb_idx.shape[2], kb_idx.shape[3],
         HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec,
     )
-    grid_k = lambda meta: (cdiv(N, meta["BLOCK_N"]), B * HKV)
+    grid_k = lambda meta: (B * HKV, _env.query_blocks(N, meta["BLOCK_N"]))
     _bwd_dkdv_kernel[grid_k](
         q, k, v, do, lse, delta, types, e, dk, dv, cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

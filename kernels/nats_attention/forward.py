@@ -16,7 +16,8 @@ kernel also writes the row log-sum-exp (base 2, of the scaled scores) for the ba
 import torch
 
 from . import _env
-from ._env import INTERPRET, cdiv, dot_precision, tl, triton
+from ._env import INTERPRET, dot_precision, tl, triton
+from . import HEAD_DIMS
 from .plan import block_lists
 
 
@@ -31,13 +32,15 @@ def key_limit(ty, e, offs_n, W, N):
 
 @triton.jit
 def query_program(N, H_Q, GROUP, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Who a program of a query-block kernel (grid: query blocks x batch*query heads) is.
+    """Who a program of a query-block kernel (grid: batch*query heads x query blocks) is.
 
     Returns its ids, batch b, query head h, KV head hk (GQA), ``head`` = the (batch, KV head) row of the
     per-head O(N) arrays, its first query m0, query rows offs_m, offs_d and the row mask.
+    Query blocks run last first: under a causal mask the late blocks have the most keys, and the GPU starts
+    programs in grid order (axis 0 fastest), so the long programs start first and the short ones fill the tail.
     """
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = (pid_bh // H_Q).to(tl.int64)  # int64: batch offsets can exceed 2**31
     h = pid_bh % H_Q
     hk = h // GROUP
@@ -75,7 +78,6 @@ def online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
     return acc, m_new, l_i
 
 
-HEAD_DIMS = (16, 32, 64, 128)
 
 
 def check_head_dim(d: int) -> None:
@@ -92,7 +94,8 @@ def fwd_blocks(head_dim: int) -> tuple[int, int]:
 
 
 def _fwd_configs():
-    return _env.configs([triton.Config({}, num_warps=w, num_stages=s) for w, s in [(8, 3), (4, 3), (8, 2), (4, 4)]],
+    return _env.configs([triton.Config({}, num_warps=w, num_stages=s)
+                         for w, s in [(8, 3), (4, 3), (8, 2), (4, 4), (8, 4)]],
                         triton.Config({}, num_warps=4, num_stages=1))
 
 
@@ -128,21 +131,24 @@ def live_key_blocks(types: torch.Tensor, e: torch.Tensor, window: int, block_m: 
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, m0, q_hi, k_base, v_base, t_base, e_base, skn, svn, N, W,
-              qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Online-softmax update of one query block with the key block starting at n0."""
+def _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, q_hi, k_base, v_base, t_base, e_base, skn, svn, N, W,
+              qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, DIAG: tl.constexpr):
+    """Online-softmax update of one query block with the key block starting at n0.
+
+    DIAG: the key block crosses the query block's diagonal (causal and key-limit mask); otherwise only the
+    key limits can hide a pair, and a block whose keys every query of the block sees needs no mask.
+    """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     ty, e, k, v = load_key_tile(t_base, e_base, k_base, v_base, offs_n, offs_d, skn, svn, N)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     lim = key_limit(ty, e, offs_n, W, N)
-    # A block strictly below the diagonal whose keys every query of the block sees needs no mask.
-    below = n0 + BLOCK_N - 1 <= m0
-    full = tl.min(lim, axis=0) >= q_hi
-    if below & full:
-        s = qk
-    else:
+    if DIAG:
         vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] <= lim[None, :])
         s = tl.where(vis, qk, float("-inf"))
+    elif tl.min(lim, axis=0) >= q_hi:
+        s = qk
+    else:
+        s = tl.where(offs_m[:, None] <= lim[None, :], qk, float("-inf"))
     return online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
 
 
@@ -169,12 +175,19 @@ def _nats_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     q_hi = tl.minimum(m0 + BLOCK_M, N) - 1  # last real query of the block
+    # The list is ascending and ends with the key blocks that cross the diagonal (each holds a key of the query
+    # block, which sees itself, so all are live): two loops, the first without the causal mask.
     # (Walking the causal key blocks directly when all are live, to spare the index load, measured no faster:
     # the list walk pipelines well. docs/results/sweep_kernel_blocks_h200.md)
-    for t in range(n_live):
+    n_below = n_live - (q_hi // BLOCK_N - m0 // BLOCK_N + 1)
+    for t in range(n_below):
         n0 = tl.load(list_base + t) * BLOCK_N
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, m0, q_hi, k_base, v_base,
-                                  t_base, e_base, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, q_hi, k_base, v_base,
+                                  t_base, e_base, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC, False)
+    for t in range(n_below, n_live):
+        n0 = tl.load(list_base + t) * BLOCK_N
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, q_hi, k_base, v_base,
+                                  t_base, e_base, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC, True)
 
     # Every real row sees its own key (M_ii = 1), so l_i > 0 there.
     l_safe = tl.where(row_ok, l_i, 1.0)
@@ -201,7 +214,7 @@ def nats_forward(q, k, v, types, e, window: int, sm_scale: float | None = None):
     lse = _env.empty((B, HQ, N), torch.float32, q.device)
     bm, bn = fwd_blocks(D)
     kb_idx, kb_cnt = block_lists(types, e, W, bm, bn)
-    grid = (cdiv(N, bm), B * HQ)
+    grid = (B * HQ, _env.query_blocks(N, bm))
     _nats_fwd_kernel[grid](
         q, k, v, types, e, o, lse, kb_idx, kb_cnt,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -24,7 +24,7 @@ is in exactly one list, so nothing is counted twice. Work per query block is abo
 import torch
 
 from . import _env
-from ._env import cdiv, dot_precision, tl, triton
+from ._env import dot_precision, tl, triton
 from .forward import check_head_dim, load_rows, online_softmax_step, query_program
 from .plan import type_indices
 
@@ -150,7 +150,7 @@ def nats_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, types: torch
         sm_scale = D ** -0.5
     order, lim, cum, prev = prefill_plan(types, W)
     o = _env.empty(q.shape, q.dtype, q.device)
-    grid = lambda meta: (cdiv(N, meta["BLOCK_M"]), B * HQ)
+    grid = lambda meta: (B * HQ, _env.query_blocks(N, meta["BLOCK_M"]))
     _nats_prefill_kernel[grid](
         q, k, v, o, order, lim, cum, prev,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
