@@ -71,10 +71,10 @@ def profile_table(step, n_steps: int = 3) -> str:
 
 def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compile: bool, pos_emb: str = "rope",
           compile_mode: str | None = None, clip: bool = True, lse_ce: bool = False, profile: bool = False,
-          accum: int = 1) -> dict:
+          accum: int = 1, fused_ce: bool = False) -> dict:
     torch.manual_seed(0)
     config = GPTConfig(attention=attention, block_size=seq, pos_emb=pos_emb,  # GPT-2-small defaults
-                       lse_cross_entropy=lse_ce)
+                       lse_cross_entropy=lse_ce, fused_cross_entropy=fused_ce)
     model = GPT(config).cuda()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -113,7 +113,8 @@ def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compil
     prof = profile_table(step) if profile else None
     return dict(profile=prof, attention=attention["name"] + ("" if pos_emb == "rope" else f"/{pos_emb}")
                 + (f"/{compile_mode}" if compile_mode else "") + ("" if clip else "/noclip")
-                + ("/lse-ce" if lse_ce else "") + (f"/accum{accum}" if accum > 1 else ""),
+                + ("/lse-ce" if lse_ce else "") + ("/fused-ce" if fused_ce else "")
+                + (f"/accum{accum}" if accum > 1 else ""),
                 batch=batch, seq=seq, ms_per_step=ms, tokens_per_s=tokens_per_s,
                 mfu=mfu, loss=float(loss), warmup_s=compile_s, max_mem_gb=torch.cuda.max_memory_allocated() / 2**30,
                 params_m=model.num_params() / 1e6)
@@ -133,6 +134,8 @@ def main() -> None:
     ap.add_argument("--pos-emb", default="rope", choices=["rope", "learned", "none"])
     ap.add_argument("--no-clip", action="store_true", help="skip gradient clipping (to measure its cost)")
     ap.add_argument("--lse-ce", action="store_true", help="model.lse_cross_entropy=true (LSE-only cross-entropy)")
+    ap.add_argument("--fused-ce", action="store_true",
+                    help="model.fused_cross_entropy=true (fused lm head + cross-entropy, nats_kernels.cross_entropy)")
     ap.add_argument("--coordinate-descent", action="store_true",
                     help="inductor coordinate-descent tuning of its generated kernels (longer compile)")
     ap.add_argument("--sdpa", default="auto", choices=["auto", "cudnn", "flash"],
@@ -165,14 +168,15 @@ def main() -> None:
         for b in args.batch:
             try:
                 r = bench(attention, b, args.seq, args.steps, args.warmup, not args.no_compile, args.pos_emb,
-                          args.compile_mode, not args.no_clip, args.lse_ce, args.profile, args.accum)
+                          args.compile_mode, not args.no_clip, args.lse_ce, args.profile, args.accum,
+                          fused_ce=args.fused_ce)
             except Exception as err:  # a compiler failure should not lose the measurement: retry eagerly
                 if args.no_compile:
                     raise
                 print(f"compiled {name} failed ({type(err).__name__}: {str(err)[:200]}); measuring it eagerly")
                 torch._dynamo.reset()
                 r = bench(attention, b, args.seq, args.steps, args.warmup, False, args.pos_emb, None,
-                          not args.no_clip, args.lse_ce, args.profile, args.accum)
+                          not args.no_clip, args.lse_ce, args.profile, args.accum, fused_ce=args.fused_ce)
                 r["attention"] += "/eager"
             r["attention"] += "" if args.sdpa == "auto" else f"/sdpa-{args.sdpa}"
             rows.append(r)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nats.attention.registry import AttentionDims, build_attention
+from nats_kernels.cross_entropy import linear_cross_entropy
 
 OUTPUT_GATES = ("none", "headwise", "elementwise")
 
@@ -40,6 +41,10 @@ class GPTConfig:
     # cross-entropy from the log-sum-exp only (no fp32 copy of the logits saved for the backward); same value
     # and gradient as F.cross_entropy, less memory traffic on GPUs (experiments/bench_train.py --lse-ce)
     lse_cross_entropy: bool = False
+    # training with targets: lm head + cross-entropy as one fused op (nats_kernels.cross_entropy) that writes the
+    # logits' gradient over the logits in the forward, so the [B*N, V] logits are read once; no logits are
+    # returned then (validation and eval, without grad, keep the plain path). experiments/bench_train.py --fused-ce
+    fused_cross_entropy: bool = False
 
     def __post_init__(self) -> None:
         self.attention = dict(self.attention)
@@ -59,6 +64,8 @@ class GPTConfig:
         gate = self.attention.get("output_gate", "none")
         if gate not in OUTPUT_GATES:
             problems.append(f"attention.output_gate={gate!r} is not one of {OUTPUT_GATES}")
+        if self.lse_cross_entropy and self.fused_cross_entropy:
+            problems.append("lse_cross_entropy and fused_cross_entropy are alternatives: set at most one")
         if self.block_size < 1 or self.n_layer < 1:
             problems.append("block_size and n_layer must be >= 1")
         if problems:
@@ -82,7 +89,9 @@ class GPTConfig:
 
 @dataclass
 class GPTOutput:
-    logits: torch.Tensor  # [B, N, vocab] (or [B, N, n_out]); detached when targets were given
+    # [B, N, vocab] (or [B, N, n_out]); detached when targets were given; None when the fused loss ran: training
+    # with targets and fused_cross_entropy
+    logits: torch.Tensor | None
     loss: torch.Tensor | None  # mean cross-entropy, if targets were given
     aux_loss: torch.Tensor | None  # sum of the attention cores' auxiliary losses
     stats: dict[str, torch.Tensor]  # "layer{l}/{name}" -> scalar
@@ -270,9 +279,13 @@ class GPT(nn.Module):
                 aux_loss = out.aux_loss if aux_loss is None else aux_loss + out.aux_loss
             for name, value in out.stats.items():
                 stats[f"layer{i}/{name}"] = value
-        logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
+        x = self.ln_f(x)
+        logits = loss = None
+        if targets is not None and self.config.fused_cross_entropy and torch.is_grad_enabled():
+            loss = self.fused_loss(x, targets)  # training: no logits (see GPTConfig.fused_cross_entropy)
+        else:
+            logits = self.lm_head(x)
+        if targets is not None and logits is not None:
             flat_logits, flat_targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
             if self.config.lse_cross_entropy:
                 loss = LSECrossEntropy.apply(flat_logits, flat_targets)
@@ -285,6 +298,14 @@ class GPT(nn.Module):
             logits = logits.detach()
         stats = {name: value.detach() for name, value in stats.items()}
         return GPTOutput(logits=logits, loss=loss, aux_loss=aux_loss, stats=stats)
+
+    def fused_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of lm_head(x) (x [B, N, C], after ln_f) against targets [B, N], by the fused op."""
+        w = self.lm_head.weight  # [V, C] (the untied head with n_out)
+        if torch.is_autocast_enabled(x.device.type):  # custom ops get no autocast: cast as a matmul would
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w = x.to(dtype), w.to(dtype)
+        return linear_cross_entropy(x.reshape(-1, x.size(-1)), w, targets.reshape(-1))  # [B*N, C], [B*N]
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (6N + attention), as in the PaLM appendix / nanoGPT's MFU."""
