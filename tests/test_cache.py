@@ -75,7 +75,7 @@ def step_all(cache, q, k, v, types=None):
         qi = q[:, :, i].reshape(B, H * G, 1, D)
         ki = k[:, i].reshape(B, H, 1, D)
         vi = v[:, i].reshape(B, H, 1, D)
-        pos = torch.tensor([i])
+        pos = torch.tensor([i], device=q.device)
         kw = {} if types is None else {"types": types[..., i]}
         y = cache.step(qi, ki, vi, None, pos, **kw)
         outs.append(y.reshape(R, G, D))
@@ -481,12 +481,14 @@ def test_nats_fused_triton_step_equals_torch_step():
     """The Triton backend's fused append/evict launches leave the same cache state as the torch ops."""
     torch.manual_seed(4)
     B, H, G, N, D, W = 2, 2, 2, 14, 8, 3
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, the real kernel on a GPU
     types = torch.randint(0, 3, (B, H, N))
     types[..., 0] = 0
     q = torch.randn(B * H, G, N, D)
     k, v = torch.randn(B * H, N, D), torch.randn(B * H, N, D)
+    types, q, k, v = (t.to(dev) for t in (types, q, k, v))
     caches = [NAtSCache(batch=B, n_head=H * G, n_kv_head=H, head_dim=D, max_len=N, window=W, backend=be,
-                        check_every=2, init_capacity=1) for be in ("torch", "triton")]
+                        check_every=2, init_capacity=1, device=dev) for be in ("torch", "triton")]
     outs = [step_all(c, q, k, v, types=types) for c in caches]
     assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=0)
     a, b = caches
