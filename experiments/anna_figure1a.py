@@ -58,17 +58,9 @@ def compose_cfg(task: str, beta: float, steps: int, run_dir: Path, extra: list[s
 
 
 def train_one(task: str, beta: float, steps: int, run_dir: Path, extra: list[str]) -> tuple[object, object, float]:
-    from omegaconf import OmegaConf
+    from nats.train import fit_in
 
-    from nats.train import build
-
-    cfg = compose_cfg(task, beta, steps, run_dir, extra)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    datamodule, module, trainer = build(cfg)
-    t0 = time.time()
-    trainer.fit(module, datamodule=datamodule)
-    seconds = time.time() - t0
+    datamodule, module, _, seconds = fit_in(compose_cfg(task, beta, steps, run_dir, extra), run_dir)
     torch.save(module.model.state_dict(), run_dir / "model.pt")
     return module.model, datamodule, seconds
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -27,10 +26,8 @@ GATES = ("none", "headwise", "elementwise")
 
 
 def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_batches: int, seed: int = 0) -> dict:
-    from omegaconf import OmegaConf
-
     from nats.analysis import dataset_diagnostics
-    from nats.train import build, compose_config
+    from nats.train import compose_config, fit_in
 
     cfg = compose_config([
         "experiment=gate_study",
@@ -43,12 +40,7 @@ def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_
         *([f"trainer.max_steps={steps}"] if steps else []),
         *extra,
     ])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    datamodule, module, trainer = build(cfg)
-    t0 = time.time()
-    trainer.fit(module, datamodule=datamodule)
-    seconds = time.time() - t0
+    datamodule, module, trainer, seconds = fit_in(cfg, run_dir)
     final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     diag = dataset_diagnostics(module.model, datamodule.val_dataloader(), max_batches=diag_batches)
     return {

@@ -72,6 +72,21 @@ def build(cfg: DictConfig):
     return datamodule, module, trainer
 
 
+def fit_in(cfg: DictConfig, run_dir) -> tuple:
+    """For experiment scripts: write cfg to run_dir/config.yaml, build and fit; returns (datamodule, module,
+    trainer, fit seconds)."""
+    import time
+    from pathlib import Path
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    datamodule, module, trainer = build(cfg)
+    t0 = time.time()
+    trainer.fit(module, datamodule=datamodule)
+    return datamodule, module, trainer, time.time() - t0
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train (or resume) and validate; returns the final metrics."""
     if cfg.get("float32_matmul_precision"):

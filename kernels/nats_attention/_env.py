@@ -96,7 +96,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis (query or key blocks of one head)
 
 
-def query_blocks(n: int, block: int) -> int:
+def grid_blocks(n: int, block: int) -> int:
     """Blocks of `block` rows over n (the second grid axis of the query- and key-block kernels)."""
     nb = cdiv(n, block)
     if nb > MAX_GRID_Y:

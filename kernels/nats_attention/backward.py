@@ -43,7 +43,7 @@ import torch
 
 from . import _env
 from ._env import INTERPRET, dot_precision, tl, triton
-from .forward import key_limit, load_key_tile, load_rows, query_program
+from .forward import key_limit, listed_below_diagonal, load_key_tile, load_rows, query_program
 from .plan import block_lists
 
 # Largest exponent (base 2) of exp(s_ij - LSE_i) at masked pairs: half the float32 range, as in the reference.
@@ -132,8 +132,7 @@ def _bwd_dq_kernel(
     dd = tl.zeros([BLOCK_M], dtype=tl.float32)  # dM on the diagonal
     i2 = offs_m[:, None]
     m_hi = m0 + BLOCK_M - 1  # last query of the block (rows beyond N have dM = 0)
-    # As in the forward: the list ends with the key blocks that cross the diagonal, all live.
-    n_below = n_list - (tl.minimum(m_hi, N - 1) // BLOCK_N - m0 // BLOCK_N + 1)
+    n_below = listed_below_diagonal(n_list, m0, tl.minimum(m_hi, N - 1), BLOCK_N)  # as in the forward
     for t in range(n_below):
         n0 = tl.load(list_base + t) * BLOCK_N
         dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m_hi, offs_d, k_base, v_base, T + tp_off,
@@ -369,7 +368,7 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
 
     bm, bn = dq_blocks(D)
     kb_idx, kb_cnt = block_lists(types, e, W, bm, bn)
-    _bwd_dq_kernel[(B * HQ, _env.query_blocks(N, bm))](
+    _bwd_dq_kernel[(B * HQ, _env.grid_blocks(N, bm))](
         q, k, v, o, do, lse, delta, types, e, dq, rd, dd, kb_idx, kb_cnt,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -377,7 +376,7 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
         N, W, sm_scale, qk_scale, HQ, group, kb_idx.shape[2], kb_idx.shape[3],
         HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec,
     )
-    grid_k = lambda meta: (B * HKV, _env.query_blocks(N, meta["BLOCK_N"]))
+    grid_k = lambda meta: (B * HKV, _env.grid_blocks(N, meta["BLOCK_N"]))
     _bwd_dkdv_kernel[grid_k](
         q, k, v, do, lse, delta, types, e, dk, dv, cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

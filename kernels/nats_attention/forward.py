@@ -51,6 +51,15 @@ def query_program(N, H_Q, GROUP, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def listed_below_diagonal(n_listed, m0, q_hi, BLOCK_N: tl.constexpr):
+    """How many entries of a query block's key-block list lie wholly below its diagonal (every key before the
+    block's first query m0). The list is ascending and ends with the blocks that cross the diagonal, those
+    holding a key in [m0, q_hi] (q_hi: the block's last real query); each holds a query of the block, which
+    sees itself, so all of them are listed."""
+    return n_listed - (q_hi // BLOCK_N - m0 // BLOCK_N + 1)
+
+
+@triton.jit
 def load_rows(base, offs_m, offs_d, stride_n, row_ok):
     """Rows offs_m of a [N, D] slice as a [BLOCK_M, D] tile, 0 beyond N."""
     return tl.load(base + offs_m[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -175,11 +184,10 @@ def _nats_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     q_hi = tl.minimum(m0 + BLOCK_M, N) - 1  # last real query of the block
-    # The list is ascending and ends with the key blocks that cross the diagonal (each holds a key of the query
-    # block, which sees itself, so all are live): two loops, the first without the causal mask.
+    # Two loops over the list, the first without the causal mask (see listed_below_diagonal).
     # (Walking the causal key blocks directly when all are live, to spare the index load, measured no faster:
     # the list walk pipelines well. docs/results/sweep_kernel_blocks_h200.md)
-    n_below = n_live - (q_hi // BLOCK_N - m0 // BLOCK_N + 1)
+    n_below = listed_below_diagonal(n_live, m0, q_hi, BLOCK_N)
     for t in range(n_below):
         n0 = tl.load(list_base + t) * BLOCK_N
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, q_hi, k_base, v_base,
@@ -214,7 +222,7 @@ def nats_forward(q, k, v, types, e, window: int, sm_scale: float | None = None):
     lse = _env.empty((B, HQ, N), torch.float32, q.device)
     bm, bn = fwd_blocks(D)
     kb_idx, kb_cnt = block_lists(types, e, W, bm, bn)
-    grid = (B * HQ, _env.query_blocks(N, bm))
+    grid = (B * HQ, _env.grid_blocks(N, bm))
     _nats_fwd_kernel[grid](
         q, k, v, types, e, o, lse, kb_idx, kb_cnt,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

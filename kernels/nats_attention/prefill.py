@@ -150,7 +150,7 @@ def nats_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, types: torch
         sm_scale = D ** -0.5
     order, lim, cum, prev = prefill_plan(types, W)
     o = _env.empty(q.shape, q.dtype, q.device)
-    grid = lambda meta: (B * HQ, _env.query_blocks(N, meta["BLOCK_M"]))
+    grid = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))
     _nats_prefill_kernel[grid](
         q, k, v, o, order, lim, cum, prev,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
