@@ -20,9 +20,10 @@ from nats_kernels.nats_attention import (
     nats_prefill,
     triton_nats_attention,
 )
-from nats_kernels.nats_attention.forward import live_key_blocks
-from nats_kernels.nats_attention.indices import hard_types, next_global, prev_global
-from nats_kernels.nats_attention.plan import block_lists, type_indices
+from nats_kernels.nats_attention import backward as _backward
+from nats_kernels.nats_attention import plan as _plan
+from nats_kernels.nats_attention.indices import compact_order, hard_types, next_global, prev_global
+from nats_kernels.nats_attention.plan import compact_plan, type_indices
 from nats_kernels.nats_attention.reference import (
     kv_cache_sizes,
     nats_attention_reference,
@@ -129,25 +130,44 @@ def test_type_indices_kernel():
             assert torch.equal(p.long(), prev_global(want).long())
 
 
-def test_block_lists():
-    """The Triton block lists equal the PyTorch ones, and no block with a visible pair is left out."""
+def compact_ranges_py(plan, b, h, m0, m1, window):
+    """PyTorch mirror of forward.compact_ranges: the compact entries queries [m0, m1] may see."""
+    cg, cl, cs = (plan[b, h, r].long() for r in (_plan.CG_ROW, _plan.CL_ROW, _plan.CS_ROW))
+    n_g, n_l = int(cg[-1]), int(cl[-1])
+    p = int(plan[b, h, _plan.P_ROW, m0])
+    l_lo = int(cl[p]) if p >= 0 else 0
+    s_first = m0 - window + 1
+    s_lo = int(cs[s_first - 1]) if s_first > 0 else 0
+    return (list(range(0, int(cg[m1]))) + list(range(n_g + l_lo, n_g + int(cl[m1])))
+            + list(range(n_g + n_l + s_lo, n_g + n_l + int(cs[m1]))))
+
+
+def test_compact_plan():
+    """The plan kernel's compact order, limits and counts equal the PyTorch ones; the three ranges of every
+    query block hold every key it sees, each once."""
     gen = torch.Generator().manual_seed(3)
-    bm, bn = 32, 16
+    bm = 16
     for mix, n, w in [("uniform", 100, 3), ("few_global", 257, 40), ("all_sliding", 130, 1),
-                      ("all_local", 64, 5), ("sparse", 200, 500)]:
+                      ("all_local", 64, 5), ("sparse", 200, 500), ("all_global", 33, 2)]:
         t = make_types(2, 2, n, mix, gen).to(DEVICE)
-        _, e, _ = type_indices(t)
-        idx, cnt = block_lists(t.to(torch.int8), e, w, bm, bn)
-        ridx, rcnt = live_key_blocks(t, e, w, bm, bn)
-        assert torch.equal(cnt, rcnt)
+        for src in (t, types_to_weights(t)):
+            types, plan = compact_plan(src, w)
+            assert torch.equal(types.long(), t)
+            order, lim, cum = compact_order(t, min(w, n + 1))
+            assert torch.equal(plan[:, :, _plan.ORD_ROW], order)
+            assert torch.equal(plan[:, :, _plan.LIM_ROW], lim)
+            assert torch.equal(plan[:, :, _plan.CG_ROW:_plan.CS_ROW + 1], cum)
+            assert torch.equal(plan[:, :, _plan.E_ROW], next_global(t))
+            assert torch.equal(plan[:, :, _plan.P_ROW], prev_global(t))
         mask = nats_mask_hard(t, w)
         for b in range(2):
             for h in range(2):
-                for qb in range(cnt.shape[-1]):
-                    listed = idx[b, h, qb, : cnt[b, h, qb]].tolist()
-                    assert listed == ridx[b, h, qb, : cnt[b, h, qb]].tolist() == sorted(listed)
-                    rows = mask[b, h, qb * bm:(qb + 1) * bm]
-                    needed = {kb for kb in range(-(-n // bn)) if rows[:, kb * bn:(kb + 1) * bn].any()}
+                for m0 in range(0, n, bm):
+                    m1 = min(m0 + bm, n) - 1
+                    entries = compact_ranges_py(plan, b, h, m0, m1, w)
+                    listed = plan[b, h, _plan.ORD_ROW, entries].tolist()
+                    assert len(set(listed)) == len(listed)
+                    needed = set(torch.nonzero(mask[b, h, m0:m1 + 1].any(0)).flatten().tolist())
                     assert needed <= set(listed)
 
 
@@ -172,6 +192,15 @@ def test_training_kernel_matches_reference(N, W, D, dtype, mix, B, HQ, HKV):
     got, want = run_both(q, k, v, do, types, W)
     tol = 1e-4 if dtype == torch.float32 else 3e-3
     check_all(got, want, tol)
+
+
+@pytest.mark.parametrize("N,W,D,dtype,mix,B,HQ,HKV", [CASES[0], CASES[1], CASES[5]])
+def test_training_kernel_positional_key_blocks(N, W, D, dtype, mix, B, HQ, HKV, monkeypatch):
+    """The dK/dV kernel over key blocks by position (COMPACT_KEYS=False) gives the same gradients."""
+    monkeypatch.setattr(_backward, "COMPACT_KEYS", False)
+    q, k, v, do, types = make_inputs(B, HQ, HKV, N, D, dtype, mix, seed=N + W + 1)
+    got, want = run_both(q, k, v, do, types, W)
+    check_all(got, want, 1e-4 if dtype == torch.float32 else 3e-3)
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ def triton_supports(q) -> bool:
 _LAZY = {
     "triton_nats_attention": ".autograd",
     "nats_prefill": ".prefill",
-    "prefill_plan": ".prefill",
+    "compact_plan": ".plan",
 }
 
 __all__ = list(_LAZY)

@@ -19,16 +19,16 @@ from torch import Tensor
 from . import _env
 from .backward import nats_backward
 from .forward import nats_forward
-from .plan import type_indices
+from .plan import PLAN_ROWS, compact_plan
 
 
 @torch.library.custom_op("nats::attention_fwd", mutates_args=())
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, type_weights: Tensor,
                   window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(o [B,Hq,N,D], lse2 [B,Hq,N] fp32, types int8 [B,Hkv,N], e int32 [B,Hkv,N])."""
-    types, e, _ = type_indices(type_weights)
-    o, lse = nats_forward(q, k, v, types, e, window)
-    return o, lse, types, e
+    """(o [B,Hq,N,D], lse2 [B,Hq,N] fp32, types int8 [B,Hkv,N], plan int32 [B,Hkv,PLAN_ROWS,N])."""
+    types, plan = compact_plan(type_weights, window)
+    o, lse = nats_forward(q, k, v, plan, window)
+    return o, lse, types, plan
 
 
 @attention_fwd.register_fake
@@ -37,33 +37,33 @@ def _(q, k, v, type_weights, window):
     HKV = k.shape[1]
     o = q.new_empty((B, N, HQ, D)).transpose(1, 2)
     return (o, q.new_empty((B, HQ, N), dtype=torch.float32), q.new_empty((B, HKV, N), dtype=torch.int8),
-            q.new_empty((B, HKV, N), dtype=torch.int32))
+            q.new_empty((B, HKV, PLAN_ROWS, N), dtype=torch.int32))
 
 
 @torch.library.custom_op("nats::attention_bwd", mutates_args=())
 def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, types: Tensor,
-                  e: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  plan: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, d_type_weights fp32 [B,Hkv,N,3])."""
-    return nats_backward(do, q, k, v, o, lse, types, e, window, tw_dtype=torch.float32)
+    return nats_backward(do, q, k, v, o, lse, types, plan, window, tw_dtype=torch.float32)
 
 
 @attention_bwd.register_fake
-def _(do, q, k, v, o, lse, types, e, window):
+def _(do, q, k, v, o, lse, types, plan, window):
     B, HKV, N, _ = k.shape
     return _env.grad_like(q), _env.grad_like(k), _env.grad_like(v), q.new_empty((B, HKV, N, 3), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, type_weights, window = inputs
-    o, lse, types, e = output
-    ctx.save_for_backward(q, k, v, o, lse, types, e)
+    o, lse, types, plan = output
+    ctx.save_for_backward(q, k, v, o, lse, types, plan)
     ctx.window = window
     ctx.tw_dtype = type_weights.dtype
 
 
-def _backward(ctx, do, _dlse, _dtypes, _de):
-    q, k, v, o, lse, types, e = ctx.saved_tensors
-    dq, dk, dv, dtw = attention_bwd(do, q, k, v, o, lse, types, e, ctx.window)
+def _backward(ctx, do, _dlse, _dtypes, _dplan):
+    q, k, v, o, lse, types, plan = ctx.saved_tensors
+    dq, dk, dv, dtw = attention_bwd(do, q, k, v, o, lse, types, plan, ctx.window)
     return dq, dk, dv, dtw.to(ctx.tw_dtype), None
 
 

@@ -43,23 +43,18 @@ import torch
 
 from . import _env
 from ._env import INTERPRET, dot_precision, tl, triton
-from .forward import key_limit, listed_below_diagonal, load_key_tile, load_rows, query_program
-from .plan import block_lists
+from .forward import LIM_ROW, ORD_ROW, PLAN_ROWS, compact_ranges, key_limit, load_compact, load_rows, query_program
 
 # Largest exponent (base 2) of exp(s_ij - LSE_i) at masked pairs: half the float32 range, as in the reference.
 EXP2_MAX = tl.constexpr(64.0)
 
 
-def dq_blocks(head_dim: int) -> tuple[int, int]:
-    """Fixed (BLOCK_M, BLOCK_N) of the dQ kernel (its key-block lists depend on them)."""
-    if INTERPRET:
-        return 32, 16
-    return _env.BLOCKS.get("dq", (64, 32))  # H200 sweep: experiments/sweep_kernel_blocks.py
-
-
 def _dq_configs():
-    return _env.configs([triton.Config({}, num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 2), (4, 3), (8, 3)]],
-                        triton.Config({}, num_warps=4, num_stages=1))
+    return _env.configs(
+        [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+         for bm, bn, w, s in [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+                              (64, 32, 8, 2), (128, 64, 8, 2), (32, 64, 4, 3)]],
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1))
 
 
 def _dkdv_configs():
@@ -71,46 +66,42 @@ def _dkdv_configs():
 
 
 @triton.jit
-def _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m_hi, offs_d, k_base, v_base, t_base, e_base, skn, svn,
-             N, W, qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, DIAG: tl.constexpr):
-    """One key block of the dQ kernel: dQ, and the row sums Rd (visible locals before i) and dM_ii.
-
-    DIAG: the key block crosses the query block's diagonal (causal mask, dM_ii); otherwise every key
-    precedes every query of the block."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    ty, e, k, v = load_key_tile(t_base, e_base, k_base, v_base, offs_n, offs_d, skn, svn, N)
-    j2 = offs_n[None, :]
-
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    # Rows beyond N give dM = 0 (q = dO = 0, LSE = D = 0); columns beyond N only occur in diagonal tiles.
-    dm = tl.math.exp2(tl.minimum(qk - lse[:, None], EXP2_MAX)) * (dp - delta[:, None])
-    lim = key_limit(ty, e, offs_n, W, N)
-    # Scalar branches choose the ALU work per tile; the dots stay unconditional (a dot under an `if` stops
-    # Triton from pipelining the loads).
-    if DIAG:
-        dm = tl.where(j2 <= i2, dm, 0.0)
-        dd += tl.sum(tl.where(j2 == i2, dm, 0.0), axis=1)
-        ds = tl.where(i2 <= lim[None, :], dm, 0.0)
-        rd += tl.sum(tl.where((ty[None, :] == 1) & (j2 < i2), ds, 0.0), axis=1)
-    else:
-        if tl.min(lim, axis=0) >= m_hi:  # every query of the block sees every key of the tile
+def _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, lo, hi, ORDp, LIMp, k_base, v_base, skn, svn,
+              offs_d, qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, LOCAL: tl.constexpr):
+    """dQ and the row sums Rd (visible locals before i; LOCAL: the range holds the locals) and dM_ii over
+    the compact entries [lo, hi) (see forward.py)."""
+    i2 = offs_m[:, None]
+    for c0 in range(lo, hi, BLOCK_N):
+        offs_c = c0 + tl.arange(0, BLOCK_N)
+        pos, lim = load_compact(ORDp, LIMp, offs_c, hi)
+        k = tl.load(k_base + pos[:, None] * skn + offs_d[None, :])
+        v = tl.load(v_base + pos[:, None] * svn + offs_d[None, :])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        # Rows beyond N give dM = 0 (q = dO = 0, LSE = D = 0).
+        dm = tl.math.exp2(tl.minimum(qk - lse[:, None], EXP2_MAX)) * (dp - delta[:, None])
+        # Scalar branches choose the ALU work per tile; the dots stay unconditional (a dot under an `if`
+        # stops Triton from pipelining the loads).
+        if (tl.max(pos, axis=0) < m0) & (tl.min(lim, axis=0) >= q_hi):  # all visible, none on the diagonal
             ds = dm
+            if LOCAL:
+                rd += tl.sum(ds, axis=1)
         else:
-            ds = tl.where(i2 <= lim[None, :], dm, 0.0)
-        if tl.max((ty == 1).to(tl.int32), axis=0) > 0:  # the tile holds local keys
-            rd += tl.sum(tl.where(ty[None, :] == 1, ds, 0.0), axis=1)
-    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+            p2 = pos[None, :]
+            ds = tl.where((p2 <= i2) & (i2 <= lim[None, :]), dm, 0.0)
+            dd += tl.sum(tl.where(p2 == i2, ds, 0.0), axis=1)  # M_ii = 1: the diagonal is visible
+            if LOCAL:
+                rd += tl.sum(tl.where(p2 < i2, ds, 0.0), axis=1)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
     return dq, rd, dd
 
 
-@triton.autotune(configs=_dq_configs(), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
+@triton.autotune(configs=_dq_configs(), key=["HEAD_DIM", "GROUP"])
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, T, E, DQ, RD, DD, KB_IDX, KB_CNT,
+    Q, K, V, O, DO, LSE, DELTA, PLAN, DQ, RD, DD,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
-    N, W, sm_scale, qk_scale,
-    H_Q, GROUP, NQB, NKB,
+    N, W, sm_scale, qk_scale, H_Q, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
@@ -120,27 +111,20 @@ def _bwd_dq_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + pid_bh * N + offs_m, delta, mask=row_ok)
     lse = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0)
+    q_hi = tl.minimum(m0 + BLOCK_M, N) - 1
+    g_hi, l_lo, l_hi, s_lo, s_hi, ordp, limp = compact_ranges(PLAN, head, N, W, m0, q_hi)
 
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    tp_off = head * N
-    list_base = KB_IDX + (head * NQB + pid_m) * NKB
-    n_list = tl.load(KB_CNT + head * NQB + pid_m)
-
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     rd = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of dM over the row's visible locals before it
     dd = tl.zeros([BLOCK_M], dtype=tl.float32)  # dM on the diagonal
-    i2 = offs_m[:, None]
-    m_hi = m0 + BLOCK_M - 1  # last query of the block (rows beyond N have dM = 0)
-    n_below = listed_below_diagonal(n_list, m0, tl.minimum(m_hi, N - 1), BLOCK_N)  # as in the forward
-    for t in range(n_below):
-        n0 = tl.load(list_base + t) * BLOCK_N
-        dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m_hi, offs_d, k_base, v_base, T + tp_off,
-                              E + tp_off, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC, False)
-    for t in range(n_below, n_list):
-        n0 = tl.load(list_base + t) * BLOCK_N
-        dq, rd, dd = _dq_tile(dq, rd, dd, q, do, lse, delta, n0, i2, m_hi, offs_d, k_base, v_base, T + tp_off,
-                              E + tp_off, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC, True)
+    dq, rd, dd = _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, 0, g_hi, ordp, limp, k_base, v_base,
+                           skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC, False)
+    dq, rd, dd = _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, l_lo, l_hi, ordp, limp, k_base,
+                           v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC, True)
+    dq, rd, dd = _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, s_lo, s_hi, ordp, limp, k_base,
+                           v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC, False)
 
     dq = dq * sm_scale
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -150,7 +134,7 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n0, n_hi, l_end, l2_end, s_end,
+def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
                e_min, e2_min, lim_min, m0, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_d, N, W,
                qk_scale, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, WITH_DKDV: tl.constexpr):
     """One query block of the dK/dV kernel (key-major tiles [BLOCK_N, BLOCK_M]).
@@ -175,7 +159,7 @@ def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, 
     # stays finite; visible pairs have s - LSE <= 0 and are unaffected.
     pT = tl.math.exp2(tl.minimum(qkT - lse[None, :], EXP2_MAX))
     dmT = pT * (dpT - delta[None, :])  # 0 in rows beyond N
-    crossing = m0 < n_hi  # tile crossing the diagonal
+    crossing = m0 < n_hi  # some key of the block lies after some query of the tile
     if crossing:
         dmT = tl.where(j2 <= i2, dmT, 0.0)
     if WITH_DKDV:
@@ -194,7 +178,7 @@ def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, 
         else:
             col_l += tl.sum(tl.where(i2 <= e[:, None], dmT, 0.0), axis=1)
     if m0 <= s_end:
-        if n0 + W - 1 >= m_hi:  # the first key's window (the shortest) covers the tile
+        if n_lo + W - 1 >= m_hi:  # the first key's window (the shortest) covers the tile
             col_s += cs
         else:
             col_s += tl.sum(tl.where(i2 - j2 < W, dmT, 0.0), axis=1)
@@ -206,36 +190,45 @@ def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, 
     return dk, dv, col_all, col_l, col_s, col_l2
 
 
-@triton.autotune(configs=_dkdv_configs(), key=["HEAD_DIM"])
+@triton.autotune(configs=_dkdv_configs(), key=["HEAD_DIM", "GROUP", "COMPACT"])
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, T, E, DK, DV, COLS,
+    Q, K, V, DO, LSE, DELTA, T, PLAN, DK, DV, COLS,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
     N, W, sm_scale, qk_scale,
     H_Q, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)  # b * H_KV + hk
     pid_n = tl.program_id(1)  # key blocks start first to last: the early ones see the most queries
     H_KV = H_Q // GROUP
     b = (pid_bh // H_KV).to(tl.int64)
     hk = pid_bh % H_KV
+    plan = PLAN + pid_bh.to(tl.int64) * (PLAN_ROWS * N)  # row E first
 
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    # The block's keys: positions n0.. (COMPACT=False), or entries n0.. of the compact order (plan.py), so
+    # that a block holds keys of one type (globals, locals or sliding tokens), and a block of locals or
+    # sliding tokens needs dK/dV work only on the few query blocks that see it.
+    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_c < N
+    if COMPACT:
+        offs_n = tl.load(plan + ORD_ROW * N + offs_c, mask=col_ok, other=0)
+    else:
+        offs_n = offs_c
     offs_d = tl.arange(0, HEAD_DIM)
-    col_ok = offs_n < N
     k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
     v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
     ty = tl.load(T + pid_bh * N + offs_n, mask=col_ok, other=3).to(tl.int32)
-    e = tl.load(E + pid_bh * N + offs_n, mask=col_ok, other=-1)
-    e2 = tl.load(E + pid_bh * N + tl.maximum(e, 0), mask=col_ok, other=-1)  # global after the next one
+    e = tl.load(plan + offs_n, mask=col_ok, other=-1)
+    e2 = tl.load(plan + tl.maximum(e, 0), mask=col_ok, other=-1)  # global after the next one
     lim = key_limit(ty, e, offs_n, W, N)
 
     # Query blocks [m_start, live_end] see some key of the block (dK, dV); the masked column sums reach
-    # queries l_end, l2_end and s_end at most; the plain one needs every query block.
-    n_hi = tl.minimum(n0 + BLOCK_N, N) - 1
-    m_start = (n0 // BLOCK_M) * BLOCK_M
+    # queries l_end, l2_end and s_end at most; the plain one needs every query block from the first key on.
+    n_lo = tl.min(tl.where(col_ok, offs_n, N), axis=0)  # first and last key of the block
+    n_hi = tl.max(tl.where(col_ok, offs_n, -1), axis=0)
+    m_start = (n_lo // BLOCK_M) * BLOCK_M
     live_end = tl.max(lim, axis=0)
     l_end = tl.max(e, axis=0)
     l2_end = tl.max(e2, axis=0)
@@ -259,14 +252,14 @@ def _bwd_dkdv_kernel(
         # two loops, so that neither holds a dot under an `if` (which would stop load pipelining)
         for m0 in range(m_start, live_end + 1, BLOCK_M):
             dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
-                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n0, n_hi, l_end, l2_end, s_end,
+                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
                 e_min, e2_min, lim_min, m0,
                 q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
                 BLOCK_M, DOT_PREC, True)
         m_dead = tl.maximum(m_start, (live_end + 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
         for m0 in range(m_dead, N, BLOCK_M):
             dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
-                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n0, n_hi, l_end, l2_end, s_end,
+                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
                 e_min, e2_min, lim_min, m0,
                 q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
                 BLOCK_M, DOT_PREC, False)
@@ -341,13 +334,18 @@ def _type_grad_kernel(T, COLS, RD, DD, DTW, N, GROUP, stb, sth, stn, stc, H_KV, 
         tl.store(out + 2 * stc, ds.to(DTW.dtype.element_ty), mask=ok)
 
 
-def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | None = None,
+# dK/dV over key blocks of the compact order (True) or of positions (False); experiments/kernel_breakdown.py
+# measures both.
+COMPACT_KEYS = True
+
+
+def nats_backward(do, q, k, v, o, lse, types, plan, window: int, sm_scale: float | None = None,
                   tw_dtype: torch.dtype = torch.float32):
     """Gradients (dq, dk, dv, d_type_weights) of NAtS attention.
 
-    ``lse`` is the forward's base-2 log-sum-exp; ``types``/``e`` are int8/int32 [B, Hkv, N] (hard types
-    and next-global indices). ``d_type_weights`` is [B, Hkv, N, 3] in ``tw_dtype`` holding (dg, dl, ds),
-    summed over the query heads of each GQA group.
+    ``lse`` is the forward's base-2 log-sum-exp; ``types`` int8 [B, Hkv, N] and ``plan`` int32
+    [B, Hkv, PLAN_ROWS, N] come from ``plan.compact_plan`` with the same window. ``d_type_weights`` is
+    [B, Hkv, N, 3] in ``tw_dtype`` holding (dg, dl, ds), summed over the query heads of each GQA group.
     """
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
@@ -366,24 +364,23 @@ def nats_backward(do, q, k, v, o, lse, types, e, window: int, sm_scale: float | 
     group = HQ // HKV
     prec = dot_precision(q.dtype)
 
-    bm, bn = dq_blocks(D)
-    kb_idx, kb_cnt = block_lists(types, e, W, bm, bn)
-    _bwd_dq_kernel[(B * HQ, _env.grid_blocks(N, bm))](
-        q, k, v, o, do, lse, delta, types, e, dq, rd, dd, kb_idx, kb_cnt,
+    grid_q = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))
+    _bwd_dq_kernel[grid_q](
+        q, k, v, o, do, lse, delta, plan, dq, rd, dd,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-        N, W, sm_scale, qk_scale, HQ, group, kb_idx.shape[2], kb_idx.shape[3],
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec,
+        N, W, sm_scale, qk_scale, HQ, group,
+        HEAD_DIM=D, DOT_PREC=prec,
     )
     grid_k = lambda meta: (B * HKV, _env.grid_blocks(N, meta["BLOCK_N"]))
     _bwd_dkdv_kernel[grid_k](
-        q, k, v, do, lse, delta, types, e, dk, dv, cols,
+        q, k, v, do, lse, delta, types, plan, dk, dv, cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         N, W, sm_scale, qk_scale, HQ, group,
-        HEAD_DIM=D, DOT_PREC=prec,
+        HEAD_DIM=D, DOT_PREC=prec, COMPACT=COMPACT_KEYS,
     )
     ch = 64 if INTERPRET else min(1024, max(64, triton.next_power_of_2(N)))
     _type_grad_kernel[(B * HKV,)](types, cols, rd, dd, dtw, N, group, *dtw.stride(), HKV, CH=ch, num_warps=4)

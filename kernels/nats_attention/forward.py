@@ -1,16 +1,24 @@
-"""Training forward kernel: FlashAttention-2 style attention under the NAtS mask, built on chip.
+"""Forward kernel of NAtS attention (training and prefill): cost proportional to the kept entries.
 
-For query i and key j the kernel decides visibility from the key's hard type t_j (int8) and e_j (the
-index of the next global token of its head, see ``indices.py``):
+For query i and key j the kernels decide visibility from the key's hard type t_j and e_j (the index of
+the next global token of its head, see ``plan.py``). Each key has a *limit*, the last query that sees
+it: N-1 for a global, e_j for a local, j+W-1 for a sliding token; then
 
-    visible(i, j) = j <= i and (t_j == global or (t_j == local and i <= e_j) or (t_j == sliding and i - j < W))
+    visible(i, j) = j <= i <= limit_j.
 
-No N x N mask exists in memory. Key blocks that no query of the current query block can see are skipped
-(exact at block granularity: a key block is skipped only if every one of its keys is invisible to every
-query of the block): the launcher lists, per query block, the live key blocks (O(N^2 / (BLOCK_M BLOCK_N))
-small integers, from O(N) per-key-block summaries), and the kernel walks only that list, so its loads stay
-unconditional and pipelined. Key blocks that every query of the block sees entirely skip the masking. The
-kernel also writes the row log-sum-exp (base 2, of the scaled scores) for the backward pass.
+No N x N mask exists in memory. Skipping key blocks is not enough to make a sparse mask cheap: a few
+global tokens in every key block keep every block alive. So the kernel walks each head's keys in the
+*compact order* of ``plan.py``, [globals | locals | sliding tokens], each group by position, where the keys
+a query block [m0, m1] can see lie in three contiguous ranges (``compact_ranges``):
+
+  (a) the globals at positions <= m1;
+  (b) the locals after p, the last global before m0 (a local at or before p died at p);
+  (c) the sliding tokens at positions >= m0 - W + 1.
+
+Each key is in exactly one range. The kernel (FlashAttention-2 online softmax, fp32 accumulators) loads K/V
+rows through the order (no copy of K/V: a copy measured 8% slower at 128k on an H100) and masks only tiles
+that need it, so its work per query block is about #globals so far + #live locals + #keys of the band.
+For training it also writes the row log-sum-exp (base 2, of the scaled scores) for the backward pass.
 """
 
 import torch
@@ -18,7 +26,12 @@ import torch
 from . import _env
 from ._env import INTERPRET, dot_precision, tl, triton
 from . import HEAD_DIMS
-from .plan import block_lists
+from . import plan as _plan
+
+# plan rows (plan.py), as compile-time constants of the kernels
+PLAN_ROWS = tl.constexpr(_plan.PLAN_ROWS)
+P_ROW, ORD_ROW, LIM_ROW = tl.constexpr(_plan.P_ROW), tl.constexpr(_plan.ORD_ROW), tl.constexpr(_plan.LIM_ROW)
+CG_ROW, CL_ROW, CS_ROW = tl.constexpr(_plan.CG_ROW), tl.constexpr(_plan.CL_ROW), tl.constexpr(_plan.CS_ROW)
 
 
 @triton.jit
@@ -51,29 +64,9 @@ def query_program(N, H_Q, GROUP, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def listed_below_diagonal(n_listed, m0, q_hi, BLOCK_N: tl.constexpr):
-    """How many entries of a query block's key-block list lie wholly below its diagonal (every key before the
-    block's first query m0). The list is ascending and ends with the blocks that cross the diagonal, those
-    holding a key in [m0, q_hi] (q_hi: the block's last real query); each holds a query of the block, which
-    sees itself, so all of them are listed."""
-    return n_listed - (q_hi // BLOCK_N - m0 // BLOCK_N + 1)
-
-
-@triton.jit
 def load_rows(base, offs_m, offs_d, stride_n, row_ok):
     """Rows offs_m of a [N, D] slice as a [BLOCK_M, D] tile, 0 beyond N."""
     return tl.load(base + offs_m[:, None] * stride_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-
-
-@triton.jit
-def load_key_tile(t_base, e_base, k_base, v_base, offs_n, offs_d, skn, svn, N):
-    """Types (3 beyond N), next-global indices (-1 beyond N), K and V rows (0 beyond N) of key block offs_n."""
-    col_ok = offs_n < N
-    ty = tl.load(t_base + offs_n, mask=col_ok, other=3).to(tl.int32)
-    e = tl.load(e_base + offs_n, mask=col_ok, other=-1)
-    k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    return ty, e, k, v
 
 
 @triton.jit
@@ -94,122 +87,107 @@ def check_head_dim(d: int) -> None:
         raise ValueError(f"the NAtS Triton kernels support head dims {HEAD_DIMS}, got {d}; use the reference")
 
 
-# Query/key block sizes of the forward are fixed per head dim (the live-block lists below depend on
-# them); the autotuner picks warps and pipeline stages only.
-def fwd_blocks(head_dim: int) -> tuple[int, int]:
-    if INTERPRET:
-        return 32, 16
-    return _env.BLOCKS.get("fwd", (128, 64))
+@triton.jit
+def compact_ranges(PLAN, head, N, W, m0, q_hi):
+    """The compact entries that queries [m0, q_hi] can see: [g_lo, g_hi), [l_lo, l_hi), [s_lo, s_hi) in
+    ORD (module doc), and the base pointers of the ORD and LIM rows of this (batch, KV head)."""
+    plan = PLAN + head * (PLAN_ROWS * N)
+    cg = plan + CG_ROW * N
+    cl = plan + CL_ROW * N
+    cs = plan + CS_ROW * N
+    n_g = tl.load(cg + N - 1)
+    n_l = tl.load(cl + N - 1)
+    # (a) globals at positions <= q_hi
+    g_hi = tl.load(cg + q_hi)
+    # (b) locals after the last global before m0
+    p_m0 = tl.load(plan + P_ROW * N + m0)
+    l_lo = tl.where(p_m0 >= 0, tl.load(cl + tl.maximum(p_m0, 0)), 0)
+    l_hi = tl.load(cl + q_hi)
+    # (c) sliding tokens at positions >= m0 - W + 1
+    s_first = m0 - W + 1
+    s_lo = tl.where(s_first > 0, tl.load(cs + tl.maximum(s_first, 1) - 1), 0)
+    s_hi = tl.load(cs + q_hi)
+    return (g_hi, n_g + l_lo, n_g + l_hi, n_g + n_l + s_lo, n_g + n_l + s_hi,
+            plan + ORD_ROW * N, plan + LIM_ROW * N)
+
+
+@triton.jit
+def load_compact(ORDp, LIMp, offs_c, hi):
+    """Positions (0 beyond ``hi``) and limits (-1 beyond ``hi``: seen by no query) of compact entries."""
+    ok = offs_c < hi
+    pos = tl.load(ORDp + offs_c, mask=ok, other=0)
+    lim = tl.load(LIMp + offs_c, mask=ok, other=-1)
+    return pos, lim
 
 
 def _fwd_configs():
-    return _env.configs([triton.Config({}, num_warps=w, num_stages=s)
-                         for w, s in [(8, 3), (4, 3), (8, 2), (4, 4), (8, 4)]],
-                        triton.Config({}, num_warps=4, num_stages=1))
-
-
-def live_key_blocks(types: torch.Tensor, e: torch.Tensor, window: int, block_m: int, block_n: int):
-    """Per (batch, KV head, query block): the key blocks holding a pair visible to the query block.
-
-    A key block is visible to the queries [its start, last] with last = N-1 if it holds a global, else
-    the largest of e_j over its locals and j+W-1 over its sliding keys; a query block [m0, m1] needs it
-    iff start <= m1 and last >= m0 (exact at block granularity: no visible pair is skipped).
-    PyTorch version (for tests) of ``plan.block_lists``, which the kernels use.
-
-    Returns ``idx`` int32 [B, Hkv, NQB, NKB] (listed key-block indices first, ascending) and ``cnt``
-    int32 [B, Hkv, NQB].
-    """
-    B, H, N = types.shape
-    nkb, nqb = -(-N // block_n), -(-N // block_m)
-    pad = nkb * block_n - N
-    t = torch.nn.functional.pad(types.to(torch.int32), (0, pad), value=3).view(B, H, nkb, block_n)
-    ee = torch.nn.functional.pad(e, (0, pad), value=-1).view(B, H, nkb, block_n)
-    pos = torch.arange(nkb * block_n, device=types.device, dtype=torch.int32).view(nkb, block_n)
-    has_g = (t == 0).any(-1)
-    last_l = torch.where(t == 1, ee, -1).amax(-1)
-    last_s = torch.where(t == 2, pos + (window - 1), -1).amax(-1)
-    last = torch.where(has_g, N - 1, torch.maximum(last_l, last_s))  # [B, H, nkb]
-    q_start = torch.arange(nqb, device=types.device) * block_m
-    q_end = (q_start + block_m).clamp(max=N) - 1
-    k_start = torch.arange(nkb, device=types.device) * block_n
-    causal = k_start[None, :] <= q_end[:, None]  # [nqb, nkb]
-    live = causal & (last[:, :, None, :] >= q_start[None, None, :, None])
-    cnt = live.sum(-1, dtype=torch.int32)
-    idx = torch.argsort((~live).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return idx.contiguous(), cnt.contiguous()
+    return _env.configs(
+        [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+         for bm, bn, w, s in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+                              (128, 32, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3)]],
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1))
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, q_hi, k_base, v_base, t_base, e_base, skn, svn, N, W,
-              qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, DIAG: tl.constexpr):
-    """Online-softmax update of one query block with the key block starting at n0.
+def _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, lo, hi, ORDp, LIMp, k_base, v_base, skn, svn,
+               offs_d, qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) with the compact entries [lo, hi)."""
+    for c0 in range(lo, hi, BLOCK_N):
+        offs_c = c0 + tl.arange(0, BLOCK_N)
+        pos, lim = load_compact(ORDp, LIMp, offs_c, hi)
+        k = tl.load(k_base + pos[:, None] * skn + offs_d[None, :])
+        v = tl.load(v_base + pos[:, None] * svn + offs_d[None, :])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        # a tile that every query of the block sees entirely needs no mask (no dot under this `if`: Triton
+        # would stop pipelining the loop's loads)
+        if (tl.max(pos, axis=0) <= m0) & (tl.min(lim, axis=0) >= q_hi):
+            s = qk
+        else:
+            vis = (pos[None, :] <= offs_m[:, None]) & (offs_m[:, None] <= lim[None, :])
+            s = tl.where(vis, qk, float("-inf"))
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+    return acc, m_i, l_i
 
-    DIAG: the key block crosses the query block's diagonal (causal and key-limit mask); otherwise only the
-    key limits can hide a pair, and a block whose keys every query of the block sees needs no mask.
-    """
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    ty, e, k, v = load_key_tile(t_base, e_base, k_base, v_base, offs_n, offs_d, skn, svn, N)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    lim = key_limit(ty, e, offs_n, W, N)
-    if DIAG:
-        vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] <= lim[None, :])
-        s = tl.where(vis, qk, float("-inf"))
-    elif tl.min(lim, axis=0) >= q_hi:
-        s = qk
-    else:
-        s = tl.where(offs_m[:, None] <= lim[None, :], qk, float("-inf"))
-    return online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
 
-
-@triton.autotune(configs=_fwd_configs(), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
+@triton.autotune(configs=_fwd_configs(), key=["HEAD_DIM", "GROUP", "STORE_LSE"])
 @triton.jit
 def _nats_fwd_kernel(
-    Q, K, V, T, E, O, LSE, KB_IDX, KB_CNT,
+    Q, K, V, O, LSE, PLAN,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-    N, W, qk_scale,  # qk_scale = sm_scale * log2(e)
-    H_Q, GROUP, NQB, NKB,
+    N, W, qk_scale, H_Q, GROUP,  # qk_scale = sm_scale * log2(e)
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
     q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, row_ok)
+    q_hi = tl.minimum(m0 + BLOCK_M, N) - 1  # last real query of the block
+    g_hi, l_lo, l_hi, s_lo, s_hi, ordp, limp = compact_ranges(PLAN, head, N, W, m0, q_hi)
+
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    t_base = T + head * N
-    e_base = E + head * N
-    list_base = KB_IDX + (head * NQB + pid_m) * NKB
-    n_live = tl.load(KB_CNT + head * NQB + pid_m)
-
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
-    q_hi = tl.minimum(m0 + BLOCK_M, N) - 1  # last real query of the block
-    # Two loops over the list, the first without the causal mask (see listed_below_diagonal).
-    # (Walking the causal key blocks directly when all are live, to spare the index load, measured no faster:
-    # the list walk pipelines well. docs/results/sweep_kernel_blocks_h200.md)
-    n_below = listed_below_diagonal(n_live, m0, q_hi, BLOCK_N)
-    for t in range(n_below):
-        n0 = tl.load(list_base + t) * BLOCK_N
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, q_hi, k_base, v_base,
-                                  t_base, e_base, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC, False)
-    for t in range(n_below, n_live):
-        n0 = tl.load(list_base + t) * BLOCK_N
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, n0, offs_m, offs_d, q_hi, k_base, v_base,
-                                  t_base, e_base, skn, svn, N, W, qk_scale, BLOCK_N, DOT_PREC, True)
+    acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, 0, g_hi, ordp, limp,
+                               k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC)
+    acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, l_lo, l_hi, ordp, limp,
+                               k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC)
+    acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, s_lo, s_hi, ordp, limp,
+                               k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC)
 
     # Every real row sees its own key (M_ii = 1), so l_i > 0 there.
     l_safe = tl.where(row_ok, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None])
-    tl.store(LSE + pid_bh * N + offs_m, m_i + tl.math.log2(l_safe), mask=row_ok)
+    if STORE_LSE:
+        tl.store(LSE + pid_bh * N + offs_m, m_i + tl.math.log2(l_safe), mask=row_ok)
 
 
-def nats_forward(q, k, v, types, e, window: int, sm_scale: float | None = None):
-    """o [B,Hq,N,D] and lse2 [B,Hq,N] fp32 (log2-sum-exp2 of sm_scale*log2(e)*q.k over visible keys).
-
-    ``types`` int8 [B,Hkv,N] (contiguous), ``e`` int32 [B,Hkv,N] next-global indices.
-    """
+def nats_forward(q, k, v, plan, window: int, sm_scale: float | None = None, store_lse: bool = True):
+    """o [B,Hq,N,D] (stored as [B,N,Hq,D]) and lse2 [B,Hq,N] fp32 (log2-sum-exp2 of sm_scale*log2(e)*q.k over
+    the visible keys; None unless ``store_lse``), for the int32 ``plan`` [B,Hkv,PLAN_ROWS,N] of
+    ``plan.compact_plan`` made with the same window."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     assert HQ % HKV == 0, "the number of query heads must be a multiple of the number of KV heads"
@@ -219,16 +197,13 @@ def nats_forward(q, k, v, types, e, window: int, sm_scale: float | None = None):
         sm_scale = D ** -0.5
     W = int(min(max(int(window), 1), N + 1))
     o = _env.empty_bnhd(q.shape, q.dtype, q.device)
-    lse = _env.empty((B, HQ, N), torch.float32, q.device)
-    bm, bn = fwd_blocks(D)
-    kb_idx, kb_cnt = block_lists(types, e, W, bm, bn)
-    grid = (B * HQ, _env.grid_blocks(N, bm))
+    lse = _env.empty((B, HQ, N), torch.float32, q.device) if store_lse else o
+    grid = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))
     _nats_fwd_kernel[grid](
-        q, k, v, types, e, o, lse, kb_idx, kb_cnt,
+        q, k, v, o, lse, plan,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        N, W, sm_scale * 1.4426950408889634,
-        HQ, HQ // HKV, kb_idx.shape[2], kb_idx.shape[3],
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype),
+        N, W, sm_scale * 1.4426950408889634, HQ, HQ // HKV,
+        HEAD_DIM=D, DOT_PREC=dot_precision(q.dtype), STORE_LSE=store_lse,
     )
-    return o, lse
+    return o, (lse if store_lse else None)

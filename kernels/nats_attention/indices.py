@@ -33,3 +33,24 @@ def prev_global(types: torch.Tensor) -> torch.Tensor:
     run_max = torch.cummax(idx, dim=-1).values
     p = torch.cat([torch.full_like(run_max[..., :1], -1), run_max[..., :-1]], dim=-1)
     return p.to(torch.int32).contiguous()
+
+
+def compact_order(types: torch.Tensor, window: int):
+    """PyTorch version of the compact part of ``plan.compact_plan`` (for tests).
+
+    Returns ``order`` [..., N] (positions: globals, then locals, then sliding tokens, each by position),
+    ``lim`` [..., N] (the last query that sees each compact entry: N-1, e_j or min(j+W-1, N-1)) and
+    ``cum`` [..., 3, N] (inclusive counts of each type at positions <= j), all int32.
+    """
+    t = types.long()
+    n = t.shape[-1]
+    pos = torch.arange(n, device=t.device)
+    onehot = t[..., None, :] == torch.arange(3, device=t.device)[:, None]  # [..., 3, N]
+    cum = onehot.long().cumsum(-1)
+    tot = cum[..., -1]  # [..., 3]
+    base = torch.stack([torch.zeros_like(tot[..., 0]), tot[..., 0], tot[..., 0] + tot[..., 1]], dim=-1)
+    dest = base.gather(-1, t) + cum.gather(-2, t[..., None, :]).squeeze(-2) - 1
+    order = torch.empty_like(t).scatter_(-1, dest, pos.expand_as(t).contiguous())
+    e = next_global(types).long()
+    lim = torch.where(t == TOKEN_GLOBAL, n - 1, torch.where(t == TOKEN_LOCAL, e, (pos + window - 1).clamp(max=n - 1)))
+    return order.int(), lim.gather(-1, order).int(), cum.int()

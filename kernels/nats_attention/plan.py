@@ -1,20 +1,29 @@
-"""Small Triton kernels that prepare the attention kernels' O(N) inputs, in two launches.
+"""The O(N) plan that the attention kernels read instead of an N x N mask: one launch per call.
 
 At N = 1024 the attention kernels take a fraction of a millisecond, so a dozen PyTorch ops of set-up
-(argmax, cumulative min/max, block summaries, sorting) would cost as much in launch overhead as the
-attention itself. These kernels do the same work as the PyTorch helpers of ``indices.py`` and
-``forward.live_key_blocks`` (which the tests compare them with):
+(argmax, cumulative min/max, counting, scattering) would cost as much in launch overhead as the attention
+itself. ``_plan_kernel`` (one program per batch and KV head, chunked scans with a carry) does it in one
+launch; ``indices.py`` holds the PyTorch versions that the tests compare it with.
 
-- ``_types_kernel``: per (batch, KV head): hard types t_j = argmax of (g, l, s) (or given integer types),
-  e_j = next global after j (N-1 if none) and p_j = previous global before j (-1 if none), by chunked
-  max/min scans with a carry.
-- ``_block_list_kernel``: per (batch, KV head, query block): the key blocks that hold a pair visible to
-  the query block, compacted with a prefix sum.
+Outputs per (batch, KV head): the hard types ``t`` (int8 [B, H, N]: argmax of (g, l, s), first maximum on
+ties like ``torch.argmax``, or the given integer types) and the int32 ``plan`` [B, H, PLAN_ROWS, N] with rows
+
+- ``E``: e_j, the first global after j (N-1 if none); ``P``: p_j, the last global before j (-1 if none);
+- ``ORD``: the *compact order* of the keys, [globals | locals | sliding tokens], each group by position;
+- ``LIM``: for each compact entry, the last query that sees it (N-1, e_j or min(j+W-1, N-1));
+- ``CG``, ``CL``, ``CS``: inclusive counts of globals, locals and sliding tokens at positions <= j.
+
+Key j is visible to query i iff j <= i <= LIM, and the keys a query block [m0, m1] can see lie in three
+contiguous ranges of ORD (``forward.compact_ranges``): the globals at positions <= m1, the locals after the
+last global before m0, the sliding tokens at positions >= m0 - W + 1.
 """
 
 import torch
 
-from ._env import INTERPRET, cdiv, tl, triton
+from ._env import INTERPRET, tl, triton
+
+PLAN_ROWS = 7
+E_ROW, P_ROW, ORD_ROW, LIM_ROW, CG_ROW, CL_ROW, CS_ROW = range(PLAN_ROWS)
 
 
 @triton.jit
@@ -41,38 +50,74 @@ def _load_type(TW, stw_n, stw_c, offs, ok, FROM_WEIGHTS: tl.constexpr):
 
 
 @triton.jit
-def _types_kernel(TW, T, E, P, stw_b, stw_h, stw_n, stw_c, N, H, CH: tl.constexpr, FROM_WEIGHTS: tl.constexpr):
+def _plan_kernel(TW, T, PLAN, stw_b, stw_h, stw_n, stw_c, N, H, W, CH: tl.constexpr, FROM_WEIGHTS: tl.constexpr,
+                 COMPACT: tl.constexpr):
     head = tl.program_id(0)
     b = (head // H).to(tl.int64)
     h = head % H
     tw = TW + b * stw_b + h * stw_h
-    out = head.to(tl.int64) * N
-    # forward sweep: types and p_j = max{k < j : t_k global}
+    t_out = T + head.to(tl.int64) * N
+    plan = PLAN + head.to(tl.int64) * (7 * N)  # rows as PLAN_ROWS
+    E = plan
+    P = plan + N
+    ORD = plan + 2 * N
+    LIM = plan + 3 * N
+    # forward sweep: types, p_j = max{k < j : t_k global}, the counts, and the globals' compact entries
     run = -1
+    n_g = 0
+    n_l = 0
+    n_s = 0
     for c0 in range(0, N, CH):
         offs = c0 + tl.arange(0, CH)
         ok = offs < N
         t = _load_type(tw, stw_n, stw_c, offs, ok, FROM_WEIGHTS)
-        tl.store(T + out + offs, t.to(tl.int8), mask=ok)
+        tl.store(t_out + offs, t.to(tl.int8), mask=ok)
         t_prev = _load_type(tw, stw_n, stw_c, offs - 1, ok & (offs >= 1), FROM_WEIGHTS)
         cand = tl.where(t_prev == 0, offs - 1, -1)
         pv = tl.maximum(tl.associative_scan(cand, 0, _max_fn), run)
-        tl.store(P + out + offs, pv, mask=ok)
+        tl.store(P + offs, pv, mask=ok)
         run = tl.maximum(run, tl.max(cand, axis=0))
-    # backward sweep: e_j = min{k > j : t_k global}, N-1 if none
+        if COMPACT:
+            is_g = (t == 0).to(tl.int32)
+            is_l = (t == 1).to(tl.int32)
+            is_s = (t == 2).to(tl.int32)
+            cg = n_g + tl.cumsum(is_g, 0)
+            tl.store(plan + 4 * N + offs, cg, mask=ok)
+            tl.store(plan + 5 * N + offs, n_l + tl.cumsum(is_l, 0), mask=ok)
+            tl.store(plan + 6 * N + offs, n_s + tl.cumsum(is_s, 0), mask=ok)
+            tl.store(ORD + cg - 1, offs, mask=ok & (t == 0))
+            tl.store(LIM + cg - 1, tl.zeros_like(offs) + (N - 1), mask=ok & (t == 0))
+            n_g += tl.sum(is_g, axis=0)
+            n_l += tl.sum(is_l, axis=0)
+            n_s += tl.sum(is_s, axis=0)
+    # backward sweep: e_j = min{k > j : t_k global} (N-1 if none), and the compact entries of the locals and
+    # sliding tokens (their places count from the end of their group: the sweep runs down the positions)
     run = N - 1
+    r_l = 0
+    r_s = 0
     for c0 in range(0, N, CH):
         offs = N - 1 - (c0 + tl.arange(0, CH))  # descending positions
         ok = offs >= 0
         t_next = _load_type(tw, stw_n, stw_c, offs + 1, ok & (offs + 1 < N), FROM_WEIGHTS)
         cand = tl.where(t_next == 0, offs + 1, N - 1)
         ev = tl.minimum(tl.associative_scan(cand, 0, _min_fn), run)
-        tl.store(E + out + offs, ev, mask=ok)
+        tl.store(E + offs, ev, mask=ok)
         run = tl.minimum(run, tl.min(cand, axis=0))
+        if COMPACT:
+            t = _load_type(tw, stw_n, stw_c, offs, ok, FROM_WEIGHTS)
+            is_l = (t == 1).to(tl.int32)
+            is_s = (t == 2).to(tl.int32)
+            dest_l = n_g + n_l - (r_l + tl.cumsum(is_l, 0))
+            dest_s = n_g + n_l + n_s - (r_s + tl.cumsum(is_s, 0))
+            tl.store(ORD + dest_l, offs, mask=ok & (t == 1))
+            tl.store(LIM + dest_l, ev, mask=ok & (t == 1))
+            tl.store(ORD + dest_s, offs, mask=ok & (t == 2))
+            tl.store(LIM + dest_s, tl.minimum(offs + W - 1, N - 1), mask=ok & (t == 2))
+            r_l += tl.sum(is_l, axis=0)
+            r_s += tl.sum(is_s, axis=0)
 
 
-def type_indices(type_info: torch.Tensor):
-    """(types int8, e int32, p int32), each [B, H, N], from type weights [B, H, N, 3] or int types [B, H, N]."""
+def _launch(type_info: torch.Tensor, window: int, compact: bool):
     from_weights = type_info.is_floating_point()
     if from_weights:
         B, H, N, _ = type_info.shape
@@ -81,50 +126,23 @@ def type_indices(type_info: torch.Tensor):
         B, H, N = type_info.shape
         strides = (*type_info.stride(), 0)
     dev = type_info.device
+    window = min(max(int(window), 1), N + 1)
     types = torch.empty((B, H, N), dtype=torch.int8, device=dev)
-    e = torch.empty((B, H, N), dtype=torch.int32, device=dev)
-    p = torch.empty((B, H, N), dtype=torch.int32, device=dev)
+    plan = torch.empty((B, H, PLAN_ROWS, N), dtype=torch.int32, device=dev)
     ch = 64 if INTERPRET else min(2048, max(128, triton.next_power_of_2(N)))
-    src = type_info.detach()
-    _types_kernel[(B * H,)](src, types, e, p, *strides, N, H, CH=ch, FROM_WEIGHTS=from_weights,
-                            num_warps=4)
-    return types, e, p
+    _plan_kernel[(B * H,)](type_info.detach(), types, plan, *strides, N, H, window, CH=ch,
+                           FROM_WEIGHTS=from_weights, COMPACT=compact, num_warps=4)
+    return types, plan
 
 
-@triton.jit
-def _block_list_kernel(T, E, IDX, CNT, N, W, NQB, NKB,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KC: tl.constexpr):
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    m0 = pid_m * BLOCK_M
-    q_hi = tl.minimum(m0 + BLOCK_M, N) - 1
-    n_kb = q_hi // BLOCK_N + 1  # causal key blocks
-    row = (head * NQB + pid_m) * NKB
-    cnt = 0
-    for c in range(0, n_kb, KC):
-        kbs = c + tl.arange(0, KC)
-        offs = kbs[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ok = (offs < N) & (kbs[:, None] < n_kb)
-        ty = tl.load(T + head * N + offs, mask=ok, other=3).to(tl.int32)
-        e = tl.load(E + head * N + offs, mask=ok, other=-1)
-        # the last query that sees some key of the block
-        lim = tl.where(ty == 0, N - 1, tl.where(ty == 1, e, tl.where(ty == 2, offs + W - 1, -1)))
-        live = (tl.max(lim, axis=1) >= m0) & (kbs < n_kb)
-        live_i = live.to(tl.int32)
-        pos = cnt + tl.cumsum(live_i, 0) - 1
-        tl.store(IDX + row + pos, kbs, mask=live)
-        cnt += tl.sum(live_i, axis=0)
-    tl.store(CNT + head * NQB + pid_m, cnt)
+def type_indices(type_info: torch.Tensor):
+    """(types int8, e int32, p int32), each [B, H, N], from type weights [B, H, N, 3] or int types [B, H, N]."""
+    types, plan = _launch(type_info, 1, compact=False)
+    return types, plan[:, :, E_ROW].contiguous(), plan[:, :, P_ROW].contiguous()
 
 
-def block_lists(types, e, window: int, block_m: int, block_n: int):
-    """Triton version of ``forward.live_key_blocks`` (same outputs; unlisted tail entries are undefined)."""
-    B, H, N = types.shape
-    nqb, nkb = cdiv(N, block_m), cdiv(N, block_n)
-    dev = types.device
-    idx = torch.empty((B, H, nqb, nkb), dtype=torch.int32, device=dev)
-    cnt = torch.empty((B, H, nqb), dtype=torch.int32, device=dev)
-    kc = 16 if INTERPRET else max(1, min(64, 4096 // block_n))
-    _block_list_kernel[(nqb, B * H)](types, e, idx, cnt, N, window, nqb, nkb,
-                                     BLOCK_M=block_m, BLOCK_N=block_n, KC=kc, num_warps=4)
-    return idx, cnt
+def compact_plan(type_info: torch.Tensor, window: int):
+    """(types int8 [B, H, N], plan int32 [B, H, PLAN_ROWS, N]) for the attention kernels (module doc).
+
+    ``window`` is the sliding window W >= 1 (it sets the LIM of the sliding tokens)."""
+    return _launch(type_info, window, compact=True)

@@ -1,14 +1,14 @@
-"""Tile sizes of the NAtS training kernels (forward and dQ, BLOCK_M x BLOCK_N) against torch SDPA, on a GPU.
+"""Where the time of the NAtS training kernels goes, per kernel and type mix, against torch SDPA, on a GPU.
 
-The forward and dQ kernels walk per-query-block lists of live key blocks, so their tile sizes are fixed per
-call (``kernels/nats_attention/_env.py``: ``BLOCKS`` / ``NATS_KERNELS_BLOCKS``) and not autotuned; this
-script measures the candidates at the benchmark shape of issue 4 (B=16, H=12, N=1024, D=64, bf16) for three
-type mixes.
+At the benchmark shape of issue 4 (B=16, H=12, N=1024, D=64, bf16) for three type mixes: the fwd+bwd
+total and its split into the plan, forward, dQ, dK/dV and type-gradient kernels, for the two variants of
+the dK/dV kernel (key blocks in the compact order of ``plan.py``, or by position: ``backward.COMPACT_KEYS``),
+with the configs the autotuner chose. Tile sizes are autotuned (keyed on the head dim, never on N).
 
 Times are GPU times: the fwd+bwd total is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``, no
 Python launch overhead), and the per-kernel split comes from torch.profiler.
 
-    python experiments/sweep_kernel_blocks.py [--out experiments/results]
+    python experiments/kernel_breakdown.py [--out experiments/results]
 """
 from __future__ import annotations
 
@@ -20,13 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-BASE = ((128, 64), (64, 32))  # (fwd tile, dq tile): the defaults
-CANDIDATES = [BASE, ((64, 128), (64, 32)), ((128, 64), (64, 64)), ((128, 64), (128, 32))]
-# Measured on an H200 (docs/results/sweep_kernel_blocks_h200.md): 128x128 dQ tiles fail (shared memory); 128x128
-# and 64x64 forward tiles and 64x128, 128x64, 32x32, 32x64 dQ tiles were slower. A variant that walked the
-# causal key blocks directly when all are live (no index loads) was no faster in the forward and slower in dQ.
 MIXES = {"uniform": (1 / 3, 1 / 3, 1 / 3), "sparse": (0.05, 0.15, 0.80), "all_global": (1.0, 0.0, 0.0)}
-KERNELS = {"_nats_fwd_kernel": "fwd", "_bwd_dq_kernel": "dq", "_bwd_dkdv_kernel": "dkdv"}
+KERNELS = {"_nats_fwd_kernel": "fwd", "_bwd_dq_kernel": "dq", "_bwd_dkdv_kernel": "dkdv", "_plan_kernel": "plan",
+           "_type_grad_kernel": "type_grad"}
 
 
 def kernel_times(fn, iters: int = 10, detail: dict | None = None) -> dict[str, float]:
@@ -54,7 +50,8 @@ def main() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench_cudagraph
 
-    from nats_kernels.nats_attention import _env
+    from nats_kernels.nats_attention import backward as bwd
+    from nats_kernels.nats_attention import forward as fwd
     from nats_kernels.nats_attention.autograd import triton_nats_attention
     from nats_kernels.nats_attention.reference import types_to_weights
 
@@ -86,49 +83,46 @@ def main() -> None:
     lines = [f"GPU: {torch.cuda.get_device_name()}; B={B} H={H} N={N} D={D} W={W} bf16; GPU times (CUDA graphs)", ""]
     lines += ["| dense | fwd ms | fwd+bwd ms |", "|---|---|---|"]
     lines += [f"| {n} | {f:.3f} | {fb:.3f} |" for n, (f, fb) in dense.items()]
-    lines += ["", "| fwd tile | dq tile | mix | fwd ms | dq ms | dkdv ms | other ms | fwd+bwd ms | x FA2 |"
-              " x cuDNN | dkdv config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| dK/dV blocks | mix | plan ms | fwd ms | dq ms | dkdv ms | type grad ms | other ms | fwd+bwd ms |"
+              " x FA2 | x cuDNN |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     cudnn_fb = dense["sdpa (default: cuDNN)"][1]
     tws = {}
     for mix, probs in MIXES.items():
         t = torch.multinomial(torch.tensor(probs), B * H * N, replacement=True, generator=gen).view(B, H, N)
         tws[mix] = types_to_weights(t, torch.float32).cuda().requires_grad_()
-    totals: dict[tuple, float] = defaultdict(float)
-    lines_other = ["", "Kernels in 'other' (defaults, uniform mix):", "", "| kernel | ms | calls |", "|---|---|---|"]
-    from nats_kernels.nats_attention.backward import _bwd_dkdv_kernel
-
-    for fwd, dq in CANDIDATES:
-        _env.BLOCKS.update(fwd=fwd, dq=dq)
+    configs = []
+    lines_other = ["", "Kernels in 'other' (uniform mix, compact key blocks):", "", "| kernel | ms | calls |",
+                   "|---|---|---|"]
+    for compact in (True, False):
+        bwd.COMPACT_KEYS = compact
         for mix, tw in tws.items():
             go = fwd_bwd(lambda tw=tw: triton_nats_attention(q, k, v, tw, W), leaves + [tw])
-            try:
-                go()  # autotune and compile outside the graph
-                total = timed(go, leaves + [tw])
-                detail = {} if (fwd, dq) == BASE and mix == "uniform" else None
-                split = kernel_times(go, detail=detail)
-                if detail:
-                    others = sorted(detail.items(), key=lambda kv: -kv[1][0])
-                    lines_other.extend(f"| {name[:90]} | {ms:.4f} | {n} |" for name, (ms, n) in others)
-            except Exception as exc:  # noqa: BLE001 - e.g. a tile too large for shared memory
-                lines.append(f"| {fwd[0]}x{fwd[1]} | {dq[0]}x{dq[1]} | {mix} | error: "
-                             f"{type(exc).__name__}: {str(exc)[:80]} | | | | | |")
-                print(lines[-1], flush=True)
-                totals[(fwd, dq)] += 1e9
-                continue
-            totals[(fwd, dq)] += total
-            cfg = getattr(_bwd_dkdv_kernel, "best_config", None)
-            cfg = f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}" if cfg else "-"
-            lines.append(f"| {fwd[0]}x{fwd[1]} | {dq[0]}x{dq[1]} | {mix} | {split['fwd']:.3f} | "
-                         f"{split['dq']:.3f} | {split['dkdv']:.3f} | {split['other']:.3f} | {total:.3f} | "
-                         f"{total / flash_fb:.2f} | {total / cudnn_fb:.2f} | {cfg} |")
+            go()  # autotune and compile outside the graph
+            total = timed(go, leaves + [tw])
+            detail = {} if compact and mix == "uniform" else None
+            split = kernel_times(go, detail=detail)
+            if detail:
+                others = sorted(detail.items(), key=lambda kv: -kv[1][0])
+                lines_other.extend(f"| {name[:90]} | {ms:.4f} | {n} |" for name, (ms, n) in others)
+            lines.append(f"| {'compact' if compact else 'position'} | {mix} | {split['plan']:.3f} | "
+                         f"{split['fwd']:.3f} | {split['dq']:.3f} | {split['dkdv']:.3f} | {split['type_grad']:.3f} | "
+                         f"{split['other']:.3f} | {total:.3f} | {total / flash_fb:.2f} | {total / cudnn_fb:.2f} |")
             print(lines[-1], flush=True)
-    best = min(totals, key=totals.get)
-    lines += ["", f"best (sum of fwd+bwd over the mixes): fwd tile {best[0]}, dq tile {best[1]}"]
+            if mix == "uniform":
+                for name, kern in (("fwd", fwd._nats_fwd_kernel), ("dq", bwd._bwd_dq_kernel),
+                                   ("dkdv", bwd._bwd_dkdv_kernel)):
+                    cfg = getattr(kern, "best_config", None)
+                    configs.append(f"| {name} | {'compact' if compact else 'position'} | "
+                                   f"{cfg.kwargs if cfg else '-'} | {cfg.num_warps if cfg else '-'} | "
+                                   f"{cfg.num_stages if cfg else '-'} |")
+    bwd.COMPACT_KEYS = True
+    lines += ["", "Autotuned configs (uniform mix):", "", "| kernel | dK/dV blocks | tiles | warps | stages |",
+              "|---|---|---|---|---|"] + configs
     lines += lines_other
     text = "\n".join(lines)
     print(text)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "sweep_kernel_blocks.md").write_text(text + "\n")
+    (Path(args.out) / "kernel_breakdown.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":
