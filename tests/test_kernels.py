@@ -131,15 +131,20 @@ def test_type_indices_kernel():
 
 
 def compact_ranges_py(plan, b, h, m0, m1, window):
-    """PyTorch mirror of forward.compact_ranges: the compact entries queries [m0, m1] may see."""
+    """PyTorch mirror of forward.compact_ranges: the positions of the keys queries [m0, m1] may see."""
     cg, cl, cs = (plan[b, h, r].long() for r in (_plan.CG_ROW, _plan.CL_ROW, _plan.CS_ROW))
+    order, order2 = plan[b, h, _plan.ORD_ROW], plan[b, h, _plan.ORD2_ROW]
     n_g, n_l = int(cg[-1]), int(cl[-1])
     p = int(plan[b, h, _plan.P_ROW, m0])
-    l_lo = int(cl[p]) if p >= 0 else 0
     s_first = m0 - window + 1
+    entries = order[:int(cg[m1])].tolist()
+    if p + 1 >= s_first:  # one range of ORD2: the non-globals at positions >= s_first
+        lo = s_first - int(cg[s_first - 1]) if s_first > 0 else 0
+        return entries + order2[n_g + lo:n_g + m1 + 1 - int(cg[m1])].tolist()
+    l_lo = int(cl[p]) if p >= 0 else 0
     s_lo = int(cs[s_first - 1]) if s_first > 0 else 0
-    return (list(range(0, int(cg[m1]))) + list(range(n_g + l_lo, n_g + int(cl[m1])))
-            + list(range(n_g + n_l + s_lo, n_g + n_l + int(cs[m1]))))
+    return (entries + order[n_g + l_lo:n_g + int(cl[m1])].tolist()
+            + order[n_g + n_l + s_lo:n_g + n_l + int(cs[m1])].tolist())
 
 
 def test_compact_plan():
@@ -159,13 +164,16 @@ def test_compact_plan():
             assert torch.equal(plan[:, :, _plan.CG_ROW:_plan.CS_ROW + 1], cum)
             assert torch.equal(plan[:, :, _plan.E_ROW], next_global(t))
             assert torch.equal(plan[:, :, _plan.P_ROW], prev_global(t))
+            want2 = torch.sort(torch.where(t == 0, 0, n) + torch.arange(n, device=t.device), dim=-1).values % n
+            assert torch.equal(plan[:, :, _plan.ORD2_ROW].long(), want2)
+            lim_pos = torch.empty_like(lim).scatter_(-1, order.long(), lim)  # limits by position
+            assert torch.equal(plan[:, :, _plan.LIM2_ROW], lim_pos.gather(-1, want2))
         mask = nats_mask_hard(t, w)
         for b in range(2):
             for h in range(2):
                 for m0 in range(0, n, bm):
                     m1 = min(m0 + bm, n) - 1
-                    entries = compact_ranges_py(plan, b, h, m0, m1, w)
-                    listed = plan[b, h, _plan.ORD_ROW, entries].tolist()
+                    listed = compact_ranges_py(plan, b, h, m0, m1, w)
                     assert len(set(listed)) == len(listed)
                     needed = set(torch.nonzero(mask[b, h, m0:m1 + 1].any(0)).flatten().tolist())
                     assert needed <= set(listed)
@@ -195,9 +203,9 @@ def test_training_kernel_matches_reference(N, W, D, dtype, mix, B, HQ, HKV):
 
 
 @pytest.mark.parametrize("N,W,D,dtype,mix,B,HQ,HKV", [CASES[0], CASES[1], CASES[5]])
-def test_training_kernel_positional_key_blocks(N, W, D, dtype, mix, B, HQ, HKV, monkeypatch):
-    """The dK/dV kernel over key blocks by position (COMPACT_KEYS=False) gives the same gradients."""
-    monkeypatch.setattr(_backward, "COMPACT_KEYS", False)
+def test_training_kernel_globals_in_position_blocks(N, W, D, dtype, mix, B, HQ, HKV, monkeypatch):
+    """With backward.GLOBALS_APART off (the globals' dK/dV from their position blocks) nothing changes."""
+    monkeypatch.setattr(_backward, "GLOBALS_APART", False)
     q, k, v, do, types = make_inputs(B, HQ, HKV, N, D, dtype, mix, seed=N + W + 1)
     got, want = run_both(q, k, v, do, types, W)
     check_all(got, want, 1e-4 if dtype == torch.float32 else 3e-3)

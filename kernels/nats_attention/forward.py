@@ -32,6 +32,7 @@ from . import plan as _plan
 PLAN_ROWS = tl.constexpr(_plan.PLAN_ROWS)
 P_ROW, ORD_ROW, LIM_ROW = tl.constexpr(_plan.P_ROW), tl.constexpr(_plan.ORD_ROW), tl.constexpr(_plan.LIM_ROW)
 CG_ROW, CL_ROW, CS_ROW = tl.constexpr(_plan.CG_ROW), tl.constexpr(_plan.CL_ROW), tl.constexpr(_plan.CS_ROW)
+ORD2_ROW, LIM2_ROW = tl.constexpr(_plan.ORD2_ROW), tl.constexpr(_plan.LIM2_ROW)
 
 
 @triton.jit
@@ -89,26 +90,41 @@ def check_head_dim(d: int) -> None:
 
 @triton.jit
 def compact_ranges(PLAN, head, N, W, m0, q_hi):
-    """The compact entries that queries [m0, q_hi] can see: [g_lo, g_hi), [l_lo, l_hi), [s_lo, s_hi) in
-    ORD (module doc), and the base pointers of the ORD and LIM rows of this (batch, KV head)."""
+    """The compact entries that queries [m0, q_hi] can see, as three ranges (module doc):
+
+    (a) entries [0, g_hi) of ORD; (b) entries [b_lo, b_hi) of the order at ``b_ord`` (limits at ``b_lim``);
+    (c) entries [c_lo, c_hi) of ORD. (b) is the live locals and (c) the band's sliding tokens, or, when the
+    last global before m0 lies in the band (then every live local does too), (b) is the band's non-globals
+    in ORD2 and (c) is empty: one range instead of two, so one ragged tile fewer.
+    Returns g_hi, b_lo, b_hi, c_lo, c_hi and the pointers ORD, LIM, b_ord, b_lim of this (batch, KV head)."""
     plan = PLAN + head * (PLAN_ROWS * N)
     cg = plan + CG_ROW * N
     cl = plan + CL_ROW * N
     cs = plan + CS_ROW * N
+    ordp = plan + ORD_ROW * N
+    limp = plan + LIM_ROW * N
     n_g = tl.load(cg + N - 1)
     n_l = tl.load(cl + N - 1)
-    # (a) globals at positions <= q_hi
-    g_hi = tl.load(cg + q_hi)
-    # (b) locals after the last global before m0
-    p_m0 = tl.load(plan + P_ROW * N + m0)
-    l_lo = tl.where(p_m0 >= 0, tl.load(cl + tl.maximum(p_m0, 0)), 0)
-    l_hi = tl.load(cl + q_hi)
-    # (c) sliding tokens at positions >= m0 - W + 1
-    s_first = m0 - W + 1
-    s_lo = tl.where(s_first > 0, tl.load(cs + tl.maximum(s_first, 1) - 1), 0)
-    s_hi = tl.load(cs + q_hi)
-    return (g_hi, n_g + l_lo, n_g + l_hi, n_g + n_l + s_lo, n_g + n_l + s_hi,
-            plan + ORD_ROW * N, plan + LIM_ROW * N)
+    g_hi = tl.load(cg + q_hi)  # (a) globals at positions <= q_hi
+    p_m0 = tl.load(plan + P_ROW * N + m0)  # the last global before m0
+    s_first = m0 - W + 1  # first position of the band
+    if p_m0 + 1 >= s_first:
+        # the non-globals at positions [s_first, q_hi]: counts of non-globals are (j + 1) - CG(j)
+        b_lo = n_g + tl.where(s_first > 0, s_first - tl.load(cg + tl.maximum(s_first, 1) - 1), 0)
+        b_hi = n_g + q_hi + 1 - g_hi
+        b_ord = plan + ORD2_ROW * N
+        b_lim = plan + LIM2_ROW * N
+        c_lo = 0
+        c_hi = 0
+    else:
+        # (b) locals after the last global before m0; (c) sliding tokens at positions >= s_first
+        b_lo = n_g + tl.where(p_m0 >= 0, tl.load(cl + tl.maximum(p_m0, 0)), 0)
+        b_hi = n_g + tl.load(cl + q_hi)
+        b_ord = ordp
+        b_lim = limp
+        c_lo = n_g + n_l + tl.where(s_first > 0, tl.load(cs + tl.maximum(s_first, 1) - 1), 0)
+        c_hi = n_g + n_l + tl.load(cs + q_hi)
+    return g_hi, b_lo, b_hi, c_lo, c_hi, ordp, limp, b_ord, b_lim
 
 
 @triton.jit
@@ -161,7 +177,7 @@ def _nats_fwd_kernel(
     pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
     q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, row_ok)
     q_hi = tl.minimum(m0 + BLOCK_M, N) - 1  # last real query of the block
-    g_hi, l_lo, l_hi, s_lo, s_hi, ordp, limp = compact_ranges(PLAN, head, N, W, m0, q_hi)
+    g_hi, b_lo, b_hi, c_lo, c_hi, ordp, limp, b_ord, b_lim = compact_ranges(PLAN, head, N, W, m0, q_hi)
 
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
@@ -170,9 +186,9 @@ def _nats_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, 0, g_hi, ordp, limp,
                                k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC)
-    acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, l_lo, l_hi, ordp, limp,
+    acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, b_lo, b_hi, b_ord, b_lim,
                                k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC)
-    acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, s_lo, s_hi, ordp, limp,
+    acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, c_lo, c_hi, ordp, limp,
                                k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC)
 
     # Every real row sees its own key (M_ii = 1), so l_i > 0 there.

@@ -11,19 +11,22 @@ ties like ``torch.argmax``, or the given integer types) and the int32 ``plan`` [
 - ``E``: e_j, the first global after j (N-1 if none); ``P``: p_j, the last global before j (-1 if none);
 - ``ORD``: the *compact order* of the keys, [globals | locals | sliding tokens], each group by position;
 - ``LIM``: for each compact entry, the last query that sees it (N-1, e_j or min(j+W-1, N-1));
-- ``CG``, ``CL``, ``CS``: inclusive counts of globals, locals and sliding tokens at positions <= j.
+- ``CG``, ``CL``, ``CS``: inclusive counts of globals, locals and sliding tokens at positions <= j;
+- ``ORD2``, ``LIM2``: a second compact order, [globals | all other tokens], each group by position, and its
+  limits.
 
 Key j is visible to query i iff j <= i <= LIM, and the keys a query block [m0, m1] can see lie in three
 contiguous ranges of ORD (``forward.compact_ranges``): the globals at positions <= m1, the locals after the
-last global before m0, the sliding tokens at positions >= m0 - W + 1.
+last global before m0, the sliding tokens at positions >= m0 - W + 1. When that last global lies in the band
+[m0 - W, m1], the last two ranges are one range of ORD2 instead: the non-globals at positions >= m0 - W + 1.
 """
 
 import torch
 
 from ._env import INTERPRET, tl, triton
 
-PLAN_ROWS = 7
-E_ROW, P_ROW, ORD_ROW, LIM_ROW, CG_ROW, CL_ROW, CS_ROW = range(PLAN_ROWS)
+PLAN_ROWS = 9
+E_ROW, P_ROW, ORD_ROW, LIM_ROW, CG_ROW, CL_ROW, CS_ROW, ORD2_ROW, LIM2_ROW = range(PLAN_ROWS)
 
 
 @triton.jit
@@ -57,7 +60,7 @@ def _plan_kernel(TW, T, PLAN, stw_b, stw_h, stw_n, stw_c, N, H, W, CH: tl.conste
     h = head % H
     tw = TW + b * stw_b + h * stw_h
     t_out = T + head.to(tl.int64) * N
-    plan = PLAN + head.to(tl.int64) * (7 * N)  # rows as PLAN_ROWS
+    plan = PLAN + head.to(tl.int64) * (9 * N)  # rows as PLAN_ROWS
     E = plan
     P = plan + N
     ORD = plan + 2 * N
@@ -86,6 +89,8 @@ def _plan_kernel(TW, T, PLAN, stw_b, stw_h, stw_n, stw_c, N, H, W, CH: tl.conste
             tl.store(plan + 5 * N + offs, n_l + tl.cumsum(is_l, 0), mask=ok)
             tl.store(plan + 6 * N + offs, n_s + tl.cumsum(is_s, 0), mask=ok)
             tl.store(ORD + cg - 1, offs, mask=ok & (t == 0))
+            tl.store(plan + 7 * N + cg - 1, offs, mask=ok & (t == 0))
+            tl.store(plan + 8 * N + cg - 1, tl.zeros_like(offs) + (N - 1), mask=ok & (t == 0))
             tl.store(LIM + cg - 1, tl.zeros_like(offs) + (N - 1), mask=ok & (t == 0))
             n_g += tl.sum(is_g, axis=0)
             n_l += tl.sum(is_l, axis=0)
@@ -95,6 +100,7 @@ def _plan_kernel(TW, T, PLAN, stw_b, stw_h, stw_n, stw_c, N, H, W, CH: tl.conste
     run = N - 1
     r_l = 0
     r_s = 0
+    r_o = 0
     for c0 in range(0, N, CH):
         offs = N - 1 - (c0 + tl.arange(0, CH))  # descending positions
         ok = offs >= 0
@@ -112,9 +118,15 @@ def _plan_kernel(TW, T, PLAN, stw_b, stw_h, stw_n, stw_c, N, H, W, CH: tl.conste
             tl.store(ORD + dest_l, offs, mask=ok & (t == 1))
             tl.store(LIM + dest_l, ev, mask=ok & (t == 1))
             tl.store(ORD + dest_s, offs, mask=ok & (t == 2))
-            tl.store(LIM + dest_s, tl.minimum(offs + W - 1, N - 1), mask=ok & (t == 2))
+            lim_s = tl.minimum(offs + W - 1, N - 1)
+            tl.store(LIM + dest_s, lim_s, mask=ok & (t == 2))
+            is_o = ((t == 1) | (t == 2)).to(tl.int32)
+            dest_o = N - (r_o + tl.cumsum(is_o, 0))
+            tl.store(plan + 7 * N + dest_o, offs, mask=ok & (is_o != 0))
+            tl.store(plan + 8 * N + dest_o, tl.where(t == 1, ev, lim_s), mask=ok & (is_o != 0))
             r_l += tl.sum(is_l, axis=0)
             r_s += tl.sum(is_s, axis=0)
+            r_o += tl.sum(is_o, axis=0)
 
 
 def _launch(type_info: torch.Tensor, window: int, compact: bool):
