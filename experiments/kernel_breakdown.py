@@ -89,7 +89,8 @@ def main() -> None:
               " x FA2 | x cuDNN |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     cudnn_fb = dense["sdpa (default: cuDNN)"][1]
     # variants: name -> (module, attribute, value) settings of the kernels' Python-level switches
-    VARIANTS = {"default": [], "globals in position blocks": [(bwd, "GLOBALS_APART", False)]}
+    # (measured this way: dK/dV over compact key blocks, and the globals' dK/dV apart, docs/results/kernel_breakdown_*)
+    VARIANTS = {"default": []}
     tws = {}
     for mix, probs in MIXES.items():
         t = torch.multinomial(torch.tensor(probs), B * H * N, replacement=True, generator=gen).view(B, H, N)

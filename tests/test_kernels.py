@@ -20,7 +20,6 @@ from nats_kernels.nats_attention import (
     nats_prefill,
     triton_nats_attention,
 )
-from nats_kernels.nats_attention import backward as _backward
 from nats_kernels.nats_attention import plan as _plan
 from nats_kernels.nats_attention.indices import compact_order, hard_types, next_global, prev_global
 from nats_kernels.nats_attention.plan import compact_plan, type_indices
@@ -200,15 +199,6 @@ def test_training_kernel_matches_reference(N, W, D, dtype, mix, B, HQ, HKV):
     got, want = run_both(q, k, v, do, types, W)
     tol = 1e-4 if dtype == torch.float32 else 3e-3
     check_all(got, want, tol)
-
-
-@pytest.mark.parametrize("N,W,D,dtype,mix,B,HQ,HKV", [CASES[0], CASES[1], CASES[5]])
-def test_training_kernel_globals_in_position_blocks(N, W, D, dtype, mix, B, HQ, HKV, monkeypatch):
-    """With backward.GLOBALS_APART off (the globals' dK/dV from their position blocks) nothing changes."""
-    monkeypatch.setattr(_backward, "GLOBALS_APART", False)
-    q, k, v, do, types = make_inputs(B, HQ, HKV, N, D, dtype, mix, seed=N + W + 1)
-    got, want = run_both(q, k, v, do, types, W)
-    check_all(got, want, 1e-4 if dtype == torch.float32 else 3e-3)
 
 
 @pytest.mark.slow

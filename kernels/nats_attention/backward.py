@@ -43,7 +43,7 @@ import torch
 
 from . import _env
 from ._env import INTERPRET, dot_precision, tl, triton
-from .forward import CG_ROW, ORD_ROW, PLAN_ROWS, compact_ranges, key_limit, load_compact, load_rows, query_program
+from .forward import PLAN_ROWS, compact_ranges, key_limit, load_compact, load_rows, query_program
 
 # Largest exponent (base 2) of exp(s_ij - LSE_i) at masked pairs: half the float32 range, as in the reference.
 EXP2_MAX = tl.constexpr(64.0)
@@ -194,56 +194,7 @@ def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, 
     return dk, dv, col_all, col_l, col_s, col_l2
 
 
-@triton.jit
-def _dkdv_globals(Q, K, V, DO, LSE, DELTA, DK, DV, plan, gb, b, hk,
-                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-                  N, sm_scale, qk_scale, H_Q, GROUP,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-    """dK and dV of the globals gb*BLOCK_N.. of the compact order (plan.py): every query from a global on
-    sees it, so these blocks walk every later query block with two matmuls more than FlashAttention's
-    dK/dV (no column sums: the position blocks make those)."""
-    n_g = tl.load(plan + CG_ROW * N + N - 1)
-    c0 = gb * BLOCK_N
-    if c0 < n_g:
-        offs_c = c0 + tl.arange(0, BLOCK_N)
-        col_ok = offs_c < n_g
-        pos = tl.load(plan + ORD_ROW * N + offs_c, mask=col_ok, other=0)
-        offs_d = tl.arange(0, HEAD_DIM)
-        k = tl.load(K + b * skb + hk * skh + pos[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + b * svb + hk * svh + pos[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        n_lo = tl.min(tl.where(col_ok, pos, N), axis=0)
-        n_hi = tl.max(tl.where(col_ok, pos, -1), axis=0)
-        j2 = pos[:, None]
-        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        for g in range(GROUP):
-            h = hk * GROUP + g
-            bh = b * H_Q + h
-            for m0 in range((n_lo // BLOCK_M) * BLOCK_M, N, BLOCK_M):
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                row_ok = offs_m < N
-                q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None],
-                            other=0.0)
-                do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :],
-                             mask=row_ok[:, None], other=0.0)
-                lse = tl.load(LSE + bh * N + offs_m, mask=row_ok, other=0.0)
-                delta = tl.load(DELTA + bh * N + offs_m, mask=row_ok, other=0.0)
-                qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
-                dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-                pT = tl.math.exp2(tl.minimum(qkT - lse[None, :], EXP2_MAX))
-                if m0 < n_hi:  # some global of the block lies after some query of the tile
-                    pT = tl.where(j2 <= offs_m[None, :], pT, 0.0)
-                dsT = pT * (dpT - delta[None, :])  # 0 in rows beyond N (q = dO = 0, LSE = D = 0)
-                dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
-                dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
-        dk = dk * sm_scale
-        tl.store(DK + b * sdkb + hk * sdkh + pos[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                 mask=col_ok[:, None])
-        tl.store(DV + b * sdvb + hk * sdvh + pos[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
-                 mask=col_ok[:, None])
-
-
-@triton.autotune(configs=_dkdv_configs(), key=["HEAD_DIM", "GROUP", "GLOBALS_APART"])
+@triton.autotune(configs=_dkdv_configs(), key=["HEAD_DIM", "GROUP"])
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, T, PLAN, DK, DV, COLS,
@@ -251,7 +202,6 @@ def _bwd_dkdv_kernel(
     N, W, sm_scale, qk_scale,
     H_Q, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    GLOBALS_APART: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)  # b * H_KV + hk
     pid_n = tl.program_id(1)  # key blocks start first to last: the early ones see the most queries
@@ -260,82 +210,71 @@ def _bwd_dkdv_kernel(
     hk = pid_bh % H_KV
     plan = PLAN + pid_bh.to(tl.int64) * (PLAN_ROWS * N)  # row E first
 
-    nb = tl.cdiv(N, BLOCK_N)
-    if pid_n >= nb:  # the second half of the grid (GLOBALS_APART): dK, dV of the globals
-        _dkdv_globals(Q, K, V, DO, LSE, DELTA, DK, DV, plan, pid_n - nb, b, hk,
-                      sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn, sdvb, sdvh,
-                      sdvn, N, sm_scale, qk_scale, H_Q, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PREC)
-    else:
-        # Key blocks by position. (Blocks of the compact order, which hold keys of one type, so that blocks
-        # of locals or sliding tokens need dK/dV work on few query blocks, measured slower on an H100: their
-        # keys spread over more positions, so more tiles need the causal and limit masks. docs/kernels.md)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < N
-        offs_d = tl.arange(0, HEAD_DIM)
-        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None],
-                    other=0.0)
-        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None],
-                    other=0.0)
-        ty = tl.load(T + pid_bh * N + offs_n, mask=col_ok, other=3).to(tl.int32)
-        e = tl.load(plan + offs_n, mask=col_ok, other=-1)
-        e2 = tl.load(plan + tl.maximum(e, 0), mask=col_ok, other=-1)  # global after the next one
-        lim = key_limit(ty, e, offs_n, W, N)
+    # Key blocks by position. (Two variants that spare dK/dV matmuls measured slower on an H100, see
+    # docs/kernels.md: blocks of the compact order, which hold keys of one type, and the globals' dK/dV in
+    # blocks of their own.)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None],
+                other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None],
+                other=0.0)
+    ty = tl.load(T + pid_bh * N + offs_n, mask=col_ok, other=3).to(tl.int32)
+    e = tl.load(plan + offs_n, mask=col_ok, other=-1)
+    e2 = tl.load(plan + tl.maximum(e, 0), mask=col_ok, other=-1)  # global after the next one
+    lim = key_limit(ty, e, offs_n, W, N)
 
-        # Query blocks [m_start, live_end] see some key of the block (dK, dV); the masked column sums reach
-        # queries l_end, l2_end and s_end at most; the plain one needs every query block from the first key.
-        n_lo = tl.min(tl.where(col_ok, offs_n, N), axis=0)  # first and last key of the block
-        n_hi = tl.max(tl.where(col_ok, offs_n, -1), axis=0)
-        m_start = (n_lo // BLOCK_M) * BLOCK_M
-        if GLOBALS_APART:  # the globals' dK, dV come from _dkdv_globals: only the others' rows count here
-            live_end = tl.max(tl.where(ty == 0, -1, lim), axis=0)
-            kv_ok = col_ok & (ty != 0)
-        else:
-            live_end = tl.max(lim, axis=0)
-            kv_ok = col_ok
-        l_end = tl.max(e, axis=0)
-        l2_end = tl.max(e2, axis=0)
-        s_end = n_hi + W - 1
-        # (padding keys have e = lim = -1: the tile fast paths below are then never taken in the last block)
-        e_min = tl.min(e, axis=0)
-        e2_min = tl.min(e2, axis=0)
-        lim_min = tl.min(lim, axis=0)
+    # Query blocks [m_start, live_end] see some key of the block (dK, dV); the masked column sums reach
+    # queries l_end, l2_end and s_end at most; the plain one needs every query block from the first key.
+    n_lo = tl.min(tl.where(col_ok, offs_n, N), axis=0)  # first and last key of the block
+    n_hi = tl.max(tl.where(col_ok, offs_n, -1), axis=0)
+    m_start = (n_lo // BLOCK_M) * BLOCK_M
+    live_end = tl.max(lim, axis=0)
+    l_end = tl.max(e, axis=0)
+    l2_end = tl.max(e2, axis=0)
+    s_end = n_hi + W - 1
+    # (padding keys have e = lim = -1: the tile fast paths below are then never taken in the last block)
+    e_min = tl.min(e, axis=0)
+    e2_min = tl.min(e2, axis=0)
+    lim_min = tl.min(lim, axis=0)
 
-        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        col_all = tl.zeros([BLOCK_N], dtype=tl.float32)
-        col_l = tl.zeros([BLOCK_N], dtype=tl.float32)
-        col_s = tl.zeros([BLOCK_N], dtype=tl.float32)
-        col_l2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for g in range(GROUP):
-            h = hk * GROUP + g
-            bh = b * H_Q + h
-            q_base = Q + b * sqb + h * sqh
-            do_base = DO + b * sdob + h * sdoh
-            # two loops, so that neither holds a dot under an `if` (which would stop load pipelining)
-            for m0 in range(m_start, live_end + 1, BLOCK_M):
-                dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
-                    dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
-                    e_min, e2_min, lim_min, m0,
-                    q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
-                    BLOCK_M, DOT_PREC, True)
-            m_dead = tl.maximum(m_start, (live_end + 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
-            for m0 in range(m_dead, N, BLOCK_M):
-                dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
-                    dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
-                    e_min, e2_min, lim_min, m0,
-                    q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
-                    BLOCK_M, DOT_PREC, False)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    col_all = tl.zeros([BLOCK_N], dtype=tl.float32)
+    col_l = tl.zeros([BLOCK_N], dtype=tl.float32)
+    col_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    col_l2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * H_Q + h
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        # two loops, so that neither holds a dot under an `if` (which would stop load pipelining)
+        for m0 in range(m_start, live_end + 1, BLOCK_M):
+            dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
+                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
+                e_min, e2_min, lim_min, m0,
+                q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
+                BLOCK_M, DOT_PREC, True)
+        m_dead = tl.maximum(m_start, (live_end + 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+        for m0 in range(m_dead, N, BLOCK_M):
+            dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
+                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
+                e_min, e2_min, lim_min, m0,
+                q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
+                BLOCK_M, DOT_PREC, False)
 
-        dk = dk * sm_scale
-        tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                 mask=kv_ok[:, None])
-        tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
-                 mask=kv_ok[:, None])
-        cols = COLS + (pid_bh * N + offs_n) * 4
-        tl.store(cols, col_all, mask=col_ok)
-        tl.store(cols + 1, col_l, mask=col_ok)
-        tl.store(cols + 2, col_s, mask=col_ok)
-        tl.store(cols + 3, col_l2, mask=col_ok)
+    dk = dk * sm_scale
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=col_ok[:, None])
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=col_ok[:, None])
+    cols = COLS + (pid_bh * N + offs_n) * 4
+    tl.store(cols, col_all, mask=col_ok)
+    tl.store(cols + 1, col_l, mask=col_ok)
+    tl.store(cols + 2, col_s, mask=col_ok)
+    tl.store(cols + 3, col_l2, mask=col_ok)
 
 
 @triton.jit
@@ -396,11 +335,6 @@ def _type_grad_kernel(T, COLS, RD, DD, DTW, N, GROUP, stb, sth, stn, stc, H_KV, 
         tl.store(out + 2 * stc, ds.to(DTW.dtype.element_ty), mask=ok)
 
 
-# dK/dV of the globals in blocks of their own (compact order), so that the position blocks need dK/dV work
-# only near their keys; experiments/kernel_breakdown.py compares both settings.
-GLOBALS_APART = True
-
-
 def nats_backward(do, q, k, v, o, lse, types, plan, window: int, sm_scale: float | None = None,
                   tw_dtype: torch.dtype = torch.float32):
     """Gradients (dq, dk, dv, d_type_weights) of NAtS attention.
@@ -435,14 +369,14 @@ def nats_backward(do, q, k, v, o, lse, types, plan, window: int, sm_scale: float
         N, W, sm_scale, qk_scale, HQ, group,
         HEAD_DIM=D, DOT_PREC=prec,
     )
-    grid_k = lambda meta: (B * HKV, (2 if GLOBALS_APART else 1) * _env.grid_blocks(N, meta["BLOCK_N"]))
+    grid_k = lambda meta: (B * HKV, _env.grid_blocks(N, meta["BLOCK_N"]))
     _bwd_dkdv_kernel[grid_k](
         q, k, v, do, lse, delta, types, plan, dk, dv, cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         N, W, sm_scale, qk_scale, HQ, group,
-        HEAD_DIM=D, DOT_PREC=prec, GLOBALS_APART=GLOBALS_APART,
+        HEAD_DIM=D, DOT_PREC=prec,
     )
     ch = 64 if INTERPRET else min(1024, max(64, triton.next_power_of_2(N)))
     _type_grad_kernel[(B * HKV,)](types, cols, rd, dd, dtw, N, group, *dtw.stride(), HKV, CH=ch, num_warps=4)
