@@ -34,7 +34,7 @@ def peak_flops() -> float:
 
 KERNEL_GROUPS = [  # (group, substrings of CUDA kernel names), first match wins
     ("attention (nats triton)", ["_nats_", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_type_grad_kernel",
-                                 "_types_kernel", "_block_list_kernel"]),
+                                 "_plan_kernel"]),
     ("attention (sdpa)", ["flash", "fmha", "cudnn", "sdpa"]),
     ("matmul", ["gemm", "sm90_xmma", "cutlass", "nvjet", "matmul"]),
     ("inductor fused", ["triton_"]),

@@ -22,23 +22,6 @@ import triton
 import triton.language as tl
 
 
-def _parse_blocks(spec: str) -> dict[str, tuple[int, int]]:
-    out = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        try:
-            name, size = item.split("=")
-            m, n = (int(v) for v in size.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"NATS_KERNELS_BLOCKS: expected e.g. 'fwd=128x64,dq=64x64', got {spec!r}") from None
-        out[name.strip()] = (m, n)
-    return out
-
-
-# Tile sizes (BLOCK_M, BLOCK_N) of the kernels whose key-block lists depend on them ("fwd", "dq"),
-# overriding the defaults of forward.fwd_blocks / backward.dq_blocks: NATS_KERNELS_BLOCKS="fwd=128x128,dq=128x64"
-# or assign BLOCKS["fwd"] = (128, 128) at run time (experiments/sweep_kernel_blocks.py does).
-BLOCKS: dict[str, tuple[int, int]] = _parse_blocks(os.environ.get("NATS_KERNELS_BLOCKS", ""))
-
 # Tests set this (or NATS_KERNELS_POISON=1) so that outputs start as NaN: an element a kernel forgets to
 # write then fails the comparison with the reference instead of passing by luck.
 POISON = os.environ.get("NATS_KERNELS_POISON", "0") == "1"

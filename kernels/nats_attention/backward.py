@@ -25,8 +25,9 @@ rows <= e_k, rows < k+W, rows <= e_{e_k}), two row sums (Rd_i, dM_ii) and segmen
 
 Three kernels, run in this order:
 
-1. ``_bwd_dq_kernel``, one program per (batch, query head, query block), walks only the key blocks with a
-   visible pair (the forward's block lists): stores D_i, computes dQ and the row sums Rd_i and dM_ii.
+1. ``_bwd_dq_kernel``, one program per (batch, query head, query block), walks only the keys the block can
+   see, in the compact order of the forward (``forward.compact_ranges``): stores D_i, computes dQ and the
+   row sums Rd_i and dM_ii.
 2. ``_bwd_dkdv_kernel``, one program per (batch, KV head, key block), loops over the query heads of the
    group and over *all* query blocks from the diagonal on (d g_k sums dM over every later query); it
    accumulates dK and dV (on the query blocks that see the key block) and the four column sums, as
