@@ -1,10 +1,10 @@
 """Where the time of the NAtS training kernels goes, per kernel and type mix, against torch SDPA, on a GPU.
 
 At the benchmark shape of issue 4 (B=16, H=12, N=1024, D=64, bf16) for three type mixes: the fwd+bwd
-total and its split into the plan, forward, dQ, dK/dV and type-gradient kernels, for the variants of the
-kernels' Python-level switches (``VARIANTS``), with the configs the autotuner chose. Tile sizes are
-autotuned (keyed on the head dim, never on N), once for all mixes as in training (the first mix decides),
-or afresh for each mix with ``--retune`` (what each mix would choose alone).
+total and its split into the plan, forward, dQ, dK/dV and type-gradient kernels, with the configs the
+autotuner chose. Tile sizes are autotuned (keyed on the head dim, never on N), once for all mixes as in
+training (the first mix decides), or afresh for each mix with ``--retune`` (what each mix would choose
+alone). The dK/dV variants measured with it and dropped: docs/results/kernel_breakdown_h100_*.md.
 
 Times are GPU times: the fwd+bwd total is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``, no
 Python launch overhead), and the per-kernel split comes from torch.profiler.
@@ -85,50 +85,39 @@ def main() -> None:
     lines = [f"GPU: {torch.cuda.get_device_name()}; B={B} H={H} N={N} D={D} W={W} bf16; GPU times (CUDA graphs)", ""]
     lines += ["| dense | fwd ms | fwd+bwd ms |", "|---|---|---|"]
     lines += [f"| {n} | {f:.3f} | {fb:.3f} |" for n, (f, fb) in dense.items()]
-    lines += ["", "| variant | mix | plan ms | fwd ms | dq ms | dkdv ms | type grad ms | other ms | fwd+bwd ms |"
-              " x FA2 | x cuDNN |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| mix | plan ms | fwd ms | dq ms | dkdv ms | type grad ms | other ms | fwd+bwd ms | x FA2 |"
+              " x cuDNN |", "|---|---|---|---|---|---|---|---|---|---|"]
     cudnn_fb = dense["sdpa (default: cuDNN)"][1]
-    # variants: name -> (module, attribute, value) settings of the kernels' Python-level switches
-    # (measured this way: dK/dV over compact key blocks, and the globals' dK/dV apart, docs/results/kernel_breakdown_*)
-    VARIANTS = {"default": []}
     tws = {}
     for mix, probs in MIXES.items():
         t = torch.multinomial(torch.tensor(probs), B * H * N, replacement=True, generator=gen).view(B, H, N)
         tws[mix] = types_to_weights(t, torch.float32).cuda().requires_grad_()
     configs = []
-    lines_other = ["", "Kernels in 'other' (uniform mix, first variant):", "", "| kernel | ms | calls |",
-                   "|---|---|---|"]
-    for order, setting in VARIANTS.items():
-        saved = [(mod, name, getattr(mod, name)) for mod, name, _ in setting]
-        for mod, name, value in setting:
-            setattr(mod, name, value)
-        for mix, tw in tws.items():
-            if args.retune:
-                for kern in (fwd._nats_fwd_kernel, bwd._bwd_dq_kernel, bwd._bwd_dkdv_kernel):
-                    kern.cache.clear()
-            go = fwd_bwd(lambda tw=tw: triton_nats_attention(q, k, v, tw, W), leaves + [tw])
-            go()  # autotune and compile outside the graph
-            total = timed(go, leaves + [tw])
-            detail = {} if order == next(iter(VARIANTS)) and mix == "uniform" else None
-            split = kernel_times(go, detail=detail)
-            if detail:
-                others = sorted(detail.items(), key=lambda kv: -kv[1][0])
-                lines_other.extend(f"| {name[:90]} | {ms:.4f} | {n} |" for name, (ms, n) in others)
-            lines.append(f"| {order} | {mix} | {split['plan']:.3f} | "
-                         f"{split['fwd']:.3f} | {split['dq']:.3f} | {split['dkdv']:.3f} | {split['type_grad']:.3f} | "
-                         f"{split['other']:.3f} | {total:.3f} | {total / flash_fb:.2f} | {total / cudnn_fb:.2f} |")
-            print(lines[-1], flush=True)
-            if mix == "uniform" or args.retune:
-                for name, kern in (("fwd", fwd._nats_fwd_kernel), ("dq", bwd._bwd_dq_kernel),
-                                   ("dkdv", bwd._bwd_dkdv_kernel)):
-                    cfg = getattr(kern, "best_config", None)
-                    configs.append(f"| {name} | {order} | {mix} | "
-                                   f"{cfg.kwargs if cfg else '-'} | {cfg.num_warps if cfg else '-'} | "
-                                   f"{cfg.num_stages if cfg else '-'} |")
-        for mod, name, value in saved:
-            setattr(mod, name, value)
-    lines += ["", "Autotuned configs:", "", "| kernel | variant | mix | tiles | warps | stages |",
-              "|---|---|---|---|---|---|"] + configs
+    lines_other = ["", "Kernels in 'other' (uniform mix):", "", "| kernel | ms | calls |", "|---|---|---|"]
+    for mix, tw in tws.items():
+        if args.retune:
+            for kern in (fwd._nats_fwd_kernel, bwd._bwd_dq_kernel, bwd._bwd_dkdv_kernel):
+                kern.cache.clear()
+        go = fwd_bwd(lambda tw=tw: triton_nats_attention(q, k, v, tw, W), leaves + [tw])
+        go()  # autotune and compile outside the graph
+        total = timed(go, leaves + [tw])
+        detail = {} if mix == "uniform" else None
+        split = kernel_times(go, detail=detail)
+        if detail:
+            others = sorted(detail.items(), key=lambda kv: -kv[1][0])
+            lines_other.extend(f"| {name[:90]} | {ms:.4f} | {n} |" for name, (ms, n) in others)
+        lines.append(f"| {mix} | {split['plan']:.3f} | {split['fwd']:.3f} | {split['dq']:.3f} | {split['dkdv']:.3f} | "
+                     f"{split['type_grad']:.3f} | {split['other']:.3f} | {total:.3f} | {total / flash_fb:.2f} | "
+                     f"{total / cudnn_fb:.2f} |")
+        print(lines[-1], flush=True)
+        if mix == "uniform" or args.retune:
+            for name, kern in (("fwd", fwd._nats_fwd_kernel), ("dq", bwd._bwd_dq_kernel),
+                               ("dkdv", bwd._bwd_dkdv_kernel)):
+                cfg = getattr(kern, "best_config", None)
+                configs.append(f"| {name} | {mix} | {cfg.kwargs if cfg else '-'} | {cfg.num_warps if cfg else '-'} | "
+                               f"{cfg.num_stages if cfg else '-'} |")
+    lines += ["", "Autotuned configs:", "", "| kernel | mix | tiles | warps | stages |", "|---|---|---|---|---|"]
+    lines += configs
     lines += lines_other
     text = "\n".join(lines)
     print(text)

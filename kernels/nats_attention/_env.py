@@ -88,8 +88,14 @@ def grid_blocks(n: int, block: int) -> int:
     return nb
 
 
+def clamp_window(window: int, n: int) -> int:
+    """The sliding window the kernels use for a sequence of n: at least 1, at most n + 1 (a window of n + 1
+    or more keeps every sliding token to the end; clamping keeps j + W - 1 far from int32 overflow)."""
+    return min(max(int(window), 1), n + 1)
+
+
 def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-__all__ = ["AUTOTUNE", "INTERPRET", "POISON", "cdiv", "configs", "dot_precision", "empty", "empty_bnhd", "grad_like", "tl", "triton"]
+__all__ = ["AUTOTUNE", "INTERPRET", "POISON", "cdiv", "clamp_window", "configs", "dot_precision", "empty", "empty_bnhd", "grad_like", "tl", "triton"]

@@ -44,7 +44,8 @@ import torch
 
 from . import _env
 from ._env import INTERPRET, dot_precision, tl, triton
-from .forward import PLAN_ROWS, compact_ranges, key_limit, load_compact, load_rows, query_program
+from .plan import R_E, R_ROWS
+from .forward import compact_ranges, key_limit, load_compact, load_rows, query_program
 
 # Largest exponent (base 2) of exp(s_ij - LSE_i) at masked pairs: half the float32 range, as in the reference.
 EXP2_MAX = tl.constexpr(64.0)
@@ -74,11 +75,9 @@ def _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, lo, hi, ORDp, LIM
     i2 = offs_m[:, None]
     for c0 in range(lo, hi, BLOCK_N):
         offs_c = c0 + tl.arange(0, BLOCK_N)
-        pos, lim = load_compact(ORDp, LIMp, offs_c, hi)
+        pos, lim, k, v = load_compact(ORDp, LIMp, offs_c, hi, k_base, v_base, skn, svn, offs_d)
         if LOCAL:
             is_l = tl.load(t_base + pos) == 1
-        k = tl.load(k_base + pos[:, None] * skn + offs_d[None, :])
-        v = tl.load(v_base + pos[:, None] * svn + offs_d[None, :])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         # Rows beyond N give dM = 0 (q = dO = 0, LSE = D = 0).
@@ -209,7 +208,7 @@ def _bwd_dkdv_kernel(
     H_KV = H_Q // GROUP
     b = (pid_bh // H_KV).to(tl.int64)
     hk = pid_bh % H_KV
-    plan = PLAN + pid_bh.to(tl.int64) * (PLAN_ROWS * N)  # row E first
+    e_row = PLAN + (pid_bh.to(tl.int64) * R_ROWS + R_E) * N  # e_j of this (batch, KV head)
 
     # Key blocks by position. (Two variants that spare dK/dV matmuls measured slower on an H100, see
     # docs/kernels.md: blocks of the compact order, which hold keys of one type, and the globals' dK/dV in
@@ -222,8 +221,8 @@ def _bwd_dkdv_kernel(
     v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None],
                 other=0.0)
     ty = tl.load(T + pid_bh * N + offs_n, mask=col_ok, other=3).to(tl.int32)
-    e = tl.load(plan + offs_n, mask=col_ok, other=-1)
-    e2 = tl.load(plan + tl.maximum(e, 0), mask=col_ok, other=-1)  # global after the next one
+    e = tl.load(e_row + offs_n, mask=col_ok, other=-1)
+    e2 = tl.load(e_row + tl.maximum(e, 0), mask=col_ok, other=-1)  # global after the next one
     lim = key_limit(ty, e, offs_n, W, N)
 
     # Query blocks [m_start, live_end] see some key of the block (dK, dV); the masked column sums reach
@@ -348,7 +347,7 @@ def nats_backward(do, q, k, v, o, lse, types, plan, window: int, sm_scale: float
     HKV = k.shape[1]
     if sm_scale is None:
         sm_scale = D ** -0.5
-    W = int(min(max(int(window), 1), N + 1))
+    W = _env.clamp_window(window, N)
     q, k, v, do, o = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, do, o))
     dev = q.device
     dq, dk, dv = (_env.grad_like(x) for x in (q, k, v))

@@ -24,15 +24,9 @@ For training it also writes the row log-sum-exp (base 2, of the scaled scores) f
 import torch
 
 from . import _env
-from ._env import INTERPRET, dot_precision, tl, triton
+from ._env import dot_precision, tl, triton
 from . import HEAD_DIMS
-from . import plan as _plan
-
-# plan rows (plan.py), as compile-time constants of the kernels
-PLAN_ROWS = tl.constexpr(_plan.PLAN_ROWS)
-P_ROW, ORD_ROW, LIM_ROW = tl.constexpr(_plan.P_ROW), tl.constexpr(_plan.ORD_ROW), tl.constexpr(_plan.LIM_ROW)
-CG_ROW, CL_ROW, CS_ROW = tl.constexpr(_plan.CG_ROW), tl.constexpr(_plan.CL_ROW), tl.constexpr(_plan.CS_ROW)
-ORD2_ROW, LIM2_ROW = tl.constexpr(_plan.ORD2_ROW), tl.constexpr(_plan.LIM2_ROW)
+from .plan import R_CG, R_CL, R_CS, R_LIM, R_LIM2, R_ORD, R_ORD2, R_P, R_ROWS
 
 
 @triton.jit
@@ -97,23 +91,23 @@ def compact_ranges(PLAN, head, N, W, m0, q_hi):
     last global before m0 lies in the band (then every live local does too), (b) is the band's non-globals
     in ORD2 and (c) is empty: one range instead of two, so one ragged tile fewer.
     Returns g_hi, b_lo, b_hi, c_lo, c_hi and the pointers ORD, LIM, b_ord, b_lim of this (batch, KV head)."""
-    plan = PLAN + head * (PLAN_ROWS * N)
-    cg = plan + CG_ROW * N
-    cl = plan + CL_ROW * N
-    cs = plan + CS_ROW * N
-    ordp = plan + ORD_ROW * N
-    limp = plan + LIM_ROW * N
+    plan = PLAN + head * (R_ROWS * N)
+    cg = plan + R_CG * N
+    cl = plan + R_CL * N
+    cs = plan + R_CS * N
+    ordp = plan + R_ORD * N
+    limp = plan + R_LIM * N
     n_g = tl.load(cg + N - 1)
     n_l = tl.load(cl + N - 1)
     g_hi = tl.load(cg + q_hi)  # (a) globals at positions <= q_hi
-    p_m0 = tl.load(plan + P_ROW * N + m0)  # the last global before m0
+    p_m0 = tl.load(plan + R_P * N + m0)  # the last global before m0
     s_first = m0 - W + 1  # first position of the band
     if p_m0 + 1 >= s_first:
         # the non-globals at positions [s_first, q_hi]: counts of non-globals are (j + 1) - CG(j)
         b_lo = n_g + tl.where(s_first > 0, s_first - tl.load(cg + tl.maximum(s_first, 1) - 1), 0)
         b_hi = n_g + q_hi + 1 - g_hi
-        b_ord = plan + ORD2_ROW * N
-        b_lim = plan + LIM2_ROW * N
+        b_ord = plan + R_ORD2 * N
+        b_lim = plan + R_LIM2 * N
         c_lo = 0
         c_hi = 0
     else:
@@ -128,12 +122,15 @@ def compact_ranges(PLAN, head, N, W, m0, q_hi):
 
 
 @triton.jit
-def load_compact(ORDp, LIMp, offs_c, hi):
-    """Positions (0 beyond ``hi``) and limits (-1 beyond ``hi``: seen by no query) of compact entries."""
+def load_compact(ORDp, LIMp, offs_c, hi, k_base, v_base, skn, svn, offs_d):
+    """Compact entries offs_c (those from ``hi`` on are padding): positions (0 for padding), limits (-1 for
+    padding: seen by no query) and their K and V rows."""
     ok = offs_c < hi
     pos = tl.load(ORDp + offs_c, mask=ok, other=0)
     lim = tl.load(LIMp + offs_c, mask=ok, other=-1)
-    return pos, lim
+    k = tl.load(k_base + pos[:, None] * skn + offs_d[None, :])
+    v = tl.load(v_base + pos[:, None] * svn + offs_d[None, :])
+    return pos, lim, k, v
 
 
 def _fwd_configs():
@@ -150,9 +147,7 @@ def _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, lo, hi, ORDp, LIMp, k_base, v
     """Online-softmax update of (acc, m_i, l_i) with the compact entries [lo, hi)."""
     for c0 in range(lo, hi, BLOCK_N):
         offs_c = c0 + tl.arange(0, BLOCK_N)
-        pos, lim = load_compact(ORDp, LIMp, offs_c, hi)
-        k = tl.load(k_base + pos[:, None] * skn + offs_d[None, :])
-        v = tl.load(v_base + pos[:, None] * svn + offs_d[None, :])
+        pos, lim, k, v = load_compact(ORDp, LIMp, offs_c, hi, k_base, v_base, skn, svn, offs_d)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         # a tile that every query of the block sees entirely needs no mask (no dot under this `if`: Triton
         # would stop pipelining the loop's loads)
@@ -211,7 +206,7 @@ def nats_forward(q, k, v, plan, window: int, sm_scale: float | None = None, stor
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if sm_scale is None:
         sm_scale = D ** -0.5
-    W = int(min(max(int(window), 1), N + 1))
+    W = _env.clamp_window(window, N)
     o = _env.empty_bnhd(q.shape, q.dtype, q.device)
     lse = _env.empty((B, HQ, N), torch.float32, q.device) if store_lse else o
     grid = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))

@@ -23,10 +23,15 @@ last global before m0, the sliding tokens at positions >= m0 - W + 1. When that 
 
 import torch
 
-from ._env import INTERPRET, tl, triton
+from ._env import INTERPRET, clamp_window, tl, triton
 
 PLAN_ROWS = 9
 E_ROW, P_ROW, ORD_ROW, LIM_ROW, CG_ROW, CL_ROW, CS_ROW, ORD2_ROW, LIM2_ROW = range(PLAN_ROWS)
+
+
+# the same rows as compile-time constants, for the kernels
+R_ROWS, R_E, R_P, R_ORD, R_LIM = (tl.constexpr(x) for x in (PLAN_ROWS, E_ROW, P_ROW, ORD_ROW, LIM_ROW))
+R_CG, R_CL, R_CS, R_ORD2, R_LIM2 = (tl.constexpr(x) for x in (CG_ROW, CL_ROW, CS_ROW, ORD2_ROW, LIM2_ROW))
 
 
 @triton.jit
@@ -60,11 +65,13 @@ def _plan_kernel(TW, T, PLAN, stw_b, stw_h, stw_n, stw_c, N, H, W, CH: tl.conste
     h = head % H
     tw = TW + b * stw_b + h * stw_h
     t_out = T + head.to(tl.int64) * N
-    plan = PLAN + head.to(tl.int64) * (9 * N)  # rows as PLAN_ROWS
-    E = plan
-    P = plan + N
-    ORD = plan + 2 * N
-    LIM = plan + 3 * N
+    plan = PLAN + head.to(tl.int64) * (R_ROWS * N)
+    E = plan + R_E * N
+    P = plan + R_P * N
+    ORD = plan + R_ORD * N
+    LIM = plan + R_LIM * N
+    ORD2 = plan + R_ORD2 * N
+    LIM2 = plan + R_LIM2 * N
     # forward sweep: types, p_j = max{k < j : t_k global}, the counts, and the globals' compact entries
     run = -1
     n_g = 0
@@ -85,12 +92,12 @@ def _plan_kernel(TW, T, PLAN, stw_b, stw_h, stw_n, stw_c, N, H, W, CH: tl.conste
             is_l = (t == 1).to(tl.int32)
             is_s = (t == 2).to(tl.int32)
             cg = n_g + tl.cumsum(is_g, 0)
-            tl.store(plan + 4 * N + offs, cg, mask=ok)
-            tl.store(plan + 5 * N + offs, n_l + tl.cumsum(is_l, 0), mask=ok)
-            tl.store(plan + 6 * N + offs, n_s + tl.cumsum(is_s, 0), mask=ok)
+            tl.store(plan + R_CG * N + offs, cg, mask=ok)
+            tl.store(plan + R_CL * N + offs, n_l + tl.cumsum(is_l, 0), mask=ok)
+            tl.store(plan + R_CS * N + offs, n_s + tl.cumsum(is_s, 0), mask=ok)
             tl.store(ORD + cg - 1, offs, mask=ok & (t == 0))
-            tl.store(plan + 7 * N + cg - 1, offs, mask=ok & (t == 0))
-            tl.store(plan + 8 * N + cg - 1, tl.zeros_like(offs) + (N - 1), mask=ok & (t == 0))
+            tl.store(ORD2 + cg - 1, offs, mask=ok & (t == 0))
+            tl.store(LIM2 + cg - 1, tl.zeros_like(offs) + (N - 1), mask=ok & (t == 0))
             tl.store(LIM + cg - 1, tl.zeros_like(offs) + (N - 1), mask=ok & (t == 0))
             n_g += tl.sum(is_g, axis=0)
             n_l += tl.sum(is_l, axis=0)
@@ -122,8 +129,8 @@ def _plan_kernel(TW, T, PLAN, stw_b, stw_h, stw_n, stw_c, N, H, W, CH: tl.conste
             tl.store(LIM + dest_s, lim_s, mask=ok & (t == 2))
             is_o = ((t == 1) | (t == 2)).to(tl.int32)
             dest_o = N - (r_o + tl.cumsum(is_o, 0))
-            tl.store(plan + 7 * N + dest_o, offs, mask=ok & (is_o != 0))
-            tl.store(plan + 8 * N + dest_o, tl.where(t == 1, ev, lim_s), mask=ok & (is_o != 0))
+            tl.store(ORD2 + dest_o, offs, mask=ok & (is_o != 0))
+            tl.store(LIM2 + dest_o, tl.where(t == 1, ev, lim_s), mask=ok & (is_o != 0))
             r_l += tl.sum(is_l, axis=0)
             r_s += tl.sum(is_s, axis=0)
             r_o += tl.sum(is_o, axis=0)
@@ -138,7 +145,7 @@ def _launch(type_info: torch.Tensor, window: int, compact: bool):
         B, H, N = type_info.shape
         strides = (*type_info.stride(), 0)
     dev = type_info.device
-    window = min(max(int(window), 1), N + 1)
+    window = clamp_window(window, N)
     types = torch.empty((B, H, N), dtype=torch.int8, device=dev)
     plan = torch.empty((B, H, PLAN_ROWS, N), dtype=torch.int32, device=dev)
     ch = 64 if INTERPRET else min(2048, max(128, triton.next_power_of_2(N)))

@@ -7,6 +7,7 @@ output and without autograd.
 
 import torch
 
+from ._env import clamp_window
 from .forward import check_head_dim, nats_forward
 from .plan import compact_plan
 
@@ -26,7 +27,7 @@ def nats_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, types: torch
     window = int(window)
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    W = min(window, N + 1)
+    W = clamp_window(window, N)
     _, plan = compact_plan(types, W)
     with torch.no_grad():
         o, _ = nats_forward(q, k, v, plan, W, sm_scale, store_lse=False)
