@@ -55,6 +55,7 @@ __all__ = [
     "TOKEN_LOCAL",
     "TOKEN_SLIDING",
     "BACKENDS",
+    "MASK_GRADS",
     "nats_mask",
     "nats_mask_soft",
     "nats_attention",
@@ -70,6 +71,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "reference", "triton")
+MASK_GRADS = _ref.MASK_GRADS  # ("dense", "exact"), spec section 3a
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -137,6 +139,7 @@ def nats_attention(
     type_weights: Tensor,
     window: int,
     backend: str = "auto",
+    mask_grad: str = "dense",
 ) -> Tensor:
     """NAtS attention (spec section 3), causal, with grouped-query heads.
 
@@ -152,16 +155,22 @@ def nats_attention(
             kernel) or ``"auto"`` (Triton for CUDA inputs it supports: fp16/bf16/fp32, head dims 16-128,
             when the kernel imports; else reference).
 
+        mask_grad: the type-gradient estimator of spec section 3a. ``"dense"`` (default, the paper's
+            kernel): ``dM_ij = exp(s_ij - LSEc_i)(dO_i . v_j - D_i)`` with LSEc_i the log-sum-exp over every
+            causal key, bounded by ``|dO_i . v_j - D_i|``. ``"exact"``: the masked normaliser LSE_i, the exact
+            derivative of section 3, unbounded at masked pairs whose score is far above the kept ones.
+
     Returns:
-        ``[B, Hq, N, D]`` in q's dtype. Differentiable in q, k, v and type_weights exactly as in spec
-        section 3 (``dM_ij = exp(s_ij - LSE_i)(dO_i . v_j - D_i)`` for every j <= i, masked pairs
-        included, then through the mask product into the types).
+        ``[B, Hq, N, D]`` in q's dtype. Differentiable in q, k and v exactly, and in type_weights as
+        ``mask_grad`` says (for every j <= i, masked pairs included, then through the mask product into
+        the types).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(repr(b) for b in BACKENDS)}")
+    mask_grad = _ref.check_mask_grad(mask_grad)
     window = _ref.check_attention_inputs(q, k, v, type_weights, window)
     if backend == "reference":
-        return _ref.nats_attention_reference(q, k, v, type_weights, window)
+        return _ref.nats_attention_reference(q, k, v, type_weights, window, mask_grad)
     if backend == "triton":
         fn, reason = _load_triton_backend()
         if fn is None:
@@ -170,13 +179,13 @@ def nats_attention(
                 f"nats_kernels.nats_attention.triton_nats_attention failed ({reason}). "
                 'Install triton and use CUDA tensors, or pass backend="reference".'
             )
-        return fn(q, k, v, type_weights, window)
+        return fn(q, k, v, type_weights, window, mask_grad)
     # auto
     if triton_supports(q):
         fn, _ = _load_triton_backend()
         if fn is not None:
-            return fn(q, k, v, type_weights, window)
-    return _ref.nats_attention_reference(q, k, v, type_weights, window)
+            return fn(q, k, v, type_weights, window, mask_grad)
+    return _ref.nats_attention_reference(q, k, v, type_weights, window, mask_grad)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -87,8 +87,9 @@ def test_attention_custom_op_opcheck():
     k = torch.randn(B, HKV, N, D, generator=gen).to(DEVICE).requires_grad_()
     v = torch.randn(B, HKV, N, D, generator=gen).to(DEVICE).requires_grad_()
     _, w = st_weights(B, HKV, N, seed=4)
-    torch.library.opcheck(attention_fwd, (q, k, v, w.detach().requires_grad_(), 5),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    for mask_grad in ("dense", "exact"):
+        torch.library.opcheck(attention_fwd, (q, k, v, w.detach().requires_grad_(), 5, mask_grad),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 def test_attention_compiles_and_matches_eager():

@@ -63,13 +63,19 @@ def loop_mask(w: torch.Tensor, W: int) -> torch.Tensor:
     return torch.stack(rows, -2)
 
 
-def loop_attention(q, k, v, w, W):
-    """A = M exp(s) / sum M exp(s) straight from spec section 3 (no max subtraction), float64."""
+def loop_attention(q, k, v, w, W, mask_grad="exact"):
+    """A = M exp(s) / sum M exp(s) straight from spec section 3 (no max subtraction), float64; for
+    ``mask_grad="dense"`` with section 3a's M' = stopgrad(M) + stopgrad(r) (M - stopgrad(M))."""
     G = q.shape[1] // k.shape[1]
     M = loop_mask(w, W).repeat_interleave(G, dim=1)
     k = k.repeat_interleave(G, dim=1)
     v = v.repeat_interleave(G, dim=1)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask_grad == "dense":
+        with torch.no_grad():
+            e = torch.exp(s).tril()
+            r = (M * e).sum(-1, keepdim=True) / e.sum(-1, keepdim=True)  # exp(LSE_i - LSEc_i)
+        M = M.detach() + r * (M - M.detach())
     p = M * torch.exp(s)
     return (p / p.sum(-1, keepdim=True)) @ v
 
@@ -203,8 +209,9 @@ ATTN_CASES = [
 ]
 
 
+@pytest.mark.parametrize("mask_grad", ["dense", "exact"])
 @pytest.mark.parametrize("B,Hq,Hkv,N,D,W", ATTN_CASES)
-def test_attention_matches_loop_reference(B, Hq, Hkv, N, D, W):
+def test_attention_matches_loop_reference(B, Hq, Hkv, N, D, W, mask_grad):
     gen = torch.Generator().manual_seed(N * 100 + Hq)
     types = rand_types((B, Hkv, N), gen)
     if N > 8:
@@ -213,12 +220,12 @@ def test_attention_matches_loop_reference(B, Hq, Hkv, N, D, W):
     dO = torch.randn(B, Hq, N, D, generator=gen, dtype=F64)
 
     w, y = st_weights(types, gen)
-    o = NF.nats_attention(q, k, v, w, W, backend="reference")
+    o = NF.nats_attention(q, k, v, w, W, backend="reference", mask_grad=mask_grad)
     assert o.shape == (B, Hq, N, D) and o.dtype == F64
     got = torch.autograd.grad((o * dO).sum(), (q, k, v, y))
 
     w2 = F.one_hot(types, 3).to(F64) + y - y.detach()
-    o2 = loop_attention(q, k, v, w2, W)
+    o2 = loop_attention(q, k, v, w2, W, mask_grad)
     exp = torch.autograd.grad((o2 * dO).sum(), (q, k, v, y))
 
     torch.testing.assert_close(o, o2, atol=TOL, rtol=TOL)
@@ -227,25 +234,29 @@ def test_attention_matches_loop_reference(B, Hq, Hkv, N, D, W):
     assert N == 1 or got[3].abs().sum() > 0
 
 
+@pytest.mark.parametrize("mask_grad", ["dense", "exact"])
 @pytest.mark.parametrize("N,W,Hq,Hkv", [(24, 4, 2, 1), (17, 1, 1, 1), (12, 30, 2, 2)])
-def test_type_gradients_match_spec_formulas(N, W, Hq, Hkv):
-    """The type gradients equal the closed forms of section 3, segment term included."""
+def test_type_gradients_match_spec_formulas(N, W, Hq, Hkv, mask_grad):
+    """The type gradients equal the closed forms of section 3 (segment term included) over the dM of the
+    estimator of section 3a."""
     gen = torch.Generator().manual_seed(7 + N)
     B, D = 1, 5
     types = torch.stack([segment_types(N, gen) for _ in range(Hkv)]).unsqueeze(0)
     q, k, v = qkv(B, Hq, Hkv, N, D, gen, scale=2.0)
     dO = torch.randn(B, Hq, N, D, generator=gen, dtype=F64)
     w, y = st_weights(types, gen)
-    o = NF.nats_attention(q, k, v, w, W, backend="reference")
+    o = NF.nats_attention(q, k, v, w, W, backend="reference", mask_grad=mask_grad)
     (dy,) = torch.autograd.grad((o * dO).sum(), (y,))
 
-    # dM_ij = exp(s_ij - LSE_i) (dO_i . v_j - D_i) for every j <= i, summed over the query heads of a group
+    # dM_ij = exp(s_ij - LSE_i) (dO_i . v_j - D_i) for every j <= i, summed over the query heads of a group;
+    # "dense": LSE_i over every causal key instead of the kept ones
     G = Hq // Hkv
     with torch.no_grad():
         M = NF.nats_mask(types, W).to(F64).repeat_interleave(G, 1)
         kr, vr = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
         s = q @ kr.transpose(-1, -2) / math.sqrt(D)
-        lse = torch.logsumexp(s.masked_fill(M == 0, float("-inf")), -1, keepdim=True)
+        norm_mask = M == 0 if mask_grad == "exact" else torch.ones_like(M).tril() == 0
+        lse = torch.logsumexp(s.masked_fill(norm_mask, float("-inf")), -1, keepdim=True)
         Di = (dO * o).sum(-1, keepdim=True)
         dM = torch.exp(s - lse) * (dO @ vr.transpose(-1, -2) - Di)
         dM = dM.tril().reshape(B, Hkv, G, N, N).sum(2)
@@ -266,6 +277,42 @@ def test_type_gradients_match_spec_formulas(N, W, Hq, Hkv):
             exp = torch.tensor([float(dg), float(dl), float(ds)], dtype=F64)
             torch.testing.assert_close(dy[0, h, kk], exp, atol=TOL, rtol=TOL, msg=f"head {h} token {kk}")
     assert seg_nonzero
+
+
+def test_mask_grad_estimators_differ_and_dense_is_bounded():
+    """Masked keys scoring far above the kept ones: "exact" type gradients explode (exp(s - LSE) at masked
+    pairs), "dense" ones stay within the bound of section 3a (|dM_ij| <= |dO_i . v_j - D_i|), and the two
+    estimators give the same output and the same q, k, v gradients."""
+    gen = torch.Generator().manual_seed(21)
+    B, Hq, Hkv, N, D, W = 1, 2, 1, 40, 8, 3
+    q, k, v = qkv(B, Hq, Hkv, N, D, gen, scale=1.0)
+    types = torch.ones(B, Hkv, N, dtype=torch.long)
+    types[..., ::8] = 0  # segments of locals: the locals of a finished segment are masked
+    with torch.no_grad():  # make masked old locals score high for late queries: k_j aligned with q_i
+        k[..., 1:8, :] = 4.0 * q[:, :1, -1:, :].mean(-2, keepdim=True)
+    dO = torch.randn(B, Hq, N, D, generator=gen, dtype=F64)
+    res = {}
+    for mg in ("dense", "exact"):
+        w, y = st_weights(types, torch.Generator().manual_seed(3))
+        o = NF.nats_attention(q, k, v, w, W, backend="reference", mask_grad=mg)
+        res[mg] = (o, *torch.autograd.grad((o * dO).sum(), (q, k, v, y)))
+    for a, b in zip(res["dense"][:4], res["exact"][:4]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    dy_dense, dy_exact = res["dense"][4], res["exact"][4]
+    assert dy_exact.abs().max() > 100 * dy_dense.abs().max()
+    # bound: every type gradient is a sum of at most N (dense) terms each bounded by max |dO.v - D|
+    with torch.no_grad():
+        o = res["dense"][0]
+        bound = (dO @ v.repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) - (dO * o).sum(-1, keepdim=True)).abs().max()
+    assert dy_dense.abs().max() <= 2 * Hq * N * bound  # dg has two sums (column and segment term)
+
+
+def test_mask_grad_is_validated():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = qkv(1, 2, 1, 5, 4, gen)
+    w = NF.types_to_weights(rand_types((1, 1, 5), gen), F64)
+    with pytest.raises(ValueError, match="mask_grad must be one of 'dense', 'exact'"):
+        NF.nats_attention(q, k, v, w, 2, mask_grad="unmasked")
 
 
 def test_gradcheck_qkv():

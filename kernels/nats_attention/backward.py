@@ -4,7 +4,10 @@ With p_ij = exp(s_ij - LSE_i) (the *unmasked* normalised exponential), D_i = dO_
 
     dM_ij = p_ij (dO_i . v_j - D_i)            for every j <= i, masked pairs included,
 
-the score gradient is dS_ij = M_ij dM_ij, and the type gradients are
+the score gradient is dS_ij = M_ij dM_ij. The type gradients take dM with the estimator of spec section 3a:
+``"exact"`` as written, ``"dense"`` (the default) with LSE_i replaced by the causal, unmasked LSEc_i
+(``causal_lse.py``, a pass of its own before the kernels below), i.e. dM_ij scaled by
+r_i = exp(LSE_i - LSEc_i) in (0, 1]; dS, and so dQ, dK and dV, are exact either way. The type gradients are
 
     d s_k = sum_{i=k}^{k+W-1} dM_ik,   d l_k = sum_{i=k}^{e_k} dM_ik,
     d g_k = sum_{i>=k} dM_ik - S(k),   S(k) = sum_{local j, p_k<j<k} sum_{i=k+1}^{e_k} dM_ij.
@@ -44,6 +47,7 @@ import torch
 
 from . import _env
 from ._env import INTERPRET, dot_precision, tl, triton
+from .causal_lse import causal_lse
 from .plan import R_E, R_ROWS
 from .forward import compact_ranges, key_limit, load_compact, load_rows, query_program
 
@@ -98,13 +102,14 @@ def _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, lo, hi, ORDp, LIM
     return dq, rd, dd
 
 
-@triton.autotune(configs=_dq_configs(), key=["HEAD_DIM", "GROUP"])
+@triton.autotune(configs=_dq_configs(), key=["HEAD_DIM", "GROUP", "DENSE"])
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, T, PLAN, DQ, RD, DD,
+    Q, K, V, O, DO, LSE, LSEC, DELTA, T, PLAN, DQ, RD, DD,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
     N, W, sm_scale, qk_scale, H_Q, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
     pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
     q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, row_ok)
@@ -130,6 +135,12 @@ def _bwd_dq_kernel(
     dq, rd, dd = _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, c_lo, c_hi, ordp, limp, t_base,
                            k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC, False)
 
+    if DENSE:
+        # the row sums feed the type gradients only: weight row i by r_i = exp(LSE_i - LSEc_i) in (0, 1]
+        lsec = tl.load(LSEC + pid_bh * N + offs_m, mask=row_ok, other=0.0)
+        r = tl.math.exp2(tl.minimum(lse - lsec, 0.0))
+        rd = rd * r
+        dd = dd * r
     dq = dq * sm_scale
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
@@ -139,14 +150,17 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
-               e_min, e2_min, lim_min, m0, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_d, N, W,
-               qk_scale, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, WITH_DKDV: tl.constexpr):
+               e_min, e2_min, lim_min, m0, q_base, do_base, lse_base, lsec_base, delta_base, sqn, sdon, offs_d, N,
+               W, qk_scale, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, WITH_DKDV: tl.constexpr,
+               DENSE: tl.constexpr):
     """One query block of the dK/dV kernel (key-major tiles [BLOCK_N, BLOCK_M]).
 
     The masked column sums are the plain column sum ``cs`` of the tile for every key whose row limit lies
     beyond the tile, zero for those whose limit lies before it; only tiles that hold some key's limit
     (a few per key block) pay for a masked reduction. Scalar branches choose the ALU work per tile; the
     dots stay unconditional (a dot under an `if` stops Triton from pipelining the loads).
+    The column sums take dM with the masked normaliser LSE (``"exact"``) or, under DENSE, the causal one
+    LSEc (spec section 3a); dK and dV are exact either way.
     """
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_hi = m0 + BLOCK_M - 1
@@ -162,10 +176,18 @@ def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, 
     # exp(s - LSE) is unbounded at masked pairs: clamp the exponent (as the reference does) so that dM
     # stays finite; visible pairs have s - LSE <= 0 and are unaffected.
     pT = tl.math.exp2(tl.minimum(qkT - lse[None, :], EXP2_MAX))
-    dmT = pT * (dpT - delta[None, :])  # 0 in rows beyond N
+    dpdT = dpT - delta[None, :]
+    dmT = pT * dpdT  # 0 in rows beyond N
+    if DENSE:
+        # exp(s_ij - LSEc_i) <= 1 at every causal pair (the min only trims rounding); under DENSE the exact
+        # pT above feeds dK/dV alone and is not computed in the tiles past every key's limit
+        lsec = tl.load(lsec_base + offs_m, mask=row_ok, other=0.0)
+        cT = tl.math.exp2(tl.minimum(qkT - lsec[None, :], 0.0)) * dpdT
+    else:
+        cT = dmT
     crossing = m0 < n_hi  # some key of the block lies after some query of the tile
     if crossing:
-        dmT = tl.where(j2 <= i2, dmT, 0.0)
+        cT = tl.where(j2 <= i2, cT, 0.0)  # (dK's dmT is masked by `vis` below)
     if WITH_DKDV:
         if crossing | (lim_min < m_hi):
             vis = (j2 <= i2) & (i2 <= lim[:, None])
@@ -174,34 +196,35 @@ def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, 
         else:  # every key of the block is visible to every query of the tile
             dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
             dk += tl.dot(dmT.to(q.dtype), q, input_precision=DOT_PREC)
-    cs = tl.sum(dmT, axis=1)
+    cs = tl.sum(cT, axis=1)
     col_all += cs
     if m0 <= l_end:
         if e_min >= m_hi:
             col_l += cs
         else:
-            col_l += tl.sum(tl.where(i2 <= e[:, None], dmT, 0.0), axis=1)
+            col_l += tl.sum(tl.where(i2 <= e[:, None], cT, 0.0), axis=1)
     if m0 <= s_end:
         if n_lo + W - 1 >= m_hi:  # the first key's window (the shortest) covers the tile
             col_s += cs
         else:
-            col_s += tl.sum(tl.where(i2 - j2 < W, dmT, 0.0), axis=1)
+            col_s += tl.sum(tl.where(i2 - j2 < W, cT, 0.0), axis=1)
     if m0 <= l2_end:
         if e2_min >= m_hi:
             col_l2 += cs
         else:
-            col_l2 += tl.sum(tl.where(i2 <= e2[:, None], dmT, 0.0), axis=1)
+            col_l2 += tl.sum(tl.where(i2 <= e2[:, None], cT, 0.0), axis=1)
     return dk, dv, col_all, col_l, col_s, col_l2
 
 
-@triton.autotune(configs=_dkdv_configs(), key=["HEAD_DIM", "GROUP"])
+@triton.autotune(configs=_dkdv_configs(), key=["HEAD_DIM", "GROUP", "DENSE"])
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, T, PLAN, DK, DV, COLS,
+    Q, K, V, DO, LSE, LSEC, DELTA, T, PLAN, DK, DV, COLS,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
     N, W, sm_scale, qk_scale,
     H_Q, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)  # b * H_KV + hk
     pid_n = tl.program_id(1)  # key blocks start first to last: the early ones see the most queries
@@ -255,15 +278,15 @@ def _bwd_dkdv_kernel(
             dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
                 dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
                 e_min, e2_min, lim_min, m0,
-                q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
-                BLOCK_M, DOT_PREC, True)
+                q_base, do_base, LSE + bh * N, LSEC + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
+                BLOCK_M, DOT_PREC, True, DENSE)
         m_dead = tl.maximum(m_start, (live_end + 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
         for m0 in range(m_dead, N, BLOCK_M):
             dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
                 dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
                 e_min, e2_min, lim_min, m0,
-                q_base, do_base, LSE + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
-                BLOCK_M, DOT_PREC, False)
+                q_base, do_base, LSE + bh * N, LSEC + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
+                BLOCK_M, DOT_PREC, False, DENSE)
 
     dk = dk * sm_scale
     tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -336,12 +359,14 @@ def _type_grad_kernel(T, COLS, RD, DD, DTW, N, GROUP, stb, sth, stn, stc, H_KV, 
 
 
 def nats_backward(do, q, k, v, o, lse, types, plan, window: int, sm_scale: float | None = None,
-                  tw_dtype: torch.dtype = torch.float32):
+                  tw_dtype: torch.dtype = torch.float32, mask_grad: str = "dense"):
     """Gradients (dq, dk, dv, d_type_weights) of NAtS attention.
 
     ``lse`` is the forward's base-2 log-sum-exp; ``types`` int8 [B, Hkv, N] and ``plan`` int32
     [B, Hkv, PLAN_ROWS, N] come from ``plan.compact_plan`` with the same window. ``d_type_weights`` is
-    [B, Hkv, N, 3] in ``tw_dtype`` holding (dg, dl, ds), summed over the query heads of each GQA group.
+    [B, Hkv, N, 3] in ``tw_dtype`` holding (dg, dl, ds), summed over the query heads of each GQA group,
+    with the estimator ``mask_grad`` of spec section 3a ("dense": first a causal log-sum-exp pass,
+    ``causal_lse.py``; "exact").
     """
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
@@ -359,24 +384,28 @@ def nats_backward(do, q, k, v, o, lse, types, plan, window: int, sm_scale: float
     qk_scale = sm_scale * 1.4426950408889634
     group = HQ // HKV
     prec = dot_precision(q.dtype)
+    dense = mask_grad == "dense"
+    if not dense and mask_grad != "exact":
+        raise ValueError(f"mask_grad must be 'dense' or 'exact', got {mask_grad!r}")
+    lsec = causal_lse(q, k, sm_scale) if dense else lse  # (unused by the kernels under "exact")
 
     grid_q = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))
     _bwd_dq_kernel[grid_q](
-        q, k, v, o, do, lse, delta, types, plan, dq, rd, dd,
+        q, k, v, o, do, lse, lsec, delta, types, plan, dq, rd, dd,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
         N, W, sm_scale, qk_scale, HQ, group,
-        HEAD_DIM=D, DOT_PREC=prec,
+        HEAD_DIM=D, DOT_PREC=prec, DENSE=dense,
     )
     grid_k = lambda meta: (B * HKV, _env.grid_blocks(N, meta["BLOCK_N"]))
     _bwd_dkdv_kernel[grid_k](
-        q, k, v, do, lse, delta, types, plan, dk, dv, cols,
+        q, k, v, do, lse, lsec, delta, types, plan, dk, dv, cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         N, W, sm_scale, qk_scale, HQ, group,
-        HEAD_DIM=D, DOT_PREC=prec,
+        HEAD_DIM=D, DOT_PREC=prec, DENSE=dense,
     )
     ch = 64 if INTERPRET else min(1024, max(64, triton.next_power_of_2(N)))
     _type_grad_kernel[(B * HKV,)](types, cols, rd, dd, dtw, N, group, *dtw.stride(), HKV, CH=ch, num_warps=4)

@@ -34,6 +34,8 @@ __all__ = [
     "check_types",
     "check_type_weights",
     "check_attention_inputs",
+    "check_mask_grad",
+    "MASK_GRADS",
     "next_global_index",
     "prev_global_index",
     "hard_types",
@@ -41,6 +43,7 @@ __all__ = [
     "nats_mask_hard",
     "nats_mask_soft",
     "nats_attention_reference",
+    "causal_lse_reference",
     "nats_density",
     "kv_cache_sizes",
     "type_fractions",
@@ -64,6 +67,19 @@ def check_window(window) -> int:
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     return window
+
+
+MASK_GRADS = ("dense", "exact")  # spec section 3a; "dense" is the default
+
+
+def check_mask_grad(mask_grad) -> str:
+    """Return ``mask_grad`` if it names an estimator of spec section 3a; raise ``ValueError`` otherwise."""
+    if mask_grad not in MASK_GRADS:
+        raise ValueError(
+            f"mask_grad must be one of {', '.join(repr(m) for m in MASK_GRADS)} (NATS_SPEC.md section 3a: "
+            f"'dense' is bounded and the default, 'exact' uses the masked normaliser), got {mask_grad!r}"
+        )
+    return mask_grad
 
 
 def check_types(types: Tensor, name: str = "types") -> None:
@@ -278,7 +294,8 @@ def _compute_dtype(*ts: Tensor) -> torch.dtype:
     return dt
 
 
-def nats_attention_reference(q: Tensor, k: Tensor, v: Tensor, type_weights: Tensor, window: int) -> Tensor:
+def nats_attention_reference(q: Tensor, k: Tensor, v: Tensor, type_weights: Tensor, window: int,
+                             mask_grad: str = "dense") -> Tensor:
     """Exact NAtS attention (spec section 3), pure PyTorch, O(N^2) memory.
 
     Args:
@@ -294,10 +311,20 @@ def nats_attention_reference(q: Tensor, k: Tensor, v: Tensor, type_weights: Tens
     detached max of s over the kept keys of row i (the value and gradient do not depend on m_i). The
     mask enters multiplicatively, so autograd gives ``dM_ij = exp(s_ij - LSE_i)(dO_i . v_j - D_i)`` for
     every j <= i, masked pairs included, and from there the type-weight gradients of spec section 3.
-    For a masked pair whose score exceeds the kept row max by more than ``log(finfo.max) / 2`` (44 nats
-    in float32) the exponent is clamped there, so its (astronomically large) mask gradient stays finite.
+    That is ``mask_grad="exact"``; for a masked pair whose score exceeds the kept row max by more than
+    ``log(finfo.max) / 2`` (44 nats in float32) the exponent is clamped there, so its (astronomically large)
+    mask gradient stays finite.
+
+    ``mask_grad="dense"`` (the default, spec section 3a) weights row i of dM by
+    ``r_i = exp(LSE_i - LSEc_i)``, LSEc_i the log-sum-exp over every causal key, so that
+    ``dM_ij = exp(s_ij - LSEc_i)(dO_i . v_j - D_i)``, bounded by ``|dO_i . v_j - D_i|``. The spec's
+    autograd form ``M' = stopgrad(M) + stopgrad(r) (M - stopgrad(M))`` is applied at the kept pairs; at a
+    masked pair (whose exponent only ever enters the gradient, as M_ij = 0 in value) the factor r_i is
+    folded into the exponent instead, ``s_ij - m_i + log r_i``, which is at most ``log N`` above the kept
+    row max: the same gradient without the clamp. The q, k, v gradients are exact in both modes.
     """
     window = check_attention_inputs(q, k, v, type_weights, window)
+    mask_grad = check_mask_grad(mask_grad)
     B, Hq, N, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -315,14 +342,37 @@ def nats_attention_reference(q: Tensor, k: Tensor, v: Tensor, type_weights: Tens
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * (1.0 / math.sqrt(D))  # [B, Hkv, G, N, N]
     row_max = scores.detach().masked_fill(~kept, float("-inf")).amax(-1, keepdim=True)  # diagonal kept
     z = scores - row_max
-    clamp = 0.5 * math.log(torch.finfo(cdt).max)
-    z_masked = z.detach().clamp(max=clamp).masked_fill(~causal, float("-inf"))
+    if mask_grad == "exact":
+        clamp = 0.5 * math.log(torch.finfo(cdt).max)
+        z_masked = z.detach().clamp(max=clamp)
+    else:
+        # log r_i = LSE_i - LSEc_i <= 0, both relative to the kept row max (finite: the diagonal is kept)
+        zd = z.detach()
+        log_r = (torch.logsumexp(zd.masked_fill(~kept, float("-inf")), -1, keepdim=True)
+                 - torch.logsumexp(zd.masked_fill(~causal, float("-inf")), -1, keepdim=True))
+        z_masked = zd + log_r  # <= log N: exp(z_masked) / S_i = exp(s_ij - LSEc_i)
+        r = torch.exp(log_r)
+        Md = M.detach()
+        M = Md + torch.where(kept, r, torch.ones_like(r)) * (M - Md)  # same value; kept rows' dM scaled by r_i
+    z_masked = z_masked.masked_fill(~causal, float("-inf"))
     # kept pairs: differentiable scores; masked pairs: M = 0 in value, so d(M e^z)/dz = 0 there
     z = torch.where(kept, z, z_masked)
     p = M * torch.exp(z)
     a = p / p.sum(-1, keepdim=True)
     o = torch.matmul(a, vf)  # [B, Hkv, G, N, D]
     return o.reshape(B, Hq, N, D).to(q.dtype)
+
+
+def causal_lse_reference(q: Tensor, k: Tensor) -> Tensor:
+    """LSEc [B, Hq, N] (natural log, float32/64): log-sum-exp of ``q_i . k_j / sqrt(D)`` over every causal key
+    j <= i, the normaliser of ``mask_grad="dense"`` (spec section 3a); GQA as in the attention."""
+    B, Hq, N, D = q.shape
+    Hkv = k.shape[1]
+    cdt = _compute_dtype(q, k)
+    kf = k.to(cdt).repeat_interleave(Hq // Hkv, dim=1)
+    scores = torch.matmul(q.to(cdt), kf.transpose(-1, -2)) / math.sqrt(D)
+    pos = torch.arange(N, device=q.device)
+    return torch.logsumexp(scores.masked_fill(pos[None, :] > pos[:, None], float("-inf")), -1)
 
 
 # ----------------------------------------------------------------------------------------------------

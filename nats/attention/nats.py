@@ -2,7 +2,8 @@
 
 A scorer per layer maps the block's normalised input x_j to type logits z_j = x_j W_s
 (W_s: d_model x 3*n_kv_head, no bias; x detached by default). Training draws straight-through
-Gumbel-softmax one-hots t_j = onehot(argmax y_j) + y_j - stopgrad(y_j), y_j = softmax((z_j + G_j) / tau);
+Gumbel-softmax one-hots t_j = onehot(argmax y_j) + y_j - stopgrad(y_j), y_j = softmax((z_j + G_j) / tau)
+(their gradient from the attention by the estimator `mask_grad` of spec section 3a, "dense" by default);
 evaluation takes onehot(argmax z_j) without noise. Token 0 is forced global (the attention sink), without
 gradient. Attention is `nats.functional.nats_attention` with window W; the auxiliary loss is
 lambda * density / n_layer, so that the model's summed auxiliary loss is lambda * mean-over-layers density.
@@ -38,6 +39,7 @@ class NAtSAttention(AttentionCore):
         tau: float = 1.0,
         detach_scorer_input: bool = True,
         backend: str = "auto",
+        mask_grad: str = "dense",
     ):
         super().__init__(dims)
         if not isinstance(window, int) or window < 1:
@@ -48,7 +50,11 @@ class NAtSAttention(AttentionCore):
             raise ValueError(f"nats attention: sparsity_lambda must be >= 0, got {sparsity_lambda}")
         if backend not in NF.BACKENDS:
             raise ValueError(f"nats attention: backend must be one of {NF.BACKENDS}, got {backend!r}")
+        if mask_grad not in NF.MASK_GRADS:
+            raise ValueError(f"nats attention: mask_grad must be one of {NF.MASK_GRADS} (NATS_SPEC.md section 3a), "
+                             f"got {mask_grad!r}")
         self.window = window
+        self.mask_grad = mask_grad
         self.sparsity_lambda = float(sparsity_lambda)
         self.tau = float(tau)  # may be changed during training by nats.callbacks.TemperatureSchedule
         self.detach_scorer_input = detach_scorer_input
@@ -90,7 +96,7 @@ class NAtSAttention(AttentionCore):
             raise ValueError("nats attention is causal only: set model.causal=true")
         t = self.type_weights(self.type_logits(x))  # [B, Hkv, N, 3]
         y = NF.nats_attention(q, k, v, t.to(q.dtype) if q.dtype == torch.float64 else t, self.window,
-                              backend=self.backend)
+                              backend=self.backend, mask_grad=self.mask_grad)
         aux, stats = self._sparsity_and_stats(t)
         return AttentionOutput(y, aux_loss=aux, stats=stats)
 
