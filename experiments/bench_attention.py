@@ -244,48 +244,52 @@ def bench_training(args, out, device_name):
 
     # Timings of every mix first, then the accuracy checks: a CUDA-graph capture after the O(N^2) fp32 reference
     # had run failed on the H200 (cudaErrorStreamCaptureInvalidated), so no reference runs between captures.
+    # every mix with each type-gradient estimator (NATS_SPEC.md 3a): "dense" (the default) adds the causal
+    # log-sum-exp pass to the backward, "exact" does not; the forward is the same kernel
     cases = []
     for mix, (probs, W) in TRAIN_MIXES.items():
-        if over_budget(args):
-            ROWS.append({"part": "train", "method": "nats_triton", "mix": mix, "note": "skipped (time budget)"})
-            continue
         types = make_types(B, H, N, probs, dev, gen)
         dens, _ = density_of(types, W)
         tw = types_to_weights(types, torch.float32).requires_grad_()
-        row = {"part": "train", "method": "nats_triton", "mix": mix, "W": W, "density": dens}
-        try:
-            t_start = time.time()
-            triton_nats_attention(q, k, v, tw, W).backward(do)  # autotune + compile
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            log(f"nats_triton {mix}: first call (autotune/compile) {time.time() - t_start:.1f}s")
-            row["fwd_ms"] = bench(lambda: triton_nats_attention(q, k, v, tw, W), graph=True)
-            row["ms"] = bench(lambda: triton_nats_attention(q, k, v, tw, W).backward(do), grad_to_none=leaves + [tw],
-                              graph=True)
-            if dense_ms:
-                row["x_dense"] = row["ms"] / dense_ms
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            row["note"] = f"error: {type(exc).__name__}: {exc}"[:160]
-        ROWS.append(row)
-        log(row)
-        save(out, device_name)
-        cases.append((row, mix, W, dens, tw))
+        for mg in args.mask_grad:
+            method = f"nats_triton[{mg}]"
+            if over_budget(args):
+                ROWS.append({"part": "train", "method": method, "mix": mix, "note": "skipped (time budget)"})
+                continue
+            row = {"part": "train", "method": method, "mix": mix, "W": W, "density": dens}
+            run = lambda tw=tw, W=W, mg=mg: triton_nats_attention(q, k, v, tw, W, mg)  # noqa: E731
+            try:
+                t_start = time.time()
+                run().backward(do)  # autotune + compile
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                log(f"{method} {mix}: first call (autotune/compile) {time.time() - t_start:.1f}s")
+                row["fwd_ms"] = bench(run, graph=True)
+                row["ms"] = bench(lambda run=run: run().backward(do), grad_to_none=leaves + [tw], graph=True)
+                if dense_ms:
+                    row["x_dense"] = row["ms"] / dense_ms
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                row["note"] = f"error: {type(exc).__name__}: {exc}"[:160]
+            ROWS.append(row)
+            log(row)
+            save(out, device_name)
+            cases.append((row, mix, W, dens, tw, mg))
 
     ref_case = None
-    for row, mix, W, dens, tw in cases:
+    for row, mix, W, dens, tw, mg in cases:
+        run = lambda tw=tw, W=W, mg=mg: triton_nats_attention(q, k, v, tw, W, mg)  # noqa: E731
         if "ms" in row:
-            row["wall_ms"] = bench(lambda tw=tw, W=W: triton_nats_attention(q, k, v, tw, W).backward(do),
-                                   grad_to_none=leaves + [tw])
+            row["wall_ms"] = bench(lambda run=run: run().backward(do), grad_to_none=leaves + [tw])
         # accuracy against the reference (fp32 math on the same bf16 values)
         try:
             for x in leaves + [tw]:
                 x.grad = None
-            o = triton_nats_attention(q, k, v, tw, W)
+            o = run()
             o.backward(do)
             got = [o] + [x.grad.clone() for x in leaves + [tw]]
             rin = [x.detach().float().requires_grad_() for x in (q, k, v, tw)]
-            ro = nats_attention_reference(*rin, W)
+            ro = nats_attention_reference(*rin, W, mg)
             ro.backward(do.float())
             want = [ro] + [x.grad for x in rin]
             errs = [rel_rms(a, b) for a, b in zip(got, want)]
@@ -296,7 +300,7 @@ def bench_training(args, out, device_name):
             row["note"] = (row.get("note", "") + f" ref check failed: {type(exc).__name__}")[:200]
         empty_cache()
         save(out, device_name)
-        if mix == "uniform":
+        if mix == "uniform" and mg == "dense":
             ref_case = (mix, W, dens, tw)
 
     # the O(N^2) reference last, so that its large allocations cannot disturb the graph captures above
@@ -467,6 +471,8 @@ def main():
     ap.add_argument("--skip", nargs="*", default=[], choices=["train", "prefill"])
     ap.add_argument("--prefill-n", type=int, nargs="+", default=None, help="prefill lengths (default 128k..16k)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention in the prefill part")
+    ap.add_argument("--mask-grad", nargs="+", default=["dense", "exact"], choices=["dense", "exact"],
+                    help="type-gradient estimators to time in the training part (NATS_SPEC.md 3a)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU (Triton interpreter) too")
     args = ap.parse_args()
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
