@@ -148,3 +148,31 @@ def test_nats_gpt_compiles_as_one_graph():
     assert scorer_grad and all(g.abs().sum() > 0 for g in scorer_grad)
     for a, b in zip(outs[0][2], outs[1][2]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_changing_tau_does_not_recompile():
+    """The tau schedule changes the Gumbel temperature every step: a compiled model must not recompile for it
+    (tau lives in a buffer), and the new value must take effect (the soft weights, hence the scorer's
+    gradient, change)."""
+    cfg = GPTConfig(vocab_size=67, block_size=32, n_layer=1, n_head=2, n_embd=32,
+                    attention={"name": "nats", "window": 4, "sparsity_lambda": 1.0, "backend": "reference"})
+    torch.manual_seed(0)
+    model = GPT(cfg).train()
+    core = model.blocks[0].attn.core
+    idx = torch.randint(0, 67, (2, 29), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+
+    def scorer_grad(tau):
+        core.tau = tau
+        torch.manual_seed(7)
+        out = compiled(idx, idx)
+        (g,) = torch.autograd.grad(out.loss + out.aux_loss, [core.scorer.weight])
+        return g
+
+    g1 = scorer_grad(1.0)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        g2 = scorer_grad(0.731)
+        g3 = scorer_grad(1.0)
+    assert core.tau == 1.0 and float(core.tau_buf) == 1.0
+    torch.testing.assert_close(g1, g3)
+    assert (g1 - g2).abs().max() > 1e-6

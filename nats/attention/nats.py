@@ -56,12 +56,28 @@ class NAtSAttention(AttentionCore):
         self.window = window
         self.mask_grad = mask_grad
         self.sparsity_lambda = float(sparsity_lambda)
-        self.tau = float(tau)  # may be changed during training by nats.callbacks.TemperatureSchedule
+        # The Gumbel temperature lives in a (non-persistent) tensor, so that a schedule changing it every step
+        # (nats.callbacks.TemperatureSchedule sets `core.tau = value`) never recompiles a compiled model, as a
+        # Python float read in the forward would (torch.compile guards on it).
+        self.register_buffer("tau_buf", torch.tensor(float(tau)), persistent=False)
+        self._tau = float(tau)
         self.detach_scorer_input = detach_scorer_input
         self.backend = backend
         self.scorer = nn.Linear(dims.n_embd, 3 * dims.n_kv_head, bias=False)
         self.record_types = False  # set by analysis code: keep the last hard types in `last_types`
         self.last_types: torch.Tensor | None = None
+
+    @property
+    def tau(self) -> float:
+        """The Gumbel-softmax temperature (a float; the forward reads the buffer ``tau_buf``)."""
+        return self._tau
+
+    @tau.setter
+    def tau(self, value: float) -> None:
+        if value <= 0:
+            raise ValueError(f"nats attention: tau must be > 0, got {value}")
+        self._tau = float(value)
+        self.tau_buf.fill_(self._tau)  # in place: no new tensor, no graph change
 
     def type_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, N, C] -> z [B, Hkv, N, 3] (float32)."""
@@ -74,7 +90,7 @@ class NAtSAttention(AttentionCore):
         """Logits [B, H, N, 3] -> one-hot type weights (straight-through Gumbel-softmax in training)."""
         if self.training:
             gumbel = -torch.empty_like(z).exponential_().log()
-            y = F.softmax((z + gumbel) / self.tau, dim=-1)
+            y = F.softmax((z + gumbel) / self.tau_buf, dim=-1)
             hard = F.one_hot(y.argmax(-1), 3).to(y.dtype)
             t = hard + (y - y.detach())  # exactly one-hot in value (y - y.detach() == 0)
         else:
