@@ -196,7 +196,8 @@ def test_interrupted_prepare_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(S.TextDirSource, "documents", failing)
     with pytest.raises(KeyboardInterrupt):
         dm.prepare_data()
-    assert sorted(p.name for p in dm.cache_path.iterdir()) == ["train.bin", "validation.bin"]
+    # the finished splits, and the fingerprint of the prepare in progress (checked when it resumes)
+    assert sorted(p.name for p in dm.cache_path.iterdir()) == [".partial.json", "train.bin", "validation.bin"]
     kept = (dm.cache_path / "train.bin").stat().st_mtime_ns
     monkeypatch.setattr(S.TextDirSource, "documents", real)
     dm.prepare_data()
@@ -204,13 +205,22 @@ def test_interrupted_prepare_resumes(tmp_path, monkeypatch):
     assert (dm.cache_path / "train.bin").stat().st_mtime_ns == kept  # not tokenised again
 
 
-def test_source_key_changes_with_content(tmp_path):
+def test_cache_key_is_the_config_and_the_fingerprint_the_content(tmp_path):
+    """The folder name comes from the configuration (source, path basename), so it is found without the raw
+    data; the content fingerprint (listing) lives in meta.json and changes with the books."""
     root = write_books(tmp_path / "corpus")
-    before = D.cache_folder(tmp_path, S.get_source("text_dir", tmp_path, path=root))
+    src = S.get_source("text_dir", tmp_path, path=root)
+    before, fp = D.cache_folder(tmp_path, src), src.fingerprint()
     assert before == D.cache_folder(tmp_path, S.get_source("text_dir", tmp_path, path=root))
     assert before != D.cache_folder(tmp_path, S.get_source("pg19", tmp_path, path=root))
+    assert D.cache_folder(tmp_path, src, name="my-corpus").name == "my-corpus-" + before.name.split("-", 1)[1]
     (root / "train" / "c.txt").write_text("a new book")
-    assert before != D.cache_folder(tmp_path, S.get_source("text_dir", tmp_path, path=root))
+    again = S.get_source("text_dir", tmp_path, path=root)
+    assert D.cache_folder(tmp_path, again) == before and again.fingerprint() != fp
+    # the same books elsewhere: same fingerprint (the location is not content)
+    other = write_books(tmp_path / "elsewhere" / "corpus")
+    (other / "train" / "c.txt").write_text("a new book")
+    assert S.get_source("text_dir", tmp_path, path=other).fingerprint() == again.fingerprint()
 
 
 def test_folder_errors(tmp_path):
@@ -227,7 +237,9 @@ def test_folder_errors(tmp_path):
     with pytest.raises(ValueError, match="data.path"):
         D.TokenDataModule("text_dir", str(tmp_path)).prepare_data()
     with pytest.raises(ValueError, match="exactly one of data.path.*data.hf_name"):
-        D.TokenDataModule("pg19", str(tmp_path))
+        D.TokenDataModule("pg19", str(tmp_path)).prepare_data()  # neither: an error once the data is needed
+    with pytest.raises(ValueError, match="exactly one of data.path.*data.hf_name"):
+        D.TokenDataModule("pg19", str(tmp_path), path=str(root), hf_name="emozilla/pg19")  # both: at once
 
 
 def test_datamodule_argument_errors(tmp_path):

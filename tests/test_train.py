@@ -17,7 +17,7 @@ MODELS = sorted(p.stem for p in (REPO / "conf/model").glob("*.yaml"))
 DATAS = sorted(p.stem for p in (REPO / "conf/data").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf/experiment").glob("*.yaml"))
 ATTENTIONS = sorted(p.stem for p in (REPO / "conf/model/attention").glob("*.yaml"))
-LM_DATA = {"gutenberg", "pg19", "text_dir"}
+LM_DATA = {"gutenberg", "pg19", "pg19_subset", "text_dir"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def small(overrides: list[str]) -> list[str]:
 
 def data_overrides(data: str, book_dir: Path) -> list[str]:
     out = [f"data={data}"]
-    if data in ("pg19", "text_dir"):
+    if data in ("pg19", "pg19_subset", "text_dir"):  # the tiny corpus, not the real PG-19 subset
         out += [f"data.path={book_dir}", "data.num_workers=0", f"data.cache_dir={book_dir}/cache"]
     if data in LM_DATA:
         out += ["data.max_eval_windows=4"]

@@ -1,9 +1,12 @@
 """From text to batches: the token cache (``.bin`` files) and :class:`TokenDataModule`.
 
 Token cache
-    Each source is tokenised once into ``<cache_dir>/<source>-<fingerprint sha>-<tokenizer>/{split}.bin``
-    (plus ``meta.json``). A ``.bin`` file is a 64-byte header (:data:`MAGIC`, format version, dtype, token count,
-    vocabulary size, tokenizer name) followed by the tokens as little-endian uint16; documents are separated by
+    Each source is tokenised once into ``<cache_dir>/<name>-<key sha>-<tokenizer>/{split}.bin`` (plus
+    ``meta.json``); ``<name>`` is the source's name unless ``cache_name`` is set. The key is configuration only
+    (:meth:`~nats.data.sources.TextSource.cache_key`), so the folder is found where the raw data is absent and
+    such a cache trains alone; ``meta.json`` stores the content fingerprint, checked where the data is present.
+    A ``.bin`` file is a 64-byte header (:data:`MAGIC`, format version, dtype, token count, vocabulary size,
+    tokenizer name) followed by the tokens as little-endian uint16; documents are separated by
     ``<|endoftext|>`` (50256), which also follows the last one. Files are written under a temporary name, fsynced
     and renamed, so an interrupted prepare never leaves a partial file under the final name.
 
@@ -25,8 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
+import re
 import struct
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -43,6 +48,8 @@ from tqdm.auto import tqdm
 from nats.data.sources import SPLITS, Document, TextSource, get_source
 from nats.data.tokenizer import EOT, VOCAB_SIZE, get_tokenizer
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
@@ -53,6 +60,9 @@ __all__ = [
     "read_bin_header",
     "open_token_bin",
     "cache_folder",
+    "is_complete_cache",
+    "find_token_caches",
+    "check_token_cache",
     "prepare_token_cache",
     "TrainWindows",
     "ResumableSampler",
@@ -190,10 +200,87 @@ def open_token_bin(path: str | Path, tokenizer: str | None = None) -> np.ndarray
 # --------------------------------------------------------------------------------------------------------------
 
 
-def cache_folder(cache_dir: str | Path, source: TextSource, tokenizer: str = "gpt2") -> Path:
-    """``<cache_dir>/<source>-<sha1 of the source fingerprint, 10 hex>-<tokenizer>``."""
-    key = json.dumps({"format": FORMAT_VERSION, **source.fingerprint()}, sort_keys=True)
-    return Path(cache_dir) / f"{source.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}-{tokenizer}"
+_CACHE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def cache_folder(cache_dir: str | Path, source: TextSource, tokenizer: str = "gpt2", name: str | None = None) -> Path:
+    """``<cache_dir>/<name>-<sha1 of the source's cache key, 10 hex>-<tokenizer>``; ``name`` defaults to the
+    source's name. The key (:meth:`TextSource.cache_key`) never needs the raw data, so this works without it."""
+    if name is not None and not _CACHE_NAME.fullmatch(name):
+        raise ValueError(f"cache_name {name!r} must be letters, digits, '.', '_' or '-' (a folder name prefix)")
+    key = json.dumps({"format": FORMAT_VERSION, **source.cache_key()}, sort_keys=True)
+    return Path(cache_dir) / f"{name or source.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}-{tokenizer}"
+
+
+def _content(fingerprint: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A fingerprint without the data's location (``path``: caches made before the location left the fingerprint
+    carry it), i.e. what determines the tokens."""
+    return None if fingerprint is None else {k: v for k, v in fingerprint.items() if k != "path"}
+
+
+def _bins(folder: Path) -> dict[str, Path]:
+    return {split: folder / f"{split}.bin" for split in SPLITS}
+
+
+def is_complete_cache(folder: str | Path) -> bool:
+    """Whether ``folder`` holds the three ``.bin`` files and ``meta.json`` (a finished prepare)."""
+    folder = Path(folder)
+    return (folder / "meta.json").is_file() and all(p.is_file() for p in _bins(folder).values())
+
+
+def find_token_caches(cache_dir: str | Path, source: str | None = None, tokenizer: str | None = None) -> list[Path]:
+    """The complete caches in ``cache_dir`` (optionally of one source and tokenizer), by folder name."""
+    out = []
+    for meta_path in sorted(Path(cache_dir).glob("*/meta.json")):
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if source not in (None, meta.get("source")) or tokenizer not in (None, meta.get("tokenizer")):
+            continue
+        if is_complete_cache(meta_path.parent):
+            out.append(meta_path.parent)
+    return out
+
+
+def _describe(folder: Path) -> str:
+    meta = json.loads((folder / "meta.json").read_text())
+    origin = meta.get("options") or {k: v for k, v in (meta.get("fingerprint") or {}).items() if k == "path"}
+    return f"{folder} (source {meta.get('source')!r}" + (f", made from {origin}" if origin else "") + ")"
+
+
+def check_token_cache(folder: str | Path, source: TextSource, tokenizer: str = "gpt2") -> dict[str, Any]:
+    """Validate a complete cache for ``source`` and return its ``meta.json``.
+
+    Checks the three headers (size, format, tokenizer), the source name in ``meta.json`` and, where the raw data
+    is present (:meth:`TextSource.available`), that the stored content fingerprint equals the data's. Raises
+    :class:`TokenCacheError` naming the folder and the fix.
+    """
+    folder = Path(folder)
+    for path in _bins(folder).values():
+        read_bin_header(path, tokenizer)  # corrupt files raise here, with the fix in the message
+    meta = json.loads((folder / "meta.json").read_text())
+    if meta.get("source", source.name) != source.name:
+        raise TokenCacheError(
+            f"{folder} is a token cache of source {meta['source']!r}, but this data config reads source "
+            f"{source.name!r}; use data={meta['source']} (with data.cache_path={folder}) or another cache"
+        )
+    if source.available():
+        now = source.fingerprint()
+        if _content(meta.get("fingerprint")) != _content(now):
+            raise TokenCacheError(
+                f"{folder} was tokenised from other data than the source reads now (fingerprint "
+                f"{_content(meta.get('fingerprint'))} in its meta.json, {_content(now)} now: books were added, "
+                f"removed or changed, or data.path points elsewhere). Delete {folder} and rerun `nats-prepare` with "
+                "this data config to tokenise the current data (or restore the data the cache was made from)"
+            )
+        log.info("token cache %s (matches the raw data)", folder)
+    else:
+        log.info(
+            "raw data of source %r not present here; using the token cache %s as it is (made from %s)",
+            source.name, folder, meta.get("options") or meta.get("fingerprint"),
+        )  # fmt: skip
+    return meta
 
 
 def _tokenize(docs: Iterable[Document], tokenizer: str, names: list[str], bar: tqdm) -> Iterator[np.ndarray]:
@@ -220,26 +307,74 @@ def _tokenize(docs: Iterable[Document], tokenizer: str, names: list[str], bar: t
         yield from flush()
 
 
-def prepare_token_cache(source: TextSource, cache_dir: str | Path, tokenizer: str = "gpt2") -> Path:
+def prepare_token_cache(
+    source: TextSource,
+    cache_dir: str | Path,
+    tokenizer: str = "gpt2",
+    *,
+    name: str | None = None,
+    folder: str | Path | None = None,
+    options: dict[str, Any] | None = None,
+) -> Path:
     """Tokenise ``source`` into its cache folder unless a complete cache is there; return the folder.
 
-    Splits whose ``.bin`` already exists (and is valid) are kept, so an interrupted prepare resumes with the
-    missing splits. ``meta.json`` (token and document counts, document names) is written last.
+    Args:
+        source, cache_dir, tokenizer: what to tokenise, where the caches live, with which tokenizer.
+        name: prefix of the cache folder's name (default: the source's name); see :func:`cache_folder`.
+        folder: an explicit cache folder (``data.cache_path``): it must be complete; nothing is tokenised.
+        options: the source's options, recorded in ``meta.json`` (where the cache was made from).
+
+    A complete cache is checked (:func:`check_token_cache`: against the raw data where that is present) and
+    used; with the raw data absent it is used as it is, so a cache prepared on one machine and copied to
+    another trains there alone. Splits whose ``.bin`` already exists (and is valid) are kept, so an interrupted
+    prepare resumes with the missing splits (unless the data changed in between: ``.partial.json`` holds the
+    fingerprint of the prepare in progress). ``meta.json`` (fingerprint, token and document counts, document
+    names) is written last.
     """
-    folder = cache_folder(cache_dir, source, tokenizer)
-    bins = {split: folder / f"{split}.bin" for split in SPLITS}
-    meta_path = folder / "meta.json"
-    if meta_path.is_file() and all(p.is_file() for p in bins.values()):
-        for p in bins.values():
-            read_bin_header(p, tokenizer)  # corrupt files raise here, with the fix in the message
+    explicit = folder is not None
+    folder = Path(folder).expanduser() if explicit else cache_folder(cache_dir, source, tokenizer, name)
+    if is_complete_cache(folder):
+        check_token_cache(folder, source, tokenizer)
         return folder
+    if explicit:
+        missing = [p.name for p in [*_bins(folder).values(), folder / "meta.json"] if not p.is_file()]
+        raise FileNotFoundError(
+            f"data.cache_path={folder} is not a complete token cache (missing {missing}); point it at a folder "
+            "written by `nats-prepare` (<data_dir>/<name>-<hash>-<tokenizer>/ with train.bin validation.bin "
+            "test.bin meta.json), or unset it to prepare the cache from the raw data"
+        )
+    if not source.available():
+        found = [_describe(f) for f in find_token_caches(cache_dir, source.name, tokenizer)]
+        hint = (
+            f"\nNo complete token cache {folder} either. To train from a cache prepared elsewhere, copy that "
+            f"folder to {folder.parent}/ (its name must stay {folder.name}), or set data.cache_path=/path/to/it."
+            + (f" Caches of source {source.name!r} in {folder.parent}: " + "; ".join(found) if found else "")
+        )
+        try:
+            source.prepare()
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{err}{hint}") from err
+        except ValueError as err:
+            raise ValueError(f"{err}{hint}") from err
 
     source.prepare()
+    fingerprint = source.fingerprint()
+    bins = _bins(folder)
+    meta_path, partial = folder / "meta.json", folder / ".partial.json"
     folder.mkdir(parents=True, exist_ok=True)
     old_meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    kept = [split for split, path in bins.items() if path.is_file()]
+    if kept:  # from an interrupted prepare: keep them only if made from this data
+        before = json.loads(partial.read_text()) if partial.is_file() else old_meta.get("fingerprint")
+        if before is not None and _content(before) != _content(fingerprint):
+            log.warning("%s: discarding %s of an interrupted prepare of other data", folder, kept)
+            for split in kept:
+                bins[split].unlink()
+    _write_json(partial, fingerprint)
     meta: dict[str, Any] = {
         "source": source.name,
-        "fingerprint": source.fingerprint(),
+        "fingerprint": fingerprint,
+        "options": {k: v for k, v in (options or {}).items() if v is not None},
         "tokenizer": tokenizer,
         "format": FORMAT_VERSION,
         "num_tokens": {},
@@ -258,10 +393,16 @@ def prepare_token_cache(source: TextSource, cache_dir: str | Path, tokenizer: st
             raise ValueError(f"{source.name}: split {split!r} has no documents; check the source")
         meta["num_tokens"][split] = n
         meta["documents"][split] = names
-    tmp = meta_path.with_name(f".meta.json.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, meta_path)
+    _write_json(meta_path, meta)
+    partial.unlink(missing_ok=True)
     return folder
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON atomically (temporary file + rename)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -411,7 +552,14 @@ class TokenDataModule(L.LightningDataModule):
         seed: seed of the training-window stream.
         tokenizer: tokenizer name (see :func:`nats.data.tokenizer.get_tokenizer`).
         max_eval_windows: cap on the number of validation/test windows (quick runs); ``None`` = all.
+        cache_name: prefix of the token cache folder's name (default: the source name), e.g. ``pg19-subset``.
+        cache_path: an explicit token cache folder (written by ``nats-prepare``, perhaps on another machine) to
+            train from; it must be complete, nothing is tokenised. Default: ``<cache_dir>/<name>-<hash>-<tok>``,
+            found from the configuration alone, so copying that folder is enough too.
         **source_options: passed to the source, e.g. ``path``, ``hf_name``, ``text_field``, ``sdist_path``.
+
+    Without the raw data (e.g. on a GPU node that received only the cache folder), a complete cache is used as it
+    is; with it, the cache is checked against it (a mismatch is an error that says to delete and re-prepare).
     """
 
     def __init__(
@@ -425,6 +573,8 @@ class TokenDataModule(L.LightningDataModule):
         seed: int = 1337,
         tokenizer: str = "gpt2",
         max_eval_windows: int | None = None,
+        cache_name: str | None = None,
+        cache_path: str | None = None,
         **source_options: Any,
     ) -> None:
         super().__init__()
@@ -451,7 +601,14 @@ class TokenDataModule(L.LightningDataModule):
         self.tokenizer = tokenizer
         self.max_eval_windows = max_eval_windows
         self.text_source = get_source(source, cache_dir=self.cache_dir, **source_options)
-        self._folder: Path | None = None
+        self.source_options = {k: v for k, v in source_options.items() if v is not None}
+        if getattr(self.text_source, "path", None) is not None:  # recorded in meta.json: where the data was
+            self.source_options["path"] = str(self.text_source.path)
+        if cache_name is not None and not _CACHE_NAME.fullmatch(cache_name):
+            raise ValueError(f"cache_name {cache_name!r} must be letters, digits, '.', '_' or '-' (a folder name)")
+        self.cache_name = cache_name
+        self._explicit_cache = Path(cache_path).expanduser() if cache_path is not None else None
+        self._folder: Path | None = self._explicit_cache
         self._files: dict[str, _TokenFile] = {}
         self._unigram_logp: np.ndarray | None = None
 
@@ -470,7 +627,7 @@ class TokenDataModule(L.LightningDataModule):
     def cache_path(self) -> Path:
         """The cache folder of this source and tokenizer."""
         if self._folder is None:
-            self._folder = cache_folder(self.cache_dir, self.text_source, self.tokenizer)
+            self._folder = cache_folder(self.cache_dir, self.text_source, self.tokenizer, self.cache_name)
         return self._folder
 
     @property
@@ -481,7 +638,10 @@ class TokenDataModule(L.LightningDataModule):
     # -- Lightning hooks -------------------------------------------------------------------------------------
     def prepare_data(self) -> None:
         """Download and tokenise (once; Lightning calls this on one process per node)."""
-        self._folder = prepare_token_cache(self.text_source, self.cache_dir, self.tokenizer)
+        self._folder = prepare_token_cache(
+            self.text_source, self.cache_dir, self.tokenizer, name=self.cache_name, folder=self._explicit_cache,
+            options=self.source_options,
+        )  # fmt: skip
 
     def setup(self, stage: str | None = None) -> None:
         """Memory-map the three splits (validates their headers)."""
