@@ -6,8 +6,43 @@ from typing import Any, Mapping
 
 import lightning as L
 import torch
+from torch import nn
 
 from nats.models.gpt import GPT, GPTConfig
+
+CLIP_MODES = ("global", "separate")
+
+
+def scorer_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the attention cores' token-type scorers: those of every submodule held as an
+    attribute named ``scorer`` (NAtS: ``blocks.<l>.attn.core.scorer.weight``), the convention that
+    `nats.callbacks.TemperatureSchedule` also uses to find NAtS cores. Empty for models without scorers
+    (dense, ANNA, gated). A new core whose type scorer lives elsewhere must hold it as ``self.scorer``
+    (or extend this function) to be clipped and logged apart (docs/scorer_gradients.md)."""
+    seen: set[int] = set()
+    out: list[nn.Parameter] = []
+    for module in model.modules():
+        scorer = getattr(module, "scorer", None)
+        if isinstance(scorer, nn.Module):
+            for p in scorer.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
+
+
+def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """grads *= coef in place (one foreach launch when they share coef's device)."""
+    if all(g.device == coef.device for g in grads):
+        torch._foreach_mul_(grads, coef)
+    else:
+        for g in grads:
+            g.mul_(coef.to(g.device))
+
+
+def _clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor, on the device (no host sync): min(1, max_norm / (norm + 1e-6))."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
@@ -24,7 +59,9 @@ class LitGPT(L.LightningModule):
     """Language-model training of `nats.models.gpt.GPT`.
 
     `model` holds the `GPTConfig` fields (with `attention` as a nested dict), `optim` the optimiser and
-    schedule: lr, min_lr, warmup_steps, max_steps (None = the trainer's), weight_decay, betas, eps.
+    schedule: lr, min_lr, warmup_steps, max_steps (None = the trainer's), weight_decay, betas, eps, and the
+    gradient clipping: grad_clip (None = off), clip_mode ("separate", the default, or "global"),
+    scorer_grad_clip (None = grad_clip; only with "separate"); see `on_before_optimizer_step`.
     The training loss is cross-entropy plus the attention cores' auxiliary losses (NAtS' sparsity term).
     """
 
@@ -34,6 +71,13 @@ class LitGPT(L.LightningModule):
         self.config = GPTConfig.from_dict(model)
         self.model = GPT(self.config)
         self.optim_cfg = dict(optim)
+        self.clip_mode = self.optim_cfg.get("clip_mode") or "separate"
+        if self.clip_mode not in CLIP_MODES:
+            raise ValueError(f"optim.clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
+        if self.optim_cfg.get("scorer_grad_clip") is not None and self.clip_mode != "separate":
+            raise ValueError("optim.scorer_grad_clip applies only with optim.clip_mode=separate "
+                             f"(got clip_mode={self.clip_mode!r}); set it to null or use separate clipping")
+        self._grad_groups: tuple[list[nn.Parameter], list[bool]] | None = None
         # a compiled bound method, not a submodule: checkpoints keep the plain `model.*` keys
         self._forward = torch.compile(self.model.forward) if compile else self.model.forward
 
@@ -62,12 +106,96 @@ class LitGPT(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Gradient clipping by global norm (`optim.grad_clip`), done here rather than by the Trainer, whose
-        clipping refuses fused optimizers; under bf16-mixed there is no loss scaler, so the gradients are final."""
-        clip = self.optim_cfg.get("grad_clip")
+        """Gradient clipping (`optim.grad_clip`, every optimizer step) and the gradient-norm metrics (only on
+        steps that Lightning writes to the loggers). Done here rather than by the Trainer, whose clipping
+        refuses fused optimizers. Lightning calls this once per optimizer step, after gradient accumulation
+        and after DDP's all-reduce (every rank clips the same gradient the same way); under bf16-mixed there is
+        no loss scaler, and a 16-mixed scaler has unscaled by now, so the gradients are final.
+
+        `optim.clip_mode`:
+          * ``global``: one norm over all parameters, clipped to grad_clip (torch.nn.utils.clip_grad_norm_,
+            bit for bit);
+          * ``separate`` (default): the type scorers' parameters (`scorer_parameters`) and the backbone's
+            (everything else) are clipped as two groups, to scorer_grad_clip (None = grad_clip) and grad_clip,
+            so that a large scorer gradient cannot shrink the backbone's update. Without scorers (dense
+            attention) this is the one group of ``global``, bit for bit.
+
+        Logged (pre-clip norms): ``train/grad_norm`` (all parameters, as before), ``train/grad_norm_backbone``,
+        ``train/grad_norm_scorer`` (models with scorers only), and with clipping on the factor applied to each
+        group's gradient, ``train/grad_clip_coef_backbone`` / ``train/grad_clip_coef_scorer`` (1 = unclipped).
+        """
+        o = self.optim_cfg
+        clip = o.get("grad_clip")
+        log = self._grad_norms_logged_now()
+        if not clip and not log:
+            return
+        params, is_scorer = self._grad_param_groups()
+        grads, scorer_mask = [], []
+        for p, s in zip(params, is_scorer):
+            if p.grad is not None:
+                grads.append(p.grad)
+                scorer_mask.append(s)
+        if not grads:
+            return
+        g_s = [g for g, s in zip(grads, scorer_mask) if s]
+        g_b = [g for g, s in zip(grads, scorer_mask) if not s]
+        separate = self.clip_mode == "separate" and bool(g_s)  # without scorer gradients: one group
+        # one launch of per-tensor norms; a group's norm is the norm of its stacked per-tensor norms in
+        # self.parameters() order, which is what clip_grad_norm_ computes (one device and dtype)
+        norms = torch._foreach_norm(grads)
+        dev = norms[0].device
+        norms = [n.to(dev) for n in norms]
+
+        def stacked_norm(select: bool | None) -> torch.Tensor | None:
+            sel = [n for n, s in zip(norms, scorer_mask) if select is None or s == select]
+            return torch.linalg.vector_norm(torch.stack(sel)) if sel else None
+
+        total = stacked_norm(None) if log or not separate else None
+        n_s = n_b = None
+        if g_s and (log or separate):
+            n_s, n_b = stacked_norm(True), stacked_norm(False)
+        elif not g_s:
+            n_b = total
+        coef_s = coef_b = None
         if clip:
-            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), clip)
-            self.log("train/grad_norm", norm)
+            if separate:
+                s_clip = o.get("scorer_grad_clip")
+                coef_s = _clip_coef(n_s, clip if s_clip is None else s_clip)
+                _scale_(g_s, coef_s)
+                if g_b:
+                    coef_b = _clip_coef(n_b, clip)
+                    _scale_(g_b, coef_b)
+            else:
+                coef_b = _clip_coef(total, clip)
+                coef_s = coef_b if g_s else None
+                _scale_(grads, coef_b)
+        if log:
+            for name, value in (("grad_norm", total), ("grad_norm_backbone", n_b), ("grad_norm_scorer", n_s),
+                                ("grad_clip_coef_backbone", coef_b), ("grad_clip_coef_scorer", coef_s)):
+                if value is not None:
+                    self.log(f"train/{name}", value)
+
+    def _grad_param_groups(self) -> tuple[list[nn.Parameter], list[bool]]:
+        """The trainable parameters in self.parameters() order and, for each, whether it belongs to a type
+        scorer (`scorer_parameters`); computed once."""
+        if self._grad_groups is None:
+            ids = {id(p) for p in scorer_parameters(self.model)}
+            params = [p for p in self.parameters() if p.requires_grad]
+            self._grad_groups = (params, [id(p) in ids for p in params])
+        return self._grad_groups
+
+    def _grad_norms_logged_now(self) -> bool:
+        """Whether Lightning writes this optimizer step's logs (trainer.log_every_n_steps, fast_dev_run): the
+        test its own LearningRateMonitor and ThroughputMonitor use. No trainer (a bare module): False."""
+        trainer = self._trainer
+        if trainer is None:
+            return False
+        if trainer.fast_dev_run:
+            return True
+        connector = getattr(trainer, "_logger_connector", None)
+        if connector is None or not hasattr(type(connector), "should_update_logs"):
+            return True  # a Lightning without it: log every step rather than never
+        return bool(connector.should_update_logs)
 
     # ------------------------------------------------------------------ steps
     def forward(self, idx, targets=None):
