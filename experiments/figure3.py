@@ -482,7 +482,8 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
     fig.savefig(out / "figure3_loss.png", dpi=110)
     plt.close(fig)
 
-    nats_runs = [(n, r) for n, r in sorted(runs.items()) if r["kv_fractions"] and r["experiment"] == "fig3_nats"]
+    nats_runs = sorted(((n, r) for n, r in runs.items() if r["kv_fractions"] and r["experiment"] == "fig3_nats"),
+                       key=lambda nr: (lam_of(nr[1]["base"]), "exact" in nr[0], nr[1]["seed"]))
     if nats_runs:
         fig, axes = plt.subplots(2, len(nats_runs), figsize=(3.2 * len(nats_runs), 7), squeeze=False)
         for c, (name, r) in enumerate(nats_runs):
