@@ -139,10 +139,16 @@ def eval_data_overrides(run: Path) -> list[str]:
     overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else []
     data = cfg.get("data") or {}
     out = []
-    source = data.get("source")
-    if source and (REPO / "conf" / "data" / f"{source}.yaml").is_file():
-        out.append(f"data={source}")
-    for key in ("path", "hf_name", "hf_config", "text_field", "sdist_path"):
+    # the data config the run chose (e.g. pg19_subset, whose source is pg19 but whose path and cache name differ),
+    # as Hydra recorded it; else the config named like the source
+    hydra_file = run / ".hydra" / "hydra.yaml"
+    hydra_cfg = (yaml.safe_load(hydra_file.read_text()) or {}) if hydra_file.is_file() else {}
+    choice = (((hydra_cfg.get("hydra") or {}).get("runtime") or {}).get("choices") or {}).get("data")
+    for group in (choice, data.get("source")):
+        if group and (REPO / "conf" / "data" / f"{group}.yaml").is_file():
+            out.append(f"data={group}")
+            break
+    for key in ("path", "hf_name", "hf_config", "text_field", "sdist_path", "cache_name", "cache_path"):
         value = data.get(key)
         if value is not None and "${" not in str(value):
             out.append(f"data.{key}={value}")

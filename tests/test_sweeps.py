@@ -279,6 +279,14 @@ def test_pipeline_dry_run_and_eval_overrides(tmp_path, capsys):
         {"data": {"source": "pg19", "path": "/data/pg19", "hf_name": None, "seed": "${seed}"}}))
     (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["paths.data_dir=/cache", "seed=1"]))
     assert pipeline.eval_data_overrides(run_dir) == ["data=pg19", "data.path=/data/pg19", "paths.data_dir=/cache"]
+    # a run on data=pg19_subset (source pg19, path an interpolation) is evaluated on pg19_subset, not pg19
+    sub = tmp_path / "train" / "nats" / "subset"
+    (sub / ".hydra").mkdir(parents=True)
+    (sub / ".hydra" / "config.yaml").write_text(yaml.safe_dump(
+        {"data": {"source": "pg19", "path": "${oc.env:NATS_PG19_SUBSET,x}", "cache_name": "pg19-subset"}}))
+    (sub / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump(
+        {"hydra": {"runtime": {"choices": {"data": "pg19_subset", "model": "gpt2_small"}}}}))
+    assert pipeline.eval_data_overrides(sub) == ["data=pg19_subset", "data.cache_name=pg19-subset"]
 
 
 # ----------------------------------------------------------------------------------------------------
