@@ -19,9 +19,9 @@ checks:
 The learning rate is 5x the CPU default (1e-2, reached after 10 warm-up steps): there the `exact` estimator's
 scorer gradient outgrows the backbone's within these 30 steps, so the old setting (`mask_grad=exact`,
 `clip_mode=global`) fails both checks, and `exact` under separate clipping fails the scorer bound; at the
-default 2e-3 the tiny model does not get there this soon. The
-dense model and the default NAtS model train well at 1e-2. Block size 64 and batch 4 keep the two runs cheap
-on CPU (the 50k-token LM head dominates the cost): ~30 s together on one core.
+default 2e-3 the tiny model does not get there this soon. The dense model and the default NAtS model train
+well at 1e-2. Block size 64 and batch 4 keep the two runs cheap on CPU (the 50k-token LM head dominates the
+cost): ~30 s together on one core.
 """
 from __future__ import annotations
 
