@@ -165,7 +165,12 @@ def read_bin_header(path: str | Path, tokenizer: str | None = None) -> BinHeader
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(HEADER_SIZE)
-    if len(raw) < HEADER_SIZE or raw[:8] != MAGIC:
+    if len(raw) < HEADER_SIZE:  # an interrupted copy, a full disk: not a foreign file, so no talk of magic bytes
+        raise TokenCacheError(
+            f"{path} is truncated: it has {size} bytes, less than the {HEADER_SIZE}-byte header of a nats token "
+            f"file (an interrupted copy or a full disk?); {_REBUILD}"
+        )
+    if raw[:8] != MAGIC:
         raise TokenCacheError(f"{path} is not a nats token file (bad magic bytes {raw[:8]!r}); {_REBUILD}")
     magic, version, code, num_tokens, vocab_size, name = _HEADER.unpack_from(raw)
     if version != FORMAT_VERSION:
