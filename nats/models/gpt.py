@@ -48,6 +48,12 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         self.attention = dict(self.attention)
+        sizes = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size")
+        small = [k for k in sizes if getattr(self, k) is not None and getattr(self, k) < 1]
+        if small:  # before the divisibility checks below, which would divide by zero
+            raise ValueError("invalid model config: " + "; ".join(f"model.{k}={getattr(self, k)} must be >= 1"
+                                                                  for k in small)
+                             + " (layers, heads, channels and positions are counts): set a positive integer")
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         problems = []
@@ -57,8 +63,13 @@ class GPTConfig:
             problems.append(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
         if self.pos_emb not in ("rope", "learned", "none"):
             problems.append(f"pos_emb={self.pos_emb!r} is not one of rope, learned, none")
-        if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
-            problems.append("RoPE needs an even head dimension")
+        if self.pos_emb == "rope" and not self.n_embd % self.n_head and (self.n_embd // self.n_head) % 2:
+            hd = self.n_embd // self.n_head
+            problems.append(
+                f"RoPE needs an even head dimension, got n_embd/n_head = {self.n_embd}/{self.n_head} = {hd}: set "
+                f"model.n_embd to a multiple of 2 * n_head (e.g. model.n_embd={(hd + 1) * self.n_head}), or "
+                "model.pos_emb=learned"
+            )
         if self.n_out is not None and self.tie_embeddings:
             problems.append("n_out is set (a classifier head), so tie_embeddings must be false")
         gate = self.attention.get("output_gate", "none")
@@ -66,8 +77,6 @@ class GPTConfig:
             problems.append(f"attention.output_gate={gate!r} is not one of {OUTPUT_GATES}")
         if self.lse_cross_entropy and self.fused_cross_entropy:
             problems.append("lse_cross_entropy and fused_cross_entropy are alternatives: set at most one")
-        if self.block_size < 1 or self.n_layer < 1:
-            problems.append("block_size and n_layer must be >= 1")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
