@@ -173,14 +173,29 @@ def _device(name: str) -> torch.device:
     return dev
 
 
-def eval_windows(cfg: DictConfig, n: int):
-    """The split's windows of N + 1 tokens (TokenDataModule.eval_dataset)."""
+def _max_windows(cfg: DictConfig) -> int | None:
+    """``max_windows``, checked here so that the error names the key the user typed (not data.max_eval_windows)."""
+    value = cfg.get("max_windows")
+    if value is not None and int(value) < 1:
+        raise ValueError(f"max_windows={value} must be >= 1 (the number of windows to evaluate), or null (the "
+                         "default) for the whole split")
+    return value
+
+
+def eval_windows(cfg: DictConfig, n: int, model_vocab_size: int | None = None):
+    """The split's windows of N + 1 tokens (TokenDataModule.eval_dataset); with ``model_vocab_size``, checked
+    to be readable by a model of that vocabulary."""
+    max_windows = _max_windows(cfg)
     with open_dict(cfg):
         cfg.data.block_size = n
-        cfg.data.max_eval_windows = cfg.get("max_windows")
+        cfg.data.max_eval_windows = max_windows
         cfg.model.block_size = n
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
+    if model_vocab_size is not None and hasattr(datamodule, "check_vocab"):
+        datamodule.check_vocab(model_vocab_size, fix=(
+            f"The checkpoint {cfg.get('ckpt_path')} was trained on another vocabulary: evaluate it on data of "
+            "the tokenizer it was trained with (data=... data.tokenizer=...)"))
     try:
         dataset = datamodule.eval_dataset(cfg.split)
     except ValueError as err:
@@ -226,6 +241,7 @@ def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar)
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Load, plan, evaluate; returns the results (nothing written)."""
+    _max_windows(cfg)  # before the (slow) checkpoint load
     model, model_cfg = load_checkpoint(cfg.get("ckpt_path"))
     n = int(cfg.block_size) if cfg.get("block_size") else model.config.block_size
     if n > model.config.block_size:
@@ -239,7 +255,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"precision={cfg.precision!r} is not one of {sorted(DTYPES)}")
     if int(cfg.batch_size) < 1:
         raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
-    dataset = eval_windows(cfg, n)
+    dataset = eval_windows(cfg, n, model.config.vocab_size)
     device = _device(str(cfg.get("device", "auto")))
     model = model.to(device=device, dtype=DTYPES[cfg.get("precision", "float32")]).eval()
     loader = torch.utils.data.DataLoader(dataset, batch_size=int(cfg.batch_size), shuffle=False)

@@ -10,6 +10,10 @@ Token cache
     ``<|endoftext|>`` (50256), which also follows the last one. Files are written under a temporary name, fsynced
     and renamed, so an interrupted prepare never leaves a partial file under the final name.
 
+    Every window read is checked against the vocabulary size in the header (a max over its tokens, ~7 us per
+    1025-token window), so a corrupt token raises :class:`TokenCacheError` naming the file, not an ``IndexError``
+    in the model's embedding; :meth:`TokenDataModule.setup` checks the model's vocabulary against the header's.
+
 Batches
     ``(x, y)``: two int64 tensors of shape ``[B, block_size]``, ``y`` is ``x`` shifted left by one token.
 
@@ -420,7 +424,8 @@ class _TokenFile:
 
     def __init__(self, path: Path, tokenizer: str) -> None:
         self.path, self.tokenizer = path, tokenizer
-        self.num_tokens = read_bin_header(path, tokenizer).num_tokens
+        header = read_bin_header(path, tokenizer)
+        self.num_tokens, self.vocab_size = header.num_tokens, header.vocab_size
         self._tokens: np.ndarray | None = None
 
     @property
@@ -431,6 +436,21 @@ class _TokenFile:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokens": None}
+
+    def check(self, tokens: np.ndarray, start: int) -> np.ndarray:
+        """``tokens`` (read from position ``start``) after checking that every id is inside the vocabulary in the
+        header; a corrupt file raises :class:`TokenCacheError` naming it, not an ``IndexError`` in the model."""
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            i = int(np.argmax(tokens >= self.vocab_size))
+            raise TokenCacheError(
+                f"{self.path} is corrupt: token {start + i} has id {int(tokens[i])}, outside the vocabulary of "
+                f"{self.vocab_size} ids in its header; {_REBUILD}"
+            )
+        return tokens
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """``tokens[start : start + length]``, checked (:meth:`check`; ~7 us for 1025 tokens)."""
+        return self.check(self.tokens[start : start + length], start)
 
 
 def _xy(window: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -458,8 +478,7 @@ class TrainWindows(Dataset):
         return self.length
 
     def __getitem__(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i = self.offset(s)
-        return _xy(self.file.tokens[i : i + self.block_size + 1])
+        return _xy(self.file.window(self.offset(s), self.block_size + 1))
 
 
 class ResumableSampler(Sampler[int]):
@@ -504,13 +523,12 @@ class EvalWindows(Dataset):
     def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= k < self.num_windows:
             raise IndexError(k)
-        i = k * self.block_size
-        return _xy(self.file.tokens[i : i + self.block_size + 1])
+        return _xy(self.file.window(k * self.block_size, self.block_size + 1))
 
     def targets(self, num_windows: int | None = None) -> np.ndarray:
         """The predicted tokens of the first ``num_windows`` windows (all by default), in order."""
         n = self.num_windows if num_windows is None else num_windows
-        return self.file.tokens[1 : 1 + n * self.block_size]
+        return self.file.window(1, n * self.block_size)
 
 
 class StridedSampler(Sampler[int]):
@@ -649,7 +667,8 @@ class TokenDataModule(L.LightningDataModule):
         )  # fmt: skip
 
     def setup(self, stage: str | None = None) -> None:
-        """Memory-map the three splits (validates their headers)."""
+        """Memory-map the three splits (validates their headers); attached to a trainer, check that the model's
+        vocabulary holds the data's (:meth:`check_vocab`)."""
         for split in SPLITS:
             path = self.cache_path / f"{split}.bin"
             if not path.is_file():
@@ -659,6 +678,26 @@ class TokenDataModule(L.LightningDataModule):
                 )
             if split not in self._files:
                 self._files[split] = _TokenFile(path, self.tokenizer)
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        model_vocab = getattr(getattr(module, "config", None), "vocab_size", None)  # LitGPT.config: GPTConfig
+        if isinstance(model_vocab, int):
+            self.check_vocab(model_vocab)
+
+    def check_vocab(self, model_vocab_size: int, fix: str | None = None) -> None:
+        """Raise ``ValueError`` (naming the cache and the fix) if a model with ``model_vocab_size`` embeddings
+        cannot read every token id of the cache (ids < the vocabulary size in its headers). ``fix`` replaces the
+        default advice (set model.vocab_size), e.g. for a trained checkpoint."""
+        for split in SPLITS:
+            data_vocab = self._file(split).vocab_size
+            if model_vocab_size < data_vocab:
+                padded = math.ceil(data_vocab / 64) * 64
+                raise ValueError(
+                    f"model.vocab_size={model_vocab_size} is smaller than the vocabulary of the token cache "
+                    f"{self.cache_path} ({data_vocab} ids, tokenizer {self.tokenizer!r}): the model has no "
+                    f"embedding for ids >= {model_vocab_size}. "
+                    + (fix or f"Set model.vocab_size={padded} (>= {data_vocab}, padded to a multiple of 64), or "
+                       "train on data of a smaller vocabulary")
+                )
 
     def _file(self, split: str) -> _TokenFile:
         if split not in self._files:
@@ -734,7 +773,8 @@ class TokenDataModule(L.LightningDataModule):
             counts = np.ones(self.vocab_size, dtype=np.float64)  # add-one
             train = self._file("train").tokens
             for i in range(0, len(train), 1 << 24):  # chunks of 16M tokens: bounded memory for PG-19
-                counts += np.bincount(train[i : i + (1 << 24)], minlength=self.vocab_size)
+                chunk = self._file("train").check(train[i : i + (1 << 24)], i)
+                counts += np.bincount(chunk, minlength=self.vocab_size)
             self._unigram_logp = np.log(counts / counts.sum())
         dataset = self.eval_dataset(split)
         _, world = self._rank_world()
