@@ -1,0 +1,202 @@
+"""Issue 14 parts 3, 6 and 8: what a user types or feeds in that is wrong gets a message naming the problem and the
+fix, and the documented way to add the temperature schedule composes and instantiates."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import DATA_DIR, REPO, compose
+from nats.data import datamodule as D
+from nats.models.gpt import GPT, GPTConfig
+
+# ----------------------------------------------------------------------------------------------------
+# part 3: the temperature schedule, in the one form the docs give
+# ----------------------------------------------------------------------------------------------------
+TAU_OVERRIDE = "callbacks=[default,tau_schedule]"
+
+
+def test_documented_tau_schedule_override_composes_and_instantiates(tmp_path):
+    from nats.callbacks import TemperatureSchedule
+    from nats.train import instantiate
+
+    cfg = compose([TAU_OVERRIDE, "callbacks.tau_schedule.steps=500"], tmp_path)
+    assert cfg.callbacks.tau_schedule._target_ == "nats.callbacks.TemperatureSchedule"
+    assert {"model_checkpoint", "throughput", "progress_bar"} <= set(cfg.callbacks)  # the defaults stay
+    schedule = instantiate(cfg.callbacks.tau_schedule)
+    assert isinstance(schedule, TemperatureSchedule) and schedule.steps == 500
+
+
+def test_every_documented_tau_schedule_form_is_the_working_one():
+    """Every place that tells how to add the schedule gives the form tested above (never `+callbacks=...`)."""
+    places = [REPO / "conf/callbacks/tau_schedule.yaml", REPO / "docs/nats.md"]
+    for path in places:
+        text = path.read_text()
+        assert TAU_OVERRIDE in text, path
+    for path in [*REPO.glob("docs/*.md"), *REPO.glob("conf/**/*.yaml"), REPO / "README.md"]:
+        for line in path.read_text().splitlines():
+            if "+callbacks=tau_schedule" in line:  # only ever as the form that does not work
+                assert "does not work" in line, f"{path} documents the form that fails: {line}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# part 6: token cache checks
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [0, 7, 8, D.HEADER_SIZE - 1])
+def test_truncated_header_says_truncated_not_bad_magic(tmp_path, size):
+    path = tmp_path / "train.bin"
+    D.write_token_bin(path, [np.arange(100)])
+    with open(path, "r+b") as f:
+        f.truncate(size)
+    with pytest.raises(D.TokenCacheError) as err:
+        D.read_bin_header(path)
+    msg = str(err.value)
+    assert "magic" not in msg, msg
+    assert str(path) in msg and "truncated" in msg
+    assert f"{size} bytes" in msg and f"{D.HEADER_SIZE}-byte header" in msg
+    assert "delete it and rerun `nats-prepare`" in msg
+
+
+def test_foreign_file_still_says_bad_magic(tmp_path):
+    path = tmp_path / "train.bin"
+    path.write_bytes(b"\x01" * 300)
+    with pytest.raises(D.TokenCacheError, match=r"train\.bin is not a nats token file.*delete it"):
+        D.read_bin_header(path)
+
+
+def _corrupt_token(path: Path, index: int, value: int) -> None:
+    """Overwrite token `index` of a .bin file in place (what a flipped bit on disk does)."""
+    with open(path, "r+b") as f:
+        f.seek(D.HEADER_SIZE + 2 * index)
+        f.write(np.array([value], dtype="<u2").tobytes())
+
+
+def _module_from(tmp_path: Path, block_size: int = 16) -> D.TokenDataModule:
+    """A TokenDataModule over a copy of the Gutenberg cache's files cut to 2000 tokens each."""
+    src = D.TokenDataModule("gutenberg", str(DATA_DIR), block_size=block_size, micro_batch_size=2)
+    src.prepare_data()
+    folder = tmp_path / "cache"
+    for split in ("train", "validation", "test"):
+        tokens = np.asarray(D.open_token_bin(src.cache_path / f"{split}.bin"))[:2000]
+        D.write_token_bin(folder / f"{split}.bin", [tokens])
+    (folder / "meta.json").write_text((src.cache_path / "meta.json").read_text())
+    return D.TokenDataModule("gutenberg", str(DATA_DIR), block_size=block_size, micro_batch_size=2,
+                             cache_path=str(folder))
+
+
+def test_token_id_outside_the_header_vocabulary_names_the_file(tmp_path):
+    dm = _module_from(tmp_path)
+    path = dm.cache_path / "validation.bin"
+    _corrupt_token(path, 5, 60000)  # >= 50257, the vocabulary in the header (< 50304, so the model would not mind)
+    dm.setup()
+    windows = dm.eval_dataset("validation")
+    with pytest.raises(D.TokenCacheError) as err:
+        windows[0]
+    msg = str(err.value)
+    assert str(path) in msg and "60000" in msg and "50257" in msg and "delete it and rerun `nats-prepare`" in msg
+    windows[1]  # the other windows are fine
+    with pytest.raises(D.TokenCacheError, match=re.escape(str(path))):
+        next(iter(dm.val_dataloader()))
+
+
+def test_token_id_outside_the_vocabulary_in_training_and_unigram(tmp_path):
+    dm = _module_from(tmp_path)
+    path = dm.cache_path / "train.bin"
+    _corrupt_token(path, 100, 65535)
+    dm.setup()
+    train = D.TrainWindows(dm._file("train"), 16, seed=0, length=10)
+    hit = next(s for s in range(10_000) if train.offset(s) <= 100 <= train.offset(s) + 16)
+    with pytest.raises(D.TokenCacheError, match=re.escape(str(path)) + ".*65535"):
+        train[hit]
+    with pytest.raises(D.TokenCacheError, match=re.escape(str(path)) + ".*65535"):
+        dm.unigram_perplexity()
+
+
+def test_model_vocabulary_smaller_than_the_data_is_named_before_training(tmp_path):
+    dm = _module_from(tmp_path)
+    with pytest.raises(ValueError) as err:
+        dm.check_vocab(1000)
+    msg = str(err.value)
+    assert "model.vocab_size=1000" in msg and "50257" in msg and str(dm.cache_path) in msg
+    assert "model.vocab_size=50304" in msg  # the fix: GPT-2's vocabulary padded to a multiple of 64
+    dm.check_vocab(50304)  # the default model is fine
+    # attached to a trainer, setup checks the model's vocabulary itself (no IndexError from the embedding later)
+    lit = SimpleNamespace(config=SimpleNamespace(vocab_size=1000))
+    dm.trainer = SimpleNamespace(lightning_module=lit, global_rank=0, world_size=1)
+    with pytest.raises(ValueError, match="model.vocab_size=1000"):
+        dm.setup("fit")
+
+
+def test_model_vocabulary_smaller_than_the_data_stops_a_real_fit(tmp_path):
+    import lightning as L
+
+    from nats.lit import LitGPT
+
+    dm = _module_from(tmp_path)
+    lit = LitGPT(model={"vocab_size": 1000, "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16},
+                 optim={"lr": 1e-3})
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    with pytest.raises(ValueError, match=r"model\.vocab_size=1000 is smaller than the vocabulary"):
+        trainer.fit(lit, datamodule=dm)
+
+
+# ----------------------------------------------------------------------------------------------------
+# part 8: model and eval messages
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["n_head", "n_kv_head", "n_layer", "n_embd", "block_size"])
+@pytest.mark.parametrize("value", [0, -2])
+def test_model_sizes_below_one_are_named(key, value):
+    with pytest.raises(ValueError) as err:
+        GPTConfig(**{key: value})
+    msg = str(err.value)
+    assert f"model.{key}={value}" in msg and "must be >= 1" in msg, msg
+
+
+def test_n_head_zero_from_the_command_line_is_a_clear_error(tmp_path):
+    from nats.train import build
+
+    cfg = compose(["model=tiny", "model.n_head=0"], tmp_path)
+    with pytest.raises(ValueError, match=r"model\.n_head=0 must be >= 1"):
+        build(cfg)
+
+
+def test_odd_rope_head_dimension_shows_the_value_and_the_fix():
+    with pytest.raises(ValueError) as err:
+        GPTConfig(n_embd=130, n_head=2)
+    msg = str(err.value)
+    assert "RoPE needs an even head dimension, got n_embd/n_head = 130/2 = 65" in msg
+    assert "pos_emb=learned" in msg and "n_embd" in msg
+    GPTConfig(n_embd=130, n_head=2, pos_emb="learned")  # the fix it names works
+    assert GPT(GPTConfig(n_embd=128, n_head=2, n_layer=1, vocab_size=64, block_size=8)).config.head_dim == 64
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_eval_max_windows_below_one_names_max_windows(tmp_path, value):
+    from nats.eval import evaluate
+
+    cfg = compose([f"ckpt_path={tmp_path}/missing.ckpt", f"max_windows={value}", "progress=false"], tmp_path,
+                  config_name="eval")
+    with pytest.raises(ValueError) as err:
+        evaluate(cfg)  # checked before the checkpoint is read
+    msg = str(err.value)
+    assert f"max_windows={value}" in msg and "max_eval_windows" not in msg
+    assert "null" in msg  # the fix: a positive number, or null for the whole split
+
+
+def test_eval_model_vocabulary_smaller_than_the_data(tmp_path):
+    """nats-eval on a checkpoint whose vocabulary is smaller than the data's: the data config and the model named,
+    not an IndexError from the embedding."""
+    from test_eval import make_checkpoint
+
+    from nats.eval import evaluate
+
+    ckpt = make_checkpoint(tmp_path / "small.ckpt", {"name": "dense"}, vocab_size=1000)
+    cfg = compose([f"ckpt_path={ckpt}", "max_windows=1", "progress=false", "methods=[full]"], tmp_path,
+                  config_name="eval")
+    with pytest.raises(ValueError, match=r"model\.vocab_size=1000.*50257"):
+        evaluate(cfg)
