@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from lightning.pytorch.utilities import rank_zero_only
 
 
 def _batch_size(batch: Any) -> int:
@@ -16,10 +17,76 @@ def _tokens(batch: Any) -> int:
 
 class TokenThroughput(ThroughputMonitor):
     """Lightning's ThroughputMonitor for (x [B, N], y [B, N]) batches: logs samples/s, tokens/s
-    ("items_per_sec") and MFU (from `LitGPT.flops_per_batch` and the device's peak FLOP/s)."""
+    ("items_per_sec") and MFU (from `LitGPT.flops_per_batch` and the device's peak FLOP/s).
 
-    def __init__(self, **kwargs: Any):
+    Lightning's monitor synchronises the device after every training batch to time it, which stops the host
+    from queueing the next step while the device works (issue 16). Here, by default (``sync_every_batch=False``),
+    training batches are only counted on the host, and the device is synchronised and timed on the steps whose
+    logs are written (every ``trainer.log_every_n_steps``), at the start of training and before each validation:
+    the rates are exact over those intervals. ``window_size`` then counts these timing points, so the default
+    ``window_size: 2`` (conf/callbacks/throughput.yaml) logs the rate over the last logging interval; the first
+    interval includes compilation and warm-up. ``sync_every_batch=True`` is Lightning's behaviour (window in
+    batches). Validation batches are timed as Lightning does."""
+
+    def __init__(self, sync_every_batch: bool = False, **kwargs: Any):
         super().__init__(batch_size_fn=_batch_size, length_fn=_tokens, **kwargs)
+        self.sync_every_batch = sync_every_batch
+        self._flops_since = 0.0  # FLOPs of the training batches counted since the last timing point
+
+    def _timing_point(self, trainer) -> None:
+        """Synchronise, and add the training counters and the time to the training Throughput."""
+        import time
+
+        import torch
+        from lightning.pytorch.trainer.states import RunningStage
+
+        stage = RunningStage.TRAINING
+        if stage not in self._throughputs or stage not in self._t0s:
+            return
+        batches = self._throughputs[stage]._batches
+        if batches and batches[-1] == self._batches[stage]:
+            return  # no batch since the last point (validation right after a logged step): the window must grow
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        self._throughputs[stage].update(
+            time=time.perf_counter() - self._t0s[stage], batches=self._batches[stage], samples=self._samples[stage],
+            lengths=self._lengths[stage], flops=self._flops_since if self._module_has_flops else None)
+        self._flops_since = 0.0
+
+    def _update(self, trainer, pl_module, batch, iter_num) -> None:
+        from lightning.pytorch.trainer.states import RunningStage
+
+        stage = trainer.state.stage
+        if self.sync_every_batch or stage != RunningStage.TRAINING:
+            return super()._update(trainer, pl_module, batch, iter_num)
+        if self._module_has_flops is None:
+            self._module_has_flops = hasattr(pl_module, "flops_per_batch")
+        if self._module_has_flops:
+            self._flops_since += pl_module.flops_per_batch
+        self._lengths[stage] += _tokens(batch)
+        self._samples[stage] += _batch_size(batch)
+        self._batches[stage] += 1
+        # a timing point exactly where Lightning's `_compute` writes the rates (the end of a logged optimizer step)
+        if not trainer.fit_loop._should_accumulate() and trainer._logger_connector.should_update_logs:
+            self._timing_point(trainer)
+
+    @rank_zero_only
+    def on_train_start(self, trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        if not self.sync_every_batch:
+            self._flops_since = 0.0
+            self._module_has_flops = None
+            self._timing_point(trainer)  # time 0: the first logged rate is over the steps before it
+
+    @rank_zero_only
+    def on_validation_start(self, trainer, *args: Any) -> None:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        # the last training timing point must be where training paused: `on_validation_end` moves the training
+        # clock by the time from it to the end of validation
+        if not self.sync_every_batch and not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING:
+            self._timing_point(trainer)
+        super().on_validation_start(trainer, *args)
 
 
 class TemperatureSchedule(Callback):
@@ -37,8 +104,85 @@ class TemperatureSchedule(Callback):
         return self.start * (self.end / self.start) ** frac
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """Set tau of the step on every NAtS core where it differs (once per optimizer step: micro-batches of one
+        step share it; a core's setter fills its tau buffer in place), and log `nats/tau` on the steps whose logs
+        are written (a Python float logged is a blocking host-to-device copy)."""
+        from nats.lit import logs_written_now
+
         tau = self.tau_at(trainer.global_step)
-        for module in pl_module.modules():
-            if hasattr(module, "tau") and hasattr(module, "scorer"):
+        if getattr(self, "_cores_of", None) is not pl_module:  # the cores are found once per module
+            self._cores = [m for m in pl_module.modules() if hasattr(m, "tau") and hasattr(m, "scorer")]
+            self._cores_of = pl_module
+        for module in self._cores:
+            if module.tau != tau:
                 module.tau = tau
-        pl_module.log("nats/tau", tau)
+        if logs_written_now(trainer):
+            pl_module.log("nats/tau", tau)
+
+
+class StepTimer(Callback):
+    """Host wall-clock times of a fit, written as JSON to ``path`` (default: ``<trainer.default_root_dir>/
+    step_times.json``, the run folder) when the fit ends (conf/callbacks/step_timer.yaml; issue 16).
+
+    Recorded, in seconds since ``on_fit_start`` (``fit_start_unix`` is its ``time.time()``): ``train_start``, the
+    end of every optimizer step (``step_end``, one entry per ``trainer.global_step`` reached, with ``steps``
+    the global steps), each validation during the fit (``val`` as [start, end] pairs) and ``train_end``. The
+    device is synchronised only at ``train_end`` (and at every recorded point with ``sync=True``), so a step's
+    entry is when the host finished queueing it: differences over many steps, ended at ``train_end``, are the
+    device's rate; the first entry (minus ``train_start``) is dominated by compilation."""
+
+    def __init__(self, path: str | None = None, sync: bool = False):
+        super().__init__()
+        self.path, self.sync = path, sync
+        self.record: dict[str, Any] = {}
+
+    def _now(self, trainer) -> float:
+        import time
+
+        if self.sync and trainer.strategy.root_device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        return time.perf_counter() - self._t0
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        import time
+
+        self._t0 = time.perf_counter()
+        self.record = {"fit_start_unix": time.time(), "train_start": None, "steps": [], "step_end": [], "val": [],
+                       "train_end": None, "sync": self.sync}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.record["train_start"] = self._now(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        steps = self.record["steps"]
+        if not steps or trainer.global_step != steps[-1]:  # an optimizer step was taken
+            self.record["step_end"].append(self._now(trainer))
+            steps.append(trainer.global_step)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking and self.record:
+            self.record["val"].append([self._now(trainer), None])
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking and self.record and self.record["val"]:
+            self.record["val"][-1][1] = self._now(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import torch
+
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        self.record["train_end"] = self._now(trainer)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        import json
+        from pathlib import Path
+
+        if not trainer.is_global_zero or not self.record:
+            return
+        path = Path(self.path) if self.path else Path(trainer.default_root_dir) / "step_times.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.record, indent=1) + "\n")
+

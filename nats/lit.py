@@ -45,6 +45,31 @@ def _clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
+def logs_written_now(trainer) -> bool:
+    """Whether Lightning writes this optimizer step's logs (trainer.log_every_n_steps, fast_dev_run, a stopping
+    trainer): the test of its own LearningRateMonitor and ThroughputMonitor. The same answer in every hook of a
+    training batch (on_train_batch_start, training_step, on_before_optimizer_step, on_train_batch_end) and for
+    every micro-batch of an accumulated optimizer step. No trainer (a bare module): False."""
+    if trainer is None:
+        return False
+    if trainer.fast_dev_run:
+        return True
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is None or not hasattr(type(connector), "should_update_logs"):
+        return True  # a Lightning without it: log every step rather than never
+    return bool(connector.should_update_logs)
+
+
+def _compile_backend(compile: bool | str) -> str | None:
+    """`compile`: False/None/"false" (eager), True/"true" (inductor) or a torch.compile backend name
+    ("aot_eager", used by the CPU tests)."""
+    if compile is None or compile is False or (isinstance(compile, str) and compile.lower() in ("false", "none", "")):
+        return None
+    if compile is True or (isinstance(compile, str) and compile.lower() == "true"):
+        return "inductor"
+    return str(compile)
+
+
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
     """Linear warm-up from 0 to `lr` over `warmup_steps`, then cosine decay to `min_lr` at `max_steps`."""
     if warmup_steps > 0 and step < warmup_steps:
@@ -53,6 +78,13 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
         return min_lr
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def _eval_forward(model: nn.Module):
+    """`model`'s forward as a function of its own (its own code object, hence its own torch.compile cache)."""
+    def eval_forward(idx, targets=None):
+        return model(idx, targets)
+    return eval_forward
 
 
 class LitGPT(L.LightningModule):
@@ -65,7 +97,7 @@ class LitGPT(L.LightningModule):
     The training loss is cross-entropy plus the attention cores' auxiliary losses (NAtS' sparsity term).
     """
 
-    def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], compile: bool = False):
+    def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], compile: bool | str = False):
         super().__init__()
         self.save_hyperparameters()
         self.config = GPTConfig.from_dict(model)
@@ -78,8 +110,20 @@ class LitGPT(L.LightningModule):
             raise ValueError("optim.scorer_grad_clip applies only with optim.clip_mode=separate "
                              f"(got clip_mode={self.clip_mode!r}); set it to null or use separate clipping")
         self._grad_groups: tuple[list[nn.Parameter], list[bool]] | None = None
-        # a compiled bound method, not a submodule: checkpoints keep the plain `model.*` keys
-        self._forward = torch.compile(self.model.forward) if compile else self.model.forward
+        self._flops_cache: dict[tuple[int, ...], float] = {}
+        # Compiled callables, not submodules: checkpoints keep the plain `model.*` keys. Training and evaluation
+        # (model.eval(), under no_grad/inference_mode) are two different graphs; compiled as one function the
+        # first validation would recompile it (guards on grad_mode and the modules' `training`), so evaluation
+        # gets its own compiled function, compiled once at its first call (issue 16). A batch of another shape
+        # than the first evaluation batch (a smaller last batch) runs eagerly rather than compile a third graph.
+        backend = _compile_backend(compile)
+        if backend is None:
+            self._forward = self._forward_eval = self.model.forward
+        else:
+            self._forward = torch.compile(self.model.forward, backend=backend)
+            self._forward_eval = torch.compile(_eval_forward(self.model), backend=backend)
+        self._eval_shape: torch.Size | None = None
+        self._compiled = backend is not None
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
@@ -185,33 +229,41 @@ class LitGPT(L.LightningModule):
         return self._grad_groups
 
     def _grad_norms_logged_now(self) -> bool:
-        """Whether Lightning writes this optimizer step's logs (trainer.log_every_n_steps, fast_dev_run): the
-        test its own LearningRateMonitor and ThroughputMonitor use. No trainer (a bare module): False."""
-        trainer = self._trainer
-        if trainer is None:
-            return False
-        if trainer.fast_dev_run:
-            return True
-        connector = getattr(trainer, "_logger_connector", None)
-        if connector is None or not hasattr(type(connector), "should_update_logs"):
-            return True  # a Lightning without it: log every step rather than never
-        return bool(connector.should_update_logs)
+        """`logs_written_now` for this module's trainer."""
+        return logs_written_now(self._trainer)
 
     # ------------------------------------------------------------------ steps
     def forward(self, idx, targets=None):
-        return self._forward(idx, targets)
+        if self.model.training or not self._compiled:
+            return self._forward(idx, targets)
+        if self._eval_shape is None:
+            self._eval_shape = idx.shape
+        if idx.shape != self._eval_shape:
+            return self.model(idx, targets)  # see __init__: no second evaluation graph for a ragged last batch
+        return self._forward_eval(idx, targets)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        self.flops_per_batch = self.model.flops_per_token(x.size(1)) * x.numel()  # read by TokenThroughput
+        self.flops_per_batch = self._flops(x)  # read by TokenThroughput
         out = self(x, y)
         loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
         self.log("train/loss", out.loss, prog_bar=True)
-        if out.aux_loss is not None:
-            self.log("train/aux_loss", out.aux_loss)
-        self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True)
-        self._log_stats("train", out.stats)
+        # The rest is written to the loggers only every trainer.log_every_n_steps optimizer steps: log it only
+        # then (the values written are the same). Every `self.log` costs host time, and a Python float (the lr)
+        # becomes a device tensor through a blocking host-to-device copy, a device sync per step (issue 16).
+        if self._grad_norms_logged_now():
+            if out.aux_loss is not None:
+                self.log("train/aux_loss", out.aux_loss)
+            self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True)
+            self._log_stats("train", out.stats)
         return loss
+
+    def _flops(self, x: torch.Tensor) -> float:
+        """Training FLOPs of a batch x [B, N] (`GPT.flops_per_token`), cached per shape."""
+        key = tuple(x.shape)
+        if key not in self._flops_cache:
+            self._flops_cache[key] = self.model.flops_per_token(x.size(1)) * x.numel()
+        return self._flops_cache[key]
 
     def validation_step(self, batch, batch_idx):
         x, y = batch

@@ -63,6 +63,10 @@ class NAtSAttention(AttentionCore):
         self._tau = float(tau)
         self.detach_scorer_input = detach_scorer_input
         self.backend = backend
+        if backend == "triton" or (backend == "auto" and torch.cuda.is_available()):
+            # import (or fail to import) the Triton kernel now, before any torch.compile traces the forward:
+            # a trace with the backend cache still empty guards on it and recompiles once it is filled
+            NF.triton_available()
         self.scorer = nn.Linear(dims.n_embd, 3 * dims.n_kv_head, bias=False)
         self.record_types = False  # set by analysis code: keep the last hard types in `last_types`
         self.last_types: torch.Tensor | None = None

@@ -1,0 +1,133 @@
+"""The Lightning step's per-step overhead (issue 16, parts 2-3), on the CPU.
+
+* The per-layer statistics, the auxiliary loss, the learning rate and the temperature are logged only on the
+  optimizer steps whose logs Lightning writes (``trainer.log_every_n_steps``), and what is written is the same as
+  when everything is logged every step (the old behaviour).
+* The tau schedule sets each NAtS core once per optimizer step (not per micro-batch), and only when it changes.
+* A compiled run (``compile=aot_eager``: Dynamo's guards are what is tested, not inductor's code) compiles the
+  training graph once and the evaluation graph once: no recompile after the first step, through validation, the
+  tau schedule and a final ``trainer.validate``, with a NAtS model on the Triton backend whose kernel cache is
+  empty when the run starts (the `_TRITON_BACKEND` guard of the issue).
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+import nats.lit
+from conftest import compose
+from nats.attention.nats import NAtSAttention
+from nats.train import build, run
+
+# 6 optimizer steps of 2 micro-batches (accumulation), logs written every 2 steps, validation every 3
+BASE = ["model.block_size=32", "model.n_layer=2", "model/attention=nats", "model.attention.window=4",
+        "model.attention.sparsity_lambda=0.5", "model.attention.backend=reference",
+        "data.micro_batch_size=2", "global_batch_size=4", "data.max_eval_windows=4", "trainer.max_steps=6",
+        "optim.warmup_steps=2", "eval_every=3", "trainer.log_every_n_steps=2", "logger=csv",
+        "callbacks=[default,tau_schedule]", "callbacks.tau_schedule.steps=6", "callbacks.progress_bar=null",
+        "callbacks.model_checkpoint=null", "final_validation=false", "ckpt_path=null"]
+TIMING = ("per_sec", "mfu", "time")  # throughput columns: wall-clock dependent
+
+
+def logged_rows(run_dir: Path) -> dict[int, dict[str, float]]:
+    """step -> {metric: value} from the CSV logger (timing columns left out)."""
+    rows: dict[int, dict[str, float]] = {}
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        for r in csv.DictReader(f):
+            step = int(r["step"])
+            for k, v in r.items():
+                if k != "step" and v not in ("", None) and not any(t in k for t in TIMING):
+                    rows.setdefault(step, {})[k] = float(v)
+    return rows
+
+
+def test_logged_values_equal_logging_every_step(tmp_path, monkeypatch):
+    """What the loggers receive is unchanged by logging only on the written steps."""
+    run(compose(BASE, tmp_path / "new"))
+    with monkeypatch.context() as m:  # the old behaviour: every metric logged on every micro-batch
+        m.setattr(nats.lit, "logs_written_now", lambda trainer: True)
+        run(compose(BASE, tmp_path / "old"))
+    new, old = logged_rows(tmp_path / "new"), logged_rows(tmp_path / "old")
+    assert new.keys() == old.keys()
+    for step in old:
+        assert new[step].keys() == old[step].keys(), (step, set(old[step]) ^ set(new[step]))
+        for k in old[step]:
+            assert new[step][k] == old[step][k], (step, k, new[step][k], old[step][k])
+    train_steps = [s for s, r in new.items() if "train_layers/layer1/density" in r]
+    assert train_steps == [1, 3, 5], train_steps  # written every 2 optimizer steps (Lightning counts from 0)
+    for s in train_steps:
+        assert {"lr", "nats/tau", "train/aux_loss", "train/density", "train/grad_norm"} <= new[s].keys()
+    assert any("val/density" in r for r in new.values())
+
+
+def test_statistics_and_tau_only_where_needed(tmp_path, monkeypatch):
+    """Training statistics are aggregated and logged only on written steps; the temperature is set once per
+    optimizer step on each core (not per micro-batch)."""
+    calls: list[tuple[str, int, bool]] = []
+    original = nats.lit.LitGPT._log_stats
+
+    def spy(self, split, stats, batch_size=None):
+        calls.append((split, self.trainer.global_step, nats.lit.logs_written_now(self.trainer)))
+        return original(self, split, stats, batch_size)
+
+    sets: list[float] = []
+    prop = NAtSAttention.tau
+
+    def set_tau(self, value):
+        sets.append(value)
+        prop.fset(self, value)
+
+    monkeypatch.setattr(nats.lit.LitGPT, "_log_stats", spy)
+    monkeypatch.setattr(NAtSAttention, "tau", property(prop.fget, set_tau))
+    run(compose(BASE, tmp_path))
+    train = [(step, written) for split, step, written in calls if split == "train"]
+    assert train and all(written for _, written in train), train
+    assert sorted({s for s, _ in train}) == [1, 3, 5]
+    assert len(train) == 3 * 2  # both micro-batches of each written step (Lightning writes the last one's)
+    assert any(split == "val" for split, _, _ in calls)
+    n_cores = 2
+    # tau(0) = start = the core's initial tau (not set); steps 1..5 change it once each
+    assert len(sets) == 5 * n_cores, sets
+
+
+def test_compiled_run_never_recompiles(tmp_path):
+    """compile=aot_eager, NAtS on the Triton backend (interpreted on the CPU): after the first training step
+    and the first validation, nothing compiles again (fail_on_recompile), and each compiled function holds one
+    graph at the end."""
+    import lightning as L
+
+    from nats import functional as NF
+    from nats.models.gpt import GPT
+
+    pytest.importorskip("triton")
+    torch._dynamo.reset()
+    NF._TRITON_BACKEND.clear()  # a fresh process: the kernel not loaded yet
+
+    class FailOnRecompile(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step >= 3:  # after step 1 and the validation at step 2
+                torch.compiler.set_stance("fail_on_recompile")
+
+    overrides = [o for o in BASE if not o.startswith("model.attention.backend")]
+    cfg = compose(overrides + ["model.attention.backend=triton", "compile=aot_eager", "global_batch_size=2",
+                               "trainer.max_steps=5", "eval_every=2", "callbacks.tau_schedule.steps=5"], tmp_path)
+    datamodule, module, trainer = build(cfg)
+    trainer.callbacks.append(FailOnRecompile())
+    try:
+        trainer.fit(module, datamodule=datamodule)  # validations at steps 2 and 4
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    finally:
+        torch.compiler.set_stance("default")
+    assert trainer.global_step == 5
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    train_entries = _debug_get_cache_entry_list(GPT.forward.__code__)
+    eval_entries = _debug_get_cache_entry_list(module._forward_eval.__wrapped__.__code__
+                                               if hasattr(module._forward_eval, "__wrapped__")
+                                               else module._forward_eval._torchdynamo_orig_callable.__code__)
+    assert len(train_entries) == 1, len(train_entries)
+    assert len(eval_entries) == 1, len(eval_entries)
+    torch._dynamo.reset()
