@@ -1,9 +1,10 @@
 """Callbacks named by `conf/callbacks/`."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
 
@@ -186,3 +187,34 @@ class StepTimer(Callback):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.record, indent=1) + "\n")
 
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's TQDM progress bar, counting optimizer steps (``trainer.global_step``) out of
+    ``trainer.max_steps`` instead of micro-batches: with gradient accumulation the stock bar shows ``600/?`` when
+    ``max_steps=300`` is reached. A resumed run starts the bar at its step, so the rate and the time left count
+    only the steps this process ran. ``refresh_rate`` is in optimizer steps."""
+
+    def on_train_epoch_start(self, trainer, *_: Any) -> None:
+        super().on_train_epoch_start(trainer, *_)
+        bar = self.train_progress_bar
+        if bar is None or bar.disable:
+            return
+        max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        if max_steps is None:  # no step limit: the steps of this epoch
+            batches = self.total_train_batches
+            max_steps = None if math.isinf(batches) else trainer.global_step + math.ceil(
+                batches / max(1, trainer.accumulate_grad_batches))
+        bar.reset(total=max_steps)
+        bar.initial = bar.n = trainer.global_step
+        bar.set_description(f"Epoch {trainer.current_epoch}, steps")
+        bar.refresh()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        bar = self.train_progress_bar
+        if bar is None or bar.disable:
+            return
+        step = trainer.global_step
+        if step != bar.n and (step % self.refresh_rate == 0 or step == bar.total):
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+            bar.refresh()
