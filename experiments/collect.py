@@ -6,7 +6,8 @@
 A run is any folder below the given ones that holds ``.hydra/config.yaml`` (each job of a Hydra multirun, or a
 single run); submitit's ``.submitit/`` folders are skipped. For each run the table has the swept settings
 (attention, lambda, W, seed, ...) from the run's config and the final metrics from the ``metrics.json`` that
-``nats-train`` writes into the run folder at the end (``status`` = ``running/failed`` when it is not there yet).
+``nats-train`` writes into the run folder at the end (``status`` = ``done``; ``failed: <error>`` when the run's
+latest attempt wrote ``failed.json``; ``running`` when it has written neither yet).
 
 KV fraction: the run's validation ``val/density`` (NAtS: the mean over layers, heads and windows of the KV-cache
 area fraction of the learned hard types, NATS_SPEC.md section 6); runs whose attention keeps every key
@@ -103,7 +104,15 @@ def read_run(run_dir: Path, root: Path) -> dict[str, Any]:
     metrics_file = run_dir / "metrics.json"
     info = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
     metrics = (info or {}).get("metrics", {})
-    row["status"] = "done" if info is not None else "running/failed"
+    failed_file = run_dir / "failed.json"
+    failed_last = failed_file.is_file() and (info is None or failed_file.stat().st_mtime > metrics_file.stat().st_mtime)
+    if failed_last:  # the latest attempt (e.g. a resume of a finished run) failed
+        try:
+            row["status"] = f"failed: {json.loads(failed_file.read_text()).get('error', '?')[:120]}"
+        except (ValueError, OSError):
+            row["status"] = "failed"
+    else:
+        row["status"] = "done" if info is not None else "running"
     row["steps"] = (info or {}).get("global_step")
     row["tokens"] = (info or {}).get("tokens_seen")
     row["val_loss"] = _float(metrics.get("val/loss"))

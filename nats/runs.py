@@ -16,6 +16,21 @@ SLURM requeue
     signal (it requeues without saving anything); :func:`lightning_handles_requeue` sets it aside during
     ``fit``/``validate`` so that Lightning's handler, which saves the state first, is the one that runs.
 
+Run folders
+    ``logs/<task>/runs/<date>_<time>_<id>``: ``<id>`` (:func:`run_id`) is random per process, so that runs started
+    in the same second (a sweep launched by a script) never share a folder. Multirun folders are named the same way.
+
+Resuming a local run
+    ``nats-train resume=<run folder>`` (or ``resume=latest``: the newest folder under ``logs/train/runs`` that holds
+    a checkpoint) runs again with the overrides the run was started with (``<run>/.hydra/overrides.yaml``) plus any
+    given after ``resume=``, in the same folder, with ``ckpt_path=auto``: it continues from the folder's newest
+    checkpoint. Every run says which: "resuming from <file> at step N" or "no checkpoint in <folder>: starting
+    fresh". A checkpoint that cannot be read stops the run with a message naming the file and what to do.
+
+Failed runs
+    A run that raises writes ``failed.json`` (error, type, traceback) into its folder; ``experiments/collect.py``
+    lists it as failed with its error. A later successful (resumed) run removes it.
+
 ``metrics.json``
     :func:`write_metrics` writes the final metrics (validation loss, perplexity, KV density for NAtS, ...) and
     the run's size (steps, processes, accumulation, tokens seen) into the run folder, atomically, on rank 0;
@@ -39,6 +54,84 @@ warnings.filterwarnings("ignore", category=UserWarning,
 
 AUTO = "auto"
 METRICS_FILE = "metrics.json"
+FAILED_FILE = "failed.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from (truncated, corrupt, not a checkpoint)."""
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The optimizer step a Lightning checkpoint was saved at (``global_step``), reading it memory-mapped (cheap
+    for large files). Raises :class:`CheckpointError` naming the file, what is wrong and what to do."""
+    import torch
+
+    path = Path(path)
+    folder = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    others = sorted({p for p in [*folder.glob("*.ckpt"), *folder.glob("checkpoints/*.ckpt")]
+                     if p.is_file() and p.resolve() != path.resolve()})
+    advice = (f"Move it away or delete it, then resume from another checkpoint with ckpt_path=<file>"
+              f"{' (this run has ' + ', '.join(p.name for p in others) + ')' if others else ''}, or start fresh "
+              f"with ckpt_path=null.")
+    try:
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to read is the same problem for the user
+        size = path.stat().st_size if path.exists() else 0
+        first = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"cannot resume from {path} ({size:,} bytes): it is not a readable checkpoint "
+            f"({type(err).__name__}: {first[:200]}). It may be truncated or corrupt, e.g. written by a run that "
+            f"was killed while saving. {advice}"
+        ) from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"cannot resume from {path}: it holds no Lightning training state "
+                              f"(no 'state_dict'). {advice}")
+    return int(ckpt.get("global_step", 0))
+
+
+def latest_run(runs_dir: str | os.PathLike) -> Path:
+    """The most recently modified run folder under ``runs_dir`` that holds a checkpoint to resume from."""
+    runs_dir = Path(runs_dir)
+    runs = [d for d in runs_dir.iterdir() if d.is_dir() and checkpoint_candidates(d)] if runs_dir.is_dir() else []
+    if not runs:
+        raise FileNotFoundError(f"resume=latest: no run folder with a checkpoint under {runs_dir}; pass the run "
+                                f"folder itself (resume=logs/train/runs/<date>_<time>_<id>)")
+    return max(runs, key=lambda d: max(p.stat().st_mtime_ns for p in checkpoint_candidates(d)))
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def resume_argv(argv: list[str], runs_dir: str | os.PathLike) -> list[str]:
+    """Command-line arguments with ``resume=<run folder>`` (or ``resume=latest``) replaced by the run's own
+    overrides (``<run>/.hydra/overrides.yaml``), the given ones (which win over the saved ones of the same key),
+    ``hydra.run.dir=<run folder>`` and ``ckpt_path=auto``. Without ``resume=``: ``argv`` unchanged."""
+    import yaml
+
+    values = [a.split("=", 1)[1] for a in argv if a.startswith("resume=")]
+    if not values:
+        return argv
+    if len(values) > 1:
+        raise ValueError(f"resume= given {len(values)} times: {values}; give one run folder")
+    if any(a in ("-m", "--multirun") for a in argv):
+        raise ValueError("resume= resumes one run and cannot be combined with -m/--multirun; a multirun job "
+                         "resumes with hydra.run.dir=<its folder> ckpt_path=auto, or rerun the sweep")
+    folder = latest_run(runs_dir) if values[0] == "latest" else Path(values[0])
+    saved_file = folder / ".hydra" / "overrides.yaml"
+    if not saved_file.is_file():
+        raise FileNotFoundError(
+            f"resume={values[0]}: {saved_file} not found, so {folder} is not the folder of a nats-train run. "
+            f"Pass a run folder (logs/train/runs/<date>_<time>_<id>), or resume a checkpoint file directly "
+            f"with ckpt_path=<file> (new run folder, same step)")
+    given = [a for a in argv if not a.startswith("resume=")]
+    given_keys = {_override_key(a) for a in given if "=" in a and not a.startswith("-")}
+    saved = [str(o) for o in (yaml.safe_load(saved_file.read_text()) or [])]
+    kept = [o for o in saved if _override_key(o) not in given_keys | {"ckpt_path", "hydra.run.dir"}]
+    if "hydra.run.dir" in given_keys:
+        raise ValueError("resume= sets hydra.run.dir to the run folder; do not give both")
+    extra = [] if "ckpt_path" in given_keys else ["ckpt_path=auto"]
+    return kept + given + extra + [f"hydra.run.dir={folder}"]
 
 
 def checkpoint_candidates(output_dir: str | os.PathLike) -> list[Path]:
@@ -124,9 +217,12 @@ def lightning_handles_requeue(trainer: Any) -> Iterator[bool]:
 
 def write_metrics(output_dir: str | os.PathLike, metrics: Mapping[str, float], **info: Any) -> Path:
     """Write ``{"metrics": {...}, **info}`` to ``<output_dir>/metrics.json`` atomically; returns the path."""
-    path = Path(output_dir) / METRICS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"metrics": {k: float(v) for k, v in sorted(metrics.items())}, **info}
+    return _write_json(Path(output_dir) / METRICS_FILE, payload)
+
+
+def _write_json(path: Path, payload: Mapping[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
@@ -134,6 +230,20 @@ def write_metrics(output_dir: str | os.PathLike, metrics: Mapping[str, float], *
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write_failure(output_dir: str | os.PathLike, err: BaseException) -> Path:
+    """Record a failed run: ``<output_dir>/failed.json`` with the error, its type and the traceback."""
+    import traceback
+
+    payload = {"error": str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
+               "type": type(err).__name__,
+               "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))}
+    return _write_json(Path(output_dir) / FAILED_FILE, payload)
+
+
+def clear_failure(output_dir: str | os.PathLike) -> None:
+    (Path(output_dir) / FAILED_FILE).unlink(missing_ok=True)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> dict[str, Any] | None:

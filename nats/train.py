@@ -2,12 +2,18 @@
 
     nats-train                                   # small model on the embedded Gutenberg corpus, CPU
     nats-train experiment=pg19_gpt2_dense trainer=ddp data.path=/data/pg19
-    nats-train ckpt_path=/path/to/last.ckpt      # resume exactly
+    nats-train resume=logs/train/runs/<run>       # resume an interrupted run in its folder (or resume=latest)
+    nats-train ckpt_path=/path/to/last.ckpt      # start a new run folder from that checkpoint's exact state
     nats-train -m hydra/launcher=submitit_slurm experiment=pg19_gpt2_nats ...   # SLURM (see slurm/README.md)
 """
 from __future__ import annotations
 
+import difflib
+import inspect
+import logging
 import math
+import os
+import sys
 
 import hydra
 from hydra.errors import InstantiationException
@@ -15,9 +21,11 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from nats.runs import cluster_plugins, lightning_handles_requeue, resolve_ckpt_path, write_metrics
+from nats.runs import (AUTO, checkpoint_step, clear_failure, cluster_plugins, lightning_handles_requeue,
+                       resolve_ckpt_path, resume_argv, write_failure, write_metrics)
 from nats.utils import CONF_DIR, grad_accumulation, world_size_of
 
+log = logging.getLogger(__name__)
 
 
 def compose_config(overrides: list[str], config_name: str = "train") -> DictConfig:
@@ -29,15 +37,40 @@ def compose_config(overrides: list[str], config_name: str = "train") -> DictConf
         return compose(config_name=config_name, overrides=list(overrides))
 
 
-def instantiate(node, **kwargs):
+def instantiate(node, key: str | None = None, **kwargs):
     """hydra.utils.instantiate, but a configuration mistake raised by our own code (ValueError, TypeError,
-    FileNotFoundError: an unknown attention name, a window < 1, ...) surfaces as itself, not wrapped."""
+    FileNotFoundError: an unknown attention name, a window < 1, ...) surfaces as itself, not wrapped, and an
+    option the target does not take (a mistyped `+trainer.max_step=...`) names the valid ones."""
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as err:
-        if isinstance(err.__cause__, (ValueError, TypeError, FileNotFoundError)):
-            raise err.__cause__ from None
+        cause = err.__cause__
+        if isinstance(cause, TypeError) and "unexpected keyword argument" in str(cause):
+            raise TypeError(_unknown_option_message(node, key, cause, kwargs)) from None
+        if isinstance(cause, (ValueError, TypeError, FileNotFoundError)):
+            raise cause from None
         raise
+
+
+def _unknown_option_message(node, key: str | None, cause: TypeError, given: dict) -> str:
+    """'trainer has no option max_step (did you mean max_steps?); its options: ...'"""
+    target = node.get("_target_") if hasattr(node, "get") else None
+    bad = str(cause).rsplit("argument", 1)[-1].strip().strip("'\"")
+    options: list[str] = []
+    try:
+        obj = hydra.utils.get_object(target)
+        sig = inspect.signature(obj.__init__ if inspect.isclass(obj) else obj)
+        options = [n for n, p in sig.parameters.items()
+                   if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in given]
+    except Exception:  # noqa: BLE001 - the message is still useful without the list
+        pass
+    where = key or target or "the config"
+    close = difflib.get_close_matches(bad, options, n=1)
+    hint = f" (did you mean {where}.{close[0]}?)" if close else ""
+    listed = f"; its options: {', '.join(options)}" if options else ""
+    return (f"{where} ({target}) has no option {bad!r}{hint}{listed}. Fix or remove the override "
+            f"{where}.{bad}=... (a `+` in front adds a key the config does not have, it does not make the "
+            f"target accept it)")
 
 
 def build(cfg: DictConfig):
@@ -54,13 +87,13 @@ def build(cfg: DictConfig):
             f"data.block_size={data_len} is longer than model.block_size={model_len}: the model cannot attend "
             f"that far. Set data.block_size <= {model_len} or train a model with model.block_size={data_len}."
         )
-    datamodule: L.LightningDataModule = instantiate(cfg.data)
-    module: L.LightningModule = instantiate(cfg.module, _convert_="all")
-    callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+    datamodule: L.LightningDataModule = instantiate(cfg.data, "data")
+    module: L.LightningModule = instantiate(cfg.module, "module", _convert_="all")
+    callbacks = [instantiate(c, f"callbacks.{k}") for k, c in (cfg.get("callbacks") or {}).items() if c is not None]
+    loggers = [instantiate(c, f"logger.{k}") for k, c in (cfg.get("logger") or {}).items() if c is not None]
     plugins = cluster_plugins(cfg.get("auto_requeue", True))  # SLURM: requeue on submitit's signal
-    trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer,
+    trainer: L.Trainer = instantiate(
+        cfg.trainer, "trainer",
         accumulate_grad_batches=accum,
         val_check_interval=cfg.eval_every * accum,  # counted in micro-batches
         check_val_every_n_epoch=None,
@@ -93,8 +126,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
     datamodule, module, trainer = build(cfg)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)  # "auto": the run folder's newest
-    if ckpt_path is not None and cfg.get("ckpt_path") == "auto" and trainer.is_global_zero:
-        print(f"resuming from {ckpt_path} (ckpt_path=auto; ckpt_path=null starts from scratch)")
+    if ckpt_path is not None:
+        step = checkpoint_step(ckpt_path)  # a truncated or corrupt file stops here, with what to do
+        if trainer.is_global_zero:
+            log.info(f"resuming from {ckpt_path} at step {step}")
+    elif cfg.get("ckpt_path") == AUTO and trainer.is_global_zero:
+        log.info(f"no checkpoint in {cfg.paths.output_dir}: starting fresh")
+    if trainer.is_global_zero:
+        clear_failure(cfg.paths.output_dir)
     with lightning_handles_requeue(trainer):  # SLURM: Lightning saves hpc_ckpt_<n>.ckpt, then requeues
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
@@ -105,9 +144,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if "val/ppl" not in metrics and "val/loss" in metrics:
             metrics["val/ppl"] = math.exp(metrics["val/loss"])
         if hasattr(datamodule, "unigram_perplexity"):
-            print(f"unigram_ppl {datamodule.unigram_perplexity('validation'):.2f}")
-        print(f"val_loss {metrics.get('val/loss', float('nan')):.4f}")
-        print(f"val_ppl {metrics.get('val/ppl', float('nan')):.2f}")
+            log.info(f"unigram_ppl {datamodule.unigram_perplexity('validation'):.2f}")
+        log.info(f"val_loss {metrics.get('val/loss', float('nan')):.4f}")
+        log.info(f"val_ppl {metrics.get('val/ppl', float('nan')):.2f}")
         write_metrics(cfg.paths.output_dir, metrics, global_step=int(trainer.global_step),
                       world_size=int(trainer.world_size), accumulate_grad_batches=int(trainer.accumulate_grad_batches),
                       micro_batch_size=int(cfg.data.micro_batch_size), global_batch_size=int(cfg.global_batch_size),
@@ -118,11 +157,34 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def _hydra_main(cfg: DictConfig) -> float | None:
     if cfg.get("print_config"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
-    metrics = run(cfg)
+    try:
+        metrics = run(cfg)
+    except BaseException as err:  # record it in the run folder (failed.json) and the run's log, then fail
+        if not isinstance(err, (KeyboardInterrupt, SystemExit)):
+            try:
+                path = write_failure(cfg.paths.output_dir, err)
+                log.error(f"run failed ({type(err).__name__}); error and traceback in {path}")
+            except Exception:  # noqa: BLE001 - never hide the original error
+                pass
+        raise
     return metrics.get("val/loss")  # for Hydra sweepers that optimise a value
+
+
+def main() -> float | None:
+    """`nats-train`: a Hydra app; ``resume=<run folder>`` (or ``resume=latest``) first becomes that run's own
+    overrides + ``hydra.run.dir=<run folder>`` + ``ckpt_path=auto`` (nats.runs.resume_argv)."""
+    runs_dir = os.path.join(os.environ.get("PROJECT_ROOT", "."), "logs", "train", "runs")
+    try:
+        argv = resume_argv(sys.argv[1:], runs_dir)
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"nats-train: {err}")
+    if argv != sys.argv[1:]:
+        print(f"resume: nats-train {' '.join(argv)}", flush=True)
+        sys.argv = [sys.argv[0], *argv]
+    return _hydra_main()
 
 
 if __name__ == "__main__":

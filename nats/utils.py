@@ -1,9 +1,29 @@
 """Small helpers shared by the entry points."""
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the Hydra config tree of the checkout
+_RUN_ID = uuid.uuid4().hex[:6]
+
+
+def run_id() -> str:
+    """A random id, fixed for this process: the suffix of run and multirun folder names (``${run_id:}`` in
+    conf/hydra/default.yaml), so that two runs started in the same second get different folders."""
+    return _RUN_ID
+
+
+def register_resolvers() -> None:
+    """Register ``${run_id:}`` with OmegaConf (idempotent). Done on import: every Hydra entry point imports
+    CONF_DIR from here before it composes a config."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
+
+
+register_resolvers()
 
 
 def grad_accumulation(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:

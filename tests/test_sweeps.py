@@ -239,17 +239,20 @@ def test_collect_dense_seeds_eval_and_unfinished(tmp_path):
                  {"method": "h2o", "label": "h2o", "budget": "0.25", "ppl": "30.0", "area": "0.25"}]
     fake_run(root, "dense/s1", {"name": "dense", "output_gate": "none"}, 1, {"val/loss": 2.9}, eval_rows)
     fake_run(root, "nats/l3_s1", {"name": "nats", "window": 16, "sparsity_lambda": 3.0}, 1, None)  # still running
+    crashed = fake_run(root, "nats/l10_s1", {"name": "nats", "window": 16, "sparsity_lambda": 10.0}, 1, None)
+    (crashed / "failed.json").write_text(json.dumps({"error": "CUDA out of memory", "type": "OutOfMemoryError"}))
     rows = collect.main([str(root)])
-    assert len(rows) == 6
+    assert len(rows) == 7
     dense = next(r for r in rows if r["attention"] == "dense")
     assert dense["kv_fraction"] == 1.0 and dense["val_ppl"] == pytest.approx(math.exp(2.9))
     running = next(r for r in rows if r["lambda"] == 3.0)
-    assert running["status"] == "running/failed"
+    assert running["status"] == "running"
+    assert next(r for r in rows if r["lambda"] == 10.0)["status"] == "failed: CUDA out of memory"
     means = collect.seed_means(rows)
     l01 = next(m for m in means if m["lambda"] == 0.1)
     assert l01["seeds"] == 2 and l01["val_ppl"] == pytest.approx(20.1) and l01["kv_fraction"] == pytest.approx(0.2)
     md = (root / "runs.md").read_text()
-    assert "Mean over seeds" in md and md.count("| running/failed |") == 1
+    assert "Mean over seeds" in md and md.count("| running |") == 1 and md.count("| failed: CUDA out of memory |") == 1
     with open(root / "eval.csv", newline="") as f:
         ev = list(csv.DictReader(f))
     assert [e["method"] for e in ev] == ["full", "h2o"] and ev[0]["attention"] == "dense"

@@ -1,0 +1,127 @@
+"""The run folder as a user meets it through `nats-train` (issue 14): one folder per run whatever the launch timing,
+`resume=<run folder>` / `resume=latest` continuing an interrupted run in its folder, a corrupt checkpoint stopping
+with the project's own message and a `failed.json`, the run's log in `train.log`, the progress bar counting
+optimizer steps, and a mistyped option naming the valid ones."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA_DIR, REPO, compose
+from nats.runs import CheckpointError, checkpoint_step, resume_argv
+from nats.train import build
+
+sys.path.insert(0, str(REPO / "experiments"))
+import collect  # noqa: E402  (experiments/collect.py)
+
+NATS_TRAIN = str(Path(sys.executable).parent / "nats-train")
+SMALL = ["model.block_size=32", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.max_eval_windows=4",
+         "data.micro_batch_size=2", "global_batch_size=4", "eval_every=2", "logger=none",
+         "callbacks.throughput=null", "final_validation=false", f"paths.data_dir={DATA_DIR}"]
+
+
+def nats_train(args: list[str], root: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PROJECT_ROOT=str(root), OMP_NUM_THREADS="1")
+    res = subprocess.run([NATS_TRAIN, *args], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    if check:
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def test_runs_started_together_get_their_own_folders(tmp_path):
+    """Two `nats-train` processes started at the same moment (a sweep script) must not share a run folder: the
+    name is <date>_<time>_<id>, the id random per process. Both runs stop at once on a bad setting, after Hydra
+    made their folders; each folder records its own failure."""
+    env = dict(os.environ, PROJECT_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
+    cmd = [NATS_TRAIN, *SMALL, "eval_every=0"]
+    procs = [subprocess.Popen([*cmd, f"seed={s}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=tmp_path) for s in (1, 2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode != 0 and "eval_every must be >= 1" in err
+    runs = sorted((tmp_path / "logs" / "train" / "runs").iterdir())
+    assert len(runs) == 2
+    seeds = sorted((r / ".hydra" / "overrides.yaml").read_text().split("seed=")[1].strip() for r in runs)
+    assert seeds == ["1", "2"]
+    assert all(json.loads((r / "failed.json").read_text())["type"] == "ValueError" for r in runs)
+
+
+def test_resume_latest_continues_in_the_run_folder_and_a_corrupt_checkpoint_fails_clearly(tmp_path):
+    first = nats_train([*SMALL, "trainer.max_steps=2", "seed=7"], tmp_path)
+    assert "starting fresh" in first.stdout
+    (run_dir,) = (tmp_path / "logs" / "train" / "runs").iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert "val_ppl" in log and "starting fresh" in log and "max_steps=2" in log  # ours and Lightning's messages
+
+    # resume=latest: the run's own overrides (seed=7 ...), a larger max_steps, the same folder
+    second = nats_train(["resume=latest", "trainer.max_steps=4"], tmp_path)
+    assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'} at step 2" in second.stdout
+    assert list((tmp_path / "logs" / "train" / "runs").iterdir()) == [run_dir]
+    info = json.loads((run_dir / "metrics.json").read_text())
+    assert info["global_step"] == 4 and info["resumed_from"].endswith("last.ckpt")
+    assert "seed=7" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+
+    # a truncated last.ckpt: the project's message (file, what, what to do), no torch advice, failed.json
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    ckpt.write_bytes(ckpt.read_bytes()[:5000])
+    third = nats_train([f"resume={run_dir}", "trainer.max_steps=6"], tmp_path, check=False)
+    err = third.stdout + third.stderr
+    assert third.returncode != 0
+    assert f"cannot resume from {ckpt}" in err and "truncated or corrupt" in err and "ckpt_path=null" in err
+    assert "weights_only" not in err
+    failed = json.loads((run_dir / "failed.json").read_text())
+    assert failed["type"] == "CheckpointError" and "Traceback" in failed["traceback"]
+    (row,) = collect.collect([run_dir])
+    assert row["status"].startswith("failed: cannot resume from")
+
+
+def test_resume_argv_merges_the_saved_overrides(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- model/attention=nats\n- trainer.max_steps=100\n- seed=3\n")
+    argv = resume_argv([f"resume={run_dir}", "trainer.max_steps=200"], tmp_path)
+    assert argv == ["model/attention=nats", "seed=3", "trainer.max_steps=200", "ckpt_path=auto",
+                    f"hydra.run.dir={run_dir}"]
+    assert resume_argv(["seed=1"], tmp_path) == ["seed=1"]  # no resume=: unchanged
+    with pytest.raises(FileNotFoundError, match="not the folder of a nats-train run"):
+        resume_argv([f"resume={tmp_path / 'nope'}"], tmp_path)
+    with pytest.raises(FileNotFoundError, match="no run folder with a checkpoint"):
+        resume_argv(["resume=latest"], tmp_path / "runs")
+    with pytest.raises(ValueError, match="multirun"):
+        resume_argv([f"resume={run_dir}", "-m"], tmp_path)
+
+
+def test_checkpoint_step_reports_garbage_with_the_fix(tmp_path):
+    bad = tmp_path / "checkpoints" / "last.ckpt"
+    bad.parent.mkdir()
+    bad.write_bytes(b"not a checkpoint")
+    (tmp_path / "checkpoints" / "best-step2.ckpt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"last.ckpt \(16 bytes\).*best-step2.ckpt.*ckpt_path=null"):
+        checkpoint_step(bad)
+
+
+def test_progress_bar_counts_optimizer_steps(tmp_path):
+    """4 micro-batches per optimizer step: the stock TQDM bar would end at 12 micro-batches (of a total of 3)."""
+    cfg = compose([*SMALL, "global_batch_size=8", "trainer.max_steps=3", "eval_every=3",
+                   "callbacks.progress_bar.refresh_rate=1", "ckpt_path=null"], tmp_path)
+    datamodule, module, trainer = build(cfg)
+    trainer.fit(module, datamodule=datamodule)
+    (bar,) = [c for c in trainer.callbacks if type(c).__name__ == "StepProgressBar"]
+    assert trainer.accumulate_grad_batches == 4 and trainer.global_step == 3
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (3, 3)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+trainer.max_step=4", r"trainer \(lightning.*Trainer\) has no option 'max_step' \(did you mean trainer.max_steps\?\)"),
+    ("+callbacks.progress_bar.refresh=4",
+     r"callbacks.progress_bar \(nats.callbacks.StepProgressBar\) has no option 'refresh' \(did you mean "
+     r"callbacks.progress_bar.refresh_rate\?\)"),
+])
+def test_mistyped_option_names_the_valid_ones(override, message, tmp_path):
+    with pytest.raises(TypeError, match=message):
+        build(compose([*SMALL, override], tmp_path))
