@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import os
 import tempfile
@@ -43,6 +44,8 @@ from nats.cache.registry import get_cache_class
 from nats.functional import budget_fractions
 from nats.models.gpt import GPT, GPTConfig
 from nats.utils import CONF_DIR
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 OUTPUT_FILES = ("results.csv", "results.json", "results.md", "ppl_vs_area.png", "ppl_vs_peak.png",
@@ -260,7 +263,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     model = model.to(device=device, dtype=DTYPES[cfg.get("precision", "float32")]).eval()
     loader = torch.utils.data.DataLoader(dataset, batch_size=int(cfg.batch_size), shuffle=False)
     for note in notes:
-        print(f"note: {note}")
+        log.info(f"note: {note}")
     results = []
     t0 = time.time()
     with tqdm(total=len(runs) * len(loader), desc="nats-eval", disable=not cfg.get("progress", True),
@@ -370,8 +373,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate and write the outputs to ${paths.output_dir}; returns the report (with `outputs`)."""
     report = evaluate(cfg)
     paths = write_outputs(report, cfg.paths.output_dir)
-    print(markdown_table(report))
-    print(f"outputs in {Path(cfg.paths.output_dir).resolve()}")
+    log.info(markdown_table(report))  # on the console and in the run's eval.log
+    log.info(f"outputs in {Path(cfg.paths.output_dir).resolve()}")
     report["outputs"] = {k: str(v) for k, v in paths.items()}
     return report
 

@@ -138,6 +138,7 @@ def test_cli_with_defaults(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| nats |" in proc.stdout and "| h2o (sequential) | 32 |" in proc.stdout
     assert all((out / name).is_file() for name in OUTPUT_FILES)
+    assert "| h2o (sequential) | 32 |" in (out / "eval.log").read_text()  # the run's log, not an empty file
 
 
 # ----------------------------------------------------------------------------------------------------
