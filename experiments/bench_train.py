@@ -25,6 +25,8 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def peak_flops() -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
     name = torch.cuda.get_device_name()
     for key, value in PEAK_BF16.items():
         if key in name:
@@ -71,22 +73,36 @@ def profile_table(step, n_steps: int = 3) -> str:
 
 def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compile: bool, pos_emb: str = "rope",
           compile_mode: str | None = None, clip: bool = True, lse_ce: bool = False, profile: bool = False,
-          accum: int = 1, fused_ce: bool = False) -> dict:
+          accum: int = 1, fused_ce: bool = False, model_cfg: dict | None = None, device: str | None = None) -> dict:
+    """One configuration's isolated step. `model_cfg`: a whole `GPTConfig` as a dict (e.g. an experiment's
+    `model` node; then attention, seq, pos_emb, lse_ce and fused_ce are taken from it, block_size = seq).
+    `device`: cuda (default when present; bf16 autocast, fused AdamW, CUDA events) or cpu (fp32, wall clock)."""
     torch.manual_seed(0)
-    config = GPTConfig(attention=attention, block_size=seq, pos_emb=pos_emb,  # GPT-2-small defaults
-                       lse_cross_entropy=lse_ce, fused_cross_entropy=fused_ce)
-    model = GPT(config).cuda()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device == "cuda"
+    if model_cfg is not None:
+        config = GPTConfig.from_dict({**model_cfg, "block_size": max(seq, model_cfg.get("block_size", seq))})
+        attention, pos_emb = dict(config.attention), config.pos_emb
+        lse_ce, fused_ce = config.lse_cross_entropy, config.fused_cross_entropy
+    else:
+        config = GPTConfig(attention=attention, block_size=seq, pos_emb=pos_emb,  # GPT-2-small defaults
+                           lse_cross_entropy=lse_ce, fused_cross_entropy=fused_ce)
+    model = GPT(config).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=6e-4, betas=(0.9, 0.95), fused=True)
+                            lr=6e-4, betas=(0.9, 0.95), fused=cuda or None)
     fwd = torch.compile(model, mode=compile_mode) if compile else model
-    x = torch.randint(0, 50257, (batch, seq + 1), device="cuda")
+    x = torch.randint(0, min(50257, config.vocab_size), (batch, seq + 1), device=device)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
 
     def step():
         for _ in range(accum):  # gradient accumulation: `accum` micro-batches per optimizer step
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
                 out = fwd(inp, tgt)
                 loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
             (loss / accum).backward()
@@ -97,17 +113,25 @@ def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compil
         return loss
 
     t0 = time.time()
-    for _ in range(warmup):
+    first_s = None
+    for i in range(warmup):
         step()
-    torch.cuda.synchronize()
+        if i == 0:
+            sync()
+            first_s = time.time() - t0  # the first step: compilation
+    sync()
     compile_s = time.time() - t0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t1 = time.perf_counter()
     for _ in range(steps):
         loss = step()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / steps / accum  # per micro-batch
+    if cuda:
+        end.record()
+    sync()
+    elapsed_ms = start.elapsed_time(end) if cuda else (time.perf_counter() - t1) * 1e3
+    ms = elapsed_ms / steps / accum  # per micro-batch
     tokens_per_s = batch * seq / (ms / 1e3)
     mfu = tokens_per_s * model.flops_per_token(seq) / peak_flops()
     prof = profile_table(step) if profile else None
@@ -116,7 +140,8 @@ def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compil
                 + ("/lse-ce" if lse_ce else "") + ("/fused-ce" if fused_ce else "")
                 + (f"/accum{accum}" if accum > 1 else ""),
                 batch=batch, seq=seq, ms_per_step=ms, tokens_per_s=tokens_per_s,
-                mfu=mfu, loss=float(loss), warmup_s=compile_s, max_mem_gb=torch.cuda.max_memory_allocated() / 2**30,
+                mfu=mfu, loss=float(loss.detach()), warmup_s=compile_s, first_step_s=first_s,
+                max_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
                 params_m=model.num_params() / 1e6)
 
 
