@@ -127,6 +127,10 @@ def recompiles(stderr: str) -> dict:
 
 def run_nats_train(exp: str, args, workdir: Path) -> dict:
     run_dir = workdir / exp
+    saved = run_dir / "bench_result.json"
+    if args.reuse and saved.is_file():  # measured by an earlier call (e.g. one device call per phase)
+        print(f"reusing {saved}", flush=True)
+        return json.loads(saved.read_text())
     if run_dir.exists():
         import shutil
 
@@ -156,6 +160,7 @@ def run_nats_train(exp: str, args, workdir: Path) -> dict:
            "model": OmegaConf.to_container(cfg.model, resolve=True)}
     if timer:
         res["startup_s"] = timer["fit_start_unix"] - t0
+    saved.write_text(json.dumps(res, indent=1, default=str) + "\n")
     return res
 
 
@@ -239,6 +244,10 @@ def main() -> None:
     ap.add_argument("--machine", default=None, help="names the result files (default: from the GPU name)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results"))
     ap.add_argument("--workdir", default=None, help="run folders (default <out>/bench_nats_train_runs)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="read the nats-train results of runs already in --workdir (bench_result.json) instead of "
+                         "running them again: e.g. a first call with --no-isolated, a second with --reuse")
+    ap.add_argument("--no-table", action="store_true", help="measure only (with --no-isolated: the first phase)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per nats-train run")
     args = ap.parse_args()
     small = args.smoke
@@ -267,6 +276,8 @@ def main() -> None:
         for res in results:
             res["isolated"] = run_isolated(res, args)
             print(json.dumps({"experiment": res["experiment"], "isolated": res["isolated"]}), flush=True)
+    if args.no_table:
+        return
     table = report(results, args, machine, device)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"bench_nats_train_{machine}.md").write_text(table)
