@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
-from nats.cache.decode import SUPPORTED_CORES, policy_logits
+from nats.attention.registry import decodable_attention
+from nats.cache.decode import policy_logits
 from nats.cache.registry import get_cache_class
 from nats.functional import budget_fractions
 from nats.models.gpt import GPT, GPTConfig
@@ -82,11 +83,12 @@ def load_checkpoint(path: str | os.PathLike | None) -> tuple[GPT, dict[str, Any]
     except (TypeError, ValueError) as err:
         raise ValueError(f"ckpt_path={path}: its model config is not a nats GPTConfig ({err}); {_TRAIN_HINT}") from err
     name = config.attention.get("name")
-    if name not in SUPPORTED_CORES or not config.causal or config.n_out is not None:
+    supported = decodable_attention()  # the cores that declare a decode_policy
+    if name not in supported or not config.causal or config.n_out is not None:
         raise ValueError(
             f"ckpt_path={path} holds a model of another architecture (attention {name!r}, causal={config.causal}, "
             f"n_out={config.n_out}): nats-eval evaluates causal language models with attention "
-            f"{' or '.join(SUPPORTED_CORES)} (model/attention=dense or model/attention=nats)"
+            f"{' or '.join(supported)} (model/attention=dense or model/attention=nats)"
         )
     model = GPT(config)
     weights = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}

@@ -12,6 +12,8 @@ class DenseAttention(AttentionCore):
     (e.g. cuDNN attention on Hopper), use `torch.nn.attention.sdpa_kernel` around training or
     `experiments/bench_train.py --sdpa cudnn` to measure it."""
 
+    decode_policy = "full"  # every key kept: the full KV cache reproduces it
+
     def __init__(self, dims: AttentionDims):
         super().__init__(dims)
 

@@ -31,6 +31,8 @@ def kv_stats(types: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
 
 @register_attention("nats")
 class NAtSAttention(AttentionCore):
+    decode_policy = "nats"  # the NAtS KV cache with the scorer's types reproduces the eval forward
+
     def __init__(
         self,
         dims: AttentionDims,

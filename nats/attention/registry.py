@@ -8,6 +8,14 @@ projections, RoPE, the optional output gate, the output projection) lives in `na
 
 A core may return an auxiliary loss (added to the training loss, e.g. NAtS' sparsity term) and scalar
 statistics (logged per layer, e.g. KV density).
+
+What a core supports is declared on its class (read by the model, the KV-cache decoder and nats-eval, and
+checked for every registered core by tests/test_contract_attention.py):
+
+* ``supports_gqa``: accepts fewer KV heads than query heads (``n_kv_head < n_head``);
+* ``decode_policy``: the KV-cache policy (``nats.cache``) that reproduces the core's forward token by token,
+  e.g. ``"full"`` for dense softmax attention; ``None`` when the cache policies cannot run a model with this
+  core (``nats.cache.decode`` and ``nats-eval`` refuse it). ``decodable`` is ``decode_policy is not None``.
 """
 from __future__ import annotations
 
@@ -45,10 +53,17 @@ class AttentionCore(nn.Module):
     """Base class. Subclasses take `dims: AttentionDims` first, then their own config keys."""
 
     name: str = "?"
+    supports_gqa: bool = True  # accepts n_kv_head < n_head (grouped-query attention)
+    decode_policy: str | None = None  # the KV-cache policy that reproduces this core token by token (None: none)
 
     def __init__(self, dims: AttentionDims):
         super().__init__()
         self.dims = dims
+
+    @classmethod
+    def decodable(cls) -> bool:
+        """Whether the KV-cache policies (nats.cache) can decode a model with this core."""
+        return cls.decode_policy is not None
 
     def forward(self, q, k, v, x) -> AttentionOutput:  # pragma: no cover - interface
         raise NotImplementedError
@@ -63,11 +78,19 @@ register_attention = ATTENTIONS.register
 available_attention = ATTENTIONS.names
 
 
+def decodable_attention() -> list[str]:
+    """The registered cores that KV-cache decoding supports (``decode_policy`` set on the class)."""
+    return [name for name in available_attention() if ATTENTIONS.get(name).decodable()]
+
+
 def build_attention(cfg: Mapping[str, Any], dims: AttentionDims) -> AttentionCore:
     """Build the core named by `cfg["name"]` with the remaining keys of `cfg` as keyword arguments."""
     cfg = dict(cfg)
     cls = ATTENTIONS.get(cfg.pop("name", None))
     name = cls.name
+    if dims.n_kv_head != dims.n_head and not cls.supports_gqa:
+        raise ValueError(f"attention {name!r} does not support grouped-query attention (n_kv_head={dims.n_kv_head} "
+                         f"< n_head={dims.n_head}): set model.n_kv_head=null")
     try:
         return cls(dims, **cfg)
     except TypeError as err:

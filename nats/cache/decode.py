@@ -10,8 +10,8 @@ model's own types reproduces the model's parallel forward.
     step_logits = decode_step(model, caches, idx[:, P], P)   # [B, V]
     out = generate(model, idx, 50, policy="h2o", budget=256) # [B, T + 50]
 
-Supported models: causal language models whose attention core is ``dense`` or ``nats`` (any output gate,
-RoPE or learned positions, GQA). Positions are the original ones, so a sequence cannot outgrow the model's
+Supported models: causal language models whose attention core declares a ``decode_policy`` (``dense``,
+``nats``: see `nats.attention.registry.AttentionCore`; any output gate, RoPE or learned positions, GQA). Positions are the original ones, so a sequence cannot outgrow the model's
 block_size.
 """
 from __future__ import annotations
@@ -22,12 +22,11 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from nats.attention.registry import ATTENTIONS, decodable_attention
 from nats.cache.base import LayerCache
 from nats.cache.registry import get_cache_class
 
-SUPPORTED_CORES = ("dense", "nats")
-
-__all__ = ["SUPPORTED_CORES", "check_model", "make_caches", "prefill", "decode_step", "policy_logits", "generate",
+__all__ = ["check_model", "make_caches", "prefill", "decode_step", "policy_logits", "generate",
            "eval_mode"]
 
 
@@ -37,11 +36,12 @@ def check_model(model) -> None:
     if config is None or not hasattr(model, "blocks"):
         raise TypeError(f"expected a nats.models.gpt.GPT, got {type(model).__name__}")
     name = config.attention.get("name")
-    if name not in SUPPORTED_CORES:
+    if not ATTENTIONS.get(name).decodable():
+        supported = decodable_attention()
         raise ValueError(
-            f"KV-cache decoding supports GPT models with attention {SUPPORTED_CORES}; this model uses "
+            f"KV-cache decoding supports GPT models with attention {supported}; this model uses "
             f"attention {name!r}, whose attention the cache policies cannot reproduce (train with "
-            f"model/attention=dense or model/attention=nats)"
+            f"{' or '.join(f'model/attention={n}' for n in supported)})"
         )
     if not config.causal or config.n_out is not None:
         raise ValueError("KV-cache decoding needs a causal language model (model.causal=true, model.n_out=null)")
