@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from nats import functional as NF
 from nats.cache.decode import decode_step, make_caches, policy_logits, prefill
-from nats.cache.full import FullCache
+from nats.cache.policies.full import FullCache
 from nats.cache.registry import register_cache
 from nats.models.gpt import GPT, GPTConfig
 

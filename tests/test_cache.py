@@ -12,9 +12,10 @@ from nats import functional as NF
 from nats.cache import available_caches, generate, make_caches, policy_logits
 from nats.cache.attention import torch_pool_attention
 from nats.cache.decode import decode_step
-from nats.cache.h2o import H2OCache, h2o_dense_mask
-from nats.cache.nats import NAtSCache
-from nats.cache.streaming_llm import StreamingLLMCache, streaming_mask
+from nats.cache.policies.h2o import H2OCache
+from nats.cache.policies.h2o_dense import h2o_dense_mask
+from nats.cache.policies.nats import NAtSCache
+from nats.cache.policies.streaming_llm import StreamingLLMCache, streaming_mask
 from nats.models.gpt import GPT, GPTConfig
 
 V = 61
@@ -424,7 +425,7 @@ def test_budget_errors():
 
 
 def test_model_errors():
-    with pytest.raises(ValueError, match="needs a NAtS model"):
+    with pytest.raises(ValueError, match="cache policy 'nats' needs a model with nats attention"):
         make_caches(tiny({"name": "dense"}), "nats", 1, 8)
     anna = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_embd=16, attention={"name": "anna"}))
     with pytest.raises(ValueError, match="attention 'anna'"):

@@ -1,4 +1,6 @@
-"""The per-layer KV-cache interface that every policy implements.
+"""The per-layer KV-cache interface that every policy implements (:class:`LayerCache`), and :class:`SlotCache`,
+the preallocated fixed-slot storage that ``full`` and ``streaming_llm`` share. The policies themselves live in
+:mod:`nats.cache.policies`, one file each.
 
 A :class:`LayerCache` holds the keys and values of one attention layer for ``batch`` sequences, per KV head
 (GQA: the query heads of a group share their KV head's cache, and a policy that scores keys sums over the
@@ -7,8 +9,9 @@ group). Row ``r = b * Hkv + h`` is sequence b, KV head h. All sequences of a bat
 Protocol, for the decode loop of :mod:`nats.cache.decode`:
 
 * ``prefill(q, k, v, x) -> y`` from an empty cache: the layer's attention output ``[B, Hq, N, D]`` for the
-  N prompt tokens and the cache state after them. The default runs ``step`` once per position (exact for any
-  policy, inside one layer); policies with a parallel exact form override it.
+  N prompt tokens and the cache state after them. ``prefill`` checks that the cache is empty (once, here) and
+  calls ``_prefill``, whose default runs ``step`` once per position (exact for any policy, inside one layer);
+  policies with a parallel exact form override ``_prefill``.
 * ``step(q, k, v, x, pos) -> y``: one new token at position ``pos`` (LongTensor ``[1]`` on the cache's
   device); q ``[B, Hq, 1, D]``, k and v ``[B, Hkv, 1, D]`` (RoPE applied at the original position), x
   ``[B, 1, C]`` the block's normalised input (NAtS scores its type from it). Admits the token, attends over
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nats.cache.attention import resolve_backend
+from nats.cache.attention import pool_attention, resolve_backend
 
 
 class LayerCache:
@@ -41,6 +44,7 @@ class LayerCache:
     budgeted: bool = False  # takes a token budget B (spec section 7)
     decodable: bool = True  # False for eval-only approximations (prefill only)
     graph_safe: bool = True  # step() uses device tensors only (CUDA-graph capturable with the Triton backend)
+    requires_core: str | None = None  # the attention core a model must have (e.g. "nats"; None: any decodable)
 
     def __init__(self, *, batch: int, n_head: int, n_kv_head: int, head_dim: int, max_len: int,
                  device: Any = "cpu", dtype: torch.dtype = torch.float32, layer_idx: int = 0, core=None,
@@ -99,10 +103,17 @@ class LayerCache:
         return y.reshape(self.batch, self.n_head, 1, self.head_dim)
 
     # ------------------------------------------------------------------ the protocol
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
-        """Default: one `step` per position (exact, sequential inside the layer)."""
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, **kwargs: Any) -> Tensor:
+        """The prompt's attention output [B, Hq, N, D] and the cache state after it, from an empty cache."""
+        self._check_empty("prefill()")
+        return self._prefill(q, k, v, x, **kwargs)
+
+    def _check_empty(self, what: str) -> None:
         if self.t:
-            raise RuntimeError("prefill() starts from an empty cache")
+            raise RuntimeError(f"{what} starts from an empty cache")
+
+    def _prefill(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor) -> Tensor:
+        """Default: one `step` per position (exact, sequential inside the layer)."""
         N = q.shape[2]
         ys = []
         for i in range(N):
@@ -165,3 +176,39 @@ class LayerCache:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, layer={self.layer_idx}, batch={self.batch}, "
                 f"kv_heads={self.n_kv_head}, t={self.t}, budget={self.budget}, backend={self.backend!r})")
+
+
+class SlotCache(LayerCache):
+    """Preallocated ``[B, Hkv, capacity, D]`` keys and values, every row holding the same number of keys in
+    slots 0..length-1 (`full`: slot = position; `streaming_llm`: sinks, then a ring)."""
+
+    def __init__(self, capacity: int, **kwargs):
+        super().__init__(**kwargs)
+        self.capacity = capacity
+        shape = (self.batch, self.n_kv_head, capacity, self.head_dim)
+        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.start = torch.arange(self.rows, device=self.device, dtype=torch.long) * capacity
+        self.length = torch.zeros(self.rows, device=self.device, dtype=torch.long)
+
+    def _store_and_attend(self, q, k, v, slot, length):
+        """Write the new key/value at `slot`, set every row's length, attend over the held keys."""
+        self.k.index_copy_(2, slot, k)
+        self.v.index_copy_(2, slot, v)
+        self.length.copy_(length.expand(self.rows))
+        self._record(self.length)
+        self.t += 1
+        D = self.head_dim
+        max_len = self.capacity if self.backend == "triton" else min(self.t, self.capacity)
+        y = pool_attention(self._q_rows(q), self.k.view(-1, D), self.v.view(-1, D), self.start, self.length, max_len,
+                           row_stride=self.capacity, backend=self.backend)
+        return self._out(y)
+
+    def kept(self):
+        return self.length.view(self.batch, self.n_kv_head).clone()
+
+    def tensors(self):
+        return [self.k, self.v, self.start, self.length]
+
+    def kv_tensors(self):
+        return [self.k, self.v]

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from nats.attention.registry import ATTENTIONS, decodable_attention
 from nats.cache.base import LayerCache
-from nats.cache.registry import get_cache_class
+from nats.cache.registry import available_caches, get_cache_class
 
 __all__ = ["check_model", "make_caches", "prefill", "decode_step", "policy_logits", "generate",
            "eval_mode"]
@@ -82,14 +82,13 @@ def make_caches(model, policy: str, batch: int, max_len: int, *, budget: int | N
         options = {**options, "budget": int(budget)}
     elif budget is not None:
         raise ValueError(f"cache policy {policy!r} takes no budget (got budget={budget})")
-    if policy == "nats":
-        from nats.attention.nats import NAtSAttention  # noqa: PLC0415
-
-        if not all(isinstance(b.attn.core, NAtSAttention) for b in model.blocks):
-            raise ValueError(
-                f"cache policy 'nats' needs a NAtS model (model.attention.name=nats); this model uses attention "
-                f"{c.attention.get('name')!r}: evaluate it with full, streaming_llm or h2o"
-            )
+    if cls.requires_core is not None and any(b.attn.core.name != cls.requires_core for b in model.blocks):
+        others = [n for n in available_caches() if get_cache_class(n).requires_core is None]
+        raise ValueError(
+            f"cache policy {policy!r} needs a model with {cls.requires_core} attention (model.attention.name="
+            f"{cls.requires_core}); this model uses attention {c.attention.get('name')!r}: evaluate it with "
+            f"{', '.join(others)}"
+        )
     param = next(model.parameters())
     device = param.device if device is None else device
     dtype = param.dtype if dtype is None else dtype

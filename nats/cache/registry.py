@@ -1,4 +1,5 @@
-"""One registry for KV-cache policies: adding a policy is adding one file with `@register_cache`.
+"""One registry for KV-cache policies: adding a policy is adding one file to nats/cache/policies/ with
+`@register_cache` (and its conf/cache/<name>.yaml).
 
 A *policy* is a subclass of :class:`nats.cache.base.LayerCache`: the KV cache of one attention layer for a
 batch of sequences, per KV head. `build_cache(name, ...)` builds one; `nats.cache.decode.make_caches` builds one
@@ -10,10 +11,10 @@ from typing import Any
 
 from nats.registry import Registry
 
-# modules of nats.cache that hold no policy (skipped when importing every policy file)
+# every module of nats.cache.policies holds one policy
 CACHES = Registry(
-    "cache policy", "nats.cache", skip={"registry", "base", "decode", "attention", "triton_decode"},
-    hint="or add a file to nats/cache/ with @register_cache",
+    "cache policy", "nats.cache.policies", skip=set(),
+    hint="or add a file to nats/cache/policies/ with @register_cache",
 )
 CACHE_POLICIES = CACHES.entries  # name -> LayerCache subclass
 register_cache = CACHES.register

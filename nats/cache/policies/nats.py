@@ -43,6 +43,7 @@ GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
 
 @register_cache("nats")
 class NAtSCache(LayerCache):
+    requires_core = "nats"  # the types come from the layer's NAtS scorer
     """Args (besides LayerCache's): window W (default: the core's), check_every, slack, shrink_above,
     init_capacity (initial segment length per row, default check_every)."""
 
@@ -191,11 +192,10 @@ class NAtSCache(LayerCache):
         nats_evict(self._t, pos, self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.ring_valid)
         return self._out(y)
 
-    def prefill(self, q, k, v, x, types: torch.Tensor | None = None):
+    def _prefill(self, q, k, v, x, types: torch.Tensor | None = None):
         """Parallel prefill: attention with the mask of the scorer's types (the model's own eval forward), then
-        the cache state after the N tokens written directly (see :meth:`load`)."""
-        if self.t:
-            raise RuntimeError("prefill() starts from an empty cache")
+        the cache state after the N tokens written directly (see :meth:`load`); ``types`` ([B, Hkv, N]) override
+        the scorer's."""
         if types is None:
             if self.core is None:
                 raise ValueError("nats cache: prefill() without types= needs the layer's NAtS core (core=...)")
@@ -210,8 +210,7 @@ class NAtSCache(LayerCache):
         """Write the state after N tokens directly: k, v [B, Hkv, N, D], types [B, Hkv, N] (token 0 should be
         global). Kept: every global, the locals after the row's last global, and the sliding tokens of the last
         W - 1 positions. Sizes are the spec's c_i (kv_cache_sizes)."""
-        if self.t:
-            raise RuntimeError("load() starts from an empty cache")
+        self._check_empty("load()")
         B, H, N, D = k.shape
         R, W = self.rows, self.window
         t = types.reshape(R, N).to(torch.long)

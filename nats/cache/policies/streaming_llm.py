@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nats.cache.full import SlotCache
+from nats.cache.base import SlotCache
 from nats.cache.registry import register_cache
 
 
@@ -46,9 +46,7 @@ class StreamingLLMCache(SlotCache):
     def _slot(self, pos):
         return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks) % self.ring)
 
-    def prefill(self, q, k, v, x):
-        if self.t:
-            raise RuntimeError("prefill() starts from an empty cache")
+    def _prefill(self, q, k, v, x):
         N = q.shape[2]
         mask = streaming_mask(N, self.budget, self.sinks, device=q.device)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

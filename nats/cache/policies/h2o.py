@@ -13,17 +13,14 @@ So the score of a key is the sum of the attention probabilities earlier queries 
 cache is per KV head and the score sums the probabilities of the query heads of its group (for multi-head
 attention this is the per-head rule). Scores accumulate in float32 (float64 for float64 models).
 
-`h2o_dense` is a labelled *approximation* for fast parallel evaluation (not H2O): query i keeps the R most
-recent keys and the B - R older keys with the largest accumulated *dense* causal softmax probability
-``sum_{i' < i} P_dense[i', j]`` (summed over the group's query heads); keys may come back, and probabilities are
-those of full attention, not of the kept set. It cannot decode.
+The prefill is the base class' one: the same rule, one position at a time inside each layer. Its labelled
+parallel approximation is `h2o_dense` (h2o_dense.py).
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 
 from nats.cache.attention import masked_attention
 from nats.cache.base import LayerCache
@@ -91,70 +88,3 @@ class H2OCache(LayerCache):
 
     def kv_tensors(self):
         return [self.k, self.v]
-
-
-def h2o_dense_mask(q: torch.Tensor, k: torch.Tensor, budget: int, recent: int) -> torch.Tensor:
-    """The dense-softmax H2O approximation's mask [B, Hkv, N, N] from q [B, Hq, N, D] and k [B, Hkv, N, D]."""
-    B, Hq, N, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = torch.einsum("bhgid,bhjd->bhgij", q.to(cdt).view(B, Hkv, G, N, D), k.to(cdt)) / math.sqrt(D)
-    i = torch.arange(N, device=q.device)[:, None]
-    j = torch.arange(N, device=q.device)[None, :]
-    causal = j <= i
-    p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1).sum(2)  # [B, Hkv, N, N]
-    acc = p.cumsum(2) - p  # acc[i, j] = sum_{i' < i} p[i', j]
-    old = causal & (j <= i - recent)
-    heavy = budget - recent
-    score = acc.masked_fill(~old, float("-inf"))
-    top = score.topk(min(heavy, N), dim=-1).indices
-    mask = torch.zeros_like(causal).expand(B, Hkv, N, N).clone()
-    mask.scatter_(-1, top, True)
-    mask &= old
-    mask |= causal & (i - j < recent)
-    mask |= causal & (i < budget)  # the cache is not yet full: everything is kept
-    return mask
-
-
-@register_cache("h2o_dense")
-class H2ODenseApproxCache(LayerCache):
-    """Parallel dense-softmax H2O *approximation* (evaluation only, labelled as such)."""
-
-    budgeted = True
-    decodable = False
-    graph_safe = False
-
-    def __init__(self, *, budget: int, recent: int | None = None, **kwargs):
-        super().__init__(budget=budget, **kwargs)
-        H2OCache.check_budget(budget, 10**18, recent=recent)
-        self.recent = budget // 2 if recent is None else int(recent)
-        self._kept = torch.zeros(self.rows, dtype=torch.long, device=self.device)
-
-    check_budget = H2OCache.check_budget
-
-    def prefill(self, q, k, v, x):
-        if self.t:
-            raise RuntimeError("prefill() starts from an empty cache")
-        N = q.shape[2]
-        mask = h2o_dense_mask(q, k, self.budget, self.recent)  # [B, Hkv, N, N]
-        G = self.group
-        m = mask.repeat_interleave(G, dim=1) if G > 1 else mask
-        y = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=m)
-        sizes = mask.sum(-1).reshape(self.rows, N)
-        self._record_many(sizes)
-        self._kept.copy_(sizes[:, -1])
-        self.t = N
-        return y
-
-    def step(self, q, k, v, x, pos):
-        raise NotImplementedError("h2o_dense is a parallel evaluation approximation; decode with `h2o`")
-
-    def kept(self):
-        return self._kept.view(self.batch, self.n_kv_head)
-
-    def tensors(self):
-        return [self._kept]
-
-    def kv_tensors(self):
-        return []
