@@ -340,7 +340,7 @@ def test_generate_greedy_matches_naive_loop():
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_pool_attention_matches_torch(dtype):
-    from nats.cache.triton_decode import triton_pool_attention
+    from nats_kernels.nats_attention.decode import triton_pool_attention
 
     torch.manual_seed(0)
     R, G, D, W = 5, 2, 16, 4

@@ -11,9 +11,10 @@ Two backends give the same result:
 
 * ``"torch"``: gathers the segments into a padded ``[R, max_len, D]`` tensor (a slice, not a gather, when
   the segments are evenly strided: ``row_stride``) and runs a masked softmax in float32 (float64 for float64
-  inputs). Any device; used on CPU and by the tests.
+  inputs). Any device; used on CPU and by the tests. It is the kernel's reference,
+  ``nats_kernels.nats_attention.decode_reference``.
 * ``"triton"``: one split-K (flash-decoding) kernel reading each kept key once, plus a combine kernel
-  (``nats.cache.triton_decode``). Reads ``start``/``length`` on the device, so a step never synchronises
+  (``nats_kernels.nats_attention.decode``, beside its reference). Reads ``start``/``length`` on the device, so a step never synchronises
   with the host and can be captured in a CUDA graph.
 
 ``"auto"`` picks Triton for CUDA tensors when it imports, else torch.
@@ -21,10 +22,13 @@ Two backends give the same result:
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import Tensor
+
+from nats_kernels.nats_attention.decode_reference import compute_dtype, masked_attention, torch_pool_attention
+
+__all__ = ["BACKENDS", "resolve_backend", "pool_attention", "compute_dtype", "masked_attention", "torch_pool_attention"]
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -32,7 +36,7 @@ BACKENDS = ("auto", "torch", "triton")
 @functools.lru_cache(maxsize=1)
 def _triton_fn():
     try:
-        from nats.cache.triton_decode import triton_pool_attention  # noqa: PLC0415
+        from nats_kernels.nats_attention.decode import triton_pool_attention  # noqa: PLC0415
     except Exception as exc:  # ImportError, or triton failing to initialise
         return None, f"{type(exc).__name__}: {exc}"
     return triton_pool_attention, None
@@ -47,47 +51,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "triton" and _triton_fn()[0] is None:
         raise RuntimeError(f"the Triton decode kernel is unavailable ({_triton_fn()[1]}): use backend='torch'")
     return backend
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax precision: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, return_probs: bool = False):
-    """q [R, G, D], k/v [R, L, D], valid [R, L] bool (at least one True per row) -> out [R, G, D] (q's dtype).
-
-    With ``return_probs`` also the probabilities [R, G, L] (compute dtype; 0 at invalid slots).
-    """
-    cdt = compute_dtype(q.dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = torch.einsum("rgd,rld->rgl", q.to(cdt), k.to(cdt)) * scale
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    out = torch.einsum("rgl,rld->rgd", p, v.to(cdt)).to(q.dtype)
-    return (out, p) if return_probs else out
-
-
-def _gather_segments(pool: Tensor, start: Tensor, width: int, row_stride: int | None) -> Tensor:
-    R = start.shape[0]
-    if row_stride is not None:  # evenly strided segments: a view
-        return pool[: R * row_stride].view(R, row_stride, pool.shape[-1])[:, :width]
-    idx = start[:, None] + torch.arange(width, device=pool.device)[None, :]
-    return pool[idx.clamp(max=pool.shape[0] - 1)]
-
-
-def torch_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None,
-                         row_stride=None):
-    """The ``"torch"`` backend of :func:`pool_attention`."""
-    width = max(int(max_len), 0)
-    ks = _gather_segments(k_pool, start, width, row_stride)
-    vs = _gather_segments(v_pool, start, width, row_stride)
-    valid = torch.arange(width, device=q.device)[None, :] < length[:, None]
-    if ring_k is not None:
-        ks = torch.cat([ks, ring_k], dim=1)
-        vs = torch.cat([vs, ring_v], dim=1)
-        valid = torch.cat([valid, ring_valid], dim=1)
-    return masked_attention(q, ks, vs, valid)
 
 
 def pool_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, start: Tensor, length: Tensor, max_len: int, *,

@@ -171,7 +171,7 @@ class NAtSCache(LayerCache):
 
     def _step_fused(self, q, k, v, x, pos, types):
         """The same step with the Triton backend: two fused launches around the attention kernel."""
-        from nats.cache.triton_decode import nats_append, nats_evict  # noqa: PLC0415
+        from nats_kernels.nats_attention.decode import nats_append, nats_evict  # noqa: PLC0415
 
         R = self.rows
         if types is None:

@@ -1,4 +1,7 @@
-"""Triton decode attention over a KV pool with per-row segments and an optional ring (flash-decoding).
+"""Triton decode attention over a KV pool with per-row segments and an optional ring (flash-decoding), and
+the fused per-step update of the NAtS KV cache. The exact PyTorch reference is ``decode_reference.py`` beside it
+(``torch_pool_attention``); ``nats.cache.attention.pool_attention`` picks one of the two (tests/test_cache.py
+compares them).
 
 Grid ``(R * G, SPLITS)``: program (r*G + g, s) takes query head g of KV row r and the s-th of SPLITS equal
 chunks of the row's segment ``[start[r], start[r] + length[r])`` (chunk = ceil(length / SPLITS) rounded up to
@@ -8,21 +11,17 @@ Each program keeps an online softmax (max, sum, weighted V) in float32 and write
 second kernel combines the SPLITS partials of every (r, g). Scores use elementwise products and row sums
 (no tensor cores: one query row per program), which is memory-bound like decoding itself.
 
-Without a CUDA GPU the kernels run in Triton's CPU interpreter (set before triton is imported, as in
-``nats_kernels.nats_attention._env``): slow, for tests only.
+Without a CUDA GPU the kernels run in Triton's CPU interpreter (chosen in one place for every kernel, before
+triton is imported: ``_env.py``): slow, for tests only.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+# chooses Triton's CPU interpreter when there is no GPU (before any @triton.jit runs)
+from nats_kernels.nats_attention._env import tl, triton
 
 BLOCK_N = 64
 MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split count); the combine reads up to 64
@@ -107,7 +106,8 @@ def default_splits(max_len: int, rows: int) -> int:
 
 def triton_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None,
                           splits=None):
-    """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync)."""
+    """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync); the
+    reference is :func:`decode_reference.torch_pool_attention`."""
     R, G, D = q.shape
     q = q.contiguous()
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or k_pool.stride(0) != D or v_pool.stride(0) != D:
