@@ -43,7 +43,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,16 +55,11 @@ def log(msg: str) -> None:
 
 
 def python_env() -> dict[str, str]:
-    """The environment of the child processes: the repo importable, ``nats_kernels`` (= kernels/) too."""
+    """The environment of the child processes: the repo importable (the project installed: ``pip install -e .``)."""
+    if importlib.util.find_spec("nats_kernels") is None:
+        raise SystemExit("install the project first: pip install -e . (make setup does)")
     env = dict(os.environ, PROJECT_ROOT=str(REPO), PYTHONUNBUFFERED="1")
     paths = [str(REPO)]
-    if importlib.util.find_spec("nats_kernels") is None:  # not pip-installed: a shim folder with a link
-        shim = Path(tempfile.gettempdir()) / "nats_kernels_shim"
-        shim.mkdir(exist_ok=True)
-        link = shim / "nats_kernels"
-        if not link.exists():
-            link.symlink_to(REPO / "kernels")
-        paths.insert(0, str(shim))
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
 

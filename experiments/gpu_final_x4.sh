@@ -3,7 +3,7 @@
 # vs dense (issue 4) and the decode benchmark (issue 5). Key outputs are copied to $OUT (8 files at most).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
-mkdir -p /tmp/site && ln -sfn "$PWD/kernels" /tmp/site/nats_kernels
+python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1  # nats, nats_kernels
 R=/tmp/res; mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 300 python3 experiments/ddp_scaling.py --out $R/ddp --budget-s 270 > $R/ddp.log 2>&1

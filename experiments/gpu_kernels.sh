@@ -12,11 +12,8 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python}"
 if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
 TOTAL_S="${NATS_GPU_TOTAL_S:-420}"
-# make `nats_kernels` (= kernels/) and `nats` importable without an install
-if ! $PY -c "import nats_kernels.nats_attention" 2>/dev/null; then
-  SHIM="$(mktemp -d)"; ln -s "$PWD/kernels" "$SHIM/nats_kernels"
-  export PYTHONPATH="$SHIM:$PWD:${PYTHONPATH:-}"
-fi
+# the project installed like everywhere else (`pip install -e .`; `make setup` does it)
+$PY -c "import nats_kernels" 2>/dev/null || $PY -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 start=$(date +%s)
 
 echo "== nvidia-smi"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true

@@ -4,8 +4,7 @@
 # Run from the repo root on the GPU machine after installing the .whl wheels; needs data/ (carried).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
-# without `pip install -e .`, make kernels/ importable as nats_kernels
-mkdir -p /tmp/site && ln -sfn "$PWD/kernels" /tmp/site/nats_kernels
+python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1  # nats, nats_kernels
 OUT=${OUT:-experiments/results}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 # Without a GPU the Triton kernels run in the interpreter, which must be chosen before anything imports triton
-# (Lightning or torch.compile may import it before a kernel module gets the chance): here, before any test.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# (Lightning or torch.compile may import it before a kernel module gets the chance): the kernels package
+# chooses it (kernels/__init__.py), imported here before any test.
+import nats_kernels  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
 # the Gutenberg cache that nats-train uses (prepared once, reused by later runs)

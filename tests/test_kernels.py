@@ -21,9 +21,10 @@ from nats_kernels.nats_attention import (
     triton_nats_attention,
 )
 from nats_kernels.nats_attention import plan as _plan
-from nats_kernels.nats_attention.indices import compact_order, hard_types, next_global, prev_global
 from nats_kernels.nats_attention.plan import compact_plan, type_indices
 from nats_kernels.nats_attention.reference import (
+    compact_order,
+    hard_types,
     kv_cache_sizes,
     nats_attention_reference,
     nats_mask_hard,
@@ -107,13 +108,24 @@ def check_all(got, want, tol, tol_t=None):
 # ----------------------------------------------------------------------------------------------------
 # O(N) helpers
 # ----------------------------------------------------------------------------------------------------
-def test_indices_match_reference():
+def next_global(types):
+    return next_global_index(types == 0)
+
+
+def prev_global(types):
+    return prev_global_index(types == 0)
+
+
+def test_reference_indices():
+    """The reference's O(N) index helpers equal their definition, written as loops."""
     gen = torch.Generator().manual_seed(1)
     for mix in MIXES:
         t = make_types(2, 3, 37, mix, gen)
-        g = t == 0
-        assert torch.equal(next_global(t).long(), next_global_index(g))
-        assert torch.equal(prev_global(t).long(), prev_global_index(g))
+        n = t.shape[-1]
+        for b, h in ((0, 0), (1, 2)):
+            g = [j for j in range(n) if t[b, h, j] == 0]
+            assert next_global(t)[b, h].tolist() == [min([k for k in g if k > j], default=n - 1) for j in range(n)]
+            assert prev_global(t)[b, h].tolist() == [max([k for k in g if k < j], default=-1) for j in range(n)]
         assert torch.equal(hard_types(types_to_weights(t)).long(), t)
 
 
@@ -161,8 +173,8 @@ def test_compact_plan():
             assert torch.equal(plan[:, :, _plan.ORD_ROW], order)
             assert torch.equal(plan[:, :, _plan.LIM_ROW], lim)
             assert torch.equal(plan[:, :, _plan.CG_ROW:_plan.CS_ROW + 1], cum)
-            assert torch.equal(plan[:, :, _plan.E_ROW], next_global(t))
-            assert torch.equal(plan[:, :, _plan.P_ROW], prev_global(t))
+            assert torch.equal(plan[:, :, _plan.E_ROW].long(), next_global(t))
+            assert torch.equal(plan[:, :, _plan.P_ROW].long(), prev_global(t))
             want2 = torch.sort(torch.where(t == 0, 0, n) + torch.arange(n, device=t.device), dim=-1).values % n
             assert torch.equal(plan[:, :, _plan.ORD2_ROW].long(), want2)
             lim_pos = torch.empty_like(lim).scatter_(-1, order.long(), lim)  # limits by position

@@ -1,19 +1,14 @@
-"""Import-time Triton setup shared by the NAtS kernels.
+"""Import-time Triton setup shared by the kernels.
 
-On a machine without a CUDA GPU the kernels can only run in Triton's CPU interpreter, which Triton
-selects when ``@triton.jit`` decorates a function while ``TRITON_INTERPRET=1`` is set. So, before any
-kernel of this package is defined, switch the interpreter on when no GPU is present (an explicit
-``TRITON_INTERPRET`` setting always wins). The interpreter is slow: use it for small shapes (tests).
+``INTERPRET`` (Triton's CPU interpreter on or off) is chosen once, by the package (``kernels/__init__.py``),
+which Python imports before this module, so before any kernel is defined.
 """
 
 import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+from .. import INTERPRET
 # NATS_KERNELS_AUTOTUNE=0: every kernel uses the first of its autotune configs (saves compile time,
 # e.g. for tests); read when the kernels are defined (first import).
 AUTOTUNE = os.environ.get("NATS_KERNELS_AUTOTUNE", "1") != "0"

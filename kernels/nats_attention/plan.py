@@ -3,7 +3,8 @@
 At N = 1024 the attention kernels take a fraction of a millisecond, so a dozen PyTorch ops of set-up
 (argmax, cumulative min/max, counting, scattering) would cost as much in launch overhead as the attention
 itself. ``_plan_kernel`` (one program per batch and KV head, chunked scans with a carry) does it in one
-launch; ``indices.py`` holds the PyTorch versions that the tests compare it with.
+launch; ``reference.py`` holds the PyTorch versions that the tests compare it with
+(``next_global_index``, ``prev_global_index``, ``compact_order``).
 
 Outputs per (batch, KV head): the hard types ``t`` (int8 [B, H, N]: argmax of (g, l, s), first maximum on
 ties like ``torch.argmax``, or the given integer types) and the int32 ``plan`` [B, H, PLAN_ROWS, N] with rows

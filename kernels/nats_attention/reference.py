@@ -38,6 +38,7 @@ __all__ = [
     "MASK_GRADS",
     "next_global_index",
     "prev_global_index",
+    "compact_order",
     "hard_types",
     "snap_one_hot",
     "nats_mask_hard",
@@ -186,6 +187,27 @@ def prev_global_index(g_hard: Tensor) -> Tensor:
     idx = torch.where(g, pos, torch.full_like(pos, -1))
     pre = idx.cummax(-1).values
     return torch.cat([torch.full_like(pre[..., :1], -1), pre[..., :-1]], dim=-1)
+
+
+def compact_order(types: Tensor, window: int):
+    """Reference of the compact part of ``plan.compact_plan`` (the key order the kernels walk).
+
+    Returns ``order`` [..., N] (positions: globals, then locals, then sliding tokens, each by position),
+    ``lim`` [..., N] (the last query that sees each compact entry: N-1, e_j or min(j+W-1, N-1)) and
+    ``cum`` [..., 3, N] (inclusive counts of each type at positions <= j), all int32.
+    """
+    t = types.long()
+    n = t.shape[-1]
+    pos = torch.arange(n, device=t.device)
+    onehot = t[..., None, :] == torch.arange(3, device=t.device)[:, None]  # [..., 3, N]
+    cum = onehot.long().cumsum(-1)
+    tot = cum[..., -1]  # [..., 3]
+    base = torch.stack([torch.zeros_like(tot[..., 0]), tot[..., 0], tot[..., 0] + tot[..., 1]], dim=-1)
+    dest = base.gather(-1, t) + cum.gather(-2, t[..., None, :]).squeeze(-2) - 1
+    order = torch.empty_like(t).scatter_(-1, dest, pos.expand_as(t).contiguous())
+    e = next_global_index(t == TOKEN_GLOBAL)
+    lim = torch.where(t == TOKEN_GLOBAL, n - 1, torch.where(t == TOKEN_LOCAL, e, (pos + window - 1).clamp(max=n - 1)))
+    return order.int(), lim.gather(-1, order).int(), cum.int()
 
 
 def hard_types(type_weights: Tensor) -> Tensor:
