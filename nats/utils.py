@@ -2,9 +2,20 @@
 from __future__ import annotations
 
 import uuid
+from importlib import resources
 from pathlib import Path
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the Hydra config tree of the checkout
+
+def find_conf_dir() -> str:
+    """The folder of the Hydra config tree (the one with train.yaml): ``nats/conf`` where nats is installed from a
+    wheel or ``pip install .`` (package data, pyproject.toml maps the checkout's ``conf/`` there), else ``conf/``
+    beside the ``nats`` folder (a checkout or an editable install)."""
+    installed = Path(str(resources.files("nats") / "conf"))
+    checkout = Path(__file__).resolve().parent.parent / "conf"
+    return str(installed if (installed / "train.yaml").is_file() else checkout)
+
+
+CONF_DIR = find_conf_dir()  # the Hydra config tree, for @hydra.main(config_path=CONF_DIR)
 _RUN_ID = uuid.uuid4().hex[:6]
 
 
