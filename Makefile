@@ -5,10 +5,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Machines without an NVIDIA GPU get the CPU build of torch first, so that no CUDA wheels are pulled.
-# Elsewhere set TORCH_INDEX to PyTorch's CPU wheel index if your pip would otherwise fetch CUDA wheels.
+# torch is installed first, at a version the project was tested with (pyproject.toml states the range):
+# - Linux with an NVIDIA GPU (nvidia-smi present): TORCH_GPU from PyPI (its CUDA build), as on the GPU image;
+# - Linux without one: TORCH_CPU from PyTorch's CPU wheel index TORCH_INDEX (no CUDA wheels pulled), or from
+#   PyPI when that index cannot be reached (set TORCH_INDEX= to skip it);
+# - macOS: TORCH_CPU from PyPI (there triton is not installed: nats runs on the PyTorch references).
+TORCH_GPU ?= torch==2.11.0
 TORCH_CPU ?= torch==2.13.0
+ifeq ($(shell uname -s),Linux)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+else
 TORCH_INDEX ?=
+endif
 STAMP := $(VENV)/.installed
 export PROJECT_ROOT := $(CURDIR)
 
@@ -19,9 +27,15 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install torch; \
-	  else $(BIN)/pip install "$(TORCH_CPU)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); fi; \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install "$(TORCH_GPU)"; \
+	  elif [ -n "$(TORCH_INDEX)" ] && $(BIN)/pip install --retries 1 --timeout 20 "$(TORCH_CPU)" --index-url "$(TORCH_INDEX)"; then :; \
+	  else \
+	    if [ -n "$(TORCH_INDEX)" ]; then echo "$(TORCH_INDEX) unreachable: $(TORCH_CPU) from PyPI instead"; fi; \
+	    $(BIN)/pip install "$(TORCH_CPU)"; \
+	  fi; \
 	fi
+	@# the distribution was called `nats` before it became `nats-attention`: drop that editable install
+	@$(BIN)/pip uninstall -q -y nats 2>/dev/null || true
 	$(BIN)/pip install -e ".[dev]"
 	@touch $(STAMP)
 
