@@ -24,6 +24,7 @@ import pytest
 from conftest import REPO, compose
 from nats.data import datamodule as D
 from nats.data import sources as S
+from nats.data.sources import text_dir as TD
 
 BOOKS = {
     "train": {
@@ -133,14 +134,14 @@ def test_sorted_order_with_a_bounded_buffer(tmp_path, monkeypatch, budget):
     root = write_archives(tmp_path / "corpus", seed=3)
     expected = docs(S.get_source("text_dir", tmp_path, path=write_folder(tmp_path / "folder")))
     passes = []
-    real = S._archive_books
+    real = TD._archive_books
 
     def counting(archive, split):
         passes.append(split)
         return real(archive, split)
 
-    monkeypatch.setattr(S, "ARCHIVE_BUFFER_BYTES", budget)
-    monkeypatch.setattr(S, "_archive_books", counting)
+    monkeypatch.setattr(TD, "ARCHIVE_BUFFER_BYTES", budget)
+    monkeypatch.setattr(TD, "_archive_books", counting)
     src = S.get_source("text_dir", tmp_path, path=root)
     src.prepare()  # the index: one pass per split
     assert passes == list(S.SPLITS)

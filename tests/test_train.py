@@ -14,7 +14,7 @@ from nats.train import build, run
 from nats.utils import grad_accumulation
 
 MODELS = sorted(p.stem for p in (REPO / "conf/model").glob("*.yaml"))
-DATAS = sorted(p.stem for p in (REPO / "conf/data").glob("*.yaml"))
+DATAS = sorted(p.stem for p in (REPO / "conf/data").glob("*.yaml") if not p.stem.startswith("_"))  # _base: shared keys
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf/experiment").glob("*.yaml"))
 ATTENTIONS = sorted(p.stem for p in (REPO / "conf/model/attention").glob("*.yaml"))
 LM_DATA = {"gutenberg", "pg19", "pg19_subset", "text_dir"}
