@@ -25,12 +25,15 @@ layers.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
+
+# the token datamodule's samplers and resumable loader (one copy of the stream and rank logic)
+from nats.data.datamodule import ResumableSampler, StridedSampler, _ResumableDataLoader
 
 __all__ = [
     "match2", "match2_positive_rate", "khop_induction", "TaskDataModule", "Match2DataModule",
@@ -124,45 +127,6 @@ class _Indices(Dataset):
         return i
 
 
-class _StreamSampler(Sampler[int]):
-    """Global sample numbers of one rank, start + rank, start + rank + world, ... (num_samples of them);
-    `start` is a callable read at every iter(), so a resumed run continues where the step counter stands."""
-
-    def __init__(self, num_samples: int, rank: int, world: int, start: Callable[[], int]):
-        self.num_samples, self.rank, self.world, self.start = num_samples, rank, world, start
-
-    def __iter__(self) -> Iterator[int]:
-        first = self.start() + self.rank
-        return iter(range(first, first + self.num_samples * self.world, self.world))
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-
-class _StridedSampler(Sampler[int]):
-    """Evaluation: indices rank, rank + world, ... below n (every sample once across ranks, in order on one)."""
-
-    def __init__(self, n: int, rank: int, world: int):
-        self.n, self.rank, self.world = n, rank, world
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.n, self.world))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.n, self.world))
-
-
-class _ResumableLoader(DataLoader):
-    """Lightning treats a loader with state_dict/load_state_dict as resumable; the position lives in the
-    sampler's start (from trainer.global_step), so there is nothing to save."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
-
-
 class _Gather:
     """collate_fn: a list of sample indices -> (x[idx], y[idx]) (picklable, for worker processes)."""
 
@@ -180,8 +144,10 @@ class TaskDataModule(L.LightningDataModule):
     Training reads a stream of samples: pass e over the training set is a permutation drawn from (seed, e),
     and global sample s goes to rank s % world (the trainer is built with use_distributed_sampler=False).
     The stream position is derived from `trainer.global_step`, so a run resumed from a checkpoint reads the
-    same batches as an uninterrupted one (as `nats.data.datamodule.TokenDataModule` does). One Lightning
-    epoch covers all of `trainer.max_steps` when set. Evaluation reads every sample once, in order.
+    same batches as an uninterrupted one, through the samplers and loader of `nats.data.datamodule` (as
+    `TokenDataModule` does). One Lightning epoch covers all of `trainer.max_steps` when set. Evaluation reads
+    every sample once, in order (`StridedSampler`: with several ranks each gets the same number, so up to
+    world - 1 trailing samples are left out, as for the language-model windows).
 
     `vocab_size` and `n_classes` may be given to check them against the task (the configs pass them on to
     the model: `model.vocab_size: ${data.vocab_size}`).
@@ -245,16 +211,16 @@ class TaskDataModule(L.LightningDataModule):
         x, y = self.split("train")
         rank, world = self._rank_world()
         n = self._train_samples_per_rank()
-        return _ResumableLoader(
+        return _ResumableDataLoader(
             _TrainStream(len(x), self.seed, length=n * world), batch_size=self.micro_batch_size,
-            sampler=_StreamSampler(n, rank, world, start=self.consumed_samples), collate_fn=_Gather(x, y),
+            sampler=ResumableSampler(n, rank, world, start=self.consumed_samples), collate_fn=_Gather(x, y),
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
         )
 
     def _eval_loader(self, name: str) -> DataLoader:
         x, y = self.split(name)
         rank, world = self._rank_world()
-        return DataLoader(_Indices(len(x)), batch_size=self.micro_batch_size, sampler=_StridedSampler(len(x), rank, world),
+        return DataLoader(_Indices(len(x)), batch_size=self.micro_batch_size, sampler=StridedSampler(len(x), rank, world),
                           collate_fn=_Gather(x, y), num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
 
