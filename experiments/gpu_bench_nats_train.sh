@@ -15,7 +15,7 @@ mkdir -p "$OUT" /tmp/site
 if [ ! -d /tmp/site/hydra ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
-ln -sfn "$PWD/kernels" /tmp/site/nats_kernels  # without `pip install -e .`, kernels/ is nats_kernels
+python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1  # nats, nats_kernels
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 phase=all
