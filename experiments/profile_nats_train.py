@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -20,8 +21,9 @@ from lightning.pytorch.callbacks import Callback
 class ProfileSteps(Callback):
     """torch.profiler over optimizer steps [start, stop) of a fit."""
 
-    def __init__(self, start: int, stop: int, trace: str | None = None):
-        self.start, self.stop, self.trace = start, stop, trace
+    def __init__(self, start: int, stop: int, trace: str | None = None, sync_debug: bool = False):
+        self.start, self.stop, self.trace, self.sync_debug = start, stop, trace, sync_debug
+        self.syncs: dict[str, int] = {}
         self.prof = None
         self.t0 = None
         self.wall_ms = None
@@ -34,6 +36,8 @@ class ProfileSteps(Callback):
                 torch.cuda.synchronize()
             self.prof = torch.profiler.profile(activities=acts)
             self.prof.__enter__()
+            if self.sync_debug and torch.cuda.is_available():
+                self._catch_syncs()
             self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -41,9 +45,30 @@ class ProfileSteps(Callback):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.wall_ms = (time.perf_counter() - self.t0) * 1e3
+            if self.sync_debug and torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode(0)
+                warnings.showwarning = self._old_showwarning
             self.prof.__exit__(None, None, None)
             if self.trace:
                 self.prof.export_chrome_trace(self.trace)
+
+    def _catch_syncs(self) -> None:
+        """torch.cuda.set_sync_debug_mode("warn"): every host-device synchronisation warns; count them by the
+        Python stack that caused them (the last frames outside torch)."""
+        import traceback
+
+        warnings.simplefilter("always")
+        self._old_showwarning = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return self._old_showwarning(message, category, filename, lineno, file, line)
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-6:]
+            key = str(message).split("\n")[0][:80] + "\n    " + "\n    ".join(
+                f"{f.filename.rsplit('/', 2)[-2:]} :{f.lineno} {f.name}" for f in frames)
+            self.syncs[key] = self.syncs.get(key, 0) + 1
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
 
     def report(self) -> None:
         if self.prof is None or self.wall_ms is None:
@@ -54,6 +79,10 @@ class ProfileSteps(Callback):
         kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
         print(f"profiled steps {self.start}..{self.stop}: wall {self.wall_ms / n:.2f} ms/step, "
               f"GPU kernels {kernel_us / 1e3 / n:.2f} ms/step (busy {kernel_us / 1e3 / self.wall_ms:.1%})")
+        if self.sync_debug:
+            print(f"\n## host-device synchronisations in steps {self.start}..{self.stop} (count: where)")
+            for key, count in sorted(self.syncs.items(), key=lambda kv: -kv[1]):
+                print(f"{count:5d}  {key}")
         for key, title in (("self_cuda_time_total", "self CUDA"), ("self_cpu_time_total", "self CPU")):
             print(f"\n## top ops by {title} time (totals over {n} steps)")
             print(events.table(sort_by=key, row_limit=25, max_name_column_width=70))
@@ -64,6 +93,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="trainer.max_steps")
     ap.add_argument("--profile", type=int, nargs=2, default=[40, 50], metavar=("START", "STOP"))
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="count host-device synchronisations by their Python call site (torch sync debug mode)")
     ap.add_argument("overrides", nargs="*", help="nats-train overrides")
     args = ap.parse_args()
 
@@ -75,7 +106,7 @@ def main() -> None:
     if cfg.get("float32_matmul_precision"):
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
     datamodule, module, trainer = build(cfg)
-    prof = ProfileSteps(*args.profile, trace=args.trace)
+    prof = ProfileSteps(*args.profile, trace=args.trace, sync_debug=args.sync_debug)
     trainer.callbacks.append(prof)
     trainer.fit(module, datamodule=datamodule)
     prof.report()
