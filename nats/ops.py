@@ -24,30 +24,27 @@ from nats_kernels.nats_attention import reference as _ref
 
 
 def _terms(type_weights: Tensor, window: int):
-    cdt = _ref._compute_dtype(type_weights)
-    w = type_weights.detach()
-    N = w.shape[-2]
-    types = _ref.hard_types(w)
-    g = types == _ref.TOKEN_GLOBAL
-    is_l = types == _ref.TOKEN_LOCAL
-    e = _ref.next_global_index(g)
-    p = _ref.prev_global_index(g)
-    k = torch.arange(N, device=w.device)
-    col_g = (N - k).to(cdt).expand(types.shape)  # column counts of key k under each type
-    col_l = (e - k + 1).to(cdt)
-    col_s = (N - k).clamp(max=window).to(cdt).expand(types.shape)
-    l_in = is_l.to(torch.int64).cumsum(-1)
-    n_loc = (l_in - is_l.to(torch.int64)) - _ref._gather_prefix(l_in, p)  # locals strictly between p_k and k
-    # d rho / d g_k carries the segment term: making k global ends the locals before it at k
-    coef = torch.stack([col_g - (n_loc * (e - k)).to(cdt), col_l, col_s], dim=-1)
-    area = N * (N + 1) / 2.0
-    rho = torch.where(g, col_g, torch.where(is_l, col_l, col_s)).sum(-1) / area
-    # KV-cache sizes c_i = globals in [0, i] + locals in (p_i, i] + sliding in [i-W+1, i] (spec section 6)
-    s_in = (types == _ref.TOKEN_SLIDING).to(torch.int64).cumsum(-1)
-    c = g.to(torch.int64).cumsum(-1) + (n_loc + is_l) + (s_in - _ref._gather_prefix(s_in, (k - window).expand_as(s_in)))
-    frac = _ref.type_fractions(types)
-    stats = torch.cat([rho.float()[..., None], (c.amax(-1).float() / N)[..., None], frac], dim=-1)
-    return rho, coef / area, stats
+    """On CUDA one Triton program per row (``nats_kernels.nats_attention.density``); elsewhere, and for fp64 or
+    rows longer than the kernel's limit, its PyTorch reference (``reference.density_terms_reference``)."""
+    if type_weights.is_cuda:
+        kernel = _density_kernel()
+        if kernel is not None and kernel.supported(type_weights):
+            return kernel.density_terms(type_weights, window)
+    return _ref.density_terms_reference(type_weights, window)
+
+
+_KERNEL: list = []
+
+
+def _density_kernel():
+    """The Triton density module, or None when Triton cannot be imported (cached)."""
+    if not _KERNEL:
+        try:
+            from nats_kernels.nats_attention import density as kernel
+        except Exception:  # noqa: BLE001 - no (working) triton: the reference
+            kernel = None
+        _KERNEL.append(kernel)
+    return _KERNEL[0]
 
 
 @torch.library.custom_op("nats::density_terms", mutates_args=())

@@ -464,3 +464,34 @@ def type_fractions(types: Tensor) -> Tensor:
 def types_to_weights(types: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """One-hot type weights ``[..., N, 3]`` (g, l, s) from integer types ``[..., N]``."""
     return torch.nn.functional.one_hot(types.long(), 3).to(dtype)
+
+
+def density_terms_reference(type_weights: Tensor, window: int):
+    """(rho [...], coef [..., N, 3], stats [..., 5]) of type weights [..., N, 3]: the density of the hard types
+    (spec section 4), its gradient with respect to the weights (the segment term of the global weight included,
+    divided by the area) and the KV statistics (density, peak, global / local / sliding fractions; section 6).
+    Reference of ``density.py``; run by the custom op ``nats::density_terms`` (``nats/ops.py``) off CUDA."""
+    cdt = _compute_dtype(type_weights)
+    w = type_weights.detach()
+    N = w.shape[-2]
+    types = hard_types(w)
+    g = types == TOKEN_GLOBAL
+    is_l = types == TOKEN_LOCAL
+    e = next_global_index(g)
+    p = prev_global_index(g)
+    k = torch.arange(N, device=w.device)
+    col_g = (N - k).to(cdt).expand(types.shape)  # column counts of key k under each type
+    col_l = (e - k + 1).to(cdt)
+    col_s = (N - k).clamp(max=window).to(cdt).expand(types.shape)
+    l_in = is_l.to(torch.int64).cumsum(-1)
+    n_loc = (l_in - is_l.to(torch.int64)) - _gather_prefix(l_in, p)  # locals strictly between p_k and k
+    # d rho / d g_k carries the segment term: making k global ends the locals before it at k
+    coef = torch.stack([col_g - (n_loc * (e - k)).to(cdt), col_l, col_s], dim=-1)
+    area = N * (N + 1) / 2.0
+    rho = torch.where(g, col_g, torch.where(is_l, col_l, col_s)).sum(-1) / area
+    # KV-cache sizes c_i = globals in [0, i] + locals in (p_i, i] + sliding in [i-W+1, i] (spec section 6)
+    s_in = (types == TOKEN_SLIDING).to(torch.int64).cumsum(-1)
+    c = g.to(torch.int64).cumsum(-1) + (n_loc + is_l) + (s_in - _gather_prefix(s_in, (k - window).expand_as(s_in)))
+    frac = type_fractions(types)
+    stats = torch.cat([rho.float()[..., None], (c.amax(-1).float() / N)[..., None], frac], dim=-1)
+    return rho, coef / area, stats
