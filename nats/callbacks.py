@@ -192,7 +192,22 @@ class StepProgressBar(TQDMProgressBar):
     """Lightning's TQDM progress bar, counting optimizer steps (``trainer.global_step``) out of
     ``trainer.max_steps`` instead of micro-batches: with gradient accumulation the stock bar shows ``600/?`` when
     ``max_steps=300`` is reached. A resumed run starts the bar at its step, so the rate and the time left count
-    only the steps this process ran. ``refresh_rate`` is in optimizer steps."""
+    only the steps this process ran. ``refresh_rate`` is in optimizer steps.
+
+    The training loss and the learning rate are read here, when the bar refreshes (``train/loss`` from the
+    callback metrics, the lr from the optimizer), rather than logged with ``prog_bar=True``: Lightning converts
+    every progress-bar metric to a Python number after every batch, a host-device synchronisation per
+    micro-batch that stalls the GPU pipeline (issue 16)."""
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        if trainer.training:
+            loss = trainer.callback_metrics.get("train/loss")
+            if loss is not None:
+                metrics["train/loss"] = f"{float(loss):.3f}"
+            if trainer.optimizers:
+                metrics["lr"] = f"{trainer.optimizers[0].param_groups[0]['lr']:.3g}"
+        return metrics
 
     def on_train_epoch_start(self, trainer, *_: Any) -> None:
         super().on_train_epoch_start(trainer, *_)

@@ -247,14 +247,17 @@ class LitGPT(L.LightningModule):
         self.flops_per_batch = self._flops(x)  # read by TokenThroughput
         out = self(x, y)
         loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
-        self.log("train/loss", out.loss, prog_bar=True)
+        # Not prog_bar: Lightning turns every progress-bar metric into a Python number after every batch (a
+        # host-device sync per micro-batch, stale values included); nats.callbacks.StepProgressBar reads
+        # train/loss and the lr itself, only when it refreshes (issue 16).
+        self.log("train/loss", out.loss)
         # The rest is written to the loggers only every trainer.log_every_n_steps optimizer steps: log it only
         # then (the values written are the same). Every `self.log` costs host time, and a Python float (the lr)
         # becomes a device tensor through a blocking host-to-device copy, a device sync per step (issue 16).
         if self._grad_norms_logged_now():
             if out.aux_loss is not None:
                 self.log("train/aux_loss", out.aux_loss)
-            self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True)
+            self.log("lr", self.optimizers().param_groups[0]["lr"])
             self._log_stats("train", out.stats)
         return loss
 

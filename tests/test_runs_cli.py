@@ -114,6 +114,10 @@ def test_progress_bar_counts_optimizer_steps(tmp_path):
     (bar,) = [c for c in trainer.callbacks if type(c).__name__ == "StepProgressBar"]
     assert trainer.accumulate_grad_batches == 4 and trainer.global_step == 3
     assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (3, 3)
+    # the bar reads the loss and lr itself when it refreshes: no training metric is a Lightning progress-bar
+    # metric, which Lightning would turn into a Python number (a device sync) after every micro-batch
+    assert not any(k.startswith("train/") or k == "lr" for k in trainer.progress_bar_metrics)
+    assert "train/loss=" in str(bar.train_progress_bar.postfix) and "lr=" in str(bar.train_progress_bar.postfix)
 
 
 @pytest.mark.parametrize("override, message", [
