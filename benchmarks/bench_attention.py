@@ -16,7 +16,7 @@ FlexAttention, the causal N(N+1)/2 for dense SDPA. Training counts fwd+bwd as 3.
 Writes ``bench_attention.md`` (table), ``bench_attention.json`` and ``bench_attention.png`` into --out
 after every measurement (partial results survive a timeout) and prints the table at the end.
 
-    python experiments/bench_attention.py --out experiments/results [--quick] [--budget-s 330]
+    python benchmarks/bench_attention.py --out experiments/results [--quick] [--budget-s 330]
 """
 
 from __future__ import annotations

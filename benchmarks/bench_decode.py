@@ -1,7 +1,7 @@
 """Decode throughput and KV-cache memory of the cache policies on one GPU (self-contained, random weights).
 
-    python experiments/bench_decode.py                          # batch 8, prompts 4k/8k/16k/32k, ~2-3 min on an H100
-    python experiments/bench_decode.py --lengths 4096 --steps 16 --out /tmp/bench
+    python benchmarks/bench_decode.py                          # batch 8, prompts 4k/8k/16k/32k, ~2-3 min on an H100
+    python benchmarks/bench_decode.py --lengths 4096 --steps 16 --out /tmp/bench
 
 GPT-2-small shapes (12 layers, 12 heads, d = 768, head dim 64, vocab 50304) with random weights in bf16, a NAtS
 attention core (W = 16) whose scorer types the decoded tokens, block_size = the longest prompt + the decoded

@@ -1,7 +1,7 @@
 """Training throughput of the path users run, `nats-train`, next to the isolated step (issue 16, part 1).
 
-    python experiments/bench_nats_train.py --extra data.path=$PWD/data/pg19-subset-src     # one GPU
-    python experiments/bench_nats_train.py --smoke --out /tmp/bench                          # CPU, tiny, minutes
+    python benchmarks/bench_nats_train.py --extra data.path=$PWD/data/pg19-subset-src     # one GPU
+    python benchmarks/bench_nats_train.py --smoke --out /tmp/bench                          # CPU, tiny, minutes
 
 For each experiment (default: fig3_dense and fig3_nats: GPT-2-small, PG-19 subset, micro-batch = global batch 32
 x 1024, bf16, compiled), one after the other, this runs `python -m nats.train` as a subprocess with the
@@ -17,7 +17,7 @@ validation, and `TORCH_LOGS=recompiles`. Read back:
   validation (its compilation), the whole process;
 * the number of "Recompiling function" lines in the subprocess' stderr, with their reasons.
 
-Then experiments/bench_train.py's isolated step (random tokens, no Lightning) for the same model configs in this
+Then benchmarks/bench_train.py's isolated step (random tokens, no Lightning) for the same model configs in this
 process, and a table: isolated vs nats-train tokens/s, nats-train / isolated, NAtS / dense through nats-train.
 Writes <out>/bench_nats_train_<machine>.md and .json (machine: h100, h200, ... from the GPU name; cpu with
 --smoke) and keeps the run folders under <out>/bench_nats_train_runs/ (or --workdir).
@@ -165,8 +165,8 @@ def run_nats_train(exp: str, args, workdir: Path) -> dict:
 
 
 def run_isolated(res: dict, args) -> dict:
-    """experiments/bench_train.py's step for the same model config, in this process."""
-    spec = importlib.util.spec_from_file_location("bench_train", REPO / "experiments" / "bench_train.py")
+    """benchmarks/bench_train.py's step for the same model config, in this process."""
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "benchmarks" / "bench_train.py")
     bench_train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_train)
     model_cfg = dict(res["model"])
@@ -191,7 +191,7 @@ def report(results: list[dict], args, machine: str, device: str) -> str:
              f"torch {torch.__version__}; micro-batch = global batch {args.batch}, "
              f"{'N = model block size' if args.smoke else f'N = {args.seq}'}; {args.steps} steps through "
              f"nats-train, log every {args.log_every}, warm-up excluded: {args.warmup_steps} steps; isolated: "
-             f"{args.isolated_steps} steps after {args.isolated_warmup} (experiments/bench_train.py).", "",
+             f"{args.isolated_steps} steps after {args.isolated_warmup} (benchmarks/bench_train.py).", "",
              "| experiment | isolated tok/s | nats-train tok/s (monitor, median) | nats-train tok/s (step timer) | "
              "nats-train / isolated | startup s | first step s (compile) | first validation s | recompiles |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=None, help="data.max_eval_windows (default 64; smoke 8)")
     ap.add_argument("--isolated-steps", type=int, default=None, help="(default 30; smoke 3)")
     ap.add_argument("--isolated-warmup", type=int, default=None, help="(default 5; smoke 1)")
-    ap.add_argument("--no-isolated", action="store_true", help="skip experiments/bench_train.py's step")
+    ap.add_argument("--no-isolated", action="store_true", help="skip benchmarks/bench_train.py's step")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, model=tiny, data=gutenberg, trainer=cpu, no compile, a few steps (tests the wiring)")
     ap.add_argument("--extra", nargs="*", default=[], help="more nats-train overrides, e.g. data.path=...")

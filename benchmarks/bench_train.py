@@ -1,7 +1,7 @@
 """GPT-2-small training throughput (tokens/s and MFU) on one GPU.
 
-    python experiments/bench_train.py                         # dense, micro-batches 16 and 32, compiled
-    python experiments/bench_train.py --attention nats --batch 16
+    python benchmarks/bench_train.py                         # dense, micro-batches 16 and 32, compiled
+    python benchmarks/bench_train.py --attention nats --batch 16
 
 Measures the same step the Lightning module runs (forward with CE + auxiliary loss, backward, gradient
 clipping, fused AdamW, bf16 autocast; with --accum k, k micro-batches per optimizer step) on random tokens,
@@ -72,10 +72,10 @@ def profile_table(step, n_steps: int = 3) -> str:
 
 
 def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compile: bool, pos_emb: str = "rope",
-          compile_mode: str | None = None, clip: bool = True, lse_ce: bool = False, profile: bool = False,
+          compile_mode: str | None = None, clip: bool = True, profile: bool = False,
           accum: int = 1, fused_ce: bool = False, model_cfg: dict | None = None, device: str | None = None) -> dict:
     """One configuration's isolated step. `model_cfg`: a whole `GPTConfig` as a dict (e.g. an experiment's
-    `model` node; then attention, seq, pos_emb, lse_ce and fused_ce are taken from it, block_size = seq).
+    `model` node; then attention, seq, pos_emb and fused_ce are taken from it, block_size = seq).
     `device`: cuda (default when present; bf16 autocast, fused AdamW, CUDA events) or cpu (fp32, wall clock)."""
     torch.manual_seed(0)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -83,10 +83,10 @@ def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compil
     if model_cfg is not None:
         config = GPTConfig.from_dict({**model_cfg, "block_size": max(seq, model_cfg.get("block_size", seq))})
         attention, pos_emb = dict(config.attention), config.pos_emb
-        lse_ce, fused_ce = config.lse_cross_entropy, config.fused_cross_entropy
+        fused_ce = config.fused_cross_entropy
     else:
         config = GPTConfig(attention=attention, block_size=seq, pos_emb=pos_emb,  # GPT-2-small defaults
-                           lse_cross_entropy=lse_ce, fused_cross_entropy=fused_ce)
+                           fused_cross_entropy=fused_ce)
     model = GPT(config).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -137,7 +137,7 @@ def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compil
     prof = profile_table(step) if profile else None
     return dict(profile=prof, attention=attention["name"] + ("" if pos_emb == "rope" else f"/{pos_emb}")
                 + (f"/{compile_mode}" if compile_mode else "") + ("" if clip else "/noclip")
-                + ("/lse-ce" if lse_ce else "") + ("/fused-ce" if fused_ce else "")
+                + ("/fused-ce" if fused_ce else "")
                 + (f"/accum{accum}" if accum > 1 else ""),
                 batch=batch, seq=seq, ms_per_step=ms, tokens_per_s=tokens_per_s,
                 mfu=mfu, loss=float(loss.detach()), warmup_s=compile_s, first_step_s=first_s,
@@ -158,7 +158,6 @@ def main() -> None:
     ap.add_argument("--compile-mode", default=None, help="e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--pos-emb", default="rope", choices=["rope", "learned", "none"])
     ap.add_argument("--no-clip", action="store_true", help="skip gradient clipping (to measure its cost)")
-    ap.add_argument("--lse-ce", action="store_true", help="model.lse_cross_entropy=true (LSE-only cross-entropy)")
     ap.add_argument("--fused-ce", action="store_true",
                     help="model.fused_cross_entropy=true (fused lm head + cross-entropy, nats_kernels.cross_entropy)")
     ap.add_argument("--coordinate-descent", action="store_true",
@@ -193,7 +192,7 @@ def main() -> None:
         for b in args.batch:
             try:
                 r = bench(attention, b, args.seq, args.steps, args.warmup, not args.no_compile, args.pos_emb,
-                          args.compile_mode, not args.no_clip, args.lse_ce, args.profile, args.accum,
+                          args.compile_mode, not args.no_clip, args.profile, args.accum,
                           fused_ce=args.fused_ce)
             except Exception as err:  # a compiler failure should not lose the measurement: retry eagerly
                 if args.no_compile:
@@ -201,7 +200,7 @@ def main() -> None:
                 print(f"compiled {name} failed ({type(err).__name__}: {str(err)[:200]}); measuring it eagerly")
                 torch._dynamo.reset()
                 r = bench(attention, b, args.seq, args.steps, args.warmup, False, args.pos_emb, None,
-                          not args.no_clip, args.lse_ce, args.profile, args.accum, fused_ce=args.fused_ce)
+                          not args.no_clip, args.profile, args.accum, fused_ce=args.fused_ce)
                 r["attention"] += "/eager"
             r["attention"] += "" if args.sdpa == "auto" else f"/sdpa-{args.sdpa}"
             rows.append(r)

@@ -1,12 +1,13 @@
 r"""4-GPU DDP against 1 GPU, the paper's pre-training step (GPT-2-small, context 1024, global batch 480).
 
-    python3 experiments/ddp_scaling.py --out $OUT                     # NAtS (falls back to dense if it fails)
-    python3 experiments/ddp_scaling.py --out $OUT --experiment pg19_gpt2_dense --compile
+    python3 benchmarks/ddp_scaling.py --out $OUT                     # NAtS (falls back to dense if it fails)
+    python3 benchmarks/ddp_scaling.py --out $OUT --experiment pg19_gpt2_dense --compile
 
-On a lent machine without the Hydra stack installed (from the repository root, with data/ and .whl/ there):
+On a machine with torch but without the Hydra stack (from the repository root, with data/ and the wheels in .whl/
+there, see benchmarks/README.md; /tmp/site is a scratch folder outside the checkout):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
-      export PYTHONPATH=/tmp/site:$PWD && python3 experiments/ddp_scaling.py --out $OUT
+      export PYTHONPATH=/tmp/site:$PWD && python3 benchmarks/ddp_scaling.py --out $OUT
 
 Runs ``python3 -m nats.train experiment=<exp> data=gutenberg`` twice, through the real Hydra/Lightning stack:
 

@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# One GPU call of experiments/bench_nats_train.py (issue 16): nats-train (fig3_dense, fig3_nats) beside the
+# One GPU call of benchmarks/bench_nats_train.py (issue 16): nats-train (fig3_dense, fig3_nats) beside the
 # isolated step. Run from the repo root on a lent GPU machine, with the wheels in .whl/ and the PG-19 subset
 # archives in data/pg19-subset-src/ carried (as experiments/gpu_figure3.sh); the subset is tokenised first
 # (nats-prepare), outside the timed runs.
-#   bash experiments/gpu_bench_nats_train.sh                 # everything (~8-10 min cold)
-#   bash experiments/gpu_bench_nats_train.sh train           # the two nats-train runs only
-#   bash experiments/gpu_bench_nats_train.sh report          # then: the isolated steps + the table (--reuse)
+#   bash benchmarks/gpu_bench_nats_train.sh                 # everything (~8-10 min cold)
+#   bash benchmarks/gpu_bench_nats_train.sh train           # the two nats-train runs only
+#   bash benchmarks/gpu_bench_nats_train.sh report          # then: the isolated steps + the table (--reuse)
 # Extra arguments go to bench_nats_train.py (e.g. --steps 150). Results: $OUT/bench_nats_train_<gpu>.md/.json
 # and the run folders' small files in $OUT/bench_nats_train_runs.tar.gz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/site
-if [ ! -d /tmp/site/hydra ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+# scratch, outside the checkout (see benchmarks/README.md): the wheels of .whl/ are installed into $SITE
+SITE=${NATS_SITE_DIR:-/tmp/site}
+mkdir -p "$OUT" "$SITE"
+if [ ! -d "$SITE/hydra" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
 fi
 python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1  # nats, nats_kernels
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=$SITE:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 phase=all
 case "${1:-}" in all|train|report) phase=$1; shift ;; esac
@@ -29,7 +31,7 @@ if [ "$phase" != report ]; then
 fi
 WORK=$PWD/logs/bench_nats_train_runs   # ignored by git, kept on a warm machine between calls
 DATA="data.path=$PWD/data/pg19-subset-src"
-B="python3 experiments/bench_nats_train.py --out $OUT --workdir $WORK"
+B="python3 benchmarks/bench_nats_train.py --out $OUT --workdir $WORK"
 case $phase in
   all)    $B --extra "$DATA" "$@" 2>&1 | tail -40 ;;
   train)  $B --extra "$DATA" --no-isolated --no-table "$@" 2>&1 | tail -20 ;;

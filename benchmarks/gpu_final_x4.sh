@@ -4,14 +4,14 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
 python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1  # nats, nats_kernels
-R=/tmp/res; mkdir -p $R
+R=${NATS_SCRATCH_DIR:-/tmp/res}; mkdir -p $R   # scratch for the full outputs (outside the checkout)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 300 python3 experiments/ddp_scaling.py --out $R/ddp --budget-s 270 > $R/ddp.log 2>&1
+timeout 300 python3 benchmarks/ddp_scaling.py --out $R/ddp --budget-s 270 > $R/ddp.log 2>&1
 tail -25 $R/ddp.log
-timeout 130 python3 experiments/bench_train.py --attention dense nats --batch 32 --steps 10 --warmup 4 \
+timeout 130 python3 benchmarks/bench_train.py --attention dense nats --batch 32 --steps 10 --warmup 4 \
   --nats-lambda 0.1 --out $R/train > $R/train.log 2>&1
 grep -E "^\||failed" $R/train.log
-CUDA_VISIBLE_DEVICES=1 timeout 140 python3 experiments/bench_decode.py --out $R/decode --steps 32 --modes graph > $R/decode.log 2>&1
+CUDA_VISIBLE_DEVICES=1 timeout 140 python3 benchmarks/bench_decode.py --out $R/decode --steps 32 --modes graph > $R/decode.log 2>&1
 tail -30 $R/decode.log
 cp $R/ddp/ddp_scaling.md $R/ddp/ddp_scaling.json $R/ddp/ddp_scaling_loss.png $R/train/bench_train.md \
    $R/decode/bench_decode.md $R/decode/bench_decode.json "$OUT"/ 2>/dev/null

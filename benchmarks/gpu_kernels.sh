@@ -2,9 +2,9 @@
 # The one command to run the NAtS kernel checks on a GPU machine (about 7 minutes on one H100):
 #   1. tests/test_kernels.py (on the GPU: + bf16, N up to 8k, D=128) and tests/test_compile.py (autotuning off to save
 #      compile time, so each kernel runs its first config),
-#   2. experiments/bench_attention.py (autotuned), writing bench_attention.{md,json,png} into $OUT
+#   2. benchmarks/bench_attention.py (autotuned), writing bench_attention.{md,json,png} into $OUT
 #      (default experiments/results/), with a time budget so the whole script stays under ~8 minutes.
-# Usage: bash experiments/gpu_kernels.sh            (from the repository root)
+# Usage: bash benchmarks/gpu_kernels.sh            (from the repository root)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-experiments/results}"
@@ -29,7 +29,7 @@ elapsed=$(( $(date +%s) - start ))
 budget=$(( TOTAL_S - elapsed - 60 ))
 if [ "$budget" -lt 60 ]; then budget=60; fi
 echo "== benchmark (budget ${budget}s after ${elapsed}s of tests)"
-timeout $(( budget + 90 )) $PY experiments/bench_attention.py --out "$OUT" --budget-s "$budget" 2>&1 | tee "$OUT/bench.log"
+timeout $(( budget + 90 )) $PY benchmarks/bench_attention.py --out "$OUT" --budget-s "$budget" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "benchmark exit code: $bench_rc; total $(( $(date +%s) - start ))s; results in $OUT"
 exit $(( test_rc != 0 || bench_rc != 0 ))

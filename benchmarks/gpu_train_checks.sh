@@ -8,7 +8,7 @@ python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-d
 OUT=${OUT:-experiments/results}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv
-B="python3 experiments/bench_train.py --steps 20 --warmup 6"
+B="python3 benchmarks/bench_train.py --steps 20 --warmup 6"
 $B --batch 32 48 --out "$OUT" 2>&1 | tail -3
 $B --batch 32 48 --sdpa cudnn --out "$OUT/cudnn" 2>&1 | tail -2
 $B --batch 32 --pos-emb learned --sdpa cudnn --out "$OUT/learned" 2>&1 | tail -1

@@ -9,7 +9,7 @@ alone). The dK/dV variants measured with it and dropped: docs/results/kernel_bre
 Times are GPU times: the fwd+bwd total is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``, no
 Python launch overhead), and the per-kernel split comes from torch.profiler.
 
-    python experiments/kernel_breakdown.py [--out experiments/results]
+    python benchmarks/kernel_breakdown.py [--out experiments/results]
 """
 from __future__ import annotations
 

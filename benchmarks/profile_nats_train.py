@@ -1,8 +1,8 @@
 """Profile optimizer steps of the real `nats-train` path (Lightning, real data, default callbacks) with
 torch.profiler: where the time of a step goes, beside the GPU's busy time (issue 16).
 
-    python experiments/profile_nats_train.py experiment=fig3_nats trainer=gpu compile=true data=pg19_subset
-    python experiments/profile_nats_train.py --steps 60 --profile 50 55 experiment=fig3_dense ...
+    python benchmarks/profile_nats_train.py experiment=fig3_nats trainer=gpu compile=true data=pg19_subset
+    python benchmarks/profile_nats_train.py --steps 60 --profile 50 55 experiment=fig3_dense ...
 
 Prints, for the profiled steps: wall ms per optimizer step, GPU kernel ms per step (the sum of CUDA kernel time,
 i.e. the GPU's busy time), and the top ops by self CUDA time and by self CPU time. A step whose wall time exceeds

@@ -12,7 +12,7 @@ the planes (min and max in the JSON).
     python experiments/anna_figure1a.py --steps 2000     # shorter
     python experiments/anna_figure1a.py --eval-only      # re-evaluate the saved weights
 
-Writes experiments/results/anna_figure1a.{md,json,png} (merging with the rows of other tasks/betas already in
+Writes docs/results/anna_figure1a.{md,json,png} (merging with the rows of other tasks/betas already in
 the JSON, unless --fresh); weights and CSV logs go to logs/anna_figure1a/.
 """
 from __future__ import annotations
@@ -186,7 +186,7 @@ def main() -> None:
     p.add_argument("--eval-only", action="store_true", help="evaluate the weights saved by an earlier run")
     p.add_argument("--fresh", action="store_true", help="do not merge with the rows of an earlier results JSON")
     p.add_argument("--log-dir", type=Path, default=ROOT / "logs" / "anna_figure1a")
-    p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     p.add_argument("--name", default="anna_figure1a", help="stem of the result files (and of the run folders)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run, e.g. trainer.max_time=...")
     args = p.parse_args()

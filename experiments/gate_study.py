@@ -10,7 +10,7 @@ the mean gate value, from `nats.analysis.dataset_diagnostics` over the first --d
     python experiments/gate_study.py --steps 100 data.max_eval_windows=64
     python experiments/gate_study.py --seeds 0 1 2 trainer=gpu      # three seeds on a GPU
 
-Writes experiments/results/gate_study.{md,json}; logs go to logs/gate_study/.
+Writes docs/results/gate_study.{md,json}; logs go to logs/gate_study/.
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--diag-batches", type=int, default=8)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-dir", type=Path, default=ROOT / "logs" / "gate_study")
-    p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args()
     if args.threads:

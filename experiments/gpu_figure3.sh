@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the Figure 3 study (issue 13, experiments/figure3.py), run from the repo root on a lent GPU
-# machine that lacks hydra/omegaconf/submitit/datasets: their wheels in .whl/ (../shared/device/prepare.sh) and
+# machine that lacks hydra/omegaconf/submitit/datasets: their wheels in .whl/ (benchmarks/README.md says how) and
 # the PG-19 subset archives in data/pg19-subset-src/ are carried with the call. Every call ends by packing the
 # small result files into $OUT/figure3.tar.gz, so a machine that goes back loses only unfinished models.
 #   bash experiments/gpu_figure3.sh tests                       # GPU tests of the mask_grad kernels
@@ -11,12 +11,14 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/site
-if [ ! -d /tmp/site/hydra ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+# scratch, outside the checkout (see benchmarks/README.md): the wheels of .whl/ are installed into $SITE
+SITE=${NATS_SITE_DIR:-/tmp/site}
+mkdir -p "$OUT" "$SITE"
+if [ ! -d "$SITE/hydra" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
 fi
 python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1  # nats, nats_kernels
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=$SITE:$PWD
 F3="python3 experiments/figure3.py"
 DATA="data.path=$PWD/data/pg19-subset-src"
 phase=$1; shift
@@ -28,7 +30,7 @@ case $phase in
       2>&1 | tee "$OUT/gpu_tests.log" | tail -15
     ;;
   bench)
-    python3 experiments/bench_attention.py --skip prefill --out "$OUT" 2>&1 | tail -22
+    python3 benchmarks/bench_attention.py --skip prefill --out "$OUT" 2>&1 | tail -22
     ;;
   train|eval|trainval)
     budget=$1; shift

@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import csv
 import shutil
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
 
 
 def main() -> None:
@@ -28,13 +26,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--no-dense", action="store_true", help="skip the dense baseline run")
     ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
-    ap.add_argument("--out", default=str(REPO / "docs"))
+    ap.add_argument("--out", default=str(REPO / "docs" / "results"))
     ap.add_argument("--runs", default=str(REPO / "logs" / "nats_lambda_sweep"))
+    ap.add_argument("--data-dir", default=str(REPO / "data"), help="the token cache (shared with nats-train)")
     args = ap.parse_args()
 
-    from conftest import compose  # the tests' helper: compose conf/train.yaml with paths into a folder
+    from nats.train import compose_config, run
 
-    from nats.train import run
+    def compose(overrides: list[str], run_dir: Path):
+        """conf/train.yaml with the run's outputs in run_dir and the shared token cache."""
+        return compose_config([f"paths.output_dir={run_dir}", f"paths.log_dir={run_dir}/logs",
+                               f"paths.data_dir={args.data_dir}", *overrides])
 
     common = [f"trainer.max_steps={args.steps}", "callbacks.progress_bar=null", "ckpt_path=null", *args.extra]
     settings = [] if args.no_dense else [("dense", None, ["model/attention=dense"])]

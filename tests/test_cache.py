@@ -436,12 +436,12 @@ def test_model_errors():
 
 
 def test_decode_benchmark_helpers_on_cpu():
-    """experiments/bench_decode.py (a GPU script): its synthetic cache fill and decode steps, on CPU."""
+    """benchmarks/bench_decode.py (a GPU script): its synthetic cache fill and decode steps, on CPU."""
     import importlib.util
 
     from conftest import REPO
 
-    spec = importlib.util.spec_from_file_location("bench_decode", REPO / "experiments" / "bench_decode.py")
+    spec = importlib.util.spec_from_file_location("bench_decode", REPO / "benchmarks" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     model = nats_model(window=4, n_layer=2, block_size=96).float()

@@ -4,7 +4,7 @@ A compiled NAtS model must trace as one graph (``fullgraph=True``: no graph brea
 density or the statistics) and give the eager values and gradients. On the CPU the Triton kernels run in
 the interpreter and the graphs are compiled with ``aot_eager`` (tracing, fake tensors and the autograd
 formula are what is tested; inductor's code generation is exercised on the GPU by
-``experiments/bench_train.py --attention nats``).
+``benchmarks/bench_train.py --attention nats``).
 """
 from __future__ import annotations
 

@@ -79,9 +79,9 @@ def test_two_process_ddp_matches_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_scaling_script_cpu_smoke(tmp_path):
-    """experiments/ddp_scaling.py end to end on CPU (2 gloo processes vs 1): both runs, the table, the plot."""
+    """benchmarks/ddp_scaling.py end to end on CPU (2 gloo processes vs 1): both runs, the table, the plot."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "experiments" / "ddp_scaling.py"), "--cpu-smoke", "--out", str(out),
+    cmd = [sys.executable, str(REPO / "benchmarks" / "ddp_scaling.py"), "--cpu-smoke", "--out", str(out),
            "--devices", "2", "--micro", "2", "--global-batch", "8", "--steps", "8", "--log-every", "2",
            "--eval-every", "4", "--min-single-steps", "4", "--budget-s", "240", "--data-dir", str(DATA_DIR)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)

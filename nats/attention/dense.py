@@ -10,7 +10,7 @@ from nats.attention.registry import AttentionCore, AttentionDims, AttentionOutpu
 class DenseAttention(AttentionCore):
     """Causal (or bidirectional) softmax attention. Which SDPA kernel runs is torch's choice; to prefer one
     (e.g. cuDNN attention on Hopper), use `torch.nn.attention.sdpa_kernel` around training or
-    `experiments/bench_train.py --sdpa cudnn` to measure it."""
+    `benchmarks/bench_train.py --sdpa cudnn` to measure it."""
 
     decode_policy = "full"  # every key kept: the full KV cache reproduces it
 
