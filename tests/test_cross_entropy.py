@@ -139,7 +139,3 @@ def test_fused_gpt_classifier_head_and_autocast():
         torch.testing.assert_close(a.loss, b.loss, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ga, gb, rtol=0, atol=1e-4 * gb.abs().max().item())
 
-
-def test_both_loss_flags_is_an_error():
-    with pytest.raises(ValueError, match="fused_cross_entropy"):
-        GPTConfig(lse_cross_entropy=True, fused_cross_entropy=True)

@@ -1,11 +1,11 @@
-"""The GPT model: shapes, causality, GQA, positions, the LSE cross-entropy."""
+"""The GPT model: shapes, causality, GQA, positions, the output gate, the config."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nats.models.gpt import GPT, GPTConfig, LSECrossEntropy
+from nats.models.gpt import GPT, GPTConfig, OutputGate
 
 
 def small(**kw) -> GPT:
@@ -47,33 +47,22 @@ def test_rope_is_relative():
     assert torch.allclose(s[5, 2], s[25, 22], atol=1e-5) and torch.allclose(s[9, 9], s[0, 0], atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_lse_cross_entropy_matches_torch(dtype):
-    torch.manual_seed(1)
-    x = torch.randn(37, 101, dtype=dtype, requires_grad=True)
-    t = torch.randint(0, 101, (37,))
-    t[::5] = -100
-    a = LSECrossEntropy.apply(x, t)
-    b = F.cross_entropy(x, t, ignore_index=-100)
-    ga, = torch.autograd.grad(a * 1.7, x)
-    gb, = torch.autograd.grad(b * 1.7, x)
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
-    assert abs(a.item() - b.item()) < tol and (ga - gb).abs().max() < tol
-    x64 = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
-    t5 = torch.tensor([1, -100, 3, 0, 6])
-    assert torch.autograd.gradcheck(lambda z: LSECrossEntropy.apply(z, t5), (x64,))
-
-
-def test_model_loss_impls_agree():
-    a, b = small(), small(lse_cross_entropy=True)
-    x = torch.randint(0, 101, (2, 30))
-    assert a(x, x).loss.item() == pytest.approx(b(x, x).loss.item(), rel=1e-6)
+def test_retired_config_key_is_dropped():
+    """Model configs saved before lse_cross_entropy was retired (checkpoints' hyper_parameters) still load."""
+    a = GPTConfig.from_dict({"n_layer": 2, "lse_cross_entropy": True})
+    assert a == GPTConfig(n_layer=2) and "lse_cross_entropy" not in a.to_dict()
+    with pytest.raises(ValueError, match="unknown model config keys"):
+        GPTConfig.from_dict({"n_layr": 2})
 
 
 def test_output_gate_shapes():
     for gate in ("headwise", "elementwise"):
         model = small(attention={"name": "dense", "output_gate": gate})
         assert model(torch.randint(0, 101, (1, 9))).logits.shape == (1, 9, 101)
+        gate_module = model.blocks[0].attn.gate
+        assert isinstance(gate_module, OutputGate) and gate_module.kind == gate
+        assert gate_module.weight.shape == ((4, 32) if gate == "headwise" else (32, 32))
+    assert small().blocks[0].attn.gate is None
     with pytest.raises(ValueError, match="output_gate"):
         small(attention={"name": "dense", "output_gate": "bogus"})
 

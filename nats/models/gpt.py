@@ -5,6 +5,11 @@ pre-LayerNorm, GELU MLP of 4d, init N(0, 0.02) with the residual projections sca
 Positions by RoPE (default, as in the NAtS code) or learned absolute embeddings; `n_kv_head` < `n_head`
 gives grouped-query attention. The attention core is chosen by name (`attention.name`) from
 `nats.attention.registry`; `attention.output_gate` adds the gated-attention output gate (Qiu et al.).
+
+Reading order: `GPTConfig` and `GPTOutput`; the pieces of a block (`RotaryEmbedding`, `OutputGate`, `Attention`,
+`MLP`, `Block`); the model, `GPT`, whose `forward` computes the training loss one of two ways: plain PyTorch
+cross-entropy over the logits, or (`fused_cross_entropy`, training only) lm head and cross-entropy as one fused
+op that never returns the logits.
 """
 from __future__ import annotations
 
@@ -20,8 +25,13 @@ from nats.attention.registry import AttentionDims, build_attention
 from nats_kernels.cross_entropy import linear_cross_entropy
 
 OUTPUT_GATES = ("none", "headwise", "elementwise")
+# Config keys that older versions had and this one ignores: lse_cross_entropy (a log-sum-exp-only cross-entropy
+# with the value and gradient of F.cross_entropy, made obsolete by fused_cross_entropy), so that the model
+# configs saved in older checkpoints still load.
+RETIRED_KEYS = ("lse_cross_entropy",)
 
 
+# ----------------------------------------------------------------------------------------------------- config
 @dataclass
 class GPTConfig:
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
@@ -37,13 +47,11 @@ class GPTConfig:
     tie_embeddings: bool = True
     causal: bool = True
     n_out: int | None = None  # output classes if not a language model (then tie_embeddings must be False)
+    # the attention core's config: "name" (a registered core) and its options, plus "output_gate" (OUTPUT_GATES)
     attention: dict[str, Any] = field(default_factory=lambda: {"name": "dense"})
-    # cross-entropy from the log-sum-exp only (no fp32 copy of the logits saved for the backward); same value
-    # and gradient as F.cross_entropy, less memory traffic on GPUs (experiments/bench_train.py --lse-ce)
-    lse_cross_entropy: bool = False
     # training with targets: lm head + cross-entropy as one fused op (nats_kernels.cross_entropy) that writes the
     # logits' gradient over the logits in the forward, so the [B*N, V] logits are read once; no logits are
-    # returned then (validation and eval, without grad, keep the plain path). experiments/bench_train.py --fused-ce
+    # returned then (validation and eval, without grad, keep the plain path). benchmarks/bench_train.py --fused-ce
     fused_cross_entropy: bool = False
 
     def __post_init__(self) -> None:
@@ -75,8 +83,6 @@ class GPTConfig:
         gate = self.attention.get("output_gate", "none")
         if gate not in OUTPUT_GATES:
             problems.append(f"attention.output_gate={gate!r} is not one of {OUTPUT_GATES}")
-        if self.lse_cross_entropy and self.fused_cross_entropy:
-            problems.append("lse_cross_entropy and fused_cross_entropy are alternatives: set at most one")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
@@ -86,11 +92,14 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> "GPTConfig":
+        """The config of a dict (a Hydra `model` node, a checkpoint's hyper_parameters["model"]); unknown keys are
+        an error, `RETIRED_KEYS` are dropped."""
+        cfg = {k: v for k, v in cfg.items() if k not in RETIRED_KEYS}
         known = {f.name for f in fields(cls)}
         unknown = set(cfg) - known
         if unknown:
             raise ValueError(f"unknown model config keys {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**dict(cfg))
+        return cls(**cfg)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,38 +110,12 @@ class GPTOutput:
     # [B, N, vocab] (or [B, N, n_out]); detached when targets were given; None when the fused loss ran: training
     # with targets and fused_cross_entropy
     logits: torch.Tensor | None
-    loss: torch.Tensor | None  # mean cross-entropy, if targets were given
-    aux_loss: torch.Tensor | None  # sum of the attention cores' auxiliary losses
-    stats: dict[str, torch.Tensor]  # "layer{l}/{name}" -> scalar
+    loss: torch.Tensor | None  # mean cross-entropy over targets != -100, if targets were given
+    aux_loss: torch.Tensor | None  # sum of the attention cores' auxiliary losses (NAtS' sparsity term)
+    stats: dict[str, torch.Tensor]  # "layer{l}/{name}" -> scalar, detached
 
 
-class LSECrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of logits [M, V] (any float dtype) against targets [M] (-100 = ignored).
-
-    Saves only the logits (in their own dtype) and the fp32 log-sum-exp per row; the backward recomputes the
-    softmax in one pointwise pass and writes the gradient in the logits' dtype."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        valid = targets != -100
-        safe = torch.where(valid, targets, 0)
-        acc = torch.promote_types(logits.dtype, torch.float32)  # fp32 for bf16/fp16/fp32, fp64 for fp64
-        lse = torch.logsumexp(logits.to(acc), dim=-1)  # [M]
-        picked = logits.gather(1, safe[:, None]).squeeze(1).to(acc)  # [M]
-        n = valid.sum().clamp(min=1)
-        ctx.save_for_backward(logits, safe, valid, lse, n)
-        return ((lse - picked) * valid).sum() / n
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        logits, safe, valid, lse, n = ctx.saved_tensors
-        p = torch.exp(logits.to(lse.dtype) - lse[:, None])  # [M, V] softmax
-        cols = torch.arange(logits.size(1), device=logits.device)
-        p = torch.where(cols[None, :] == safe[:, None], p - 1.0, p)
-        scale = (grad_out * valid / n)[:, None]
-        return (p * scale).to(logits.dtype), None
-
-
+# ----------------------------------------------------------------------------------------------------- blocks
 class RotaryEmbedding(nn.Module):
     """RoPE (rotate-half form): cos/sin tables for positions 0..block_size-1."""
 
@@ -152,6 +135,29 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+class OutputGate(nn.Linear):
+    """Gated attention's output gate (Qiu et al.): the attention output y times sigmoid(W x), x the block's
+    normalised input; one gate per head (`kind` "headwise", W [n_head, C]) or per output channel ("elementwise",
+    W [C, C]).
+
+    The module is the Linear W itself: `gate(x)` gives the gate's logits (nats.analysis reads them) and its
+    weights keep the checkpoint keys `blocks.<l>.attn.gate.weight` / `.bias`; `gate.gated(y, x)` applies it."""
+
+    def __init__(self, kind: str, n_embd: int, n_head: int, bias: bool):
+        if kind not in ("headwise", "elementwise"):
+            raise ValueError(f"output gate {kind!r} is not one of headwise, elementwise")
+        super().__init__(n_embd, n_head if kind == "headwise" else n_embd, bias=bias)
+        self.kind = kind
+
+    def gated(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y [B, H, N, D] (the attention core's output), x [B, N, C] -> y * gate, [B, H, N, D]."""
+        B, H, N, D = y.shape
+        g = torch.sigmoid(self(x))  # [B, N, H] or [B, N, C]
+        if self.kind == "headwise":
+            return y * g.transpose(1, 2).unsqueeze(-1)  # [B, H, N, 1]
+        return y * g.view(B, N, H, D).transpose(1, 2)  # [B, H, N, D]
+
+
 class Attention(nn.Module):
     """Projections + RoPE + pluggable core + optional output gate + output projection."""
 
@@ -163,11 +169,8 @@ class Attention(nn.Module):
         self.proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
         self.proj.is_residual_projection = True
         attn_cfg = dict(c.attention)
-        self.output_gate = attn_cfg.pop("output_gate", "none")
-        if self.output_gate == "headwise":  # one sigmoid gate per head, from the block input
-            self.gate = nn.Linear(c.n_embd, c.n_head, bias=c.bias)
-        elif self.output_gate == "elementwise":  # one per output channel
-            self.gate = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
+        self.output_gate = attn_cfg.pop("output_gate", "none")  # "none" | "headwise" | "elementwise"
+        self.gate = None if self.output_gate == "none" else OutputGate(self.output_gate, c.n_embd, c.n_head, c.bias)
         dims = AttentionDims(
             n_embd=c.n_embd, n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim,
             block_size=c.block_size, layer_idx=layer_idx, n_layer=c.n_layer, causal=c.causal,
@@ -190,16 +193,16 @@ class Attention(nn.Module):
         return q, k, v
 
     def gate_and_project(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y [B, Hq, N, D] (core output), x [B, N, C] (normalised block input) -> [B, N, C]."""
+        """y [B, Hq, N, D] (core output), x [B, N, C] (normalised block input) -> [B, N, C]. Also used by the
+        KV-cache decoder (nats/cache/decode.py), which runs the core itself."""
         B, H, N, D = y.shape
-        if self.output_gate == "headwise":
-            y = y * torch.sigmoid(self.gate(x)).transpose(1, 2).unsqueeze(-1)  # gate [B, N, H] -> [B, H, N, 1]
-        elif self.output_gate == "elementwise":
-            y = y * torch.sigmoid(self.gate(x)).view(B, N, H, D).transpose(1, 2)  # [B, H, N, D]
+        if self.gate is not None:
+            y = self.gate.gated(y, x)
         y = y.transpose(1, 2).reshape(B, N, H * D)  # [B, N, C]
         return self.resid_dropout(self.proj(y))
 
     def forward(self, x, rope, positions):
+        """x [B, N, C] -> ([B, N, C], the core's AttentionOutput: y, aux_loss, stats)."""
         q, k, v = self.project(x, rope, positions)
         out = self.core(q, k, v, x)
         return self.gate_and_project(out.y, x), out
@@ -218,6 +221,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -232,6 +237,7 @@ class Block(nn.Module):
         return x, out
 
 
+# ------------------------------------------------------------------------------------------------------ model
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -249,7 +255,7 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear):  # the output gate too (an nn.Linear)
             std = 0.02
             if getattr(module, "is_residual_projection", False):
                 std = 0.02 / math.sqrt(2 * self.config.n_layer)
@@ -265,6 +271,12 @@ class GPT(nn.Module):
             n -= self.wpe.weight.numel()
         return n
 
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (6N + attention), as in the PaLM appendix / nanoGPT's MFU."""
+        c = self.config
+        n = seq_len or c.block_size
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * n
+
     def embed(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)  # [B, N, C]
         if self.wpe is not None:
@@ -272,7 +284,7 @@ class GPT(nn.Module):
         return self.drop(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
-        """idx [B, N] int64 -> logits [B, N, V]; loss = mean CE over targets != -100."""
+        """idx [B, N] int64 -> logits [B, N, V]; with targets [B, N] also loss = mean CE over targets != -100."""
         B, N = idx.shape
         if N > self.config.block_size:
             raise ValueError(
@@ -287,37 +299,26 @@ class GPT(nn.Module):
             if out.aux_loss is not None:
                 aux_loss = out.aux_loss if aux_loss is None else aux_loss + out.aux_loss
             for name, value in out.stats.items():
-                stats[f"layer{i}/{name}"] = value
+                stats[f"layer{i}/{name}"] = value.detach()
         x = self.ln_f(x)
-        logits = loss = None
-        if targets is not None and self.config.fused_cross_entropy and torch.is_grad_enabled():
-            loss = self.fused_loss(x, targets)  # training: no logits (see GPTConfig.fused_cross_entropy)
-        else:
-            logits = self.lm_head(x)
-        if targets is not None and logits is not None:
-            flat_logits, flat_targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
-            if self.config.lse_cross_entropy:
-                loss = LSECrossEntropy.apply(flat_logits, flat_targets)
-            else:
-                loss = F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=-100)
-            # With targets the loss is the differentiable output and the logits are for metrics only. Returned
-            # attached, they would be a compiled graph's output that needs a gradient: autograd then feeds the
-            # backward a zero [B, N, V] tangent (one fill and one extra read of the logits, ~3% of a GPT-2-small
-            # step on an H100, experiments/bench_train.py). To differentiate the logits, call without targets.
-            logits = logits.detach()
-        stats = {name: value.detach() for name, value in stats.items()}
-        return GPTOutput(logits=logits, loss=loss, aux_loss=aux_loss, stats=stats)
+
+        if targets is None:  # inference: the logits only
+            return GPTOutput(logits=self.lm_head(x), loss=None, aux_loss=aux_loss, stats=stats)
+        if self.config.fused_cross_entropy and torch.is_grad_enabled():  # training: the fused loss, no logits
+            return GPTOutput(logits=None, loss=self.fused_loss(x, targets), aux_loss=aux_loss, stats=stats)
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
+        # With targets the loss is the differentiable output and the logits are for metrics only. Returned
+        # attached, they would be a compiled graph's output that needs a gradient: autograd then feeds the
+        # backward a zero [B, N, V] tangent (one fill and one extra read of the logits, ~3% of a GPT-2-small
+        # step on an H100, benchmarks/bench_train.py). To differentiate the logits, call without targets.
+        return GPTOutput(logits=logits.detach(), loss=loss, aux_loss=aux_loss, stats=stats)
 
     def fused_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of lm_head(x) (x [B, N, C], after ln_f) against targets [B, N], by the fused op."""
+        """Mean cross-entropy of lm_head(x) (x [B, N, C], after ln_f) against targets [B, N], by the fused op
+        (nats_kernels.cross_entropy.linear_cross_entropy)."""
         w = self.lm_head.weight  # [V, C] (the untied head with n_out)
         if torch.is_autocast_enabled(x.device.type):  # custom ops get no autocast: cast as a matmul would
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w = x.to(dtype), w.to(dtype)
         return linear_cross_entropy(x.reshape(-1, x.size(-1)), w, targets.reshape(-1))  # [B*N, C], [B*N]
-
-    def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (6N + attention), as in the PaLM appendix / nanoGPT's MFU."""
-        c = self.config
-        n = seq_len or c.block_size
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * n
