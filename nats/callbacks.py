@@ -91,8 +91,9 @@ class TokenThroughput(ThroughputMonitor):
 
 
 class TemperatureSchedule(Callback):
-    """Anneal the Gumbel-softmax temperature of every NAtS core: exponentially from `start` to `end`
-    over `steps` optimizer steps, then constant (`end`)."""
+    """Anneal the Gumbel-softmax temperature of every NAtS core (`nats.attention.nats.NAtSAttention`, found by
+    type; other cores have no temperature): exponentially from `start` to `end` over `steps` optimizer steps, then
+    constant (`end`)."""
 
     def __init__(self, start: float = 1.0, end: float = 0.5, steps: int = 10000):
         super().__init__()
@@ -108,11 +109,12 @@ class TemperatureSchedule(Callback):
         """Set tau of the step on every NAtS core where it differs (once per optimizer step: micro-batches of one
         step share it; a core's setter fills its tau buffer in place), and log `nats/tau` on the steps whose logs
         are written (a Python float logged is a blocking host-to-device copy)."""
+        from nats.attention.nats import NAtSAttention
         from nats.lit import logs_written_now
 
         tau = self.tau_at(trainer.global_step)
         if getattr(self, "_cores_of", None) is not pl_module:  # the cores are found once per module
-            self._cores = [m for m in pl_module.modules() if hasattr(m, "tau") and hasattr(m, "scorer")]
+            self._cores = [m for m in pl_module.modules() if isinstance(m, NAtSAttention)]
             self._cores_of = pl_module
         for module in self._cores:
             if module.tau != tau:

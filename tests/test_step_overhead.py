@@ -3,7 +3,8 @@
 * The per-layer statistics, the auxiliary loss, the learning rate and the temperature are logged only on the
   optimizer steps whose logs Lightning writes (``trainer.log_every_n_steps``), and what is written is the same as
   when everything is logged every step (the old behaviour).
-* The tau schedule sets each NAtS core once per optimizer step (not per micro-batch), and only when it changes.
+* The tau schedule sets each NAtS core (found by type) once per optimizer step (not per micro-batch), and only
+  when it changes.
 * A compiled run (``compile=aot_eager``: Dynamo's guards are what is tested, not inductor's code) compiles the
   training graph once and the evaluation graph once: no recompile after the first step, through validation, the
   tau schedule and a final ``trainer.validate``, with a NAtS model on the Triton backend whose kernel cache is
@@ -92,6 +93,35 @@ def test_statistics_and_tau_only_where_needed(tmp_path, monkeypatch):
     # tau(0) = start = the core's initial tau (not set); steps 1..5 change it once each
     assert len(sets) == 5 * n_cores, sets
 
+
+
+def test_tau_schedule_finds_nats_cores_by_type():
+    """TemperatureSchedule sets tau on the NAtS cores (by class), not on any module that has `tau` and `scorer`."""
+    from types import SimpleNamespace
+
+    from nats.callbacks import TemperatureSchedule
+    from nats.models.gpt import GPT, GPTConfig
+
+    class Decoy(torch.nn.Module):  # duck-typed like a NAtS core, but another class
+        tau, scorer = 1.0, None
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = GPT(GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=8,
+                                     attention={"name": "nats", "window": 2}))
+            self.decoy = Decoy()
+            self.logged = {}
+
+        def log(self, name, value):
+            self.logged[name] = value
+
+    module = Module()
+    schedule = TemperatureSchedule(start=1.0, end=0.5, steps=4)
+    trainer = SimpleNamespace(global_step=4, fast_dev_run=True)
+    schedule.on_train_batch_start(trainer, module, None, 0)
+    assert [b.attn.core.tau for b in module.gpt.blocks] == [0.5, 0.5] and module.decoy.tau == 1.0
+    assert module.logged == {"nats/tau": 0.5}
 
 def test_compiled_run_never_recompiles(tmp_path):
     """compile=aot_eager, NAtS on the Triton backend (interpreted on the CPU): after the first training step
