@@ -99,7 +99,8 @@ def plot(out: Path):
     train = [r for r in ROWS if r["part"] == "train" and r.get("ms")]
     ax = axes[0]
     labels = [f"{r['method']}\n{r.get('mix', '')}" for r in train]
-    ax.bar(range(len(train)), [r["ms"] for r in train], color=["C0" if "triton" in r["method"] else "C7" for r in train])
+    colors = ["C0" if "triton" in r["method"] else "C7" for r in train]
+    ax.bar(range(len(train)), [r["ms"] for r in train], color=colors)
     ax.set_xticks(range(len(train)), labels, rotation=60, fontsize=7, ha="right")
     ax.set_ylabel("fwd+bwd ms")
     ax.set_yscale("log")

@@ -350,7 +350,8 @@ def main() -> None:
                 row["density"] = density if policy == "nats" else None
                 rows.append(row)
                 print(f"L={L:6d} {row['policy']:14s} {row['mode']:5s} {row['ms_per_step']:8.3f} ms/step "
-                      f"{row['tokens_per_s']:9.0f} tok/s  alloc {row['alloc_MB']:9.1f} MB  kept {row['kept_MB']:9.1f} MB"
+                      f"{row['tokens_per_s']:9.0f} tok/s  alloc {row['alloc_MB']:9.1f} MB"
+                      f"  kept {row['kept_MB']:9.1f} MB"
                       f"  ratio {row['alloc_over_kept']:.3f}", flush=True)
     meta = {"device": torch.cuda.get_device_name(), "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
             "window": args.window, "budget_frac": args.budget_frac, "torch": torch.__version__,

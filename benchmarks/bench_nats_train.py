@@ -76,7 +76,8 @@ def train_overrides(exp: str, args, run_dir: Path) -> list[str]:
 
 
 def read_csv_throughput(run_dir: Path, warmup_steps: int, log_every: int) -> dict:
-    """tokens/s rows of the CSV log (`train/items_per_sec`, one device: `train/device/items_per_sec`) whose interval starts at or after warmup_steps."""
+    """tokens/s rows of the CSV log (`train/items_per_sec`, one device: `train/device/items_per_sec`) whose
+    interval starts at or after warmup_steps."""
     path = run_dir / "csv" / "metrics.csv"
     rows = []
     if path.is_file():
@@ -155,7 +156,8 @@ def run_nats_train(exp: str, args, workdir: Path) -> dict:
     tokens_per_step = int(cfg.global_batch_size) * int(cfg.data.block_size or cfg.model.block_size)
     timer = read_step_timer(run_dir, args.warmup_steps, args.log_every, tokens_per_step)
     res = {"experiment": exp, "attention": cfg.model.attention.name, "overrides": overrides, "wall_s": wall,
-           "tokens_per_step": tokens_per_step, "monitor": read_csv_throughput(run_dir, args.warmup_steps, args.log_every),
+           "tokens_per_step": tokens_per_step,
+           "monitor": read_csv_throughput(run_dir, args.warmup_steps, args.log_every),
            "timer": timer, "recompiles": recompiles(proc.stderr),
            "model": OmegaConf.to_container(cfg.model, resolve=True)}
     if timer:

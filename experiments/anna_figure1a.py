@@ -126,8 +126,8 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
     lines = [
         "# ANNA Figure 1a: test error of surrogate-trained models evaluated with ANNA attention",
         "",
-        f"One layer, one head, d = 64, MLP 4d GELU; Adam at peak lr 0.01 (1000 warm-up steps, cosine to 1e-4, gradient "
-        f"norm clipped at 1.0) unless overridden, batch 32, 10000 training samples"
+        "One layer, one head, d = 64, MLP 4d GELU; Adam at peak lr 0.01 (1000 warm-up steps, cosine to 1e-4, gradient "
+        "norm clipped at 1.0) unless overridden, batch 32, 10000 training samples"
         + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "") + "; "
         f"steps as listed; test error over all target positions of the 256 test samples (surrogate: the trained "
         f"softmax surrogate; l, z: the same weights with ANNA attention, mean over {args.hash_seeds} draws of the "

@@ -95,7 +95,10 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
             ppl = torch.tensor([r["val_ppl"] for r in rs], dtype=torch.float64)
             sink = torch.tensor([sum(r["first_token_share"]) / n_layer for r in rs], dtype=torch.float64)
             gmean = [sum(r["gate_mean"]) / n_layer for r in rs]
-            std = (lambda t: float(t.std()) if len(t) > 1 else 0.0)
+
+            def std(t):
+                return float(t.std()) if len(t) > 1 else 0.0
+
             g = "-" if any(math.isnan(x) for x in gmean) else f"{sum(gmean) / len(gmean):.3f}"
             lines.append(f"| {gate} | {len(rs)} | {float(ppl.mean()):.2f} ± {std(ppl):.2f} | "
                          f"{float(sink.mean()):.4f} ± {std(sink):.4f} | {g} |")

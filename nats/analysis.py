@@ -20,7 +20,7 @@ block's normalised input; NaN for layers without a gate.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import lightning as L
 import torch

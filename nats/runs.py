@@ -44,8 +44,9 @@ import os
 import signal
 import uuid
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 # conf/hydra/launcher/submitit_{slurm,local}.yaml carry the plugin's names on purpose (hydra/launcher=submitit_slurm)
 # and are checked against the plugin's schema of that name; Hydra 1.3 warns about that on every start

@@ -16,13 +16,22 @@ import os
 import sys
 
 import hydra
-from hydra.errors import InstantiationException
 import lightning as L
 import torch
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from nats.runs import (AUTO, checkpoint_step, clear_failure, cluster_plugins, lightning_handles_requeue,
-                       resolve_ckpt_path, resume_argv, write_failure, write_metrics)
+from nats.runs import (
+    AUTO,
+    checkpoint_step,
+    clear_failure,
+    cluster_plugins,
+    lightning_handles_requeue,
+    resolve_ckpt_path,
+    resume_argv,
+    write_failure,
+    write_metrics,
+)
 from nats.utils import CONF_DIR, grad_accumulation, world_size_of
 
 log = logging.getLogger(__name__)

@@ -460,7 +460,7 @@ def test_decode_benchmark_helpers_on_cpu():
         if policy == "nats":
             for c in caches:
                 c.core = bench.SyntheticTypes(c.core, later, L, pos)
-        for i in range(L, L + 8):
+        for _ in range(L, L + 8):
             logits = decode_step(model, caches, token, pos)
             token = logits.argmax(-1)
             pos += 1

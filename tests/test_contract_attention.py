@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import REPO
 from nats.attention.registry import ATTENTIONS, AttentionDims, build_attention, decodable_attention
 from nats.models.gpt import GPT, GPTConfig
-from conftest import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import REPO
 from nats.cache import available_caches, get_cache_class, make_caches, policy_logits
 from nats.cache.decode import decode_step, eval_mode, prefill
 from nats.models.gpt import GPT, GPTConfig
-from conftest import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nats.data import sources as S
 from conftest import DATA_DIR, REPO
+from nats.data import sources as S
 
 BOOKS = {
     "train": {"a.txt": "first train book\n", "sub/b.txt": "second, in a sub folder\n", "c.txt": "ça va\n"},

@@ -243,7 +243,8 @@ def test_folder_errors(tmp_path):
 
 
 def test_datamodule_argument_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown data source 'wikitext': choose one of \['gutenberg', 'pg19', 'text_dir'\]"):
+    msg = r"unknown data source 'wikitext': choose one of \['gutenberg', 'pg19', 'text_dir'\]"
+    with pytest.raises(ValueError, match=msg):
         D.TokenDataModule("wikitext", str(tmp_path))
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         D.TokenDataModule("gutenberg", str(tmp_path), block_size=0)

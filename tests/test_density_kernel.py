@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nats_kernels.nats_attention import _env
-from nats_kernels.nats_attention import density
+from nats_kernels.nats_attention import _env, density
 from nats_kernels.nats_attention.reference import density_terms_reference, types_to_weights
 
 

@@ -29,7 +29,8 @@ def test_run_names():
 
 
 def test_train_command_composes_the_intended_config(tmp_path):
-    """The overrides `train` launches (minus Hydra's own run dir) compose to fig3_nats with the run's lambda and seed."""
+    """The overrides `train` launches (minus Hydra's own run dir) compose to fig3_nats with the run's lambda and
+    seed."""
     cmd = figure3.train_cmd("nats_l1_exact_s2", tmp_path, ["data.path=/nowhere"], steps=None)
     overrides = [a for a in cmd[3:] if not a.startswith("hydra.")]
     cfg = compose(overrides, tmp_path)

@@ -72,7 +72,10 @@ def make_inputs(B, HQ, HKV, N, D, dtype, mix, seed=0, device=DEVICE, scale=1.0):
     v = torch.randn(B, HKV, N, D, generator=gen)
     do = torch.randn(B, HQ, N, D, generator=gen)
     types = make_types(B, HKV, N, mix, gen)
-    cast = lambda x: x.to(device=device, dtype=dtype)
+
+    def cast(x):
+        return x.to(device=device, dtype=dtype)
+
     return cast(q), cast(k), cast(v), cast(do), types.to(device)
 
 

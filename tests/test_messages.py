@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import DATA_DIR, REPO, compose
 from nats.data import datamodule as D

@@ -1,8 +1,6 @@
 """The `nats` attention core in the model: types, determinism, gradients, sparsity objective, logging."""
 from __future__ import annotations
 
-import csv
-
 import pytest
 import torch
 

@@ -121,7 +121,8 @@ def test_progress_bar_counts_optimizer_steps(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("+trainer.max_step=4", r"trainer \(lightning.*Trainer\) has no option 'max_step' \(did you mean trainer.max_steps\?\)"),
+    ("+trainer.max_step=4",
+     r"trainer \(lightning.*Trainer\) has no option 'max_step' \(did you mean trainer.max_steps\?\)"),
     ("+callbacks.progress_bar.refresh=4",
      r"callbacks.progress_bar \(nats.callbacks.StepProgressBar\) has no option 'refresh' \(did you mean "
      r"callbacks.progress_bar.refresh_rate\?\)"),

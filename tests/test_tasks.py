@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from nats.data.tasks import (
-    InductionHeadsDataModule, Match2DataModule, khop_induction, match2, match2_positive_rate, pair_tokens,
+    InductionHeadsDataModule,
+    Match2DataModule,
+    khop_induction,
+    match2,
+    match2_positive_rate,
+    pair_tokens,
 )
 
 
@@ -169,12 +174,13 @@ def compose(overrides):
     return compose_config(overrides + ["paths.output_dir=/tmp/nats_test_tasks"])
 
 
-@pytest.mark.parametrize("experiment,causal,vocab,n_out", [("anna_match2", False, 37, 2), ("anna_induction", True, 20, 4)])
+@pytest.mark.parametrize("experiment,causal,vocab,n_out",
+                         [("anna_match2", False, 37, 2), ("anna_induction", True, 20, 4)])
 def test_experiment_configs_compose(experiment, causal, vocab, n_out):
     import hydra
+    from omegaconf import OmegaConf
 
     from nats.models.gpt import GPTConfig
-    from omegaconf import OmegaConf
 
     cfg = compose([f"experiment={experiment}", "model.attention.beta=10"])
     model = OmegaConf.to_container(cfg.model, resolve=True)
@@ -183,7 +189,8 @@ def test_experiment_configs_compose(experiment, causal, vocab, n_out):
     assert (model["causal"], model["vocab_size"], model["n_out"]) == (causal, vocab, n_out)
     GPTConfig.from_dict(model)
     # the paper's Adam lr 0.01 as the peak of warm-up + cosine, with clipping (docs/anna_and_gates.md, Figure 1a)
-    assert cfg.optim.lr == 0.01 and cfg.optim.weight_decay == 0 and tuple(cfg.optim.betas) == (0.9, 0.999)
+    assert cfg.optim.lr == 0.01 and cfg.optim.optimizer.weight_decay == 0
+    assert tuple(cfg.optim.optimizer.betas) == (0.9, 0.999) and cfg.optim.optimizer.lr == 0.01
     assert (cfg.optim.warmup_steps, cfg.optim.min_lr, cfg.optim.grad_clip) == (1000, 1e-4, 1.0)
     assert cfg.trainer.max_steps == 20000 and cfg.global_batch_size == cfg.data.micro_batch_size == 32
     dm = hydra.utils.instantiate(cfg.data)

@@ -151,8 +151,9 @@ def test_resume_gives_the_uninterrupted_losses(tmp_path):
 
 
 def test_short_run_logs_checkpoints_and_prints_ppl(tmp_path, capsys):
-    cfg = compose(small(["trainer.max_steps=4", "eval_every=2", "data.max_eval_windows=4", "trainer.log_every_n_steps=1",
-                         "callbacks.progress_bar=null", "callbacks.throughput.window_size=2"]), tmp_path)
+    cfg = compose(small(["trainer.max_steps=4", "eval_every=2", "data.max_eval_windows=4",
+                         "trainer.log_every_n_steps=1", "callbacks.progress_bar=null",
+                         "callbacks.throughput.window_size=2"]), tmp_path)
     metrics = run(cfg)
     out = capsys.readouterr().out
     assert "val_ppl " in out and "unigram_ppl " in out

@@ -9,13 +9,13 @@ import os
 import torch
 
 from .. import INTERPRET
+
 # NATS_KERNELS_AUTOTUNE=0: every kernel uses the first of its autotune configs (saves compile time,
 # e.g. for tests); read when the kernels are defined (first import).
 AUTOTUNE = os.environ.get("NATS_KERNELS_AUTOTUNE", "1") != "0"
 
 import triton
 import triton.language as tl
-
 
 # Tests set this (or NATS_KERNELS_POISON=1) so that outputs start as NaN: an element a kernel forgets to
 # write then fails the comparison with the reference instead of passing by luck.
@@ -93,4 +93,5 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-__all__ = ["AUTOTUNE", "INTERPRET", "POISON", "cdiv", "clamp_window", "configs", "dot_precision", "empty", "empty_bnhd", "grad_like", "tl", "triton"]
+__all__ = ["AUTOTUNE", "INTERPRET", "POISON", "cdiv", "clamp_window", "configs", "dot_precision", "empty", "empty_bnhd",
+           "grad_like", "tl", "triton"]

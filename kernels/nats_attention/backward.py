@@ -48,8 +48,8 @@ import torch
 from . import _env
 from ._env import INTERPRET, dot_precision, tl, triton
 from .causal_lse import causal_lse
-from .plan import R_E, R_ROWS
 from .forward import compact_ranges, key_limit, load_compact, load_rows, query_program
+from .plan import R_E, R_ROWS
 
 # Largest exponent (base 2) of exp(s_ij - LSE_i) at masked pairs: half the float32 range, as in the reference.
 EXP2_MAX = tl.constexpr(64.0)

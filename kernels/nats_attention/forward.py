@@ -23,9 +23,8 @@ For training it also writes the row log-sum-exp (base 2, of the scaled scores) f
 
 import torch
 
-from . import _env
+from . import HEAD_DIMS, _env
 from ._env import dot_precision, tl, triton
-from . import HEAD_DIMS
 from .plan import R_CG, R_CL, R_CS, R_LIM, R_LIM2, R_ORD, R_ORD2, R_P, R_ROWS
 
 

@@ -127,7 +127,8 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, type_weights: Tensor
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating tensor, got dtype {t.dtype}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [B, Hkv, N, D], got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape [B, Hkv, N, D], got k {tuple(k.shape)} and v {tuple(v.shape)}")
     B, Hq, N, D = q.shape
     Bk, Hkv, Nk, Dk = k.shape
     if (Bk, Nk, Dk) != (B, N, D):

@@ -35,7 +35,8 @@ of a GPT whose attention cores are replaced, weights untouched.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -162,7 +163,8 @@ class AnnaAttention(SoftmaxSurrogateAttention):
         return AttentionOutput(y, stats=stats)
 
     def extra_repr(self) -> str:
-        return f"l={self.l}, z={self.z}, beta={self.beta}, seed={self.seed}, empty={self.empty}, causal={self.dims.causal}"
+        return (f"l={self.l}, z={self.z}, beta={self.beta}, seed={self.seed}, empty={self.empty}, "
+                f"causal={self.dims.causal}")
 
 
 # ---------------------------------------------------------------------- swapping cores in a trained model

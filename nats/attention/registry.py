@@ -19,8 +19,9 @@ checked for every registered core by tests/test_contract_attention.py):
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn

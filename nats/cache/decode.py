@@ -11,13 +11,14 @@ model's own types reproduces the model's parallel forward.
     out = generate(model, idx, 50, policy="h2o", budget=256) # [B, T + 50]
 
 Supported models: causal language models whose attention core declares a ``decode_policy`` (``dense``,
-``nats``: see `nats.attention.registry.AttentionCore`; any output gate, RoPE or learned positions, GQA). Positions are the original ones, so a sequence cannot outgrow the model's
-block_size.
+``nats``: see `nats.attention.registry.AttentionCore`; any output gate, RoPE or learned positions, GQA).
+Positions are the original ones, so a sequence cannot outgrow the model's block_size.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -30,7 +30,6 @@ periodically in the same spirit). Attention reads each segment and the valid rin
 """
 from __future__ import annotations
 
-
 import torch
 
 from nats import functional as NF
