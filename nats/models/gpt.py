@@ -14,8 +14,9 @@ op that never returns the logits.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,7 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any]) -> "GPTConfig":
+    def from_dict(cls, cfg: Mapping[str, Any]) -> GPTConfig:
         """The config of a dict (a Hydra `model` node, a checkpoint's hyper_parameters["model"]); unknown keys are
         an error, `RETIRED_KEYS` are dropped."""
         cfg = {k: v for k, v in cfg.items() if k not in RETIRED_KEYS}
