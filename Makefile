@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make train   trains the default model on the embedded Gutenberg corpus (creates .venv when missing)
-#   make test    runs the test suite (the same command CI runs)
+#   make test    runs ruff's lint, then the test suite (the same command CI runs)
 # Pass Hydra overrides with ARGS='...', pytest options with PYTEST_ARGS='...'.
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +20,7 @@ endif
 STAMP := $(VENV)/.installed
 export PROJECT_ROOT := $(CURDIR)
 
-.PHONY: setup train test test-all prepare clean-venv
+.PHONY: setup train test test-all lint prepare clean-venv
 
 setup: $(STAMP)
 
@@ -45,11 +45,15 @@ prepare: setup
 train: setup
 	$(BIN)/nats-train $(ARGS)
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# ruff's lint (rules in pyproject.toml [tool.ruff]); `make test` runs it first, as CI does
+lint: setup
+	$(BIN)/ruff check .
+
 # the slow tests too (still no GPU tests unless a GPU is present)
-test-all: setup
+test-all: setup lint
 	$(BIN)/python -m pytest -q --runslow $(PYTEST_ARGS)
 
 clean-venv:
