@@ -1,6 +1,9 @@
 """The LightningModule: GPT + AdamW + warm-up/cosine schedule + logging of loss, perplexity and KV stats."""
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 from typing import Any, Mapping
 
@@ -11,12 +14,71 @@ from torch import nn
 from nats.models.gpt import GPT, GPTConfig
 
 CLIP_MODES = ("global", "separate")
+# The keys of `optim` (conf/optim/*.yaml): the optimizer as a partial config, then the schedule and the clipping.
+OPTIM_KEYS = ("optimizer", "lr", "min_lr", "warmup_steps", "max_steps", "grad_clip", "clip_mode", "scorer_grad_clip")
+# Checkpoints saved before the `optimizer` node hold a flat `optim` with AdamW's arguments beside the schedule's;
+# such a dict (no `optimizer` key) still builds the AdamW it did, these keys' defaults included.
+LEGACY_OPTIMIZER_KEYS = {"weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
+
+
+def optimizer_config(optim: Mapping[str, Any]) -> dict[str, Any]:
+    """`optim` checked and in the current form: unknown keys are an error (naming the valid ones), a legacy flat
+    dict gets its AdamW `optimizer` node, and the optimizer's lr is the schedule's peak, `optim.lr`."""
+    optim = dict(optim)
+    valid = OPTIM_KEYS + tuple(LEGACY_OPTIMIZER_KEYS)
+    unknown = sorted(set(optim) - set(valid))
+    if unknown:
+        hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, valid, n=1)) else k
+                 for k in unknown]
+        raise ValueError(f"unknown optim keys: {', '.join(hints)}; the valid keys: {', '.join(OPTIM_KEYS)} "
+                         "(the optimizer's own arguments go under optim.optimizer, e.g. optim.optimizer.weight_decay)")
+    if "lr" not in optim:
+        raise ValueError("optim.lr (the peak learning rate of the schedule) is required")
+    legacy = {k: optim.pop(k) for k in LEGACY_OPTIMIZER_KEYS if k in optim}
+    node = optim.get("optimizer")
+    if node is None:  # a flat dict (an older checkpoint's hyper_parameters, or a hand-made one)
+        node = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": optim["lr"],
+                **LEGACY_OPTIMIZER_KEYS, **legacy}
+    elif legacy:
+        raise ValueError(f"optim.{', optim.'.join(legacy)}: with an optim.optimizer node these are its arguments, "
+                         f"optim.optimizer.{', optim.optimizer.'.join(legacy)}")
+    elif isinstance(node, functools.partial) or not isinstance(node, Mapping) or "_target_" not in node:
+        raise ValueError(f"optim.optimizer must be a config with a _target_ (e.g. torch.optim.AdamW) and "
+                         f"_partial_: true, got {node!r}; instantiate LitGPT with _recursive_=False (as "
+                         "conf/train.yaml's module node does), so that it receives the config and its checkpoints "
+                         "hold plain data")
+    node = dict(node)
+    if node.setdefault("lr", optim["lr"]) != optim["lr"]:
+        raise ValueError(f"optim.optimizer.lr={node['lr']} differs from optim.lr={optim['lr']}, the schedule's peak: "
+                         "set optim.lr (conf/optim's optimizer.lr follows it)")
+    optimizer_partial(node)  # a mistyped class or argument fails now, not when training starts
+    optim["optimizer"] = node
+    return optim
+
+
+def optimizer_partial(node: Mapping[str, Any]) -> functools.partial:
+    """The optimizer class with its configured arguments (betas as a tuple): call it with the parameters."""
+    import hydra
+
+    try:
+        make = hydra.utils.instantiate(dict(node), _partial_=True, _convert_="all")
+    except Exception as err:  # noqa: BLE001 - an import error, an unknown class: one message
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"optim.optimizer ({node.get('_target_')}) cannot be built: {msg}") from err
+    signature = inspect.signature(make.func)
+    try:
+        signature.bind_partial(**make.keywords)
+    except TypeError as err:
+        options = ", ".join(n for n in signature.parameters if n != "params")
+        raise ValueError(f"optim.optimizer ({node.get('_target_')}): {err}; its arguments: {options}") from None
+    if isinstance(make.keywords.get("betas"), list):
+        make = functools.partial(make.func, *make.args, **{**make.keywords, "betas": tuple(make.keywords["betas"])})
+    return make
 
 
 def scorer_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of the attention cores' token-type scorers: those of every submodule held as an
-    attribute named ``scorer`` (NAtS: ``blocks.<l>.attn.core.scorer.weight``), the convention that
-    `nats.callbacks.TemperatureSchedule` also uses to find NAtS cores. Empty for models without scorers
+    attribute named ``scorer`` (NAtS: ``blocks.<l>.attn.core.scorer.weight``). Empty for models without scorers
     (dense, ANNA, gated). A new core whose type scorer lives elsewhere must hold it as ``self.scorer``
     (or extend this function) to be clipped and logged apart (docs/scorer_gradients.md)."""
     seen: set[int] = set()
@@ -90,10 +152,13 @@ def _eval_forward(model: nn.Module):
 class LitGPT(L.LightningModule):
     """Language-model training of `nats.models.gpt.GPT`.
 
-    `model` holds the `GPTConfig` fields (with `attention` as a nested dict), `optim` the optimiser and
-    schedule: lr, min_lr, warmup_steps, max_steps (None = the trainer's), weight_decay, betas, eps, and the
-    gradient clipping: grad_clip (None = off), clip_mode ("separate", the default, or "global"),
-    scorer_grad_clip (None = grad_clip; only with "separate"); see `on_before_optimizer_step`.
+    `model` holds the `GPTConfig` fields (with `attention` as a nested dict), `optim` (conf/optim/*.yaml) the
+    optimiser, schedule and clipping: `optimizer`, a partial config (`_target_: torch.optim.AdamW`, `_partial_:
+    true`, lr, betas, eps, weight_decay; see `configure_optimizers`); lr (the schedule's peak), min_lr,
+    warmup_steps, max_steps (None = the trainer's); grad_clip (None = off), clip_mode ("separate", the default,
+    or "global"), scorer_grad_clip (None = grad_clip; only with "separate"; see `on_before_optimizer_step`).
+    Other keys are an error. A flat `optim` without `optimizer` (older checkpoints) means AdamW with its
+    weight_decay, betas and eps beside lr (`LEGACY_OPTIMIZER_KEYS`).
     The training loss is cross-entropy plus the attention cores' auxiliary losses (NAtS' sparsity term).
     """
 
@@ -103,7 +168,7 @@ class LitGPT(L.LightningModule):
         self.save_hyperparameters()
         self.config = GPTConfig.from_dict(model)
         self.model = GPT(self.config)
-        self.optim_cfg = dict(optim)
+        self.optim_cfg = optimizer_config(optim)  # also accepts the flat dicts of older checkpoints
         self.clip_mode = self.optim_cfg.get("clip_mode") or "separate"
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"optim.clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
@@ -134,20 +199,21 @@ class LitGPT(L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
+        """The `optim.optimizer` partial called with two parameter groups: the weights of 2+ dims (with the
+        optimizer's weight_decay) and the rest (biases, norms, weight_decay 0); `fused=True` on CUDA when the
+        optimizer takes it and the config does not set it. Then the warm-up + cosine schedule (`lr_at`), per step."""
         o = self.optim_cfg
         decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": o.get("weight_decay", 0.1)},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        fused = next(self.model.parameters()).is_cuda or (
-            self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        )
-        optimizer = torch.optim.AdamW(
-            groups, lr=o["lr"], betas=tuple(o.get("betas", (0.9, 0.95))), eps=o.get("eps", 1e-8),
-            fused=fused or None,
-        )
+        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        make = optimizer_partial(o["optimizer"])
+        kwargs = {}
+        if "fused" not in make.keywords and "fused" in inspect.signature(make.func).parameters:
+            fused = next(self.model.parameters()).is_cuda or (
+                self._trainer is not None and self._trainer.strategy.root_device.type == "cuda"
+            )
+            kwargs["fused"] = fused or None
+        optimizer = make(groups, **kwargs)
         max_steps = o.get("max_steps") or self.trainer.max_steps
         if max_steps is None or max_steps < 1:
             raise ValueError("set trainer.max_steps (or optim.max_steps) to a positive number for the cosine schedule")
