@@ -1,0 +1,332 @@
+"""`nats-generate`: continue a prompt with a trained model, decoding through any KV-cache policy.
+
+    nats-generate ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt prompt="To be or not to be"
+    nats-generate model_dir=models/my-nats policy=nats max_new_tokens=200        # a save_pretrained folder
+    nats-generate model_dir=... policy=h2o budget=64 temperature=0.8 top_k=50 seed=1 num_samples=3
+
+The model is a nats-train checkpoint (``ckpt_path=``) or a folder written by `nats.hub.save_pretrained` /
+`nats.hub.export_checkpoint` (``model_dir=``, also a Hugging Face hub id). The prompt (``prompt=`` or
+``prompt_file=``; empty: ``<|endoftext|>``) is tokenised with the GPT-2 tokenizer (nats.data.tokenizer), prefilled
+layer by layer through the policy's caches (`nats.cache.decode.prefill`), then each new token is one
+`decode_step`: the policy (``policy=``, any registered one that can decode; its options from
+``policies.<name>.options``, conf/cache/<name>.yaml) decides which keys and values each layer keeps, with
+``budget=`` for the budgeted ones (a token count >= 1, or a fraction in (0, 1) of prompt + new tokens).
+Greedy by default (``temperature=0``); ``temperature > 0`` samples, from the ``top_k`` largest logits if set,
+with a generator seeded by ``seed``. Token ids beyond the tokenizer's vocabulary (the padding of
+``vocab_size=50304``) are never chosen.
+
+Printed (and logged to <run folder>/generate.log; generation.json there holds everything): the text of each
+sample, then the cache statistics: KV entries kept per layer and KV head at the end, their fraction of the
+tokens processed, the area and peak fractions of the cache over the decode (NATS_SPEC.md section 6), the bytes
+kept, and for nats the fractions of global / local / sliding tokens.
+
+The loop is `nats.cache.decode.generate`'s, written out here to keep the caches (for their statistics) and to
+mask the padded vocabulary; `generate_tokens` is the function.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+
+from nats.cache.base import LayerCache
+from nats.cache.decode import check_model, decode_step, eval_mode, make_caches, prefill
+from nats.cache.registry import available_caches, get_cache_class
+from nats.utils import CONF_DIR
+
+log = logging.getLogger(__name__)
+
+__all__ = ["generate_tokens", "cache_stats", "resolve_budget", "load", "generate", "run", "main"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_MODEL_HINT = ("give ckpt_path=<a nats-train .ckpt> (e.g. logs/train/runs/<run>/checkpoints/last.ckpt) or "
+               "model_dir=<a folder written by nats.hub.save_pretrained / export_checkpoint>")
+
+
+# ----------------------------------------------------------------------------------------------------
+# decoding
+# ----------------------------------------------------------------------------------------------------
+def _next_token(logits: Tensor, temperature: float, top_k: int | None, vocab_limit: int | None,
+                generator: torch.Generator | None) -> Tensor:
+    """logits [B, V] -> next token [B, 1]: argmax (temperature 0) or a sample of softmax(logits / temperature)
+    over the top_k largest; ids >= vocab_limit never."""
+    if vocab_limit is not None and vocab_limit < logits.size(-1):
+        logits = logits[..., :vocab_limit]
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+def generate_tokens(model, idx: Tensor, max_new_tokens: int, policy: str = "full", *, budget: int | None = None,
+                    temperature: float = 0.0, top_k: int | None = None, vocab_limit: int | None = None,
+                    generator: torch.Generator | None = None, backend: str = "auto",
+                    **options: Any) -> tuple[Tensor, list[LayerCache]]:
+    """Continue idx [B, T] by `max_new_tokens` tokens through the caches of `policy`; returns the tokens
+    [B, T + max_new_tokens] and the caches (one per layer, after the last token fed; for `cache_stats`).
+
+    As `nats.cache.decode.generate` (same prefill and steps, same checks), plus `vocab_limit` (ids >= it are
+    never chosen). Greedy when temperature == 0."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or null (no cut), got {top_k}")
+    check_model(model)
+    B, T = idx.shape
+    if T < 1:
+        raise ValueError("generation needs a prompt of at least one token")
+    total = T + max_new_tokens
+    if total > model.config.block_size:
+        raise ValueError(
+            f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's block_size "
+            f"{model.config.block_size}: positions are kept, so shorten the prompt or generate fewer tokens"
+        )
+    cls = get_cache_class(policy)
+    if not cls.decodable:
+        decodable = [n for n in available_caches() if get_cache_class(n).decodable]
+        raise ValueError(f"cache policy {policy!r} is a parallel approximation and cannot decode token by token: "
+                         f"use one of {decodable}")
+    caches = make_caches(model, policy, B, total, budget=budget, backend=backend,
+                         budget_check_len=max(total, (budget or 0) + 1), **options)
+    out = [idx]
+    with eval_mode(model):
+        logits = prefill(model, caches, idx)[:, -1]
+        for s in range(max_new_tokens):
+            nxt = _next_token(logits, temperature, top_k, vocab_limit, generator)
+            out.append(nxt)
+            if s + 1 < max_new_tokens:
+                logits = decode_step(model, caches, nxt[:, 0], T + s)
+    return torch.cat(out, dim=1), caches
+
+
+def cache_stats(caches: list[LayerCache]) -> dict[str, Any]:
+    """What the caches hold after decoding, averaged over layers, KV heads and sequences: `kept` KV entries per
+    layer and KV head (and the largest), `kv_fraction` = kept / tokens processed, the `area` and `peak` fractions
+    over the decode, `kept_bytes` (keys and values of the kept entries, all layers and sequences) against
+    `full_bytes` (what keeping everything would hold), `allocated_bytes`; for nats `type_fractions`."""
+    n = caches[0].t
+    kept = torch.stack([c.kept().to(torch.float64) for c in caches])  # [L, B, Hkv]
+    fr = [c.fractions() for c in caches]
+    c0 = caches[0]
+    elem = torch.empty((), dtype=c0.dtype).element_size()
+    out = {
+        "processed": n,
+        "layers": len(caches), "kv_heads": c0.n_kv_head, "sequences": c0.batch,
+        "kept": float(kept.mean()), "kept_max": int(kept.max()),
+        "kv_fraction": float(kept.mean()) / n,
+        "area": float(torch.stack([f["area"] for f in fr]).mean()),
+        "peak": float(torch.stack([f["peak"] for f in fr]).mean()),
+        "kept_bytes": sum(c.kept_nbytes() for c in caches),
+        "full_bytes": len(caches) * c0.rows * n * 2 * c0.head_dim * elem,
+        "allocated_bytes": sum(c.nbytes() for c in caches),
+    }
+    if all(hasattr(c, "type_fractions") for c in caches):
+        t = torch.stack([c.type_fractions() for c in caches]).mean(dim=(0, 1, 2))  # [3]
+        out["type_fractions"] = dict(zip(("global", "local", "sliding"), (float(v) for v in t)))
+    return out
+
+
+def resolve_budget(budget: Any, total: int) -> int | None:
+    """null, a token count >= 1, or a fraction in (0, 1) of the `total` tokens (rounded, at least 1)."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget={budget!r} is neither a token count >= 1 nor a fraction in (0, 1)")
+    if isinstance(budget, float) and 0 < budget < 1:
+        return max(1, round(budget * total))
+    if budget < 1 or float(budget) != int(budget):
+        raise ValueError(f"budget={budget} must be a whole number of tokens >= 1 (the KV entries each layer and "
+                         f"KV head keeps), or a fraction in (0, 1) of the {total} prompt + new tokens")
+    return int(budget)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the app
+# ----------------------------------------------------------------------------------------------------
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available: use device=cpu (or auto)")
+    return dev
+
+
+def _given(value: Any) -> bool:
+    return value is not None and str(value) not in ("", "None", "null")
+
+
+def load(cfg: DictConfig):
+    """The model of `ckpt_path` or `model_dir` (exactly one), on the CPU in float32."""
+    from nats.hub import from_pretrained, load_checkpoint
+
+    ckpt, folder = cfg.get("ckpt_path"), cfg.get("model_dir")
+    if _given(ckpt) and _given(folder):
+        raise ValueError(f"give one model, not both ckpt_path={ckpt} and model_dir={folder}")
+    if _given(ckpt):
+        return load_checkpoint(ckpt)
+    if _given(folder):
+        if str(folder).endswith(".ckpt"):
+            raise ValueError(f"model_dir={folder} is a checkpoint file: pass it as ckpt_path={folder}")
+        return from_pretrained(str(folder))
+    raise ValueError(f"no model given: {_MODEL_HINT}")
+
+
+def _prompt(cfg: DictConfig) -> str:
+    if _given(cfg.get("prompt_file")):
+        path = Path(str(cfg.prompt_file))
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt_file={path} does not exist")
+        if cfg.get("prompt"):
+            raise ValueError("give prompt= or prompt_file=, not both")
+        return path.read_text(encoding="utf-8")
+    return "" if cfg.get("prompt") is None else str(cfg.prompt)
+
+
+def _policy_options(cfg: DictConfig, policy: str) -> dict[str, Any]:
+    pcfg = (cfg.get("policies") or {}).get(policy)
+    opts = pcfg.get("options") if pcfg is not None else None
+    options = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
+    return {k: v for k, v in options.items() if v is not None}  # null = the policy's default
+
+
+def _decode_text(enc, tokens: list[int]) -> str:
+    """tokens -> text; ids outside the tokenizer's vocabulary as <|id|> (none when vocab_limit applied)."""
+    parts, run = [], []
+    for t in tokens:
+        if 0 <= t < enc.n_vocab:
+            run.append(t)
+        else:
+            parts.append(enc.decode(run))
+            parts.append(f"<|{t}|>")
+            run = []
+    parts.append(enc.decode(run))
+    return "".join(parts)
+
+
+def generate(cfg: DictConfig) -> dict[str, Any]:
+    """Load, tokenise, decode; returns the texts, tokens and cache statistics (nothing written)."""
+    from nats.data.tokenizer import EOT, get_tokenizer
+
+    new = int(cfg.max_new_tokens)
+    if new < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {new}")
+    samples = int(cfg.get("num_samples", 1))
+    if samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {samples}")
+    policy = str(cfg.policy)
+    cls = get_cache_class(policy)  # an unknown name fails here, with the registered ones
+    if cfg.get("precision", "float32") not in DTYPES:
+        raise ValueError(f"precision={cfg.precision!r} is not one of {sorted(DTYPES)}")
+    device = _device(str(cfg.get("device", "auto")))
+    enc = get_tokenizer(str(cfg.get("tokenizer", "gpt2")))
+    text = _prompt(cfg)
+    prompt = enc.encode_ordinary(text) if text else [EOT]
+    total = len(prompt) + new
+    budget = resolve_budget(cfg.get("budget"), total)
+    if budget is not None and not cls.budgeted:
+        raise ValueError(f"cache policy {policy!r} keeps every token and takes no budget (got budget="
+                         f"{cfg.budget}): drop budget= or choose a budgeted policy "
+                         f"({', '.join(n for n in available_caches() if get_cache_class(n).budgeted)})")
+    options = _policy_options(cfg, policy)
+    if cls.budgeted:  # before the (slow) model load; a budget >= the length keeps everything, as in generate
+        cls.check_budget(budget, max(total, (budget or 0) + 1), **options)
+
+    model = load(cfg)
+    if model.config.n_out is None and model.config.vocab_size < enc.n_vocab:
+        raise ValueError(f"the model's vocab_size={model.config.vocab_size} is smaller than the "
+                         f"{enc.n_vocab} tokens of the {enc.name} tokenizer: it was trained on another vocabulary "
+                         f"and cannot read this prompt")
+    check_model(model)
+    core = model.config.attention.get("name")
+    if cls.requires_core is not None and core != cls.requires_core:  # before the length checks of decoding
+        others = [n for n in available_caches() if get_cache_class(n).requires_core is None
+                  and get_cache_class(n).decodable]
+        raise ValueError(f"cache policy {policy!r} needs a model with {cls.requires_core} attention; this model "
+                         f"uses attention {core!r}: decode it with {', '.join(others)}")
+    model = model.to(device=device, dtype=DTYPES[cfg.get("precision", "float32")]).eval()
+    generator = None
+    if float(cfg.temperature) > 0:
+        generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
+    idx = torch.tensor([prompt] * samples, dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    tokens, caches = generate_tokens(
+        model, idx, new, policy, budget=budget, temperature=float(cfg.temperature),
+        top_k=None if cfg.get("top_k") is None else int(cfg.top_k), vocab_limit=enc.n_vocab, generator=generator,
+        **options)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    rows = tokens.tolist()
+    return {
+        "prompt": text, "prompt_tokens": len(prompt), "new_tokens": new, "policy": policy, "budget": budget,
+        "temperature": float(cfg.temperature), "top_k": cfg.get("top_k"), "seed": int(cfg.seed),
+        "device": str(device), "precision": cfg.get("precision", "float32"),
+        "texts": [_decode_text(enc, r) for r in rows], "continuations": [_decode_text(enc, r[len(prompt):])
+                                                                          for r in rows],
+        "tokens": rows, "stats": cache_stats(caches), "seconds": round(seconds, 3),
+        "tokens_per_s": round(new * samples / seconds, 1) if seconds > 0 else None,
+        "model": model.config.to_dict(),
+    }
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The statistics as a few lines of text."""
+    s = report["stats"]
+    budget = "" if report["budget"] is None else f", budget {report['budget']}"
+    lines = [
+        f"policy {report['policy']}{budget}: {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens "
+        f"x {s['sequences']} sample(s), {report['seconds']:.2f} s ({report['tokens_per_s']} tokens/s) on "
+        f"{report['device']} in {report['precision']}",
+        f"kept KV entries per layer and KV head: {s['kept']:.1f} of {s['processed']} tokens processed (max "
+        f"{s['kept_max']}), KV fraction {s['kv_fraction']:.3f}; area fraction {s['area']:.3f}, peak fraction "
+        f"{s['peak']:.3f} ({s['layers']} layers x {s['kv_heads']} KV heads)",
+        f"KV bytes kept {s['kept_bytes']:,} of {s['full_bytes']:,} without eviction (allocated "
+        f"{s['allocated_bytes']:,})",
+    ]
+    if "type_fractions" in s:
+        lines.append("token types: " + ", ".join(f"{k} {v:.3f}" for k, v in s["type_fractions"].items()))
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Generate, print the texts and the statistics, write generation.json to ${paths.output_dir}."""
+    report = generate(cfg)
+    for i, text in enumerate(report["texts"]):
+        header = f"--- sample {i}" if len(report["texts"]) > 1 else "---"
+        log.info(f"{header}\n{text}")
+    log.info("---\n" + summary(report))
+    out_dir = cfg.get("paths", {}).get("output_dir") if cfg.get("paths") is not None else None
+    if out_dir:
+        path = Path(out_dir) / "generation.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, path)
+        report["output"] = str(path)
+    return report
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="generate")
+def main(cfg: DictConfig) -> None:
+    if cfg.get("print_config"):
+        print(OmegaConf.to_yaml(cfg))
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
