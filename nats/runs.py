@@ -42,7 +42,6 @@ import contextlib
 import json
 import os
 import signal
-import uuid
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -223,14 +222,9 @@ def write_metrics(output_dir: str | os.PathLike, metrics: Mapping[str, float], *
 
 
 def _write_json(path: Path, payload: Mapping[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    from nats.utils import atomic_write
+
+    return atomic_write(path, json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def write_failure(output_dir: str | os.PathLike, err: BaseException) -> Path:

@@ -1,7 +1,10 @@
 """Small helpers shared by the entry points."""
 from __future__ import annotations
 
+import contextlib
+import os
 import uuid
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -74,3 +77,49 @@ def world_size_of(trainer_cfg) -> int:
     else:
         n = int(devices)
     return n * nodes
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, fsync: bool = False) -> Iterator[Path]:
+    """Write a file atomically: yields a temporary path ``.<name>.<random>.tmp`` in the same folder (created if
+    missing) for the caller to write, then renames it over ``path``; on any exception (or interrupt) the temporary
+    file is removed and ``path`` is left as it was. ``fsync``: flush the file and its folder to disk first (for
+    files that must survive a crash, such as token caches)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        if fsync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if fsync:
+            _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes, fsync: bool = False) -> Path:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically (see :func:`atomic_path`); returns the path.
+
+    The one helper for files that readers may open while they are written (metrics.json, cache metadata, ...)."""
+    with atomic_path(path, fsync=fsync) as tmp:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data, encoding="utf-8")
+    return Path(path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)

@@ -37,7 +37,6 @@ import math
 import os
 import re
 import struct
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,7 @@ from tqdm.auto import tqdm
 
 from nats.data.sources import SPLITS, Document, TextSource, get_source
 from nats.data.tokenizer import EOT, VOCAB_SIZE, get_tokenizer
+from nats.utils import atomic_path, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -112,19 +112,6 @@ def _pack_header(num_tokens: int, tokenizer: str, vocab_size: int) -> bytes:
     return head.ljust(HEADER_SIZE, b"\x00")
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_token_bin(
     path: str | Path, chunks: Iterable[np.ndarray], tokenizer: str = "gpt2", vocab_size: int = VOCAB_SIZE
 ) -> int:
@@ -135,28 +122,18 @@ def write_token_bin(
     ``path`` is left as it was.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     dtype = _DTYPES[_DTYPE_CODE]
-    try:
-        with open(tmp, "wb") as f:
-            f.write(b"\x00" * HEADER_SIZE)  # placeholder: a file without magic is never taken for a cache
-            n = 0
-            for chunk in chunks:
-                arr = np.asarray(chunk)
-                if arr.size and (arr.min() < 0 or arr.max() >= min(vocab_size, np.iinfo(dtype).max + 1)):
-                    raise ValueError(f"token ids outside [0, {vocab_size}) while writing {path}")
-                f.write(arr.astype(dtype, copy=False).tobytes())
-                n += arr.size
-            f.seek(0)
-            f.write(_pack_header(n, tokenizer, vocab_size))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path, fsync=True) as tmp, open(tmp, "wb") as f:
+        f.write(b"\x00" * HEADER_SIZE)  # placeholder: a file without magic is never taken for a cache
+        n = 0
+        for chunk in chunks:
+            arr = np.asarray(chunk)
+            if arr.size and (arr.min() < 0 or arr.max() >= min(vocab_size, np.iinfo(dtype).max + 1)):
+                raise ValueError(f"token ids outside [0, {vocab_size}) while writing {path}")
+            f.write(arr.astype(dtype, copy=False).tobytes())
+            n += arr.size
+        f.seek(0)
+        f.write(_pack_header(n, tokenizer, vocab_size))
     return n
 
 
@@ -409,9 +386,7 @@ def prepare_token_cache(
 
 def _write_json(path: Path, obj: Any) -> None:
     """Write ``obj`` as JSON atomically (temporary file + rename)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=1))
 
 
 # --------------------------------------------------------------------------------------------------------------
