@@ -1,6 +1,17 @@
 """nats: learnable sparse attention (NAtS, gated attention, ANNA) on Hydra and Lightning."""
 import logging as _logging
 import sys as _sys
+from importlib import metadata as _metadata
+
+try:  # the installed distribution's version; a checkout that is not installed falls back to pyproject.toml's
+    __version__ = _metadata.version("nats-attention")
+except _metadata.PackageNotFoundError:  # pragma: no cover - nats imported from a checkout without an install
+    import re as _re
+    from pathlib import Path as _Path
+
+    _pyproject = _Path(__file__).resolve().parent.parent / "pyproject.toml"
+    _found = _re.search(r'^version = "([^"]+)"', _pyproject.read_text(), _re.M) if _pyproject.is_file() else None
+    __version__ = _found.group(1) if _found else "unknown"
 
 
 class _StdoutHandler(_logging.StreamHandler):

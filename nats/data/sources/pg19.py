@@ -78,7 +78,14 @@ class PG19Source(TextDirSource):
             yield from super().documents(split)
             return
         _check_split(split)
-        import datasets  # imported lazily: ~1 s, and only the hub path needs it
+        try:
+            import datasets  # imported lazily: ~1 s, and only the hub path needs it (an optional extra)
+        except ImportError as err:
+            raise ImportError(
+                f"data.hf_name={self.hf_name!r} streams the corpus with the `datasets` package, which is not "
+                "installed: pip install 'nats-attention[datasets]' (or pip install datasets), or point data.path "
+                "at a local copy instead"
+            ) from err
 
         ds = datasets.load_dataset(
             self.hf_name, self.hf_config, split=split, streaming=True, cache_dir=str(self.cache_dir / "hf")

@@ -1,0 +1,91 @@
+"""Issue 15 part 6, conventions researchers expect: nats.__version__, the W&B logger config, datasets as an optional
+extra, one atomic-write helper, LICENSE and CITATION.cff."""
+from __future__ import annotations
+
+import builtins
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+import nats
+from nats.utils import atomic_path, atomic_write
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_version_is_the_distributions():
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    assert nats.__version__ == version
+
+
+def test_wandb_logger_composes_offline_and_says_what_is_missing(tmp_path):
+    from nats.train import compose_config, instantiate
+
+    cfg = compose_config(["logger=wandb", f"paths.output_dir={tmp_path}"])
+    node = cfg.logger.wandb
+    assert node._target_ == "lightning.pytorch.loggers.WandbLogger" and node.offline is True
+    assert node.save_dir == str(tmp_path)
+    both = compose_config(["logger=[wandb,csv]", f"paths.output_dir={tmp_path}"])
+    assert set(both.logger) == {"wandb", "csv"}
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(Exception, match=r"(?s)wandb.*pip install"):
+            instantiate(node, "logger.wandb")
+
+
+def test_datasets_is_an_extra_and_only_the_hub_path_imports_it(tmp_path, monkeypatch):
+    text = (REPO / "pyproject.toml").read_text()
+    deps = text[text.index("dependencies = ["):text.index("]", text.index("dependencies = ["))]
+    assert "datasets" not in deps and "pyyaml" in deps
+    assert re.search(r'^datasets = \["datasets', text, re.M)
+    for path in (REPO / "nats").rglob("*.py"):  # no module-level import of datasets anywhere in nats
+        for line in path.read_text().splitlines():
+            assert not re.match(r"(import datasets|from datasets)\b", line), f"{path}: {line}"
+
+    real_import = builtins.__import__
+
+    def no_datasets(name, *args, **kwargs):
+        if name == "datasets" or name.startswith("datasets."):
+            raise ModuleNotFoundError("No module named 'datasets'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    from nats.data.sources import get_source
+
+    src = get_source("pg19", tmp_path, hf_name="emozilla/pg19")
+    with pytest.raises(ImportError, match=r"nats-attention\[datasets\]"):
+        next(iter(src.documents("train")))
+
+
+def test_atomic_write_text_bytes_and_failure(tmp_path):
+    p = tmp_path / "sub" / "a.json"
+    assert atomic_write(p, '{"a": 1}\n') == p and p.read_text() == '{"a": 1}\n'
+    atomic_write(p, b"\x00\x01", fsync=True)
+    assert p.read_bytes() == b"\x00\x01"
+    with pytest.raises(RuntimeError), atomic_path(p) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("interrupted")
+    assert p.read_bytes() == b"\x00\x01"  # left as it was
+    assert sorted(x.name for x in p.parent.iterdir()) == ["a.json"]  # no temporary file left behind
+
+
+def test_no_second_atomic_write_in_nats():
+    """Files are replaced atomically through nats.utils.atomic_write / atomic_path only."""
+    # utils.py: the helper; eval.py swaps a whole set of output files from a temporary folder; generate.py: being
+    # written at the time of this test (its report should move to atomic_write)
+    exempt = {"utils.py", "eval.py", "generate.py"}
+    for path in (REPO / "nats").rglob("*.py"):
+        if path.name not in exempt:
+            assert "os.replace(" not in path.read_text(), f"{path}: use nats.utils.atomic_write / atomic_path"
+
+
+def test_license_and_citation():
+    lic = (REPO / "LICENSE").read_text()
+    assert lic.startswith("MIT License") and "Copyright (c) 2022 Andrej Karpathy" in lic and "nats/models/gpt.py" in lic
+    cff = yaml.safe_load((REPO / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0" and cff["license"] == "MIT"
+    titles = [r["title"] for r in cff["references"]]
+    assert "Neural Attention Search" in titles and any(t.startswith("Gated Attention") for t in titles)
+    assert len(titles) == 3
