@@ -5,7 +5,8 @@ import difflib
 import functools
 import inspect
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import lightning as L
 import torch
@@ -386,7 +387,8 @@ class LitGPT(L.LightningModule):
 
     # ------------------------------------------------------------------ exact resume
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Torch random-number states, so that a resumed run draws the same noise (e.g. Gumbel) as an uninterrupted one."""
+        """Torch random-number states, so that a resumed run draws the same noise (e.g. Gumbel) as an
+        uninterrupted one."""
         # tensors only, so that the checkpoint loads with torch.load(weights_only=True)
         checkpoint["rng_states"] = {
             "torch": torch.get_rng_state(),
