@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from torch import Tensor
 from nats.cache.base import LayerCache
 from nats.cache.decode import check_model, decode_step, eval_mode, make_caches, prefill
 from nats.cache.registry import available_caches, get_cache_class
-from nats.utils import CONF_DIR
+from nats.utils import CONF_DIR, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -314,9 +313,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if out_dir:
         path = Path(out_dir) / "generation.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(report, indent=2))
         report["output"] = str(path)
     return report
 
