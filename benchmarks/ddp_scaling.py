@@ -165,7 +165,7 @@ def train_overrides(args: argparse.Namespace, experiment: str, micro: int, devic
         "final_validation=false", "ckpt_path=null", "logger=csv", f"trainer.log_every_n_steps={args.log_every}",
         f"+logger.csv.flush_logs_every_n_steps={args.log_every}",  # a killed run keeps its curve so far
         "callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "callbacks.model_checkpoint=null",
-        "+trainer.enable_checkpointing=false", "callbacks.throughput.window_size=10",
+        "+trainer.enable_checkpointing=false", "callbacks.throughput.window_size=2",  # timing points: the rate over the last logging interval
         f"paths.data_dir={args.data_dir}", f"hydra.run.dir={run_dir}",
     ]
 
