@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make train   trains the default model on the embedded Gutenberg corpus (creates .venv when missing)
-#   make test    runs ruff's lint, then the test suite (the same command CI runs)
+#   make test    runs ruff (lint and format check), then the test suite (the same command CI runs)
 # Pass Hydra overrides with ARGS='...', pytest options with PYTEST_ARGS='...'.
 PYTHON ?= python3
 VENV ?= .venv
@@ -51,6 +51,7 @@ test: setup lint
 # ruff's lint (rules in pyproject.toml [tool.ruff]); `make test` runs it first, as CI does
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # the slow tests too (still no GPU tests unless a GPU is present)
 test-all: setup lint

@@ -55,26 +55,37 @@ def table() -> str:
     lines = []
     train = [r for r in ROWS if r["part"] == "train"]
     if train:
-        lines += ["## (a) training fwd+bwd: B=16, H=12, N=1024, D=64, bf16", "",
-                  "GPU times from CUDA-graph replays; x FA2 = fwd+bwd time / SDPA flash (FlashAttention-2) fwd+bwd "
-                  "time; wall = an eager call with its Python launch overhead.", "",
-                  "| method | mix | W | density | fwd ms | fwd+bwd ms | x FA2 (fwd+bwd) | wall fwd+bwd ms | "
-                  "max rel err vs ref | note |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## (a) training fwd+bwd: B=16, H=12, N=1024, D=64, bf16",
+            "",
+            "GPU times from CUDA-graph replays; x FA2 = fwd+bwd time / SDPA flash (FlashAttention-2) fwd+bwd "
+            "time; wall = an eager call with its Python launch overhead.",
+            "",
+            "| method | mix | W | density | fwd ms | fwd+bwd ms | x FA2 (fwd+bwd) | wall fwd+bwd ms | "
+            "max rel err vs ref | note |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in train:
-            lines.append(f"| {r['method']} | {r.get('mix', '-')} | {r.get('W', '-')} | {fmt(r.get('density'), 3)} | "
-                         f"{fmt(r.get('fwd_ms'), 3)} | {fmt(r.get('ms'), 3)} | {fmt(r.get('x_dense'), 2)} | "
-                         f"{fmt(r.get('wall_ms'), 3)} | {fmt(r.get('err'), 4)} | {r.get('note', '')} |")
+            lines.append(
+                f"| {r['method']} | {r.get('mix', '-')} | {r.get('W', '-')} | {fmt(r.get('density'), 3)} | "
+                f"{fmt(r.get('fwd_ms'), 3)} | {fmt(r.get('ms'), 3)} | {fmt(r.get('x_dense'), 2)} | "
+                f"{fmt(r.get('wall_ms'), 3)} | {fmt(r.get('err'), 4)} | {r.get('note', '')} |"
+            )
         lines.append("")
     pre = sorted((r for r in ROWS if r["part"] == "prefill"), key=lambda r: r.get("N", 0))
     if pre:
-        lines += ["## (b) prefill: B=1, H=32, D=128, bf16 (types shared by the heads)", "",
-                  "| N | target density | measured density | method | ms | speedup vs dense | TFLOP/s | note |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## (b) prefill: B=1, H=32, D=128, bf16 (types shared by the heads)",
+            "",
+            "| N | target density | measured density | method | ms | speedup vs dense | TFLOP/s | note |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in pre:
-            lines.append(f"| {r['N']} | {fmt(r.get('target'), 2)} | {fmt(r.get('density'), 3)} | {r['method']} | "
-                         f"{fmt(r.get('ms'), 2)} | {fmt(r.get('speedup'), 2)} | {fmt(r.get('tflops'), 1)} | "
-                         f"{r.get('note', '')} |")
+            lines.append(
+                f"| {r['N']} | {fmt(r.get('target'), 2)} | {fmt(r.get('density'), 3)} | {r['method']} | "
+                f"{fmt(r.get('ms'), 2)} | {fmt(r.get('speedup'), 2)} | {fmt(r.get('tflops'), 1)} | "
+                f"{r.get('note', '')} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -226,6 +237,7 @@ def bench_training(args, out, device_name):
 
     dense_ms = None
     for method, backend in (("sdpa_flash_causal", "flash"), ("sdpa_default_causal", None)):
+
         def sdpa(backend=backend):
             return sdpa_causal(q, k, v, backend)
 
@@ -310,8 +322,12 @@ def bench_training(args, out, device_name):
         rrow = {"part": "train", "method": "nats_reference", "mix": mix, "W": W, "density": dens}
         try:
             rrow["fwd_ms"] = bench(lambda: nats_attention_reference(q, k, v, tw, W), rep=50, warmup=5)
-            rrow["ms"] = bench(lambda: nats_attention_reference(q, k, v, tw, W).backward(do),
-                               grad_to_none=leaves + [tw], rep=50, warmup=5)
+            rrow["ms"] = bench(
+                lambda: nats_attention_reference(q, k, v, tw, W).backward(do),
+                grad_to_none=leaves + [tw],
+                rep=50,
+                warmup=5,
+            )
             if dense_ms:
                 rrow["x_dense"] = rrow["ms"] / dense_ms
         except torch.cuda.OutOfMemoryError:
@@ -410,8 +426,9 @@ def bench_prefill(args, out, device_name):
 
         for tgt in targets:
             if over_budget(args):
-                ROWS.append({"part": "prefill", "N": N, "target": tgt, "method": "nats/flex",
-                             "note": "skipped (time budget)"})
+                ROWS.append(
+                    {"part": "prefill", "N": N, "target": tgt, "method": "nats/flex", "note": "skipped (time budget)"}
+                )
                 continue
             W = PREFILL_W if not args.smoke else 16
             types = make_types(B, H, N, prefill_probs(tgt, N, W), dev, gen, shared=True)
@@ -472,8 +489,13 @@ def main():
     ap.add_argument("--skip", nargs="*", default=[], choices=["train", "prefill"])
     ap.add_argument("--prefill-n", type=int, nargs="+", default=None, help="prefill lengths (default 128k..16k)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention in the prefill part")
-    ap.add_argument("--mask-grad", nargs="+", default=["dense", "exact"], choices=["dense", "exact"],
-                    help="type-gradient estimators to time in the training part (NATS_SPEC.md 3a)")
+    ap.add_argument(
+        "--mask-grad",
+        nargs="+",
+        default=["dense", "exact"],
+        choices=["dense", "exact"],
+        help="type-gradient estimators to time in the training part (NATS_SPEC.md 3a)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU (Triton interpreter) too")
     args = ap.parse_args()
     args.device = "cuda" if torch.cuda.is_available() else "cpu"

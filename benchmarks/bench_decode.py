@@ -26,6 +26,7 @@ first (decoding with the Triton kernel and with CUDA graphs equals the parallel 
 `bench_decode.md` and `bench_decode.json` to `--out` (default $OUT, else experiments/results) and prints the
 table last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,9 @@ class FullSDPACache(FullCache):
         self.v.index_copy_(2, pos, v)
         self.length.add_(1)
         self.t += 1
-        return F.scaled_dot_product_attention(q, self.k[:, :, :self.t], self.v[:, :, :self.t],
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, self.k[:, :, : self.t], self.v[:, :, : self.t], enable_gqa=q.shape[1] != k.shape[1]
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -69,8 +71,9 @@ def head_rates(H: int, gen: torch.Generator, device) -> torch.Tensor:
     return 0.05 + 0.08 * torch.rand(1, H, 1, generator=gen, device=device)
 
 
-def synthetic_types(B: int, H: int, L: int, gen: torch.Generator, device, rate: torch.Tensor | None = None,
-                    first_global: bool = True) -> torch.Tensor:
+def synthetic_types(
+    B: int, H: int, L: int, gen: torch.Generator, device, rate: torch.Tensor | None = None, first_global: bool = True
+) -> torch.Tensor:
     """Types [B, H, L]: global with the head's rate, local with 0.03, else sliding (token 0 global)."""
     rate = head_rates(H, gen, device) if rate is None else rate
     u = torch.rand(B, H, L, generator=gen, device=device)
@@ -183,8 +186,7 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates) -> di
         budget = max(8, round(args.budget_frac * L))
     total = L + args.warmup + args.steps + 1
     gen = torch.Generator(device="cuda").manual_seed(0)
-    caches = make_caches(model, policy, B, total, budget=budget, backend="triton", track=False,
-                         budget_check_len=total)
+    caches = make_caches(model, policy, B, total, budget=budget, backend="triton", track=False, budget_check_len=total)
     fill(caches, policy, L, gen, types)
     dec = Decoder(model, caches, B, L, graph, model.config.vocab_size)
     if policy == "nats":  # decoded tokens get synthetic types from the prompt's per-head rates too
@@ -207,11 +209,21 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates) -> di
     kv_alloc = sum(c.kv_nbytes() for c in caches)
     kept = sum(c.kept_nbytes() for c in caches)
     peak_alloc = sum(getattr(c, "max_nbytes", c.nbytes()) for c in caches)
-    row = {"L": L, "policy": policy if policy != "full_sdpa" else "full (sdpa)", "mode": "graph" if graph else "eager",
-           "budget": budget, "ms_per_step": ms, "tokens_per_s": B * 1000.0 / ms, "alloc_MB": alloc / 2**20,
-           "kv_alloc_MB": kv_alloc / 2**20, "kept_MB": kept / 2**20, "alloc_over_kept": alloc / kept,
-           "peak_alloc_over_kept": peak_alloc / kept, "captures": dec.captures,
-           "compactions": sum(getattr(c, "compactions", 0) for c in caches) - compactions0}
+    row = {
+        "L": L,
+        "policy": policy if policy != "full_sdpa" else "full (sdpa)",
+        "mode": "graph" if graph else "eager",
+        "budget": budget,
+        "ms_per_step": ms,
+        "tokens_per_s": B * 1000.0 / ms,
+        "alloc_MB": alloc / 2**20,
+        "kv_alloc_MB": kv_alloc / 2**20,
+        "kept_MB": kept / 2**20,
+        "alloc_over_kept": alloc / kept,
+        "peak_alloc_over_kept": peak_alloc / kept,
+        "captures": dec.captures,
+        "compactions": sum(getattr(c, "compactions", 0) for c in caches) - compactions0,
+    }
     del dec, caches
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -225,8 +237,15 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates) -> di
 def verify() -> list[str]:
     lines = []
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=97, block_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
-                    attention={"name": "nats", "window": 4, "backend": "reference"})
+    cfg = GPTConfig(
+        vocab_size=97,
+        block_size=96,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=64,
+        attention={"name": "nats", "window": 4, "backend": "reference"},
+    )
     model = GPT(cfg).cuda().eval()
     for b in model.blocks:
         b.attn.core.scorer.weight.normal_(0, 1.0)
@@ -242,8 +261,10 @@ def verify() -> list[str]:
     for policy in ("nats", "full"):
         opts = {"check_every": 4} if policy == "nats" else {}
         out, _ = policy_logits(model, idx, policy, sequential=True, prefill_len=16, backend="triton", **opts)
-        lines.append(f"verify {policy:13s} eager triton decode vs parallel forward: max |diff| = "
-                     f"{(out - refs[policy]).abs().max().item():.2e}")
+        lines.append(
+            f"verify {policy:13s} eager triton decode vs parallel forward: max |diff| = "
+            f"{(out - refs[policy]).abs().max().item():.2e}"
+        )
     # graph replays with teacher forcing, forced compactions (re-captures)
     for policy in ("nats", "full", "streaming_llm", "h2o"):
         budget = 24 if policy in ("streaming_llm", "h2o") else None
@@ -262,8 +283,9 @@ def verify() -> list[str]:
             outs.append((dec.warmup(1) if i == P else dec.step()).clone())
             eager.append(decode_step(model, eager_caches, idx[:, i], i))
         diff = (torch.stack(outs) - torch.stack(eager)).abs().max().item()
-        lines.append(f"verify {policy:13s} CUDA-graph replay vs eager decode: max |diff| = {diff:.2e} "
-                     f"({dec.captures} captures)")
+        lines.append(
+            f"verify {policy:13s} CUDA-graph replay vs eager decode: max |diff| = {diff:.2e} ({dec.captures} captures)"
+        )
         if policy in ("nats", "full"):
             d = (torch.stack(outs, 1) - refs[policy][:, P:]).abs().max().item()
             lines.append(f"verify {policy:13s} CUDA-graph decode vs parallel forward: max |diff| = {d:.2e}")
@@ -272,14 +294,17 @@ def verify() -> list[str]:
 
 # ----------------------------------------------------------------------------------------------------
 def table(rows: list[dict], meta: dict) -> str:
-    out = [f"Decode benchmark on {meta['device']}: GPT-2-small shapes (12 layers, 12 heads, d=768), random weights, "
-           f"bf16, batch {meta['batch']}, {meta['steps']} timed greedy decode steps after {meta['warmup']} warm-up "
-           f"steps, prompt written into the cache. NAtS: synthetic types (per-head global rate U(0.05, 0.13), "
-           f"locals 0.03, rest sliding, W = {meta['window']}); h2o / streaming_llm budget = "
-           f"{meta['budget_frac']} x L. torch {meta['torch']}.", "",
-           "| prompt L | policy | mode | budget | NAtS density | ms / step | tokens/s | vs full | cache MB "
-           "(alloc) | kept KV MB | alloc / kept | compactions |",
-           "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        f"Decode benchmark on {meta['device']}: GPT-2-small shapes (12 layers, 12 heads, d=768), random weights, "
+        f"bf16, batch {meta['batch']}, {meta['steps']} timed greedy decode steps after {meta['warmup']} warm-up "
+        f"steps, prompt written into the cache. NAtS: synthetic types (per-head global rate U(0.05, 0.13), "
+        f"locals 0.03, rest sliding, W = {meta['window']}); h2o / streaming_llm budget = "
+        f"{meta['budget_frac']} x L. torch {meta['torch']}.",
+        "",
+        "| prompt L | policy | mode | budget | NAtS density | ms / step | tokens/s | vs full | cache MB "
+        "(alloc) | kept KV MB | alloc / kept | compactions |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     best_full = {}
     for r in rows:
         if r["policy"].startswith("full"):
@@ -287,13 +312,17 @@ def table(rows: list[dict], meta: dict) -> str:
     for r in rows:
         rel = r["ms_per_step"] / best_full[r["L"]] if r["L"] in best_full else float("nan")
         dens = f"{r['density']:.3f}" if r.get("density") is not None else "-"
-        out.append(f"| {r['L']} | {r['policy']} | {r['mode']} | {r['budget'] or '-'} | {dens} | "
-                   f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | {rel:.2f}x | {r['alloc_MB']:.1f} | "
-                   f"{r['kept_MB']:.1f} | {r['alloc_over_kept']:.3f} | {r['compactions']} |")
+        out.append(
+            f"| {r['L']} | {r['policy']} | {r['mode']} | {r['budget'] or '-'} | {dens} | "
+            f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | {rel:.2f}x | {r['alloc_MB']:.1f} | "
+            f"{r['kept_MB']:.1f} | {r['alloc_over_kept']:.3f} | {r['compactions']} |"
+        )
     out.append("")
-    out.append("`vs full`: time per step relative to the faster `full` row at the same L. `alloc / kept`: bytes the "
-               "caches allocated (keys, values, metadata) over the bytes of the keys and values of the tokens they "
-               "hold after the last step.")
+    out.append(
+        "`vs full`: time per step relative to the faster `full` row at the same L. `alloc / kept`: bytes the "
+        "caches allocated (keys, values, metadata) over the bytes of the keys and values of the tokens they "
+        "hold after the last step."
+    )
     return "\n".join(out) + "\n"
 
 
@@ -326,8 +355,9 @@ def main() -> None:
     policies = args.policies.split(",")
     modes = args.modes.split(",")
     torch.manual_seed(0)
-    cfg = GPTConfig(block_size=max(lengths) + args.warmup + args.steps + 16,
-                    attention={"name": "nats", "window": args.window})
+    cfg = GPTConfig(
+        block_size=max(lengths) + args.warmup + args.steps + 16, attention={"name": "nats", "window": args.window}
+    )
     model = GPT(cfg).cuda().to(torch.bfloat16).eval()
     rows, failures = [], []
     for L in lengths:
@@ -340,8 +370,7 @@ def main() -> None:
                 if policy == "full_sdpa" and mode == "graph":
                     continue
                 try:
-                    row = bench_one(model, policy, L, args, mode == "graph", types if policy == "nats" else None,
-                                    rates)
+                    row = bench_one(model, policy, L, args, mode == "graph", types if policy == "nats" else None, rates)
                 except Exception as exc:  # keep the other rows; the failure is listed under the table
                     traceback.print_exc()
                     failures.append(f"L={L} {policy} {mode}: {type(exc).__name__}: {exc}")
@@ -349,13 +378,24 @@ def main() -> None:
                     continue
                 row["density"] = density if policy == "nats" else None
                 rows.append(row)
-                print(f"L={L:6d} {row['policy']:14s} {row['mode']:5s} {row['ms_per_step']:8.3f} ms/step "
-                      f"{row['tokens_per_s']:9.0f} tok/s  alloc {row['alloc_MB']:9.1f} MB"
-                      f"  kept {row['kept_MB']:9.1f} MB"
-                      f"  ratio {row['alloc_over_kept']:.3f}", flush=True)
-    meta = {"device": torch.cuda.get_device_name(), "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-            "window": args.window, "budget_frac": args.budget_frac, "torch": torch.__version__,
-            "seconds": round(time.time() - t0, 1), "verify": lines}
+                print(
+                    f"L={L:6d} {row['policy']:14s} {row['mode']:5s} {row['ms_per_step']:8.3f} ms/step "
+                    f"{row['tokens_per_s']:9.0f} tok/s  alloc {row['alloc_MB']:9.1f} MB"
+                    f"  kept {row['kept_MB']:9.1f} MB"
+                    f"  ratio {row['alloc_over_kept']:.3f}",
+                    flush=True,
+                )
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "window": args.window,
+        "budget_frac": args.budget_frac,
+        "torch": torch.__version__,
+        "seconds": round(time.time() - t0, 1),
+        "verify": lines,
+    }
     meta["failures"] = failures
     md = table(rows, meta)
     if failures:

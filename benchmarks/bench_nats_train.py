@@ -22,6 +22,7 @@ process, and a table: isolated vs nats-train tokens/s, nats-train / isolated, NA
 Writes <out>/bench_nats_train_<machine>.md and .json (machine: h100, h200, ... from the GPU name; cpu with
 --smoke) and keeps the run folders under <out>/bench_nats_train_runs/ (or --workdir).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,18 +61,38 @@ def train_overrides(exp: str, args, run_dir: Path) -> list[str]:
     cfg = compose([f"experiment={exp}"])
     callbacks = ["default"] + (["tau_schedule"] if "tau_schedule" in (cfg.get("callbacks") or {}) else [])
     steps = args.steps
-    out = [f"experiment={exp}", f"hydra.run.dir={run_dir}", f"callbacks=[{','.join(callbacks + ['step_timer'])}]",
-           "logger=tensorboard_csv", f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={args.log_every}",
-           f"eval_every={steps}", "final_validation=true", f"data.max_eval_windows={args.eval_windows}"]
+    out = [
+        f"experiment={exp}",
+        f"hydra.run.dir={run_dir}",
+        f"callbacks=[{','.join(callbacks + ['step_timer'])}]",
+        "logger=tensorboard_csv",
+        f"trainer.max_steps={steps}",
+        f"trainer.log_every_n_steps={args.log_every}",
+        f"eval_every={steps}",
+        "final_validation=true",
+        f"data.max_eval_windows={args.eval_windows}",
+    ]
     if "tau_schedule" in callbacks:  # the schedule over this run, as a fig3 run anneals over its own max_steps
         out.append(f"callbacks.tau_schedule.steps={steps}")
     if args.smoke:
-        out += ["model=tiny", "data=gutenberg", "trainer=cpu", "compile=false", "data.num_workers=0",
-                f"data.micro_batch_size={args.batch}", f"global_batch_size={args.batch}",
-                f"paths.data_dir={REPO / 'data'}"]
+        out += [
+            "model=tiny",
+            "data=gutenberg",
+            "trainer=cpu",
+            "compile=false",
+            "data.num_workers=0",
+            f"data.micro_batch_size={args.batch}",
+            f"global_batch_size={args.batch}",
+            f"paths.data_dir={REPO / 'data'}",
+        ]
     else:
-        out += ["trainer=gpu", "compile=true", f"data.micro_batch_size={args.batch}",
-                f"global_batch_size={args.batch}", f"model.block_size={args.seq}"]
+        out += [
+            "trainer=gpu",
+            "compile=true",
+            f"data.micro_batch_size={args.batch}",
+            f"global_batch_size={args.batch}",
+            f"model.block_size={args.seq}",
+        ]
     return out + list(args.extra)
 
 
@@ -87,9 +108,12 @@ def read_csv_throughput(run_dir: Path, warmup_steps: int, log_every: int) -> dic
                 if v not in (None, ""):
                     rows.append((int(r["step"]) + 1, float(v)))  # CSV step = optimizer steps done - 1
     after = [v for step, v in rows if step - log_every >= warmup_steps]
-    return {"all": rows, "after_warmup": after,
-            "median": statistics.median(after) if after else float("nan"),
-            "mean": statistics.fmean(after) if after else float("nan")}
+    return {
+        "all": rows,
+        "after_warmup": after,
+        "median": statistics.median(after) if after else float("nan"),
+        "mean": statistics.fmean(after) if after else float("nan"),
+    }
 
 
 def read_step_timer(run_dir: Path, warmup_steps: int, log_every: int, tokens_per_step: int) -> dict:
@@ -98,16 +122,23 @@ def read_step_timer(run_dir: Path, warmup_steps: int, log_every: int, tokens_per
         return {}
     t = json.loads(path.read_text())
     steps, ends = t["steps"], t["step_end"]
-    out = {"fit_start_unix": t["fit_start_unix"], "train_start_s": t["train_start"],
-           "first_step_s": ends[0] - t["train_start"] if ends else float("nan"),
-           "first_val_s": (t["val"][0][1] - t["val"][0][0]) if t["val"] and t["val"][0][1] else float("nan"),
-           "steps": len(steps)}
+    out = {
+        "fit_start_unix": t["fit_start_unix"],
+        "train_start_s": t["train_start"],
+        "first_step_s": ends[0] - t["train_start"] if ends else float("nan"),
+        "first_val_s": (t["val"][0][1] - t["val"][0][0]) if t["val"] and t["val"][0][1] else float("nan"),
+        "steps": len(steps),
+    }
     # logged steps (global_step a multiple of log_every): the monitor synchronised there
     logged = [(s, e) for s, e in zip(steps, ends) if s % log_every == 0 and s >= warmup_steps]
     if len(logged) >= 2:
         (s0, e0), (s1, e1) = logged[0], logged[-1]
-        out.update(rate_from_step=s0, rate_to_step=s1, tokens_per_s=(s1 - s0) * tokens_per_step / (e1 - e0),
-                   ms_per_step=1e3 * (e1 - e0) / (s1 - s0))
+        out.update(
+            rate_from_step=s0,
+            rate_to_step=s1,
+            tokens_per_s=(s1 - s0) * tokens_per_step / (e1 - e0),
+            ms_per_step=1e3 * (e1 - e0) / (s1 - s0),
+        )
     return out
 
 
@@ -117,7 +148,7 @@ def recompiles(stderr: str) -> dict:
     reasons = []
     for i in hits:  # the function and the guard failures that follow it
         block = [lines[i].split("[__recompiles]")[-1].strip()]
-        for line in lines[i + 1:i + 6]:
+        for line in lines[i + 1 : i + 6]:
             if "[__recompiles]" in line and "Recompiling function" not in line:
                 block.append(line.split("[__recompiles]")[-1].strip())
             else:
@@ -155,11 +186,17 @@ def run_nats_train(exp: str, args, workdir: Path) -> dict:
     cfg = compose([f"experiment={exp}", *[o for o in overrides if not o.startswith("hydra.")]])
     tokens_per_step = int(cfg.global_batch_size) * int(cfg.data.block_size or cfg.model.block_size)
     timer = read_step_timer(run_dir, args.warmup_steps, args.log_every, tokens_per_step)
-    res = {"experiment": exp, "attention": cfg.model.attention.name, "overrides": overrides, "wall_s": wall,
-           "tokens_per_step": tokens_per_step,
-           "monitor": read_csv_throughput(run_dir, args.warmup_steps, args.log_every),
-           "timer": timer, "recompiles": recompiles(proc.stderr),
-           "model": OmegaConf.to_container(cfg.model, resolve=True)}
+    res = {
+        "experiment": exp,
+        "attention": cfg.model.attention.name,
+        "overrides": overrides,
+        "wall_s": wall,
+        "tokens_per_step": tokens_per_step,
+        "monitor": read_csv_throughput(run_dir, args.warmup_steps, args.log_every),
+        "timer": timer,
+        "recompiles": recompiles(proc.stderr),
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+    }
     if timer:
         res["startup_s"] = timer["fit_start_unix"] - t0
     saved.write_text(json.dumps(res, indent=1, default=str) + "\n")
@@ -174,8 +211,15 @@ def run_isolated(res: dict, args) -> dict:
     model_cfg = dict(res["model"])
     seq = int(model_cfg.get("block_size", args.seq)) if args.smoke else args.seq
     try:
-        r = bench_train.bench(model_cfg["attention"], args.batch, seq, args.isolated_steps, args.isolated_warmup,
-                              compile=not args.smoke, model_cfg=model_cfg)
+        r = bench_train.bench(
+            model_cfg["attention"],
+            args.batch,
+            seq,
+            args.isolated_steps,
+            args.isolated_warmup,
+            compile=not args.smoke,
+            model_cfg=model_cfg,
+        )
     finally:
         torch._dynamo.reset()
         if torch.cuda.is_available():
@@ -189,22 +233,28 @@ def fmt(x, spec=",.0f") -> str:
 
 
 def report(results: list[dict], args, machine: str, device: str) -> str:
-    lines = [f"# nats-train vs the isolated step ({device})", "",
-             f"torch {torch.__version__}; micro-batch = global batch {args.batch}, "
-             f"{'N = model block size' if args.smoke else f'N = {args.seq}'}; {args.steps} steps through "
-             f"nats-train, log every {args.log_every}, warm-up excluded: {args.warmup_steps} steps; isolated: "
-             f"{args.isolated_steps} steps after {args.isolated_warmup} (benchmarks/bench_train.py).", "",
-             "| experiment | isolated tok/s | nats-train tok/s (monitor, median) | nats-train tok/s (step timer) | "
-             "nats-train / isolated | startup s | first step s (compile) | first validation s | recompiles |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# nats-train vs the isolated step ({device})",
+        "",
+        f"torch {torch.__version__}; micro-batch = global batch {args.batch}, "
+        f"{'N = model block size' if args.smoke else f'N = {args.seq}'}; {args.steps} steps through "
+        f"nats-train, log every {args.log_every}, warm-up excluded: {args.warmup_steps} steps; isolated: "
+        f"{args.isolated_steps} steps after {args.isolated_warmup} (benchmarks/bench_train.py).",
+        "",
+        "| experiment | isolated tok/s | nats-train tok/s (monitor, median) | nats-train tok/s (step timer) | "
+        "nats-train / isolated | startup s | first step s (compile) | first validation s | recompiles |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     dense = next((r for r in results if r["attention"] == "dense"), None)
     for r in results:
         iso = r.get("isolated", {}).get("tokens_per_s", float("nan"))
         mon = r["monitor"]["median"]
         tim = r["timer"].get("tokens_per_s", float("nan"))
-        lines.append(f"| {r['experiment']} | {fmt(iso)} | {fmt(mon)} | {fmt(tim)} | {fmt(mon / iso, '.3f')} | "
-                     f"{fmt(r.get('startup_s'), '.1f')} | {fmt(r['timer'].get('first_step_s'), '.1f')} | "
-                     f"{fmt(r['timer'].get('first_val_s'), '.1f')} | {r['recompiles']['count']} |")
+        lines.append(
+            f"| {r['experiment']} | {fmt(iso)} | {fmt(mon)} | {fmt(tim)} | {fmt(mon / iso, '.3f')} | "
+            f"{fmt(r.get('startup_s'), '.1f')} | {fmt(r['timer'].get('first_step_s'), '.1f')} | "
+            f"{fmt(r['timer'].get('first_val_s'), '.1f')} | {r['recompiles']['count']} |"
+        )
     if dense is not None:
         lines += ["", "| vs dense | isolated | nats-train (monitor) | nats-train (step timer) |", "|---|---|---|---|"]
         for r in results:
@@ -215,15 +265,20 @@ def report(results: list[dict], args, machine: str, device: str) -> str:
                 a, b = get(r), get(dense)
                 return a / b if a == a and b == b and b else float("nan")
 
-            lines.append(f"| {r['experiment']} / {dense['experiment']} | "
-                         f"{fmt(ratio(lambda x: x.get('isolated', {}).get('tokens_per_s', float('nan'))), '.3f')} | "
-                         f"{fmt(ratio(lambda x: x['monitor']['median']), '.3f')} | "
-                         f"{fmt(ratio(lambda x: x['timer'].get('tokens_per_s', float('nan'))), '.3f')} |")
+            lines.append(
+                f"| {r['experiment']} / {dense['experiment']} | "
+                f"{fmt(ratio(lambda x: x.get('isolated', {}).get('tokens_per_s', float('nan'))), '.3f')} | "
+                f"{fmt(ratio(lambda x: x['monitor']['median']), '.3f')} | "
+                f"{fmt(ratio(lambda x: x['timer'].get('tokens_per_s', float('nan'))), '.3f')} |"
+            )
     recomp = [(r["experiment"], reason) for r in results for reason in r["recompiles"]["reasons"]]
     if recomp:
         lines += ["", "Recompiles (TORCH_LOGS=recompiles):", ""] + [f"* {e}: {why}" for e, why in recomp]
-    lines += ["", "Issue 16 targets (one H100): dense nats-train / isolated >= 0.97; NAtS / dense via nats-train "
-              ">= 0.90 (moonshot 0.95); no recompiles."]
+    lines += [
+        "",
+        "Issue 16 targets (one H100): dense nats-train / isolated >= 0.97; NAtS / dense via nats-train "
+        ">= 0.90 (moonshot 0.95); no recompiles.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -232,29 +287,46 @@ def main() -> None:
     ap.add_argument("--experiments", nargs="+", default=["fig3_dense", "fig3_nats"])
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 200; smoke 6)")
     ap.add_argument("--log-every", type=int, default=None, help="trainer.log_every_n_steps (default 10; smoke 2)")
-    ap.add_argument("--warmup-steps", type=int, default=None,
-                    help="steps left out of the rates (compile, autotuning; default 50; smoke 2)")
+    ap.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="steps left out of the rates (compile, autotuning; default 50; smoke 2)",
+    )
     ap.add_argument("--batch", type=int, default=None, help="micro-batch = global batch (default 32; smoke 4)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--eval-windows", type=int, default=None, help="data.max_eval_windows (default 64; smoke 8)")
     ap.add_argument("--isolated-steps", type=int, default=None, help="(default 30; smoke 3)")
     ap.add_argument("--isolated-warmup", type=int, default=None, help="(default 5; smoke 1)")
     ap.add_argument("--no-isolated", action="store_true", help="skip benchmarks/bench_train.py's step")
-    ap.add_argument("--smoke", action="store_true",
-                    help="CPU, model=tiny, data=gutenberg, trainer=cpu, no compile, a few steps (tests the wiring)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, model=tiny, data=gutenberg, trainer=cpu, no compile, a few steps (tests the wiring)",
+    )
     ap.add_argument("--extra", nargs="*", default=[], help="more nats-train overrides, e.g. data.path=...")
     ap.add_argument("--machine", default=None, help="names the result files (default: from the GPU name)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results"))
     ap.add_argument("--workdir", default=None, help="run folders (default <out>/bench_nats_train_runs)")
-    ap.add_argument("--reuse", action="store_true",
-                    help="read the nats-train results of runs already in --workdir (bench_result.json) instead of "
-                         "running them again: e.g. a first call with --no-isolated, a second with --reuse")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="read the nats-train results of runs already in --workdir (bench_result.json) instead of "
+        "running them again: e.g. a first call with --no-isolated, a second with --reuse",
+    )
     ap.add_argument("--no-table", action="store_true", help="measure only (with --no-isolated: the first phase)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per nats-train run")
     args = ap.parse_args()
     small = args.smoke
-    for name, default, smoke in (("steps", 200, 6), ("log_every", 10, 2), ("warmup_steps", 50, 2), ("batch", 32, 4),
-                                 ("eval_windows", 64, 8), ("isolated_steps", 30, 3), ("isolated_warmup", 5, 1)):
+    for name, default, smoke in (
+        ("steps", 200, 6),
+        ("log_every", 10, 2),
+        ("warmup_steps", 50, 2),
+        ("batch", 32, 4),
+        ("eval_windows", 64, 8),
+        ("isolated_steps", 30, 3),
+        ("isolated_warmup", 5, 1),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, smoke if small else default)
     if args.steps % args.log_every:
@@ -270,9 +342,17 @@ def main() -> None:
     results = []
     for exp in args.experiments:
         res = run_nats_train(exp, args, workdir)
-        print(json.dumps({k: res[k] for k in ("experiment", "wall_s", "startup_s") if k in res}
-                         | {"monitor_median": res["monitor"]["median"], "timer": res["timer"],
-                            "recompiles": res["recompiles"]["count"]}), flush=True)
+        print(
+            json.dumps(
+                {k: res[k] for k in ("experiment", "wall_s", "startup_s") if k in res}
+                | {
+                    "monitor_median": res["monitor"]["median"],
+                    "timer": res["timer"],
+                    "recompiles": res["recompiles"]["count"],
+                }
+            ),
+            flush=True,
+        )
         results.append(res)
     if not args.no_isolated:
         for res in results:
@@ -283,9 +363,14 @@ def main() -> None:
     table = report(results, args, machine, device)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"bench_nats_train_{machine}.md").write_text(table)
-    (out / f"bench_nats_train_{machine}.json").write_text(json.dumps(
-        {"device": device, "machine": machine, "torch": torch.__version__, "args": vars(args), "results": results},
-        indent=1, default=str) + "\n")
+    (out / f"bench_nats_train_{machine}.json").write_text(
+        json.dumps(
+            {"device": device, "machine": machine, "torch": torch.__version__, "args": vars(args), "results": results},
+            indent=1,
+            default=str,
+        )
+        + "\n"
+    )
     print(table)
 
 

@@ -9,6 +9,7 @@ after warm-up, with CUDA events. MFU uses the
 nanoGPT/PaLM count of 6N + 12*L*C*T FLOPs per token and the bf16 dense peak of the GPU (H100 SXM: 989 TFLOP/s).
 Writes a markdown table to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,7 @@ def peak_flops() -> float:
 
 
 KERNEL_GROUPS = [  # (group, substrings of CUDA kernel names), first match wins
-    ("attention (nats triton)", ["_nats_", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_type_grad_kernel",
-                                 "_plan_kernel"]),
+    ("attention (nats triton)", ["_nats_", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_type_grad_kernel", "_plan_kernel"]),
     ("attention (sdpa)", ["flash", "fmha", "cudnn", "sdpa"]),
     ("matmul", ["gemm", "sm90_xmma", "cutlass", "nvjet", "matmul"]),
     ("inductor fused", ["triton_"]),
@@ -57,8 +57,11 @@ def profile_table(step, n_steps: int = 3) -> str:
         for _ in range(n_steps):
             step()
         torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3 / n_steps, e.count // n_steps) for e in prof.key_averages()
-            if e.device_time_total > 0]
+    rows = [
+        (e.key, e.device_time_total / 1e3 / n_steps, e.count // n_steps)
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     groups: dict[str, float] = {}
@@ -71,9 +74,22 @@ def profile_table(step, n_steps: int = 3) -> str:
     return "\n".join(lines)
 
 
-def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compile: bool, pos_emb: str = "rope",
-          compile_mode: str | None = None, clip: bool = True, profile: bool = False,
-          accum: int = 1, fused_ce: bool = False, model_cfg: dict | None = None, device: str | None = None) -> dict:
+def bench(
+    attention: dict,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    compile: bool,
+    pos_emb: str = "rope",
+    compile_mode: str | None = None,
+    clip: bool = True,
+    profile: bool = False,
+    accum: int = 1,
+    fused_ce: bool = False,
+    model_cfg: dict | None = None,
+    device: str | None = None,
+) -> dict:
     """One configuration's isolated step. `model_cfg`: a whole `GPTConfig` as a dict (e.g. an experiment's
     `model` node; then attention, seq, pos_emb and fused_ce are taken from it, block_size = seq).
     `device`: cuda (default when present; bf16 autocast, fused AdamW, CUDA events) or cpu (fp32, wall clock)."""
@@ -85,13 +101,21 @@ def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compil
         attention, pos_emb = dict(config.attention), config.pos_emb
         fused_ce = config.fused_cross_entropy
     else:
-        config = GPTConfig(attention=attention, block_size=seq, pos_emb=pos_emb,  # GPT-2-small defaults
-                           fused_cross_entropy=fused_ce)
+        config = GPTConfig(
+            attention=attention,
+            block_size=seq,
+            pos_emb=pos_emb,  # GPT-2-small defaults
+            fused_cross_entropy=fused_ce,
+        )
     model = GPT(config).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=6e-4, betas=(0.9, 0.95), fused=cuda or None)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=6e-4,
+        betas=(0.9, 0.95),
+        fused=cuda or None,
+    )
     fwd = torch.compile(model, mode=compile_mode) if compile else model
     x = torch.randint(0, min(50257, config.vocab_size), (batch, seq + 1), device=device)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
@@ -135,14 +159,25 @@ def bench(attention: dict, batch: int, seq: int, steps: int, warmup: int, compil
     tokens_per_s = batch * seq / (ms / 1e3)
     mfu = tokens_per_s * model.flops_per_token(seq) / peak_flops()
     prof = profile_table(step) if profile else None
-    return dict(profile=prof, attention=attention["name"] + ("" if pos_emb == "rope" else f"/{pos_emb}")
-                + (f"/{compile_mode}" if compile_mode else "") + ("" if clip else "/noclip")
-                + ("/fused-ce" if fused_ce else "")
-                + (f"/accum{accum}" if accum > 1 else ""),
-                batch=batch, seq=seq, ms_per_step=ms, tokens_per_s=tokens_per_s,
-                mfu=mfu, loss=float(loss.detach()), warmup_s=compile_s, first_step_s=first_s,
-                max_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-                params_m=model.num_params() / 1e6)
+    return dict(
+        profile=prof,
+        attention=attention["name"]
+        + ("" if pos_emb == "rope" else f"/{pos_emb}")
+        + (f"/{compile_mode}" if compile_mode else "")
+        + ("" if clip else "/noclip")
+        + ("/fused-ce" if fused_ce else "")
+        + (f"/accum{accum}" if accum > 1 else ""),
+        batch=batch,
+        seq=seq,
+        ms_per_step=ms,
+        tokens_per_s=tokens_per_s,
+        mfu=mfu,
+        loss=float(loss.detach()),
+        warmup_s=compile_s,
+        first_step_s=first_s,
+        max_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+        params_m=model.num_params() / 1e6,
+    )
 
 
 def main() -> None:
@@ -158,17 +193,34 @@ def main() -> None:
     ap.add_argument("--compile-mode", default=None, help="e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--pos-emb", default="rope", choices=["rope", "learned", "none"])
     ap.add_argument("--no-clip", action="store_true", help="skip gradient clipping (to measure its cost)")
-    ap.add_argument("--fused-ce", action="store_true",
-                    help="model.fused_cross_entropy=true (fused lm head + cross-entropy, nats_kernels.cross_entropy)")
-    ap.add_argument("--coordinate-descent", action="store_true",
-                    help="inductor coordinate-descent tuning of its generated kernels (longer compile)")
-    ap.add_argument("--sdpa", default="auto", choices=["auto", "cudnn", "flash"],
-                    help="restrict torch SDPA to one kernel family (dense attention)")
-    ap.add_argument("--accum", type=int, default=1,
-                    help="micro-batches per optimizer step (the paper setting accumulates to 480 sequences: 15 at "
-                         "micro-batch 32); ms/step and tokens/s are per micro-batch")
-    ap.add_argument("--profile", action="store_true",
-                    help="also profile 3 steps: CUDA time per kernel group and the top kernels (profile_*.md)")
+    ap.add_argument(
+        "--fused-ce",
+        action="store_true",
+        help="model.fused_cross_entropy=true (fused lm head + cross-entropy, nats_kernels.cross_entropy)",
+    )
+    ap.add_argument(
+        "--coordinate-descent",
+        action="store_true",
+        help="inductor coordinate-descent tuning of its generated kernels (longer compile)",
+    )
+    ap.add_argument(
+        "--sdpa",
+        default="auto",
+        choices=["auto", "cudnn", "flash"],
+        help="restrict torch SDPA to one kernel family (dense attention)",
+    )
+    ap.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (the paper setting accumulates to 480 sequences: 15 at "
+        "micro-batch 32); ms/step and tokens/s are per micro-batch",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile 3 steps: CUDA time per kernel group and the top kernels (profile_*.md)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -191,16 +243,39 @@ def main() -> None:
             attention.update({"window": args.window, "sparsity_lambda": args.nats_lambda})
         for b in args.batch:
             try:
-                r = bench(attention, b, args.seq, args.steps, args.warmup, not args.no_compile, args.pos_emb,
-                          args.compile_mode, not args.no_clip, args.profile, args.accum,
-                          fused_ce=args.fused_ce)
+                r = bench(
+                    attention,
+                    b,
+                    args.seq,
+                    args.steps,
+                    args.warmup,
+                    not args.no_compile,
+                    args.pos_emb,
+                    args.compile_mode,
+                    not args.no_clip,
+                    args.profile,
+                    args.accum,
+                    fused_ce=args.fused_ce,
+                )
             except Exception as err:  # a compiler failure should not lose the measurement: retry eagerly
                 if args.no_compile:
                     raise
                 print(f"compiled {name} failed ({type(err).__name__}: {str(err)[:200]}); measuring it eagerly")
                 torch._dynamo.reset()
-                r = bench(attention, b, args.seq, args.steps, args.warmup, False, args.pos_emb, None,
-                          not args.no_clip, args.profile, args.accum, fused_ce=args.fused_ce)
+                r = bench(
+                    attention,
+                    b,
+                    args.seq,
+                    args.steps,
+                    args.warmup,
+                    False,
+                    args.pos_emb,
+                    None,
+                    not args.no_clip,
+                    args.profile,
+                    args.accum,
+                    fused_ce=args.fused_ce,
+                )
                 r["attention"] += "/eager"
             r["attention"] += "" if args.sdpa == "auto" else f"/sdpa-{args.sdpa}"
             rows.append(r)
@@ -213,11 +288,17 @@ def main() -> None:
                 print(prof, flush=True)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, compile={not args.no_compile}", "",
-             "| attention | micro-batch x seq | ms/step | tokens/s | MFU | peak mem GB |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, compile={not args.no_compile}",
+        "",
+        "| attention | micro-batch x seq | ms/step | tokens/s | MFU | peak mem GB |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['attention']} | {r['batch']} x {r['seq']} | {r['ms_per_step']:.1f} | "
-                     f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['max_mem_gb']:.1f} |")
+        lines.append(
+            f"| {r['attention']} | {r['batch']} x {r['seq']} | {r['ms_per_step']:.1f} | "
+            f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['max_mem_gb']:.1f} |"
+        )
     table = "\n".join(lines)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_train.md").write_text(table + "\n")

@@ -32,6 +32,7 @@ config) into ``--out/runs/``.
 
 ``--cpu-smoke`` runs the same pipeline on CPU (2 processes with gloo vs 1, the tiny model), to test the script.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -111,8 +112,9 @@ print(f"PREFLIGHT_OK loss={loss.item():.3f} peak_mem_gb={torch.cuda.max_memory_a
 """
 
 
-def preflight(experiment: str, micro: int, devices: int, out: Path, env: dict[str, str],
-              timeout: float) -> tuple[str, int, str]:
+def preflight(
+    experiment: str, micro: int, devices: int, out: Path, env: dict[str, str], timeout: float
+) -> tuple[str, int, str]:
     """(experiment, micro-batch, note) that work on one GPU: halve the micro-batch on OOM, dense on other errors."""
     notes = []
     while True:
@@ -147,26 +149,51 @@ def preflight(experiment: str, micro: int, devices: int, out: Path, env: dict[st
 
 
 # ---------------------------------------------------------------------------------------------------- runs
-def train_overrides(args: argparse.Namespace, experiment: str, micro: int, devices: int, steps: int,
-                    run_dir: Path) -> list[str]:
+def train_overrides(
+    args: argparse.Namespace, experiment: str, micro: int, devices: int, steps: int, run_dir: Path
+) -> list[str]:
     if args.cpu_smoke:
-        base = ["model.block_size=64", "data.num_workers=0", "trainer=ddp" if devices > 1 else "trainer=cpu",
-                "trainer.accelerator=cpu", f"trainer.devices={devices}", "trainer.precision=32-true",
-                "data.max_eval_windows=8", f"optim.warmup_steps={args.warmup}"]
+        base = [
+            "model.block_size=64",
+            "data.num_workers=0",
+            "trainer=ddp" if devices > 1 else "trainer=cpu",
+            "trainer.accelerator=cpu",
+            f"trainer.devices={devices}",
+            "trainer.precision=32-true",
+            "data.max_eval_windows=8",
+            f"optim.warmup_steps={args.warmup}",
+        ]
         if devices == 1:
             base.remove("trainer.accelerator=cpu")
     else:
-        base = [f"experiment={experiment}", "data=gutenberg", "data.num_workers=4", "data.max_eval_windows=64",
-                "trainer=ddp" if devices > 1 else "trainer=gpu", f"trainer.devices={devices}",
-                f"compile={str(args.compile).lower()}", f"optim.warmup_steps={args.warmup}"]
+        base = [
+            f"experiment={experiment}",
+            "data=gutenberg",
+            "data.num_workers=4",
+            "data.max_eval_windows=64",
+            "trainer=ddp" if devices > 1 else "trainer=gpu",
+            f"trainer.devices={devices}",
+            f"compile={str(args.compile).lower()}",
+            f"optim.warmup_steps={args.warmup}",
+        ]
     return base + [
-        f"data.micro_batch_size={micro}", f"global_batch_size={args.global_batch}",
-        f"trainer.max_steps={steps}", f"optim.max_steps={args.steps}", f"eval_every={args.eval_every}",
-        "final_validation=false", "ckpt_path=null", "logger=csv", f"trainer.log_every_n_steps={args.log_every}",
+        f"data.micro_batch_size={micro}",
+        f"global_batch_size={args.global_batch}",
+        f"trainer.max_steps={steps}",
+        f"optim.max_steps={args.steps}",
+        f"eval_every={args.eval_every}",
+        "final_validation=false",
+        "ckpt_path=null",
+        "logger=csv",
+        f"trainer.log_every_n_steps={args.log_every}",
         f"+logger.csv.flush_logs_every_n_steps={args.log_every}",  # a killed run keeps its curve so far
-        "callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "callbacks.model_checkpoint=null",
-        "+trainer.enable_checkpointing=false", "callbacks.throughput.window_size=2",  # timing points: the rate over the last logging interval
-        f"paths.data_dir={args.data_dir}", f"hydra.run.dir={run_dir}",
+        "callbacks.progress_bar=null",
+        "trainer.enable_progress_bar=false",
+        "callbacks.model_checkpoint=null",
+        "+trainer.enable_checkpointing=false",
+        "callbacks.throughput.window_size=2",  # timing points: the rate over the last logging interval
+        f"paths.data_dir={args.data_dir}",
+        f"hydra.run.dir={run_dir}",
     ]
 
 
@@ -195,20 +222,33 @@ def read_run(run_dir: Path, steps: int) -> dict:
     per_gpu = statistics.median(tps_dev) if tps_dev else math.nan
     # Lightning logs the all-GPU figure only for several processes; for one it is the per-device one
     total = statistics.median(tps) if tps else per_gpu * world
-    return {"loss": dict(sorted(loss.items())), "val_loss": dict(sorted(val.items())), "tokens_per_s": total,
-            "tokens_per_s_per_gpu": per_gpu, "steps": metrics.get("global_step"),
-            "accumulation": metrics.get("accumulate_grad_batches"), "world_size": world}
+    return {
+        "loss": dict(sorted(loss.items())),
+        "val_loss": dict(sorted(val.items())),
+        "tokens_per_s": total,
+        "tokens_per_s_per_gpu": per_gpu,
+        "steps": metrics.get("global_step"),
+        "accumulation": metrics.get("accumulate_grad_batches"),
+        "world_size": world,
+    }
 
 
 def report(results: dict, args: argparse.Namespace, notes: list[str], out: Path) -> str:
     r4, r1 = results.get("ddp"), results.get("single")
     n = args.devices
-    lines = [f"# DDP scaling: {results['experiment']} on gutenberg, global batch {args.global_batch} x "
-             f"{results['block_size']} tokens", "",
-             f"Device: {results.get('device', '?')}; micro-batch {results['micro']}; compile={args.compile}; "
-             f"{args.steps} planned steps, LR warm-up {args.warmup} then cosine over {args.steps}.", ""]
-    lines += ["| GPUs | steps | accumulation | tokens/s (all GPUs) | tokens/s per GPU | first loss | last loss | "
-              "val loss | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# DDP scaling: {results['experiment']} on gutenberg, global batch {args.global_batch} x "
+        f"{results['block_size']} tokens",
+        "",
+        f"Device: {results.get('device', '?')}; micro-batch {results['micro']}; compile={args.compile}; "
+        f"{args.steps} planned steps, LR warm-up {args.warmup} then cosine over {args.steps}.",
+        "",
+    ]
+    lines += [
+        "| GPUs | steps | accumulation | tokens/s (all GPUs) | tokens/s per GPU | first loss | last loss | "
+        "val loss | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, gpus in (("ddp", n), ("single", 1)):
         r = results.get(key)
         if not r or not r.get("loss"):
@@ -216,34 +256,44 @@ def report(results: dict, args: argparse.Namespace, notes: list[str], out: Path)
             continue
         steps = sorted(r["loss"])
         last_val = r["val_loss"][max(r["val_loss"])] if r["val_loss"] else math.nan
-        lines.append(f"| {gpus} | {r['steps']} | {r['accumulation']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tokens_per_s_per_gpu']:,.0f} | {r['loss'][steps[0]]:.3f} (step {steps[0]}) | "
-                     f"{r['loss'][steps[-1]]:.3f} (step {steps[-1]}) | {last_val:.3f} | "
-                     f"{results[key + '_wall_s']:.0f} |")
+        lines.append(
+            f"| {gpus} | {r['steps']} | {r['accumulation']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} | {r['loss'][steps[0]]:.3f} (step {steps[0]}) | "
+            f"{r['loss'][steps[-1]]:.3f} (step {steps[-1]}) | {last_val:.3f} | "
+            f"{results[key + '_wall_s']:.0f} |"
+        )
     if r4 and r1 and r4.get("loss") and r1.get("loss"):
         speedup = r4["tokens_per_s"] / r1["tokens_per_s"]
         results["speedup"] = speedup
-        lines += ["", f"**Speed-up {n} GPUs / 1 GPU: {speedup:.2f}x** (tokens/s; {100 * speedup / n:.0f}% scaling "
-                  f"efficiency; target >= 3.5x).", "",
-                  f"Losses at the same optimizer steps (the same {args.global_batch} sequences per step in both runs). "
-                  "Validation loss: the same validation windows, so the two columns should agree up to bf16 "
-                  "rounding. Train loss: Lightning logs rank 0's last micro-batch, which holds different "
-                  "sequences in the two runs, so those agree only up to batch noise.", "",
-                  f"| step | val loss, {n} GPUs | val loss, 1 GPU | train loss, {n} GPUs | train loss, 1 GPU |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"**Speed-up {n} GPUs / 1 GPU: {speedup:.2f}x** (tokens/s; {100 * speedup / n:.0f}% scaling "
+            f"efficiency; target >= 3.5x).",
+            "",
+            f"Losses at the same optimizer steps (the same {args.global_batch} sequences per step in both runs). "
+            "Validation loss: the same validation windows, so the two columns should agree up to bf16 "
+            "rounding. Train loss: Lightning logs rank 0's last micro-batch, which holds different "
+            "sequences in the two runs, so those agree only up to batch noise.",
+            "",
+            f"| step | val loss, {n} GPUs | val loss, 1 GPU | train loss, {n} GPUs | train loss, 1 GPU |",
+            "|---|---|---|---|---|",
+        ]
 
         def f3(x):
             return "" if x is None else f"{x:.3f}"
 
         for s in sorted(set(r4["loss"]) | set(r1["loss"]) | set(r4["val_loss"]) | set(r1["val_loss"])):
-            lines.append(f"| {s} | {f3(r4['val_loss'].get(s))} | {f3(r1['val_loss'].get(s))} | "
-                         f"{f3(r4['loss'].get(s))} | {f3(r1['loss'].get(s))} |")
+            lines.append(
+                f"| {s} | {f3(r4['val_loss'].get(s))} | {f3(r1['val_loss'].get(s))} | "
+                f"{f3(r4['loss'].get(s))} | {f3(r1['loss'].get(s))} |"
+            )
     if notes:
         lines += ["", "Notes: " + "; ".join(notes)]
     text = "\n".join(lines) + "\n"
     (out / "ddp_scaling.md").write_text(text)
-    (out / "ddp_scaling.json").write_text(json.dumps({**results, "notes": notes, "args": vars(args)}, indent=2,
-                                                     default=str))
+    (out / "ddp_scaling.json").write_text(
+        json.dumps({**results, "notes": notes, "args": vars(args)}, indent=2, default=str)
+    )
     try:
         import matplotlib
 
@@ -283,8 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-single-steps", type=int, default=25)
     ap.add_argument("--data-dir", default=str(REPO / "data"))
     ap.add_argument("--no-preflight", action="store_true")
-    ap.add_argument("--no-autotune", action="store_true",
-                    help="NATS_KERNELS_AUTOTUNE=0: the NAtS kernels' first config, no autotuning at start-up")
+    ap.add_argument(
+        "--no-autotune",
+        action="store_true",
+        help="NATS_KERNELS_AUTOTUNE=0: the NAtS kernels' first config, no autotuning at start-up",
+    )
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, gloo: tests the script")
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -320,8 +373,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. the multi-GPU run
     ddp_dir = out / "runs" / f"ddp{args.devices}"
-    cmd = [sys.executable, "-m", "nats.train",
-           *train_overrides(args, experiment, micro, args.devices, args.steps, ddp_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nats.train",
+        *train_overrides(args, experiment, micro, args.devices, args.steps, ddp_dir),
+    ]
     log(f"== {args.devices} GPUs: {' '.join(cmd[3:])}")
     left = args.budget_s - (time.time() - t_start)
     rc, wall = run_cmd(cmd, timeout=left * 0.6, log_file=out / "ddp.log", env=env)
@@ -346,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     single_dir = out / "runs" / "gpu1"
     cmd = [sys.executable, "-m", "nats.train", *train_overrides(args, experiment, micro, 1, steps1, single_dir)]
     log(f"== 1 GPU, {steps1} steps: {' '.join(cmd[3:])}")
-    rc, wall = run_cmd(cmd, timeout=max(60.0, args.budget_s - (time.time() - t_start)), log_file=out / "gpu1.log",
-                       env=env)
+    rc, wall = run_cmd(
+        cmd, timeout=max(60.0, args.budget_s - (time.time() - t_start)), log_file=out / "gpu1.log", env=env
+    )
     results.update(single_rc=rc, single_wall_s=wall, single=read_run(single_dir, steps1))
     log(f"exit code {rc} after {wall:.0f}s")
     if rc != 0:

@@ -11,6 +11,7 @@ Python launch overhead), and the per-kernel split comes from torch.profiler.
 
     python benchmarks/kernel_breakdown.py [--out experiments/results]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,13 @@ import torch
 import torch.nn.functional as F
 
 MIXES = {"uniform": (1 / 3, 1 / 3, 1 / 3), "sparse": (0.05, 0.15, 0.80), "all_global": (1.0, 0.0, 0.0)}
-KERNELS = {"_nats_fwd_kernel": "fwd", "_bwd_dq_kernel": "dq", "_bwd_dkdv_kernel": "dkdv", "_plan_kernel": "plan",
-           "_type_grad_kernel": "type_grad"}
+KERNELS = {
+    "_nats_fwd_kernel": "fwd",
+    "_bwd_dq_kernel": "dq",
+    "_bwd_dkdv_kernel": "dkdv",
+    "_plan_kernel": "plan",
+    "_type_grad_kernel": "type_grad",
+}
 
 
 def kernel_times(fn, iters: int = 10, detail: dict | None = None) -> dict[str, float]:
@@ -68,6 +74,7 @@ def main() -> None:
             for x in grads:  # no gradient accumulation kernels in the timings
                 x.grad = None
             fn().backward(do)
+
         return go
 
     def timed(go, grads):
@@ -75,18 +82,23 @@ def main() -> None:
 
     dense = {}
     for name, backends in [("sdpa (default: cuDNN)", None), ("sdpa flash (FA2)", [SDPBackend.FLASH_ATTENTION])]:
+
         def sdpa(backends=backends):
             if backends is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
             with sdpa_kernel(backends):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
         dense[name] = (timed(sdpa, None), timed(fwd_bwd(sdpa), leaves))
     flash_fb = dense["sdpa flash (FA2)"][1]
     lines = [f"GPU: {torch.cuda.get_device_name()}; B={B} H={H} N={N} D={D} W={W} bf16; GPU times (CUDA graphs)", ""]
     lines += ["| dense | fwd ms | fwd+bwd ms |", "|---|---|---|"]
     lines += [f"| {n} | {f:.3f} | {fb:.3f} |" for n, (f, fb) in dense.items()]
-    lines += ["", "| mix | plan ms | fwd ms | dq ms | dkdv ms | type grad ms | other ms | fwd+bwd ms | x FA2 |"
-              " x cuDNN |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| mix | plan ms | fwd ms | dq ms | dkdv ms | type grad ms | other ms | fwd+bwd ms | x FA2 | x cuDNN |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     cudnn_fb = dense["sdpa (default: cuDNN)"][1]
     tws = {}
     for mix, probs in MIXES.items():
@@ -106,16 +118,23 @@ def main() -> None:
         if detail:
             others = sorted(detail.items(), key=lambda kv: -kv[1][0])
             lines_other.extend(f"| {name[:90]} | {ms:.4f} | {n} |" for name, (ms, n) in others)
-        lines.append(f"| {mix} | {split['plan']:.3f} | {split['fwd']:.3f} | {split['dq']:.3f} | {split['dkdv']:.3f} | "
-                     f"{split['type_grad']:.3f} | {split['other']:.3f} | {total:.3f} | {total / flash_fb:.2f} | "
-                     f"{total / cudnn_fb:.2f} |")
+        lines.append(
+            f"| {mix} | {split['plan']:.3f} | {split['fwd']:.3f} | {split['dq']:.3f} | {split['dkdv']:.3f} | "
+            f"{split['type_grad']:.3f} | {split['other']:.3f} | {total:.3f} | {total / flash_fb:.2f} | "
+            f"{total / cudnn_fb:.2f} |"
+        )
         print(lines[-1], flush=True)
         if mix == "uniform" or args.retune:
-            for name, kern in (("fwd", fwd._nats_fwd_kernel), ("dq", bwd._bwd_dq_kernel),
-                               ("dkdv", bwd._bwd_dkdv_kernel)):
+            for name, kern in (
+                ("fwd", fwd._nats_fwd_kernel),
+                ("dq", bwd._bwd_dq_kernel),
+                ("dkdv", bwd._bwd_dkdv_kernel),
+            ):
                 cfg = getattr(kern, "best_config", None)
-                configs.append(f"| {name} | {mix} | {cfg.kwargs if cfg else '-'} | {cfg.num_warps if cfg else '-'} | "
-                               f"{cfg.num_stages if cfg else '-'} |")
+                configs.append(
+                    f"| {name} | {mix} | {cfg.kwargs if cfg else '-'} | {cfg.num_warps if cfg else '-'} | "
+                    f"{cfg.num_stages if cfg else '-'} |"
+                )
     lines += ["", "Autotuned configs:", "", "| kernel | mix | tiles | warps | stages |", "|---|---|---|---|---|"]
     lines += configs
     lines += lines_other

@@ -8,6 +8,7 @@ Prints, for the profiled steps: wall ms per optimizer step, GPU kernel ms per st
 i.e. the GPU's busy time), and the top ops by self CUDA time and by self CPU time. A step whose wall time exceeds
 its kernel time by much is host-bound or synchronises; `--trace FILE` writes a Chrome trace for a closer look.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,9 +65,13 @@ class ProfileSteps(Callback):
             if "synchroniz" not in str(message):
                 return self._old_showwarning(message, category, filename, lineno, file, line)
             frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-6:]
-            key = str(message).split("\n")[0][:80] + "\n    " + "\n    ".join(
-                f"{f.filename.rsplit('/', 2)[-2:]} :{f.lineno} {f.name}" for f in frames)
+            key = (
+                str(message).split("\n")[0][:80]
+                + "\n    "
+                + "\n    ".join(f"{f.filename.rsplit('/', 2)[-2:]} :{f.lineno} {f.name}" for f in frames)
+            )
             self.syncs[key] = self.syncs.get(key, 0) + 1
+
         warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
 
@@ -77,8 +82,10 @@ class ProfileSteps(Callback):
         n = self.stop - self.start
         events = self.prof.key_averages()
         kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-        print(f"profiled steps {self.start}..{self.stop}: wall {self.wall_ms / n:.2f} ms/step, "
-              f"GPU kernels {kernel_us / 1e3 / n:.2f} ms/step (busy {kernel_us / 1e3 / self.wall_ms:.1%})")
+        print(
+            f"profiled steps {self.start}..{self.stop}: wall {self.wall_ms / n:.2f} ms/step, "
+            f"GPU kernels {kernel_us / 1e3 / n:.2f} ms/step (busy {kernel_us / 1e3 / self.wall_ms:.1%})"
+        )
         if self.sync_debug:
             print(f"\n## host-device synchronisations in steps {self.start}..{self.stop} (count: where)")
             for key, count in sorted(self.syncs.items(), key=lambda kv: -kv[1]):
@@ -93,16 +100,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="trainer.max_steps")
     ap.add_argument("--profile", type=int, nargs=2, default=[40, 50], metavar=("START", "STOP"))
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
-    ap.add_argument("--sync-debug", action="store_true",
-                    help="count host-device synchronisations by their Python call site (torch sync debug mode)")
+    ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="count host-device synchronisations by their Python call site (torch sync debug mode)",
+    )
     ap.add_argument("overrides", nargs="*", help="nats-train overrides")
     args = ap.parse_args()
 
     from nats.train import build, compose_config
 
-    cfg = compose_config([*args.overrides, f"trainer.max_steps={args.steps}", f"eval_every={args.steps}",
-                          "final_validation=false", "ckpt_path=null", "hydra.run.dir=logs/profile",
-                          "paths.output_dir=logs/profile"])
+    cfg = compose_config(
+        [
+            *args.overrides,
+            f"trainer.max_steps={args.steps}",
+            f"eval_every={args.steps}",
+            "final_validation=false",
+            "ckpt_path=null",
+            "hydra.run.dir=logs/profile",
+            "paths.output_dir=logs/profile",
+        ]
+    )
     if cfg.get("float32_matmul_precision"):
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
     datamodule, module, trainer = build(cfg)

@@ -15,6 +15,7 @@ the planes (min and max in the JSON).
 Writes docs/results/anna_figure1a.{md,json,png} (merging with the rows of other tasks/betas already in
 the JSON, unless --fresh); weights and CSV logs go to logs/anna_figure1a/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,17 +45,19 @@ def task_error(model, loader) -> float:
 def compose_cfg(task: str, beta: float, steps: int, run_dir: Path, extra: list[str]):
     from nats.train import compose_config
 
-    return compose_config([
-        f"experiment=anna_{task}",
-        f"model.attention.beta={beta}",
-        f"trainer.max_steps={steps}",
-        f"paths.output_dir={run_dir}",
-        "callbacks=none",
-        "trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
-        "final_validation=false",
-        *extra,
-    ])
+    return compose_config(
+        [
+            f"experiment=anna_{task}",
+            f"model.attention.beta={beta}",
+            f"trainer.max_steps={steps}",
+            f"paths.output_dir={run_dir}",
+            "callbacks=none",
+            "trainer.enable_progress_bar=false",
+            "+trainer.enable_model_summary=false",
+            "final_validation=false",
+            *extra,
+        ]
+    )
 
 
 def train_one(task: str, beta: float, steps: int, run_dir: Path, extra: list[str]) -> tuple[object, object, float]:
@@ -128,7 +131,8 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
         "",
         "One layer, one head, d = 64, MLP 4d GELU; Adam at peak lr 0.01 (1000 warm-up steps, cosine to 1e-4, gradient "
         "norm clipped at 1.0) unless overridden, batch 32, 10000 training samples"
-        + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "") + "; "
+        + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "")
+        + "; "
         f"steps as listed; test error over all target positions of the 256 test samples (surrogate: the trained "
         f"softmax surrogate; l, z: the same weights with ANNA attention, mean over {args.hash_seeds} draws of the "
         f"hash planes). Training time on a shared CPU, torch threads = {torch.get_num_threads()}.",
@@ -139,8 +143,11 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
     for r in results:
         cells = [f"{r['anna'][f'l={l},z={z}']['mean']:.4f}" if f"l={l},z={z}" in r["anna"] else "-" for l, z in cols]
         secs = f"{r['train_seconds']:.0f}" if r.get("train_seconds") is not None else "-"
-        lines.append(f"| {r['task']} | {r['beta']:g} | {r['steps']} | {secs} | {r['surrogate']:.4f} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['task']} | {r['beta']:g} | {r['steps']} | {secs} | {r['surrogate']:.4f} | "
+            + " | ".join(cells)
+            + " |"
+        )
     (out_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -150,8 +157,9 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = list(dict.fromkeys(r["task"] for r in results))
-    fig, axes = plt.subplots(len(tasks), len(args.zs), figsize=(4.2 * len(args.zs), 3.3 * len(tasks)),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        len(tasks), len(args.zs), figsize=(4.2 * len(args.zs), 3.3 * len(tasks)), squeeze=False, sharey=True
+    )
     for i, task in enumerate(tasks):
         for j, z in enumerate(args.zs):
             ax = axes[i][j]
@@ -202,14 +210,22 @@ def main() -> None:
             else:
                 model, datamodule, seconds = train_one(task, beta, args.steps, run_dir, args.overrides)
             t0 = time.time()
-            r = {"task": task, "beta": beta, "steps": args.steps, "train_seconds": seconds,
-                 **evaluate(model, datamodule, args.ls, args.zs, args.hash_seeds)}
+            r = {
+                "task": task,
+                "beta": beta,
+                "steps": args.steps,
+                "train_seconds": seconds,
+                **evaluate(model, datamodule, args.ls, args.zs, args.hash_seeds),
+            }
             r["eval_seconds"] = time.time() - t0
             r["optim"] = run_optim(run_dir)
             results.append(r)
             best = r["anna"].get("l=8,z=1", {}).get("mean", math.nan)
-            print(f"[{task} beta={beta:g}] train {seconds or 0:.0f}s surrogate error {r['surrogate']:.4f} "
-                  f"ANNA l=8,z=1 error {best:.4f}", flush=True)
+            print(
+                f"[{task} beta={beta:g}] train {seconds or 0:.0f}s surrogate error {r['surrogate']:.4f} "
+                f"ANNA l=8,z=1 error {best:.4f}",
+                flush=True,
+            )
             write_outputs(results, args, args.out)
 
 

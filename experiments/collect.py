@@ -18,6 +18,7 @@ second one with the mean and standard deviation over seeds when a setting has se
 when runs hold ``nats-eval`` outputs (``<run>/eval/results.csv``, as ``slurm/pipeline.py`` writes them),
 ``eval.csv`` (their rows prefixed with the run's settings) and ``eval_ppl_vs_area.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -139,8 +140,15 @@ def collect(roots: list[str | os.PathLike]) -> list[dict[str, Any]]:
     root = Path(roots[0])
     rows = [read_run(r, root) for r in runs]
     add_sweep_column(rows)
-    rows.sort(key=lambda r: (str(r["attention"]), _float(r["window"]), _float(r["lambda"]), _float(r["seed"]),
-                             _natural_key(Path(r["run"]))))
+    rows.sort(
+        key=lambda r: (
+            str(r["attention"]),
+            _float(r["window"]),
+            _float(r["lambda"]),
+            _float(r["seed"]),
+            _natural_key(Path(r["run"])),
+        )
+    )
     return rows
 
 
@@ -223,9 +231,14 @@ def seed_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> str:
     cols = [c for c in _columns(rows) if c not in ("overrides",)]
-    parts = [f"# {title}", "", f"{len(rows)} runs; KV fraction = validation KV-cache area fraction "
-             "(`val/density`; 1 for dense attention); perplexity = final validation perplexity.", "",
-             markdown_table(rows, cols)]
+    parts = [
+        f"# {title}",
+        "",
+        f"{len(rows)} runs; KV fraction = validation KV-cache area fraction "
+        "(`val/density`; 1 for dense attention); perplexity = final validation perplexity.",
+        "",
+        markdown_table(rows, cols),
+    ]
     means = seed_means(rows)
     if any(m["seeds"] > 1 for m in means):
         mcols = [c for c in _columns(means)]
@@ -264,14 +277,26 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
         pts.sort(key=lambda m: m["kv_fraction"])
         xs = [m["kv_fraction"] for m in pts]
         ys = [m["val_ppl"] for m in pts]
-        ax.errorbar(xs, ys, xerr=[m["kv_fraction_std"] for m in pts], yerr=[m["val_ppl_std"] for m in pts],
-                    marker="o" if len(pts) > 1 or xs[0] < 1 else "*", markersize=6 if xs[0] < 1 else 12,
-                    capsize=3, label=label, linestyle="-" if len(pts) > 1 else "none")
+        ax.errorbar(
+            xs,
+            ys,
+            xerr=[m["kv_fraction_std"] for m in pts],
+            yerr=[m["val_ppl_std"] for m in pts],
+            marker="o" if len(pts) > 1 or xs[0] < 1 else "*",
+            markersize=6 if xs[0] < 1 else 12,
+            capsize=3,
+            label=label,
+            linestyle="-" if len(pts) > 1 else "none",
+        )
         if label.startswith("nats"):
             for m in pts:
-                ax.annotate(f"λ={m['lambda']:g}" if isinstance(m["lambda"], (int, float)) else str(m["lambda"]),
-                            (m["kv_fraction"], m["val_ppl"]), textcoords="offset points", xytext=(4, 4),
-                            fontsize=8)
+                ax.annotate(
+                    f"λ={m['lambda']:g}" if isinstance(m["lambda"], (int, float)) else str(m["lambda"]),
+                    (m["kv_fraction"], m["val_ppl"]),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=8,
+                )
     xs_all = [m["kv_fraction"] for m in means]
     if min(xs_all) > 0 and max(xs_all) / min(xs_all) > 5:
         ax.set_xscale("log")
@@ -327,9 +352,18 @@ def collect_eval(rows: list[dict[str, Any]], root: Path, path: Path) -> int:
         for f in sorted((run_dir / "eval").rglob("*.csv")) if (run_dir / "eval").is_dir() else []:
             with open(f, newline="") as fh:
                 for e in csv.DictReader(fh):
-                    out_rows.append({"run": r["run"], "attention": r["attention"], "lambda": r["lambda"],
-                                     "window": r["window"], "output_gate": r.get("output_gate"), "seed": r["seed"],
-                                     "eval_file": str(f.relative_to(run_dir)), **e})
+                    out_rows.append(
+                        {
+                            "run": r["run"],
+                            "attention": r["attention"],
+                            "lambda": r["lambda"],
+                            "window": r["window"],
+                            "output_gate": r.get("output_gate"),
+                            "seed": r["seed"],
+                            "eval_file": str(f.relative_to(run_dir)),
+                            **e,
+                        }
+                    )
     if out_rows:
         write_csv(out_rows, path)
         plot_eval(out_rows, path.with_name("eval_ppl_vs_area.png"), "nats-eval: test perplexity vs KV budget")
@@ -353,8 +387,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(text)
     done = sum(r["status"] == "done" for r in rows)
     written = [out / "runs.csv", out / "runs.md"] + ([out / "ppl_vs_kv.png"] if plotted else [])
-    print(f"{len(rows)} runs ({done} done) -> {', '.join(map(str, written))}"
-          + (f", {out / 'eval.csv'} ({n_eval} rows)" if n_eval else ""))
+    print(
+        f"{len(rows)} runs ({done} done) -> {', '.join(map(str, written))}"
+        + (f", {out / 'eval.csv'} ({n_eval} rows)" if n_eval else "")
+    )
     return rows
 
 

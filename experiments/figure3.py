@@ -25,6 +25,7 @@ their learned types; each on the test split and on the validation split (setting
 ``figure3_ppl_vs_area.png``, ``figure3_ppl_vs_peak.png``, ``figure3_loss.png`` (training curves of NAtS beside
 the dense model) and ``figure3_kv_layers.png`` (per-layer / per-head KV area and type fractions).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,11 +45,15 @@ DEFAULT_ROOT = REPO / "logs" / "figure3"
 # name -> (experiment, overrides); seeds are appended as _s<seed>
 RUNS: dict[str, tuple[str, list[str]]] = {
     "dense": ("fig3_dense", []),
-    **{f"nats_l{lam:g}": ("fig3_nats", [f"model.attention.sparsity_lambda={lam}"])
-       for lam in (0, 0.01, 0.03, 0.05, 0.1, 0.3, 1, 3, 10, 30)},
+    **{
+        f"nats_l{lam:g}": ("fig3_nats", [f"model.attention.sparsity_lambda={lam}"])
+        for lam in (0, 0.01, 0.03, 0.05, 0.1, 0.3, 1, 3, 10, 30)
+    },
     # ablation (issue 13 part 2): the unbounded estimator under the default separate clipping, 1000 steps
-    "nats_l1_exact": ("fig3_nats", ["model.attention.sparsity_lambda=1", "model.attention.mask_grad=exact",
-                                    "trainer.max_steps=1000"]),
+    "nats_l1_exact": (
+        "fig3_nats",
+        ["model.attention.sparsity_lambda=1", "model.attention.mask_grad=exact", "trainer.max_steps=1000"],
+    ),
 }
 BUDGETS = "[0.5,0.25,0.125,0.0625,0.03125]"
 
@@ -114,8 +119,16 @@ def train_done(folder: Path) -> bool:
 def train_cmd(run: str, root: Path, extra: list[str], steps: int | None) -> list[str]:
     base, seed = parse_run(run)
     experiment, overrides = RUNS[base]
-    cmd = python() + ["-m", "nats.train", f"experiment={experiment}", *overrides, f"seed={seed}",
-                      f"hydra.run.dir={run_dir(root, run)}", "ckpt_path=auto", "callbacks.progress_bar.refresh_rate=0"]
+    cmd = python() + [
+        "-m",
+        "nats.train",
+        f"experiment={experiment}",
+        *overrides,
+        f"seed={seed}",
+        f"hydra.run.dir={run_dir(root, run)}",
+        "ckpt_path=auto",
+        "callbacks.progress_bar.refresh_rate=0",
+    ]
     if steps:
         cmd.append(f"trainer.max_steps={steps}")
     return cmd + list(extra)
@@ -159,15 +172,30 @@ def status_rows(root: Path) -> list[dict]:
         rows = read_csv_metrics(folder)
         step, _ = last(rows, "train/loss")
         _, val_ppl = last(rows, "val/ppl")
-        state = ("done" if train_done(folder) else "running" if alive(folder / "train.out.pid")
-                 else "stopped" if rows else "new")
+        state = (
+            "done"
+            if train_done(folder)
+            else "running"
+            if alive(folder / "train.out.pid")
+            else "stopped"
+            if rows
+            else "new"
+        )
         evals = sorted(p.name for p in folder.glob("eval_*") if (p / "results.json").is_file())
-        out.append({"run": folder.name, "state": state, "step": step, "train_loss": mean_last(rows, "train/loss"),
-                    "val_ppl": val_ppl, "density": mean_last(rows, "train/density"),
-                    "tok_s": mean_last(rows, "train/device/items_per_sec"),
-                    "gn_scorer": mean_last(rows, "train/grad_norm_scorer"),
-                    "gn_backbone": mean_last(rows, "train/grad_norm_backbone") or mean_last(rows, "train/grad_norm"),
-                    "evals": ",".join(e.removeprefix("eval_") for e in evals)})
+        out.append(
+            {
+                "run": folder.name,
+                "state": state,
+                "step": step,
+                "train_loss": mean_last(rows, "train/loss"),
+                "val_ppl": val_ppl,
+                "density": mean_last(rows, "train/density"),
+                "tok_s": mean_last(rows, "train/device/items_per_sec"),
+                "gn_scorer": mean_last(rows, "train/grad_norm_scorer"),
+                "gn_backbone": mean_last(rows, "train/grad_norm_backbone") or mean_last(rows, "train/grad_norm"),
+                "evals": ",".join(e.removeprefix("eval_") for e in evals),
+            }
+        )
     return out
 
 
@@ -204,8 +232,10 @@ def cmd_train(args) -> None:
         launch(train_cmd(run, root, args.extra, args.steps), folder, "train.out")
     pids = [run_dir(root, r) / "train.out.pid" for r in runs]
     if args.eval:  # evaluate each run as soon as its training has finished
+
         def start_evals():
             return [p for r in runs if train_done(run_dir(root, r)) for p in start_eval(r, root, args)]
+
         wait(root, pids, args.budget_s, poll=start_evals)
     else:
         wait(root, pids, args.budget_s)
@@ -230,8 +260,9 @@ def wait(root: Path, pid_files: list[Path], budget_s: float, every_s: float = 60
             shown = time.time()
 
 
-def eval_cmds(run: str, root: Path, extra: list[str], max_windows: int,
-              batch_sizes: tuple[int, int]) -> list[tuple[str, list[str]]]:
+def eval_cmds(
+    run: str, root: Path, extra: list[str], max_windows: int, batch_sizes: tuple[int, int]
+) -> list[tuple[str, list[str]]]:
     """nats-eval commands of a run on both splits; batch_sizes = (dense model, NAtS model): the dense model's
     H2O decodes token by token (launch-bound: a large batch is nearly free), NAtS' parallel masked forward
     holds [batch, heads, N, N] masks (a small batch keeps several evaluations within one GPU's memory)."""
@@ -248,10 +279,20 @@ def eval_cmds(run: str, root: Path, extra: list[str], max_windows: int,
         methods = "[full,streaming_llm,h2o]" if dense else "[nats]"
         if dense and split == "validation":
             methods = "[full]"
-        cmd = python() + ["-m", "nats.eval", f"ckpt_path={ckpt}", *data, f"split={split}",
-                          f"methods={methods}", f"budgets={BUDGETS}", f"max_windows={max_windows}",
-                          f"batch_size={batch_size}", "device=auto", "progress=false",
-                          f"hydra.run.dir={folder / f'eval_{split}'}"]
+        cmd = python() + [
+            "-m",
+            "nats.eval",
+            f"ckpt_path={ckpt}",
+            *data,
+            f"split={split}",
+            f"methods={methods}",
+            f"budgets={BUDGETS}",
+            f"max_windows={max_windows}",
+            f"batch_size={batch_size}",
+            "device=auto",
+            "progress=false",
+            f"hydra.run.dir={folder / f'eval_{split}'}",
+        ]
         out.append((split, cmd))
     return out
 
@@ -281,8 +322,15 @@ def cmd_eval(args) -> None:
     wait(root, pids, args.budget_s)
 
 
-PACK_PATTERNS = ["csv/metrics.csv", "metrics.json", ".hydra/config.yaml", "eval_*/results.json",
-                 "eval_*/results.md", "eval_*/kv_fractions.json", "*.out"]
+PACK_PATTERNS = [
+    "csv/metrics.csv",
+    "metrics.json",
+    ".hydra/config.yaml",
+    "eval_*/results.json",
+    "eval_*/results.md",
+    "eval_*/kv_fractions.json",
+    "*.out",
+]
 
 
 def cmd_pack(args) -> None:
@@ -327,11 +375,24 @@ def collect(root: Path) -> dict:
         metrics = json.loads((folder / "metrics.json").read_text()) if train_done(folder) else None
         kv = folder / "eval_test" / "kv_fractions.json"
         runs[folder.name] = {
-            "base": base, "seed": seed, "experiment": RUNS[base][0], "overrides": RUNS[base][1],
+            "base": base,
+            "seed": seed,
+            "experiment": RUNS[base][0],
+            "overrides": RUNS[base][1],
             "metrics": metrics,
-            "curves": {k: [(int(r["step"]), float(r[k])) for r in rows if r.get(k) not in (None, "")]
-                       for k in ("train/loss", "val/loss", "val/ppl", "train/density", "train/grad_norm",
-                                 "train/grad_norm_scorer", "train/grad_norm_backbone", "train/device/items_per_sec")},
+            "curves": {
+                k: [(int(r["step"]), float(r[k])) for r in rows if r.get(k) not in (None, "")]
+                for k in (
+                    "train/loss",
+                    "val/loss",
+                    "val/ppl",
+                    "train/density",
+                    "train/grad_norm",
+                    "train/grad_norm_scorer",
+                    "train/grad_norm_backbone",
+                    "train/device/items_per_sec",
+                )
+            },
             "eval": {s: load_eval(folder, s) for s in ("validation", "test")},
             "kv_fractions": json.loads(kv.read_text()) if kv.is_file() else None,
         }
@@ -365,8 +426,20 @@ def summarize(runs: dict) -> dict:
                     model = r["base"]
                     setting = f"NAtS lambda={lam_of(r['base']):g}" + (" exact" if "exact" in r["base"] else "")
                 key = (model, setting, split)
-                row = table.setdefault(key, {"model": model, "setting": setting, "split": split, "policy": res["policy"],
-                                             "budget": res["budget"], "ppl": [], "area": [], "peak": [], "seeds": []})
+                row = table.setdefault(
+                    key,
+                    {
+                        "model": model,
+                        "setting": setting,
+                        "split": split,
+                        "policy": res["policy"],
+                        "budget": res["budget"],
+                        "ppl": [],
+                        "area": [],
+                        "peak": [],
+                        "seeds": [],
+                    },
+                )
                 row["ppl"].append(res["ppl"])
                 row["area"].append(res["area"])
                 row["peak"].append(res["peak"])
@@ -380,9 +453,12 @@ def summarize(runs: dict) -> dict:
 
 
 def markdown(runs: dict, rows: list[dict], device: str) -> str:
-    lines = ["# Figure 3 at reduced scale: perplexity against KV-cache size (GPT-2-small, PG-19 subset, N = 1024)",
-             "", f"Produced by `experiments/figure3.py report` from the run folders; trained and evaluated on {device}.",
-             ""]
+    lines = [
+        "# Figure 3 at reduced scale: perplexity against KV-cache size (GPT-2-small, PG-19 subset, N = 1024)",
+        "",
+        f"Produced by `experiments/figure3.py report` from the run folders; trained and evaluated on {device}.",
+        "",
+    ]
     full_test = [r for r in rows if r["split"] == "test" and r["policy"] == "full"]
     ref = full_test[0]["ppl_mean"] if full_test else None
     for split in ("test", "validation"):
@@ -391,28 +467,43 @@ def markdown(runs: dict, rows: list[dict], device: str) -> str:
             continue
         refs = [r for r in sub if r["policy"] == "full"]
         base_ppl = refs[0]["ppl_mean"] if refs else ref
-        lines += [f"## {split} split", "",
-                  "| model | method | seeds | KV area | KV peak | perplexity | vs dense full |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {split} split",
+            "",
+            "| model | method | seeds | KV area | KV peak | perplexity | vs dense full |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
         for r in sub:
             pm = f"{r['ppl_mean']:.2f}" + (f" ± {r['ppl_std']:.2f}" if len(r["ppl"]) > 1 else "")
             rel = f"{100 * (r['ppl_mean'] / base_ppl - 1):+.1f}%" if base_ppl else "-"
-            lines.append(f"| {r['model']} | {r['setting']} | {len(r['seeds'])} | {r['area_mean']:.4f} | "
-                         f"{r['peak_mean']:.4f} | {pm} | {rel} |")
+            lines.append(
+                f"| {r['model']} | {r['setting']} | {len(r['seeds'])} | {r['area_mean']:.4f} | "
+                f"{r['peak_mean']:.4f} | {pm} | {rel} |"
+            )
         lines.append("")
-    lines += ["## Training", "", "| run | steps | final val ppl (training's validation) | train density (last) | "
-              "tokens/s (last) |", "|---|---:|---:|---:|---:|"]
+    lines += [
+        "## Training",
+        "",
+        "| run | steps | final val ppl (training's validation) | train density (last) | tokens/s (last) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, r in runs.items():
-        m = {**(r["metrics"] or {}).get("metrics", {}), **{k: v for k, v in (r["metrics"] or {}).items()
-                                                            if k != "metrics"}}
+        m = {
+            **(r["metrics"] or {}).get("metrics", {}),
+            **{k: v for k, v in (r["metrics"] or {}).items() if k != "metrics"},
+        }
         c = r["curves"]
         dens = c["train/density"][-1][1] if c["train/density"] else None
         tps = c["train/device/items_per_sec"][-1][1] if c["train/device/items_per_sec"] else None
-        lines.append(f"| {name} | {m.get('global_step', '-')} | {fmt(m.get('val/ppl'), 4)} | {fmt(dens)} | "
-                     f"{fmt(tps and round(tps))} |")
+        lines.append(
+            f"| {name} | {m.get('global_step', '-')} | {fmt(m.get('val/ppl'), 4)} | {fmt(dens)} | "
+            f"{fmt(tps and round(tps))} |"
+        )
     lines.append("")
-    lines.append("Mean ± sample standard deviation over seeds where there are several. Plots: "
-                 "figure3_ppl_vs_area.png, figure3_ppl_vs_peak.png, figure3_loss.png, figure3_kv_layers.png.")
+    lines.append(
+        "Mean ± sample standard deviation over seeds where there are several. Plots: "
+        "figure3_ppl_vs_area.png, figure3_ppl_vs_peak.png, figure3_loss.png, figure3_kv_layers.png."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -426,8 +517,11 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
     for key in ("area", "peak"):
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
         for label, color in (("StreamingLLM", "C1"), ("H2O", "C2")):
-            pts = sorted((r[key + "_mean"], r["ppl_mean"]) for r in test
-                         if r["model"] == "dense" and r["setting"].lower().startswith(label.lower()[:4]))
+            pts = sorted(
+                (r[key + "_mean"], r["ppl_mean"])
+                for r in test
+                if r["model"] == "dense" and r["setting"].lower().startswith(label.lower()[:4])
+            )
             if pts:
                 ax.plot(*zip(*pts), "o-", color=color, label=f"{label} (dense model)")
         full = [r for r in test if r["policy"] == "full"]
@@ -435,11 +529,23 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
             ax.axhline(full[0]["ppl_mean"], color="k", ls="--", lw=1, label="dense, full cache")
         nats = sorted((r for r in test if r["policy"] == "nats"), key=lambda r: r[key + "_mean"])
         if nats:
-            ax.errorbar([r[key + "_mean"] for r in nats], [r["ppl_mean"] for r in nats],
-                        yerr=[r["ppl_std"] for r in nats], fmt="*", color="C3", markersize=12, label="NAtS")
+            ax.errorbar(
+                [r[key + "_mean"] for r in nats],
+                [r["ppl_mean"] for r in nats],
+                yerr=[r["ppl_std"] for r in nats],
+                fmt="*",
+                color="C3",
+                markersize=12,
+                label="NAtS",
+            )
             for r in nats:
-                ax.annotate(r["setting"].replace("NAtS lambda=", "λ="), (r[key + "_mean"], r["ppl_mean"]),
-                            textcoords="offset points", xytext=(5, 5), fontsize=8)
+                ax.annotate(
+                    r["setting"].replace("NAtS lambda=", "λ="),
+                    (r[key + "_mean"], r["ppl_mean"]),
+                    textcoords="offset points",
+                    xytext=(5, 5),
+                    fontsize=8,
+                )
         ax.set_xscale("log")
         ax.set_xlabel(f"KV {key} fraction (log)")
         ax.set_ylabel("test perplexity")
@@ -457,7 +563,7 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
         if tl:
             xs, ys = zip(*tl)
             k = 8  # running mean over 8 logged points
-            sm = [sum(ys[max(0, j - k + 1):j + 1]) / len(ys[max(0, j - k + 1):j + 1]) for j in range(len(ys))]
+            sm = [sum(ys[max(0, j - k + 1) : j + 1]) / len(ys[max(0, j - k + 1) : j + 1]) for j in range(len(ys))]
             axes[0].plot(xs, sm, color=color, label=name)
         vl = r["curves"]["val/loss"]
         if vl:
@@ -482,8 +588,10 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
     fig.savefig(out / "figure3_loss.png", dpi=110)
     plt.close(fig)
 
-    nats_runs = sorted(((n, r) for n, r in runs.items() if r["kv_fractions"] and r["experiment"] == "fig3_nats"),
-                       key=lambda nr: (lam_of(nr[1]["base"]), "exact" in nr[0], nr[1]["seed"]))
+    nats_runs = sorted(
+        ((n, r) for n, r in runs.items() if r["kv_fractions"] and r["experiment"] == "fig3_nats"),
+        key=lambda nr: (lam_of(nr[1]["base"]), "exact" in nr[0], nr[1]["seed"]),
+    )
     if nats_runs:
         fig, axes = plt.subplots(2, len(nats_runs), figsize=(3.2 * len(nats_runs), 7), squeeze=False)
         for c, (name, r) in enumerate(nats_runs):
@@ -496,8 +604,9 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
             if tf:
                 layers = range(len(tf))
                 for t, (lab, col) in enumerate((("global", "C0"), ("local", "C1"), ("sliding", "C2"))):
-                    axes[1][c].plot(layers, [sum(h[t] for h in layer) / len(layer) for layer in tf], "o-",
-                                    color=col, label=lab)
+                    axes[1][c].plot(
+                        layers, [sum(h[t] for h in layer) / len(layer) for layer in tf], "o-", color=col, label=lab
+                    )
                 axes[1][c].set_xlabel("layer")
                 axes[1][c].set_title("type fractions (mean over heads)", fontsize=8)
                 axes[1][c].legend(fontsize=7)
@@ -550,8 +659,14 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--out", default=str(REPO / "docs" / "results"))
             p.add_argument("--device", default="one NVIDIA GPU", help="the machine, for the table's caption")
     args = ap.parse_args(argv)
-    {"train": cmd_train, "eval": cmd_eval, "status": lambda a: print_status(Path(a.root)), "pack": cmd_pack,
-     "kill": cmd_kill, "report": cmd_report}[args.cmd](args)
+    {
+        "train": cmd_train,
+        "eval": cmd_eval,
+        "status": lambda a: print_status(Path(a.root)),
+        "pack": cmd_pack,
+        "kill": cmd_kill,
+        "report": cmd_report,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the mean gate value, from `nats.analysis.dataset_diagnostics` over the first --d
 
 Writes docs/results/gate_study.{md,json}; logs go to logs/gate_study/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,17 +30,19 @@ def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_
     from nats.analysis import dataset_diagnostics
     from nats.train import compose_config, fit_in
 
-    cfg = compose_config([
-        "experiment=gate_study",
-        f"model.attention.output_gate={gate}",
-        f"seed={seed}",
-        f"paths.output_dir={run_dir}",
-        "callbacks=none",  # the experiment's attention_sink monitor stays
-        "trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
-        *([f"trainer.max_steps={steps}"] if steps else []),
-        *extra,
-    ])
+    cfg = compose_config(
+        [
+            "experiment=gate_study",
+            f"model.attention.output_gate={gate}",
+            f"seed={seed}",
+            f"paths.output_dir={run_dir}",
+            "callbacks=none",  # the experiment's attention_sink monitor stays
+            "trainer.enable_progress_bar=false",
+            "+trainer.enable_model_summary=false",
+            *([f"trainer.max_steps={steps}"] if steps else []),
+            *extra,
+        ]
+    )
     datamodule, module, trainer, seconds = fit_in(cfg, run_dir)
     final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     diag = dataset_diagnostics(module.model, datamodule.val_dataloader(), max_batches=diag_batches)
@@ -59,8 +62,9 @@ def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_
 
 def write_outputs(results: list[dict], args, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gate_study.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2,
-                                                        default=str))
+    (out_dir / "gate_study.json").write_text(
+        json.dumps({"args": vars(args), "results": results}, indent=2, default=str)
+    )
     n_layer = len(results[0]["first_token_share"])
     lines = [
         "# Gate study: dense attention with and without the output gate",
@@ -68,29 +72,41 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
         f"Default tiny model of conf/train.yaml (4 layers, 4 heads, d = 128, RoPE, context 128) on the default "
         f"data (gutenberg), **{results[0]['steps']} optimizer steps**, seeds {sorted({r['seed'] for r in results})} "
         f"(a seed sets the initialisation and the data order, the same for every gate)"
-        + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "") + ". "
+        + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "")
+        + ". "
         f"Validation loss/perplexity over the validation windows (all of them unless data.max_eval_windows caps "
         f"them); first-token share (attention probability on key 0, mean over heads and queries; the first "
         f"query, which can only see key 0, included; uniform causal attention would give H_N / N = "
         f"{sum(1 / i for i in range(1, 129)) / 128:.4f} at N = 128) and mean gate per layer over "
         f"{args.diag_batches} validation batches. Device: {results[0]['device']}"
-        + (f", torch threads = {torch.get_num_threads()}" if results[0]["device"] == "cpu" else "") + ".",
+        + (f", torch threads = {torch.get_num_threads()}" if results[0]["device"] == "cpu" else "")
+        + ".",
         "",
-        "| gate | seed | params | train s | val loss | val ppl | " + " | ".join(f"sink L{i}" for i in range(n_layer))
-        + " | " + " | ".join(f"gate L{i}" for i in range(n_layer)) + " |",
+        "| gate | seed | params | train s | val loss | val ppl | "
+        + " | ".join(f"sink L{i}" for i in range(n_layer))
+        + " | "
+        + " | ".join(f"gate L{i}" for i in range(n_layer))
+        + " |",
         "|---|---|---|---|---|---|" + "---|" * (2 * n_layer),
     ]
     for r in results:
         sinks = " | ".join(f"{s:.3f}" for s in r["first_token_share"])
         gates = " | ".join("-" if math.isnan(g) else f"{g:.3f}" for g in r["gate_mean"])
-        lines.append(f"| {r['gate']} | {r.get('seed', 0)} | {r['params'] / 1e6:.2f}M | {r['train_seconds']:.0f} | "
-                     f"{r['val_loss']:.4f} | {r['val_ppl']:.2f} | {sinks} | {gates} |")
+        lines.append(
+            f"| {r['gate']} | {r.get('seed', 0)} | {r['params'] / 1e6:.2f}M | {r['train_seconds']:.0f} | "
+            f"{r['val_loss']:.4f} | {r['val_ppl']:.2f} | {sinks} | {gates} |"
+        )
     by_gate: dict[str, list[dict]] = {}
     for r in results:
         by_gate.setdefault(r["gate"], []).append(r)
     if any(len(rs) > 1 for rs in by_gate.values()):
-        lines += ["", "Mean ± standard deviation over the seeds:", "",
-                  "| gate | seeds | val ppl | mean first-token share | mean gate |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Mean ± standard deviation over the seeds:",
+            "",
+            "| gate | seeds | val ppl | mean first-token share | mean gate |",
+            "|---|---|---|---|---|",
+        ]
         for gate, rs in by_gate.items():
             ppl = torch.tensor([r["val_ppl"] for r in rs], dtype=torch.float64)
             sink = torch.tensor([sum(r["first_token_share"]) / n_layer for r in rs], dtype=torch.float64)
@@ -100,8 +116,10 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
                 return float(t.std()) if len(t) > 1 else 0.0
 
             g = "-" if any(math.isnan(x) for x in gmean) else f"{sum(gmean) / len(gmean):.3f}"
-            lines.append(f"| {gate} | {len(rs)} | {float(ppl.mean()):.2f} ± {std(ppl):.2f} | "
-                         f"{float(sink.mean()):.4f} ± {std(sink):.4f} | {g} |")
+            lines.append(
+                f"| {gate} | {len(rs)} | {float(ppl.mean()):.2f} ± {std(ppl):.2f} | "
+                f"{float(sink.mean()):.4f} ± {std(sink):.4f} | {g} |"
+            )
     (out_dir / "gate_study.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
@@ -125,8 +143,10 @@ def main() -> None:
             run_dir = args.log_dir / f"{gate}_steps{args.steps or 'default'}_seed{seed}"
             results.append(run_one(gate, args.steps, run_dir, args.overrides, args.diag_batches, seed))
             r = results[-1]
-            print(f"[{gate}, seed {seed}] {r['steps']} steps in {r['train_seconds']:.0f}s: val ppl {r['val_ppl']:.2f}",
-                  flush=True)
+            print(
+                f"[{gate}, seed {seed}] {r['steps']} steps in {r['train_seconds']:.0f}s: val ppl {r['val_ppl']:.2f}",
+                flush=True,
+            )
             write_outputs(results, args, args.out)
 
 

@@ -9,6 +9,7 @@ validation KV statistics of the learned (hard, noise-free) types: density (= are
 the fractions of global / local / sliding tokens, averaged over layers, heads and windows.
 Writes <out>/nats_lambda_sweep_table.md, nats_lambda_sweep.csv and nats_lambda_sweep.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,23 +36,38 @@ def main() -> None:
 
     def compose(overrides: list[str], run_dir: Path):
         """conf/train.yaml with the run's outputs in run_dir and the shared token cache."""
-        return compose_config([f"paths.output_dir={run_dir}", f"paths.log_dir={run_dir}/logs",
-                               f"paths.data_dir={args.data_dir}", *overrides])
+        return compose_config(
+            [
+                f"paths.output_dir={run_dir}",
+                f"paths.log_dir={run_dir}/logs",
+                f"paths.data_dir={args.data_dir}",
+                *overrides,
+            ]
+        )
 
     common = [f"trainer.max_steps={args.steps}", "callbacks.progress_bar=null", "ckpt_path=null", *args.extra]
     settings = [] if args.no_dense else [("dense", None, ["model/attention=dense"])]
-    settings += [("nats", lam, ["model/attention=nats", f"model.attention.sparsity_lambda={lam}"])
-                 for lam in args.lambdas]
+    settings += [
+        ("nats", lam, ["model/attention=nats", f"model.attention.sparsity_lambda={lam}"]) for lam in args.lambdas
+    ]
     rows = []
     for name, lam, overrides in settings:
         t0 = time.time()
         run_dir = Path(args.runs) / (name if lam is None else f"nats_lambda{lam:g}")
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume of an earlier sweep's
         m = run(compose(common + overrides, run_dir))
-        row = {"attention": name, "lambda": "" if lam is None else lam, "val_ppl": m["val/ppl"],
-               "val_loss": m["val/loss"], "density": m.get("val/density", 1.0), "peak": m.get("val/peak", 1.0),
-               "global": m.get("val/frac_global", 1.0), "local": m.get("val/frac_local", 0.0),
-               "sliding": m.get("val/frac_sliding", 0.0), "minutes": (time.time() - t0) / 60}
+        row = {
+            "attention": name,
+            "lambda": "" if lam is None else lam,
+            "val_ppl": m["val/ppl"],
+            "val_loss": m["val/loss"],
+            "density": m.get("val/density", 1.0),
+            "peak": m.get("val/peak", 1.0),
+            "global": m.get("val/frac_global", 1.0),
+            "local": m.get("val/frac_local", 0.0),
+            "sliding": m.get("val/frac_sliding", 0.0),
+            "minutes": (time.time() - t0) / 60,
+        }
         rows.append(row)
         print(row, flush=True)
         write(rows, args)  # after every run, so that an interrupted sweep keeps what it measured
@@ -64,14 +80,19 @@ def write(rows: list[dict], args) -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    lines = [f"Tiny GPT (4 layers, d=128, context 128) on Gutenberg, {args.steps} steps, window W=16 unless "
-             f"overridden ({' '.join(args.extra) or 'no extra overrides'}); validation on 256 windows.", "",
-             "| attention | lambda | val ppl | density (area) | peak | global | local | sliding | minutes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Tiny GPT (4 layers, d=128, context 128) on Gutenberg, {args.steps} steps, window W=16 unless "
+        f"overridden ({' '.join(args.extra) or 'no extra overrides'}); validation on 256 windows.",
+        "",
+        "| attention | lambda | val ppl | density (area) | peak | global | local | sliding | minutes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['attention']} | {r['lambda']} | {r['val_ppl']:.1f} | {r['density']:.3f} | "
-                     f"{r['peak']:.3f} | {r['global']:.3f} | {r['local']:.3f} | {r['sliding']:.3f} | "
-                     f"{r['minutes']:.1f} |")
+        lines.append(
+            f"| {r['attention']} | {r['lambda']} | {r['val_ppl']:.1f} | {r['density']:.3f} | "
+            f"{r['peak']:.3f} | {r['global']:.3f} | {r['local']:.3f} | {r['sliding']:.3f} | "
+            f"{r['minutes']:.1f} |"
+        )
     table = "\n".join(lines)
     (out / "nats_lambda_sweep_table.md").write_text(table + "\n")
     print(table)

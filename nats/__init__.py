@@ -1,4 +1,5 @@
 """nats: learnable sparse attention (NAtS, gated attention, ANNA) on Hydra and Lightning."""
+
 import logging as _logging
 import sys as _sys
 from importlib import metadata as _metadata

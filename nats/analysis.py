@@ -18,6 +18,7 @@ block's normalised input; NaN for layers without a gate.
 
 `AttentionSinkMonitor` logs both, per layer and averaged, during validation.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -60,8 +61,9 @@ def attention_diagnostics(model, idx: torch.Tensor, skip_first: bool = False) ->
 
 
 @torch.no_grad()
-def dataset_diagnostics(model, batches: Iterable, max_batches: int | None = None,
-                        skip_first: bool = False) -> dict[str, list[float]]:
+def dataset_diagnostics(
+    model, batches: Iterable, max_batches: int | None = None, skip_first: bool = False
+) -> dict[str, list[float]]:
     """`attention_diagnostics` averaged (weighted by batch size) over (x, y) batches."""
     was_training = model.training
     model.eval()

@@ -1,4 +1,5 @@
 """Callbacks named by `conf/callbacks/`."""
+
 from __future__ import annotations
 
 import math
@@ -50,8 +51,12 @@ class TokenThroughput(ThroughputMonitor):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
         self._throughputs[stage].update(
-            time=time.perf_counter() - self._t0s[stage], batches=self._batches[stage], samples=self._samples[stage],
-            lengths=self._lengths[stage], flops=self._flops_since if self._module_has_flops else None)
+            time=time.perf_counter() - self._t0s[stage],
+            batches=self._batches[stage],
+            samples=self._samples[stage],
+            lengths=self._lengths[stage],
+            flops=self._flops_since if self._module_has_flops else None,
+        )
         self._flops_since = 0.0
 
     def _update(self, trainer, pl_module, batch, iter_num) -> None:
@@ -152,8 +157,15 @@ class StepTimer(Callback):
         import time
 
         self._t0 = time.perf_counter()
-        self.record = {"fit_start_unix": time.time(), "train_start": None, "steps": [], "step_end": [], "val": [],
-                       "train_end": None, "sync": self.sync}
+        self.record = {
+            "fit_start_unix": time.time(),
+            "train_start": None,
+            "steps": [],
+            "step_end": [],
+            "val": [],
+            "train_end": None,
+            "sync": self.sync,
+        }
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.record["train_start"] = self._now(trainer)
@@ -219,8 +231,11 @@ class StepProgressBar(TQDMProgressBar):
         max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         if max_steps is None:  # no step limit: the steps of this epoch
             batches = self.total_train_batches
-            max_steps = None if math.isinf(batches) else trainer.global_step + math.ceil(
-                batches / max(1, trainer.accumulate_grad_batches))
+            max_steps = (
+                None
+                if math.isinf(batches)
+                else trainer.global_step + math.ceil(batches / max(1, trainer.accumulate_grad_batches))
+            )
         bar.reset(total=max_steps)
         bar.initial = bar.n = trainer.global_step
         bar.set_description(f"Epoch {trainer.current_epoch}, steps")

@@ -20,6 +20,7 @@ Outputs, written only after everything has been computed (through temporary file
 ppl_vs_peak.png and kv_fractions.json (per layer and KV head: area and peak fractions of every method and, for
 nats, the fractions of global / local / sliding tokens).
 """
+
 from __future__ import annotations
 
 import csv
@@ -49,8 +50,7 @@ from nats.utils import CONF_DIR
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-OUTPUT_FILES = ("results.csv", "results.json", "results.md", "ppl_vs_area.png", "ppl_vs_peak.png",
-                "kv_fractions.json")
+OUTPUT_FILES = ("results.csv", "results.json", "results.md", "ppl_vs_area.png", "ppl_vs_peak.png", "kv_fractions.json")
 _TRAIN_HINT = "pass the .ckpt of a nats-train run, e.g. ckpt_path=logs/train/runs/<date>/checkpoints/last.ckpt"
 
 
@@ -67,12 +67,18 @@ def load_checkpoint(path: str | os.PathLike | None) -> tuple[GPT, dict[str, Any]
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as err:  # not a torch file, or pickled objects beyond tensors and containers
-        raise ValueError(f"ckpt_path={path} is not a readable nats-train checkpoint ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}): {_TRAIN_HINT}") from err
+        raise ValueError(
+            f"ckpt_path={path} is not a readable nats-train checkpoint ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}): {_TRAIN_HINT}"
+        ) from err
     hp = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
-    if not isinstance(hp, dict) or not isinstance(hp.get("model"), dict) or not isinstance(state, dict) \
-            or not any(k.startswith("model.") for k in state):
+    if (
+        not isinstance(hp, dict)
+        or not isinstance(hp.get("model"), dict)
+        or not isinstance(state, dict)
+        or not any(k.startswith("model.") for k in state)
+    ):
         raise ValueError(
             f"ckpt_path={path} is not a nats-train checkpoint (it needs hyper_parameters['model'], the GPT config, "
             f"and a state_dict with 'model.*' weights, as nats.lit.LitGPT writes): {_TRAIN_HINT}"
@@ -91,7 +97,7 @@ def load_checkpoint(path: str | os.PathLike | None) -> tuple[GPT, dict[str, Any]
             f"{' or '.join(supported)} (model/attention=dense or model/attention=nats)"
         )
     model = GPT(config)
-    weights = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    weights = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not config.tie_embeddings]
     if missing or unexpected:
@@ -125,16 +131,19 @@ def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, An
         raise ValueError("methods is empty: list entries of `policies`, e.g. methods=[full,h2o]")
     for method in methods:
         if method not in policies:
-            raise ValueError(f"method {method!r} is not one of the configured policies {sorted(policies)} "
-                             f"(conf/cache/*.yaml, composed into `policies`)")
+            raise ValueError(
+                f"method {method!r} is not one of the configured policies {sorted(policies)} "
+                f"(conf/cache/*.yaml, composed into `policies`)"
+            )
         pcfg = policies[method]
         cls = get_cache_class(pcfg.name)
         opts = pcfg.get("options")
         options = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
         sequential = bool(pcfg.get("sequential", False))
         if sequential and not cls.decodable:
-            raise ValueError(f"{method}: policy {pcfg.name!r} is a parallel approximation; set "
-                             f"policies.{method}.sequential=false")
+            raise ValueError(
+                f"{method}: policy {pcfg.name!r} is a parallel approximation; set policies.{method}.sequential=false"
+            )
         if pcfg.name == "nats" and not is_nats:
             notes.append(f"{method}: skipped, the model has no NAtS attention (nats needs model.attention.name=nats)")
             continue
@@ -156,11 +165,21 @@ def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, An
                     raise ValueError(f"{method} at N={n}: {err}") from err
                 budgets.append(b)
             if not budgets:
-                raise ValueError(f"{method}: no usable budget at N={n} ({'; '.join(notes)}); give token counts, "
-                                 f"e.g. budgets=[{n // 2}]")
+                raise ValueError(
+                    f"{method}: no usable budget at N={n} ({'; '.join(notes)}); give token counts, "
+                    f"e.g. budgets=[{n // 2}]"
+                )
         for b in budgets:
-            runs.append({"method": method, "policy": pcfg.name, "label": pcfg.get("label", method), "budget": b,
-                         "sequential": sequential, "options": options})
+            runs.append(
+                {
+                    "method": method,
+                    "policy": pcfg.name,
+                    "label": pcfg.get("label", method),
+                    "budget": b,
+                    "sequential": sequential,
+                    "options": options,
+                }
+            )
     if not runs:
         raise ValueError("nothing to evaluate: " + "; ".join(notes))
     return runs, notes
@@ -182,8 +201,10 @@ def _max_windows(cfg: DictConfig) -> int | None:
     """``max_windows``, checked here so that the error names the key the user typed (not data.max_eval_windows)."""
     value = cfg.get("max_windows")
     if value is not None and int(value) < 1:
-        raise ValueError(f"max_windows={value} must be >= 1 (the number of windows to evaluate), or null (the "
-                         "default) for the whole split")
+        raise ValueError(
+            f"max_windows={value} must be >= 1 (the number of windows to evaluate), or null (the "
+            "default) for the whole split"
+        )
     return value
 
 
@@ -198,9 +219,13 @@ def eval_windows(cfg: DictConfig, n: int, model_vocab_size: int | None = None):
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
     if model_vocab_size is not None and hasattr(datamodule, "check_vocab"):
-        datamodule.check_vocab(model_vocab_size, fix=(
-            f"The checkpoint {cfg.get('ckpt_path')} was trained on another vocabulary: evaluate it on data of "
-            "the tokenizer it was trained with (data=... data.tokenizer=...)"))
+        datamodule.check_vocab(
+            model_vocab_size,
+            fix=(
+                f"The checkpoint {cfg.get('ckpt_path')} was trained on another vocabulary: evaluate it on data of "
+                "the tokenizer it was trained with (data=... data.tokenizer=...)"
+            ),
+        )
     try:
         dataset = datamodule.eval_dataset(cfg.split)
     except ValueError as err:
@@ -220,8 +245,15 @@ def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar)
     area = peak = types = None
     for x, y in loader:
         x, y = x.to(device), y.to(device)
-        logits, caches = policy_logits(model, x, run["policy"], sequential=run["sequential"], budget=run["budget"],
-                                       backend=backend, **run["options"])
+        logits, caches = policy_logits(
+            model,
+            x,
+            run["policy"],
+            sequential=run["sequential"],
+            budget=run["budget"],
+            backend=backend,
+            **run["options"],
+        )
         nll += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum"))
         tokens += y.numel()
         windows += x.shape[0]
@@ -235,10 +267,16 @@ def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar)
             types = t if types is None else types + t
         bar.update(1)
     area, peak = area / windows, peak / windows
-    out = {**{k: run[k] for k in ("method", "policy", "label", "budget", "sequential")},
-           "ppl": math.exp(nll / tokens), "nll": nll / tokens, "area": float(area.mean()),
-           "peak": float(peak.mean()), "windows": windows, "tokens": tokens,
-           "per_head": {"area": area.tolist(), "peak": peak.tolist()}}
+    out = {
+        **{k: run[k] for k in ("method", "policy", "label", "budget", "sequential")},
+        "ppl": math.exp(nll / tokens),
+        "nll": nll / tokens,
+        "area": float(area.mean()),
+        "peak": float(peak.mean()),
+        "windows": windows,
+        "tokens": tokens,
+        "per_head": {"area": area.tolist(), "peak": peak.tolist()},
+    }
     if types is not None:
         out["per_head"]["type_fractions"] = (types / windows).tolist()
     return out
@@ -250,8 +288,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     model, model_cfg = load_checkpoint(cfg.get("ckpt_path"))
     n = int(cfg.block_size) if cfg.get("block_size") else model.config.block_size
     if n > model.config.block_size:
-        raise ValueError(f"block_size={n} exceeds the model's block_size {model.config.block_size}: positions are "
-                         f"kept, so evaluate at N <= {model.config.block_size}")
+        raise ValueError(
+            f"block_size={n} exceeds the model's block_size {model.config.block_size}: positions are "
+            f"kept, so evaluate at N <= {model.config.block_size}"
+        )
     if n < 2:
         raise ValueError(f"block_size must be >= 2, got {n}")
     is_nats = model.config.attention.get("name") == "nats"
@@ -268,8 +308,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         log.info(f"note: {note}")
     results = []
     t0 = time.time()
-    with tqdm(total=len(runs) * len(loader), desc="nats-eval", disable=not cfg.get("progress", True),
-              dynamic_ncols=True) as bar:
+    with tqdm(
+        total=len(runs) * len(loader), desc="nats-eval", disable=not cfg.get("progress", True), dynamic_ncols=True
+    ) as bar:
         for run in runs:
             bar.set_postfix_str(f"{run['label']} B={run['budget']}")
             results.append(_run_one(model, run, loader, device, "auto", bar))
@@ -277,25 +318,51 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         r["budget_fraction"] = None if r["budget"] is None else r["budget"] / n
         if r["budget"] is not None:
             r["area_budget"], r["peak_budget"] = budget_fractions(r["budget"], n)
-    return {"checkpoint": str(cfg.ckpt_path), "N": n, "split": cfg.split, "windows": len(dataset),
-            "tokens": len(dataset) * n, "model": model_cfg, "n_layer": model.config.n_layer,
-            "n_kv_head": model.config.n_kv_head, "device": str(device), "precision": cfg.get("precision", "float32"),
-            "seconds": round(time.time() - t0, 2), "notes": notes, "results": results}
+    return {
+        "checkpoint": str(cfg.ckpt_path),
+        "N": n,
+        "split": cfg.split,
+        "windows": len(dataset),
+        "tokens": len(dataset) * n,
+        "model": model_cfg,
+        "n_layer": model.config.n_layer,
+        "n_kv_head": model.config.n_kv_head,
+        "device": str(device),
+        "precision": cfg.get("precision", "float32"),
+        "seconds": round(time.time() - t0, 2),
+        "notes": notes,
+        "results": results,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
 # outputs
 # ----------------------------------------------------------------------------------------------------
-CSV_FIELDS = ["method", "label", "policy", "budget", "budget_fraction", "sequential", "ppl", "nll", "area", "peak",
-              "windows", "tokens"]
+CSV_FIELDS = [
+    "method",
+    "label",
+    "policy",
+    "budget",
+    "budget_fraction",
+    "sequential",
+    "ppl",
+    "nll",
+    "area",
+    "peak",
+    "windows",
+    "tokens",
+]
 
 
 def markdown_table(report: dict[str, Any]) -> str:
-    lines = [f"Perplexity vs KV budget: `{report['checkpoint']}`, {report['split']} split, N = {report['N']}, "
-             f"{report['windows']} windows ({report['tokens']} predicted tokens), {report['precision']} on "
-             f"{report['device']}.", "",
-             "| method | budget B | B/N | area fraction | peak fraction | perplexity |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Perplexity vs KV budget: `{report['checkpoint']}`, {report['split']} split, N = {report['N']}, "
+        f"{report['windows']} windows ({report['tokens']} predicted tokens), {report['precision']} on "
+        f"{report['device']}.",
+        "",
+        "| method | budget B | B/N | area fraction | peak fraction | perplexity |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in report["results"]:
         b = "-" if r["budget"] is None else str(r["budget"])
         bf = "-" if r["budget"] is None else f"1/{report['N'] / r['budget']:.3g}"
@@ -337,9 +404,13 @@ def kv_fractions_payload(report: dict[str, Any]) -> dict[str, Any]:
     for r in report["results"]:
         key = r["label"] if r["budget"] is None else f"{r['label']}@{r['budget']}"
         methods[key] = {"method": r["method"], "policy": r["policy"], "budget": r["budget"], **r["per_head"]}
-    return {"N": report["N"], "n_layer": report["n_layer"], "n_kv_head": report["n_kv_head"],
-            "layout": "area/peak: [layer][kv_head]; type_fractions: [layer][kv_head][global, local, sliding]",
-            "methods": methods}
+    return {
+        "N": report["N"],
+        "n_layer": report["n_layer"],
+        "n_kv_head": report["n_kv_head"],
+        "layout": "area/peak: [layer][kv_head]; type_fractions: [layer][kv_head][global, local, sliding]",
+        "methods": methods,
+    }
 
 
 def write_outputs(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:

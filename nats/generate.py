@@ -23,6 +23,7 @@ kept, and for nats the fractions of global / local / sliding tokens.
 The loop is `nats.cache.decode.generate`'s, written out here to keep the caches (for their statistics) and to
 mask the padded vocabulary; `generate_tokens` is the function.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,15 +48,18 @@ log = logging.getLogger(__name__)
 __all__ = ["generate_tokens", "cache_stats", "resolve_budget", "load", "generate", "run", "main"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-_MODEL_HINT = ("give ckpt_path=<a nats-train .ckpt> (e.g. logs/train/runs/<run>/checkpoints/last.ckpt) or "
-               "model_dir=<a folder written by nats.hub.save_pretrained / export_checkpoint>")
+_MODEL_HINT = (
+    "give ckpt_path=<a nats-train .ckpt> (e.g. logs/train/runs/<run>/checkpoints/last.ckpt) or "
+    "model_dir=<a folder written by nats.hub.save_pretrained / export_checkpoint>"
+)
 
 
 # ----------------------------------------------------------------------------------------------------
 # decoding
 # ----------------------------------------------------------------------------------------------------
-def _next_token(logits: Tensor, temperature: float, top_k: int | None, vocab_limit: int | None,
-                generator: torch.Generator | None) -> Tensor:
+def _next_token(
+    logits: Tensor, temperature: float, top_k: int | None, vocab_limit: int | None, generator: torch.Generator | None
+) -> Tensor:
     """logits [B, V] -> next token [B, 1]: argmax (temperature 0) or a sample of softmax(logits / temperature)
     over the top_k largest; ids >= vocab_limit never."""
     if vocab_limit is not None and vocab_limit < logits.size(-1):
@@ -69,10 +73,20 @@ def _next_token(logits: Tensor, temperature: float, top_k: int | None, vocab_lim
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
-def generate_tokens(model, idx: Tensor, max_new_tokens: int, policy: str = "full", *, budget: int | None = None,
-                    temperature: float = 0.0, top_k: int | None = None, vocab_limit: int | None = None,
-                    generator: torch.Generator | None = None, backend: str = "auto",
-                    **options: Any) -> tuple[Tensor, list[LayerCache]]:
+def generate_tokens(
+    model,
+    idx: Tensor,
+    max_new_tokens: int,
+    policy: str = "full",
+    *,
+    budget: int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    vocab_limit: int | None = None,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+    **options: Any,
+) -> tuple[Tensor, list[LayerCache]]:
     """Continue idx [B, T] by `max_new_tokens` tokens through the caches of `policy`; returns the tokens
     [B, T + max_new_tokens] and the caches (one per layer, after the last token fed; for `cache_stats`).
 
@@ -97,10 +111,20 @@ def generate_tokens(model, idx: Tensor, max_new_tokens: int, policy: str = "full
     cls = get_cache_class(policy)
     if not cls.decodable:
         decodable = [n for n in available_caches() if get_cache_class(n).decodable]
-        raise ValueError(f"cache policy {policy!r} is a parallel approximation and cannot decode token by token: "
-                         f"use one of {decodable}")
-    caches = make_caches(model, policy, B, total, budget=budget, backend=backend,
-                         budget_check_len=max(total, (budget or 0) + 1), **options)
+        raise ValueError(
+            f"cache policy {policy!r} is a parallel approximation and cannot decode token by token: "
+            f"use one of {decodable}"
+        )
+    caches = make_caches(
+        model,
+        policy,
+        B,
+        total,
+        budget=budget,
+        backend=backend,
+        budget_check_len=max(total, (budget or 0) + 1),
+        **options,
+    )
     out = [idx]
     with eval_mode(model):
         logits = prefill(model, caches, idx)[:, -1]
@@ -124,8 +148,11 @@ def cache_stats(caches: list[LayerCache]) -> dict[str, Any]:
     elem = torch.empty((), dtype=c0.dtype).element_size()
     out = {
         "processed": n,
-        "layers": len(caches), "kv_heads": c0.n_kv_head, "sequences": c0.batch,
-        "kept": float(kept.mean()), "kept_max": int(kept.max()),
+        "layers": len(caches),
+        "kv_heads": c0.n_kv_head,
+        "sequences": c0.batch,
+        "kept": float(kept.mean()),
+        "kept_max": int(kept.max()),
         "kv_fraction": float(kept.mean()) / n,
         "area": float(torch.stack([f["area"] for f in fr]).mean()),
         "peak": float(torch.stack([f["peak"] for f in fr]).mean()),
@@ -148,8 +175,10 @@ def resolve_budget(budget: Any, total: int) -> int | None:
     if isinstance(budget, float) and 0 < budget < 1:
         return max(1, round(budget * total))
     if budget < 1 or float(budget) != int(budget):
-        raise ValueError(f"budget={budget} must be a whole number of tokens >= 1 (the KV entries each layer and "
-                         f"KV head keeps), or a fraction in (0, 1) of the {total} prompt + new tokens")
+        raise ValueError(
+            f"budget={budget} must be a whole number of tokens >= 1 (the KV entries each layer and "
+            f"KV head keeps), or a fraction in (0, 1) of the {total} prompt + new tokens"
+        )
     return int(budget)
 
 
@@ -238,25 +267,32 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     total = len(prompt) + new
     budget = resolve_budget(cfg.get("budget"), total)
     if budget is not None and not cls.budgeted:
-        raise ValueError(f"cache policy {policy!r} keeps every token and takes no budget (got budget="
-                         f"{cfg.budget}): drop budget= or choose a budgeted policy "
-                         f"({', '.join(n for n in available_caches() if get_cache_class(n).budgeted)})")
+        raise ValueError(
+            f"cache policy {policy!r} keeps every token and takes no budget (got budget="
+            f"{cfg.budget}): drop budget= or choose a budgeted policy "
+            f"({', '.join(n for n in available_caches() if get_cache_class(n).budgeted)})"
+        )
     options = _policy_options(cfg, policy)
     if cls.budgeted:  # before the (slow) model load; a budget >= the length keeps everything, as in generate
         cls.check_budget(budget, max(total, (budget or 0) + 1), **options)
 
     model = load(cfg)
     if model.config.n_out is None and model.config.vocab_size < enc.n_vocab:
-        raise ValueError(f"the model's vocab_size={model.config.vocab_size} is smaller than the "
-                         f"{enc.n_vocab} tokens of the {enc.name} tokenizer: it was trained on another vocabulary "
-                         f"and cannot read this prompt")
+        raise ValueError(
+            f"the model's vocab_size={model.config.vocab_size} is smaller than the "
+            f"{enc.n_vocab} tokens of the {enc.name} tokenizer: it was trained on another vocabulary "
+            f"and cannot read this prompt"
+        )
     check_model(model)
     core = model.config.attention.get("name")
     if cls.requires_core is not None and core != cls.requires_core:  # before the length checks of decoding
-        others = [n for n in available_caches() if get_cache_class(n).requires_core is None
-                  and get_cache_class(n).decodable]
-        raise ValueError(f"cache policy {policy!r} needs a model with {cls.requires_core} attention; this model "
-                         f"uses attention {core!r}: decode it with {', '.join(others)}")
+        others = [
+            n for n in available_caches() if get_cache_class(n).requires_core is None and get_cache_class(n).decodable
+        ]
+        raise ValueError(
+            f"cache policy {policy!r} needs a model with {cls.requires_core} attention; this model "
+            f"uses attention {core!r}: decode it with {', '.join(others)}"
+        )
     model = model.to(device=device, dtype=DTYPES[cfg.get("precision", "float32")]).eval()
     generator = None
     if float(cfg.temperature) > 0:
@@ -264,20 +300,37 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     idx = torch.tensor([prompt] * samples, dtype=torch.long, device=device)
     t0 = time.perf_counter()
     tokens, caches = generate_tokens(
-        model, idx, new, policy, budget=budget, temperature=float(cfg.temperature),
-        top_k=None if cfg.get("top_k") is None else int(cfg.top_k), vocab_limit=enc.n_vocab, generator=generator,
-        **options)
+        model,
+        idx,
+        new,
+        policy,
+        budget=budget,
+        temperature=float(cfg.temperature),
+        top_k=None if cfg.get("top_k") is None else int(cfg.top_k),
+        vocab_limit=enc.n_vocab,
+        generator=generator,
+        **options,
+    )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     rows = tokens.tolist()
     return {
-        "prompt": text, "prompt_tokens": len(prompt), "new_tokens": new, "policy": policy, "budget": budget,
-        "temperature": float(cfg.temperature), "top_k": cfg.get("top_k"), "seed": int(cfg.seed),
-        "device": str(device), "precision": cfg.get("precision", "float32"),
-        "texts": [_decode_text(enc, r) for r in rows], "continuations": [_decode_text(enc, r[len(prompt):])
-                                                                          for r in rows],
-        "tokens": rows, "stats": cache_stats(caches), "seconds": round(seconds, 3),
+        "prompt": text,
+        "prompt_tokens": len(prompt),
+        "new_tokens": new,
+        "policy": policy,
+        "budget": budget,
+        "temperature": float(cfg.temperature),
+        "top_k": cfg.get("top_k"),
+        "seed": int(cfg.seed),
+        "device": str(device),
+        "precision": cfg.get("precision", "float32"),
+        "texts": [_decode_text(enc, r) for r in rows],
+        "continuations": [_decode_text(enc, r[len(prompt) :]) for r in rows],
+        "tokens": rows,
+        "stats": cache_stats(caches),
+        "seconds": round(seconds, 3),
         "tokens_per_s": round(new * samples / seconds, 1) if seconds > 0 else None,
         "model": model.config.to_dict(),
     }

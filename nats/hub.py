@@ -20,6 +20,7 @@ A saved model is a folder (or a Hugging Face hub repository) with
 that takes a GPT (nats.cache.decode, nats-generate) takes it. `load_model(path)` reads either format: a
 nats-train ``.ckpt`` file or a saved folder. ``python -m nats.hub CKPT OUT_DIR`` exports from the command line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,19 @@ from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 
 from nats.models.gpt import GPT, GPTConfig
 
-__all__ = ["PretrainedGPT", "save_pretrained", "from_pretrained", "export_checkpoint", "load_checkpoint",
-           "load_model", "config_from_dict", "CONFIG_NAME", "SAFETENSORS_NAME", "TORCH_NAME", "MODEL_TYPE"]
+__all__ = [
+    "PretrainedGPT",
+    "save_pretrained",
+    "from_pretrained",
+    "export_checkpoint",
+    "load_checkpoint",
+    "load_model",
+    "config_from_dict",
+    "CONFIG_NAME",
+    "SAFETENSORS_NAME",
+    "TORCH_NAME",
+    "MODEL_TYPE",
+]
 
 CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "model.safetensors"
@@ -107,8 +119,9 @@ def _write_config(config: GPTConfig, folder: Path) -> Path:
     return path
 
 
-def save_pretrained(model: GPT, save_directory: str | os.PathLike, *, use_safetensors: bool | None = None,
-                    **kwargs: Any) -> Path:
+def save_pretrained(
+    model: GPT, save_directory: str | os.PathLike, *, use_safetensors: bool | None = None, **kwargs: Any
+) -> Path:
     """Save any nats GPT (a `PretrainedGPT`, or e.g. a LitGPT's `.model`) to `save_directory` (created);
     returns the folder. `use_safetensors`: None = when the package is installed. Other keyword arguments go to
     the mixin's save_pretrained (push_to_hub=True, repo_id=..., model_card_kwargs=...)."""
@@ -152,8 +165,11 @@ def _load_weights(model: GPT, weights: Mapping[str, torch.Tensor], where: str) -
 
 
 def _looks_like_hub_id(name: str) -> bool:
-    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name)) and not name.startswith(".") \
+    return (
+        bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name))
+        and not name.startswith(".")
         and not name.endswith(".ckpt")
+    )
 
 
 def _resolve_file(model_id: str, filename: str, hub: dict[str, Any]) -> Path | None:
@@ -189,8 +205,9 @@ budget=64`.
 """
 
 
-class PretrainedGPT(GPT, PyTorchModelHubMixin, library_name="nats", tags=["nats", "gpt", "kv-cache"],
-                    model_card_template=MODEL_CARD):
+class PretrainedGPT(
+    GPT, PyTorchModelHubMixin, library_name="nats", tags=["nats", "gpt", "kv-cache"], model_card_template=MODEL_CARD
+):
     """`nats.models.gpt.GPT` with `save_pretrained(dir)`, `from_pretrained(dir_or_hub_id)` and `push_to_hub`.
 
     `config`: a GPTConfig or its dict (as read from config.json)."""
@@ -211,8 +228,7 @@ class PretrainedGPT(GPT, PyTorchModelHubMixin, library_name="nats", tags=["nats"
         return out
 
     # the mixin calls these two ------------------------------------------------------------------------
-    def save_pretrained(self, save_directory: str | os.PathLike, *, use_safetensors: bool | None = None,
-                        **kwargs: Any):
+    def save_pretrained(self, save_directory: str | os.PathLike, *, use_safetensors: bool | None = None, **kwargs: Any):
         self._use_safetensors = use_safetensors
         try:
             return super().save_pretrained(save_directory, **kwargs)
@@ -224,44 +240,73 @@ class PretrainedGPT(GPT, PyTorchModelHubMixin, library_name="nats", tags=["nats"
         _write_weights(self, save_directory, getattr(self, "_use_safetensors", None))
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *, map_location: Any = "cpu",
-                        **kwargs: Any) -> PretrainedGPT:
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike, *, map_location: Any = "cpu", **kwargs: Any
+    ) -> PretrainedGPT:
         """Load a folder written by `save_pretrained` / `export_checkpoint`, or download a hub repository
         ("user/name"; revision=, cache_dir=, token=, local_files_only= go to huggingface_hub). The model is
         returned in eval mode, on `map_location`, in `dtype` (a torch dtype or its name; None = as saved)."""
         name = str(pretrained_model_name_or_path)
         if os.path.isfile(name):
-            hint = (f"; a nats-train checkpoint is read by nats.hub.load_model or exported with "
-                    f"nats.hub.export_checkpoint({name!r}, out_dir)") if name.endswith(".ckpt") else ""
+            hint = (
+                (
+                    f"; a nats-train checkpoint is read by nats.hub.load_model or exported with "
+                    f"nats.hub.export_checkpoint({name!r}, out_dir)"
+                )
+                if name.endswith(".ckpt")
+                else ""
+            )
             raise ValueError(f"{name} is a file; from_pretrained takes the folder save_pretrained wrote{hint}")
         if os.path.isdir(name):
             if not (Path(name) / CONFIG_NAME).is_file():
                 raise FileNotFoundError(f"{name} has no {CONFIG_NAME}: not a folder written by save_pretrained")
             return super().from_pretrained(name, map_location=map_location, **kwargs)
         if not _looks_like_hub_id(name):
-            raise FileNotFoundError(f"{name}: no such model folder (save one with save_pretrained or "
-                                    f"nats.hub.export_checkpoint; a hub id looks like user/name)")
+            raise FileNotFoundError(
+                f"{name}: no such model folder (save one with save_pretrained or "
+                f"nats.hub.export_checkpoint; a hub id looks like user/name)"
+            )
         try:
             return super().from_pretrained(name, map_location=map_location, **kwargs)
         except Exception as err:  # not on the hub, offline, no access, or not a nats model
             first = str(err).splitlines()[0] if str(err) else ""
-            raise FileNotFoundError(f"{name} is no local folder and could not be loaded as a model from the "
-                                    f"Hugging Face hub ({type(err).__name__}: {first})") from err
+            raise FileNotFoundError(
+                f"{name} is no local folder and could not be loaded as a model from the "
+                f"Hugging Face hub ({type(err).__name__}: {first})"
+            ) from err
 
     @classmethod
-    def _from_pretrained(cls, *, model_id: str, revision: str | None, cache_dir, force_download: bool,
-                         local_files_only: bool, token, map_location: Any = "cpu", dtype: Any = None,
-                         config: Any = None, **model_kwargs: Any) -> PretrainedGPT:
+    def _from_pretrained(
+        cls,
+        *,
+        model_id: str,
+        revision: str | None,
+        cache_dir,
+        force_download: bool,
+        local_files_only: bool,
+        token,
+        map_location: Any = "cpu",
+        dtype: Any = None,
+        config: Any = None,
+        **model_kwargs: Any,
+    ) -> PretrainedGPT:
         if model_kwargs:
             raise TypeError(f"unexpected arguments {sorted(model_kwargs)} (the model is built from config.json)")
         if not isinstance(config, Mapping):
             raise FileNotFoundError(f"{model_id} has no readable {CONFIG_NAME}: not a model saved by nats")
         if config.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-            raise ValueError(f"{model_id}: config.json has model_type={config.get('model_type')!r}, not "
-                             f"{MODEL_TYPE!r}: not a nats model")
+            raise ValueError(
+                f"{model_id}: config.json has model_type={config.get('model_type')!r}, not "
+                f"{MODEL_TYPE!r}: not a nats model"
+            )
         model = cls(config_from_dict(config, f"{model_id}/{CONFIG_NAME}"))
-        hub = dict(revision=revision, cache_dir=cache_dir, force_download=force_download,
-                   local_files_only=local_files_only, token=token)
+        hub = dict(
+            revision=revision,
+            cache_dir=cache_dir,
+            force_download=force_download,
+            local_files_only=local_files_only,
+            token=token,
+        )
         path = _resolve_file(model_id, SAFETENSORS_NAME, hub) or _resolve_file(model_id, TORCH_NAME, hub)
         if path is None:
             raise FileNotFoundError(f"{model_id} has neither {SAFETENSORS_NAME} nor {TORCH_NAME}")
@@ -295,16 +340,24 @@ def load_checkpoint(path: str | os.PathLike | None) -> PretrainedGPT:
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as err:  # not a torch file, or pickled objects beyond tensors and containers
-        raise ValueError(f"{path} is not a readable nats-train checkpoint ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}): {_CKPT_HINT}") from err
+        raise ValueError(
+            f"{path} is not a readable nats-train checkpoint ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}): {_CKPT_HINT}"
+        ) from err
     hp = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
-    if not isinstance(hp, dict) or not isinstance(hp.get("model"), Mapping) or not isinstance(state, dict) \
-            or not any(k.startswith("model.") for k in state):
-        raise ValueError(f"{path} is not a nats-train checkpoint (it needs hyper_parameters['model'], the GPT "
-                         f"config, and a state_dict with 'model.*' weights, as nats.lit.LitGPT writes): {_CKPT_HINT}")
+    if (
+        not isinstance(hp, dict)
+        or not isinstance(hp.get("model"), Mapping)
+        or not isinstance(state, dict)
+        or not any(k.startswith("model.") for k in state)
+    ):
+        raise ValueError(
+            f"{path} is not a nats-train checkpoint (it needs hyper_parameters['model'], the GPT "
+            f"config, and a state_dict with 'model.*' weights, as nats.lit.LitGPT writes): {_CKPT_HINT}"
+        )
     model = PretrainedGPT(config_from_dict(hp["model"], str(path)))
-    weights = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    weights = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
     return _load_weights(model, weights, str(path)).eval()
 
 

@@ -1,4 +1,5 @@
 """The LightningModule: GPT + AdamW + warm-up/cosine schedule + logging of loss, perplexity and KV stats."""
+
 from __future__ import annotations
 
 import difflib
@@ -29,29 +30,44 @@ def optimizer_config(optim: Mapping[str, Any]) -> dict[str, Any]:
     valid = OPTIM_KEYS + tuple(LEGACY_OPTIMIZER_KEYS)
     unknown = sorted(set(optim) - set(valid))
     if unknown:
-        hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, valid, n=1)) else k
-                 for k in unknown]
-        raise ValueError(f"unknown optim keys: {', '.join(hints)}; the valid keys: {', '.join(OPTIM_KEYS)} "
-                         "(the optimizer's own arguments go under optim.optimizer, e.g. optim.optimizer.weight_decay)")
+        hints = [
+            f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, valid, n=1)) else k
+            for k in unknown
+        ]
+        raise ValueError(
+            f"unknown optim keys: {', '.join(hints)}; the valid keys: {', '.join(OPTIM_KEYS)} "
+            "(the optimizer's own arguments go under optim.optimizer, e.g. optim.optimizer.weight_decay)"
+        )
     if "lr" not in optim:
         raise ValueError("optim.lr (the peak learning rate of the schedule) is required")
     legacy = {k: optim.pop(k) for k in LEGACY_OPTIMIZER_KEYS if k in optim}
     node = optim.get("optimizer")
     if node is None:  # a flat dict (an older checkpoint's hyper_parameters, or a hand-made one)
-        node = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": optim["lr"],
-                **LEGACY_OPTIMIZER_KEYS, **legacy}
+        node = {
+            "_target_": "torch.optim.AdamW",
+            "_partial_": True,
+            "lr": optim["lr"],
+            **LEGACY_OPTIMIZER_KEYS,
+            **legacy,
+        }
     elif legacy:
-        raise ValueError(f"optim.{', optim.'.join(legacy)}: with an optim.optimizer node these are its arguments, "
-                         f"optim.optimizer.{', optim.optimizer.'.join(legacy)}")
+        raise ValueError(
+            f"optim.{', optim.'.join(legacy)}: with an optim.optimizer node these are its arguments, "
+            f"optim.optimizer.{', optim.optimizer.'.join(legacy)}"
+        )
     elif isinstance(node, functools.partial) or not isinstance(node, Mapping) or "_target_" not in node:
-        raise ValueError(f"optim.optimizer must be a config with a _target_ (e.g. torch.optim.AdamW) and "
-                         f"_partial_: true, got {node!r}; instantiate LitGPT with _recursive_=False (as "
-                         "conf/train.yaml's module node does), so that it receives the config and its checkpoints "
-                         "hold plain data")
+        raise ValueError(
+            f"optim.optimizer must be a config with a _target_ (e.g. torch.optim.AdamW) and "
+            f"_partial_: true, got {node!r}; instantiate LitGPT with _recursive_=False (as "
+            "conf/train.yaml's module node does), so that it receives the config and its checkpoints "
+            "hold plain data"
+        )
     node = dict(node)
     if node.setdefault("lr", optim["lr"]) != optim["lr"]:
-        raise ValueError(f"optim.optimizer.lr={node['lr']} differs from optim.lr={optim['lr']}, the schedule's peak: "
-                         "set optim.lr (conf/optim's optimizer.lr follows it)")
+        raise ValueError(
+            f"optim.optimizer.lr={node['lr']} differs from optim.lr={optim['lr']}, the schedule's peak: "
+            "set optim.lr (conf/optim's optimizer.lr follows it)"
+        )
     optimizer_partial(node)  # a mistyped class or argument fails now, not when training starts
     optim["optimizer"] = node
     return optim
@@ -145,8 +161,10 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
 
 def _eval_forward(model: nn.Module):
     """`model`'s forward as a function of its own (its own code object, hence its own torch.compile cache)."""
+
     def eval_forward(idx, targets=None):
         return model(idx, targets)
+
     return eval_forward
 
 
@@ -163,8 +181,13 @@ class LitGPT(L.LightningModule):
     The training loss is cross-entropy plus the attention cores' auxiliary losses (NAtS' sparsity term).
     """
 
-    def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], compile: bool | str = False,
-                 compile_mode: str | None = None):
+    def __init__(
+        self,
+        model: Mapping[str, Any],
+        optim: Mapping[str, Any],
+        compile: bool | str = False,
+        compile_mode: str | None = None,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.config = GPTConfig.from_dict(model)
@@ -174,8 +197,10 @@ class LitGPT(L.LightningModule):
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"optim.clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
         if self.optim_cfg.get("scorer_grad_clip") is not None and self.clip_mode != "separate":
-            raise ValueError("optim.scorer_grad_clip applies only with optim.clip_mode=separate "
-                             f"(got clip_mode={self.clip_mode!r}); set it to null or use separate clipping")
+            raise ValueError(
+                "optim.scorer_grad_clip applies only with optim.clip_mode=separate "
+                f"(got clip_mode={self.clip_mode!r}); set it to null or use separate clipping"
+            )
         self._grad_groups: tuple[list[nn.Parameter], list[bool]] | None = None
         self._flops_cache: dict[tuple[int, ...], float] = {}
         # Compiled callables, not submodules: checkpoints keep the plain `model.*` keys. Training and evaluation
@@ -218,8 +243,9 @@ class LitGPT(L.LightningModule):
         max_steps = o.get("max_steps") or self.trainer.max_steps
         if max_steps is None or max_steps < 1:
             raise ValueError("set trainer.max_steps (or optim.max_steps) to a positive number for the cosine schedule")
-        schedule = dict(lr=o["lr"], min_lr=o.get("min_lr", o["lr"] / 10), warmup_steps=o.get("warmup_steps", 0),
-                        max_steps=max_steps)
+        schedule = dict(
+            lr=o["lr"], min_lr=o.get("min_lr", o["lr"] / 10), warmup_steps=o.get("warmup_steps", 0), max_steps=max_steps
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, **schedule) / o["lr"])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -288,8 +314,13 @@ class LitGPT(L.LightningModule):
                 coef_s = coef_b if g_s else None
                 _scale_(grads, coef_b)
         if log:
-            for name, value in (("grad_norm", total), ("grad_norm_backbone", n_b), ("grad_norm_scorer", n_s),
-                                ("grad_clip_coef_backbone", coef_b), ("grad_clip_coef_scorer", coef_s)):
+            for name, value in (
+                ("grad_norm", total),
+                ("grad_norm_backbone", n_b),
+                ("grad_norm_scorer", n_s),
+                ("grad_clip_coef_backbone", coef_b),
+                ("grad_clip_coef_scorer", coef_s),
+            ):
                 if value is not None:
                     self.log(f"train/{name}", value)
 
@@ -382,8 +413,7 @@ class LitGPT(L.LightningModule):
             self.log(f"{split}_layers/{key}", value, batch_size=batch_size, sync_dist=split != "train")
             per_name.setdefault(key.split("/", 1)[1], []).append(value)
         for name, values in per_name.items():
-            self.log(f"{split}/{name}", torch.stack(values).mean(), batch_size=batch_size,
-                     sync_dist=split != "train")
+            self.log(f"{split}/{name}", torch.stack(values).mean(), batch_size=batch_size, sync_dist=split != "train")
 
     # ------------------------------------------------------------------ exact resume
     def on_save_checkpoint(self, checkpoint: dict) -> None:

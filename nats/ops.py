@@ -15,6 +15,7 @@ nodes of the compiled graph (their fake implementations give the shapes):
 
 Both are checked against the autograd reference (``reference.nats_density``) in ``tests/test_functional.py``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,9 +57,11 @@ def density_terms(type_weights: Tensor, window: int) -> tuple[Tensor, Tensor, Te
 @density_terms.register_fake
 def _(type_weights, window):
     cdt = _ref._compute_dtype(type_weights)
-    return (type_weights.new_empty(type_weights.shape[:-2], dtype=cdt),
-            type_weights.new_empty(type_weights.shape, dtype=cdt),
-            type_weights.new_empty((*type_weights.shape[:-2], 5), dtype=torch.float32))
+    return (
+        type_weights.new_empty(type_weights.shape[:-2], dtype=cdt),
+        type_weights.new_empty(type_weights.shape, dtype=cdt),
+        type_weights.new_empty((*type_weights.shape[:-2], 5), dtype=torch.float32),
+    )
 
 
 def density(type_weights: Tensor, window: int) -> Tensor:

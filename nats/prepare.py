@@ -28,8 +28,10 @@ def main(cfg: DictConfig) -> None:
     print(f"token cache: {datamodule.cache_path}")
     for split, n in datamodule.token_counts.items():
         print(f"  {split:<10} {n:>14,d} tokens")
-    print(f"unigram perplexity (validation, block_size={datamodule.block_size}): "
-          f"{datamodule.unigram_perplexity('validation'):.2f}")
+    print(
+        f"unigram perplexity (validation, block_size={datamodule.block_size}): "
+        f"{datamodule.unigram_perplexity('validation'):.2f}"
+    )
 
 
 if __name__ == "__main__":

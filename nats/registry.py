@@ -3,6 +3,7 @@
 `nats.attention.registry` (attention cores) and `nats.cache.registry` (KV-cache policies) are instances:
 adding a method is adding one module with the registry's decorator; unknown names fail with the known ones.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -36,6 +36,7 @@ Failed runs
     the run's size (steps, processes, accumulation, tokens seen) into the run folder, atomically, on rank 0;
     ``experiments/collect.py`` turns a multirun folder of them into one table.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,11 @@ from typing import Any
 
 # conf/hydra/launcher/submitit_{slurm,local}.yaml carry the plugin's names on purpose (hydra/launcher=submitit_slurm)
 # and are checked against the plugin's schema of that name; Hydra 1.3 warns about that on every start
-warnings.filterwarnings("ignore", category=UserWarning,
-                        message=r"\s*'hydra/launcher/submitit_(slurm|local)' is validated against ConfigStore")
+warnings.filterwarnings(
+    "ignore",
+    category=UserWarning,
+    message=r"\s*'hydra/launcher/submitit_(slurm|local)' is validated against ConfigStore",
+)
 
 AUTO = "auto"
 METRICS_FILE = "metrics.json"
@@ -68,11 +72,18 @@ def checkpoint_step(path: str | os.PathLike) -> int:
 
     path = Path(path)
     folder = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    others = sorted({p for p in [*folder.glob("*.ckpt"), *folder.glob("checkpoints/*.ckpt")]
-                     if p.is_file() and p.resolve() != path.resolve()})
-    advice = (f"Move it away or delete it, then resume from another checkpoint with ckpt_path=<file>"
-              f"{' (this run has ' + ', '.join(p.name for p in others) + ')' if others else ''}, or start fresh "
-              f"with ckpt_path=null.")
+    others = sorted(
+        {
+            p
+            for p in [*folder.glob("*.ckpt"), *folder.glob("checkpoints/*.ckpt")]
+            if p.is_file() and p.resolve() != path.resolve()
+        }
+    )
+    advice = (
+        f"Move it away or delete it, then resume from another checkpoint with ckpt_path=<file>"
+        f"{' (this run has ' + ', '.join(p.name for p in others) + ')' if others else ''}, or start fresh "
+        f"with ckpt_path=null."
+    )
     try:
         ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as err:  # noqa: BLE001 - any failure to read is the same problem for the user
@@ -84,8 +95,9 @@ def checkpoint_step(path: str | os.PathLike) -> int:
             f"was killed while saving. {advice}"
         ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise CheckpointError(f"cannot resume from {path}: it holds no Lightning training state "
-                              f"(no 'state_dict'). {advice}")
+        raise CheckpointError(
+            f"cannot resume from {path}: it holds no Lightning training state (no 'state_dict'). {advice}"
+        )
     return int(ckpt.get("global_step", 0))
 
 
@@ -94,8 +106,10 @@ def latest_run(runs_dir: str | os.PathLike) -> Path:
     runs_dir = Path(runs_dir)
     runs = [d for d in runs_dir.iterdir() if d.is_dir() and checkpoint_candidates(d)] if runs_dir.is_dir() else []
     if not runs:
-        raise FileNotFoundError(f"resume=latest: no run folder with a checkpoint under {runs_dir}; pass the run "
-                                f"folder itself (resume=logs/train/runs/<date>_<time>_<id>)")
+        raise FileNotFoundError(
+            f"resume=latest: no run folder with a checkpoint under {runs_dir}; pass the run "
+            f"folder itself (resume=logs/train/runs/<date>_<time>_<id>)"
+        )
     return max(runs, key=lambda d: max(p.stat().st_mtime_ns for p in checkpoint_candidates(d)))
 
 
@@ -115,15 +129,18 @@ def resume_argv(argv: list[str], runs_dir: str | os.PathLike) -> list[str]:
     if len(values) > 1:
         raise ValueError(f"resume= given {len(values)} times: {values}; give one run folder")
     if any(a in ("-m", "--multirun") for a in argv):
-        raise ValueError("resume= resumes one run and cannot be combined with -m/--multirun; a multirun job "
-                         "resumes with hydra.run.dir=<its folder> ckpt_path=auto, or rerun the sweep")
+        raise ValueError(
+            "resume= resumes one run and cannot be combined with -m/--multirun; a multirun job "
+            "resumes with hydra.run.dir=<its folder> ckpt_path=auto, or rerun the sweep"
+        )
     folder = latest_run(runs_dir) if values[0] == "latest" else Path(values[0])
     saved_file = folder / ".hydra" / "overrides.yaml"
     if not saved_file.is_file():
         raise FileNotFoundError(
             f"resume={values[0]}: {saved_file} not found, so {folder} is not the folder of a nats-train run. "
             f"Pass a run folder (logs/train/runs/<date>_<time>_<id>), or resume a checkpoint file directly "
-            f"with ckpt_path=<file> (new run folder, same step)")
+            f"with ckpt_path=<file> (new run folder, same step)"
+        )
     given = [a for a in argv if not a.startswith("resume=")]
     given_keys = {_override_key(a) for a in given if "=" in a and not a.startswith("-")}
     saved = [str(o) for o in (yaml.safe_load(saved_file.read_text()) or [])]
@@ -204,8 +221,7 @@ def lightning_handles_requeue(trainer: Any) -> Iterator[bool]:
     env = getattr(trainer._accelerator_connector, "cluster_environment", None)
     sig = getattr(env, "requeue_signal", None)
     handler = signal.getsignal(sig) if sig is not None else None
-    swap = (isinstance(env, SLURMEnvironment) and env.auto_requeue and sig is not None
-            and _is_submitit_handler(handler))
+    swap = isinstance(env, SLURMEnvironment) and env.auto_requeue and sig is not None and _is_submitit_handler(handler)
     if swap:
         signal.signal(sig, signal.SIG_DFL)
     try:
@@ -231,9 +247,11 @@ def write_failure(output_dir: str | os.PathLike, err: BaseException) -> Path:
     """Record a failed run: ``<output_dir>/failed.json`` with the error, its type and the traceback."""
     import traceback
 
-    payload = {"error": str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
-               "type": type(err).__name__,
-               "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))}
+    payload = {
+        "error": str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
+        "type": type(err).__name__,
+        "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__)),
+    }
     return _write_json(Path(output_dir) / FAILED_FILE, payload)
 
 

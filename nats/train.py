@@ -1,11 +1,12 @@
 """`nats-train`: instantiate what the config names and wire it together (Hydra app).
 
-    nats-train                                   # small model on the embedded Gutenberg corpus, CPU
-    nats-train experiment=pg19_gpt2_dense trainer=ddp data.path=/data/pg19
-    nats-train resume=logs/train/runs/<run>       # resume an interrupted run in its folder (or resume=latest)
-    nats-train ckpt_path=/path/to/last.ckpt      # start a new run folder from that checkpoint's exact state
-    nats-train -m hydra/launcher=submitit_slurm experiment=pg19_gpt2_nats ...   # SLURM (see slurm/README.md)
+nats-train                                   # small model on the embedded Gutenberg corpus, CPU
+nats-train experiment=pg19_gpt2_dense trainer=ddp data.path=/data/pg19
+nats-train resume=logs/train/runs/<run>       # resume an interrupted run in its folder (or resume=latest)
+nats-train ckpt_path=/path/to/last.ckpt      # start a new run folder from that checkpoint's exact state
+nats-train -m hydra/launcher=submitit_slurm experiment=pg19_gpt2_nats ...   # SLURM (see slurm/README.md)
 """
+
 from __future__ import annotations
 
 import difflib
@@ -69,17 +70,22 @@ def _unknown_option_message(node, key: str | None, cause: TypeError, given: dict
     try:
         obj = hydra.utils.get_object(target)
         sig = inspect.signature(obj.__init__ if inspect.isclass(obj) else obj)
-        options = [n for n, p in sig.parameters.items()
-                   if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in given]
+        options = [
+            n
+            for n, p in sig.parameters.items()
+            if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in given
+        ]
     except Exception:  # noqa: BLE001 - the message is still useful without the list
         pass
     where = key or target or "the config"
     close = difflib.get_close_matches(bad, options, n=1)
     hint = f" (did you mean {where}.{close[0]}?)" if close else ""
     listed = f"; its options: {', '.join(options)}" if options else ""
-    return (f"{where} ({target}) has no option {bad!r}{hint}{listed}. Fix or remove the override "
-            f"{where}.{bad}=... (a `+` in front adds a key the config does not have, it does not make the "
-            f"target accept it)")
+    return (
+        f"{where} ({target}) has no option {bad!r}{hint}{listed}. Fix or remove the override "
+        f"{where}.{bad}=... (a `+` in front adds a key the config does not have, it does not make the "
+        f"target accept it)"
+    )
 
 
 def build(cfg: DictConfig):
@@ -102,7 +108,8 @@ def build(cfg: DictConfig):
     loggers = [instantiate(c, f"logger.{k}") for k, c in (cfg.get("logger") or {}).items() if c is not None]
     plugins = cluster_plugins(cfg.get("auto_requeue", True))  # SLURM: requeue on submitit's signal
     trainer: L.Trainer = instantiate(
-        cfg.trainer, "trainer",
+        cfg.trainer,
+        "trainer",
         accumulate_grad_batches=accum,
         val_check_interval=cfg.eval_every * accum,  # counted in micro-batches
         check_val_every_n_epoch=None,
@@ -156,12 +163,19 @@ def run(cfg: DictConfig) -> dict[str, float]:
             log.info(f"unigram_ppl {datamodule.unigram_perplexity('validation'):.2f}")
         log.info(f"val_loss {metrics.get('val/loss', float('nan')):.4f}")
         log.info(f"val_ppl {metrics.get('val/ppl', float('nan')):.2f}")
-        write_metrics(cfg.paths.output_dir, metrics, global_step=int(trainer.global_step),
-                      world_size=int(trainer.world_size), accumulate_grad_batches=int(trainer.accumulate_grad_batches),
-                      micro_batch_size=int(cfg.data.micro_batch_size), global_batch_size=int(cfg.global_batch_size),
-                      tokens_seen=int(trainer.global_step) * int(cfg.global_batch_size)
-                      * int(getattr(datamodule, "block_size", cfg.model.block_size)),
-                      resumed_from=ckpt_path)
+        write_metrics(
+            cfg.paths.output_dir,
+            metrics,
+            global_step=int(trainer.global_step),
+            world_size=int(trainer.world_size),
+            accumulate_grad_batches=int(trainer.accumulate_grad_batches),
+            micro_batch_size=int(cfg.data.micro_batch_size),
+            global_batch_size=int(cfg.global_batch_size),
+            tokens_seen=int(trainer.global_step)
+            * int(cfg.global_batch_size)
+            * int(getattr(datamodule, "block_size", cfg.model.block_size)),
+            resumed_from=ckpt_path,
+        )
     return metrics
 
 

@@ -1,4 +1,5 @@
 """Small helpers shared by the entry points."""
+
 from __future__ import annotations
 
 import contextlib

@@ -35,6 +35,7 @@ Everything after ``--`` is passed to both trainings as Hydra overrides (``data.p
 ...). ``--nats`` / ``--dense`` replace the experiment of each (e.g. ``--nats model/attention=nats --dense
 model/attention=dense --launcher submitit_local`` tries the whole pipeline on the small CPU model).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,9 +63,15 @@ def launcher_overrides(args: argparse.Namespace) -> list[str]:
         return []
     out = [f"hydra/launcher={args.launcher}"]
     if args.launcher == "submitit_slurm":
-        for key, value in (("partition", args.partition), ("account", args.account), ("qos", args.qos),
-                           ("constraint", args.constraint), ("timeout_min", args.time_min),
-                           ("mem_gb", args.mem_gb), ("cpus_per_task", args.cpus_per_task)):
+        for key, value in (
+            ("partition", args.partition),
+            ("account", args.account),
+            ("qos", args.qos),
+            ("constraint", args.constraint),
+            ("timeout_min", args.time_min),
+            ("mem_gb", args.mem_gb),
+            ("cpus_per_task", args.cpus_per_task),
+        ):
             if value is not None:
                 out.append(f"hydra.launcher.{key}={value}")
         if args.setup:
@@ -78,15 +85,32 @@ def train_commands(args: argparse.Namespace) -> list[tuple[str, list[str], int]]
     common = ["ckpt_path=auto", *launcher_overrides(args), *args.overrides]
     seeds = _list(args.seeds)
     cmds = []
-    nats = [PY, "-m", "nats.train", "-m", *args.nats,
-            f"model.attention.sparsity_lambda={_list(args.lambdas)}", f"model.attention.window={_list(args.windows)}",
-            f"seed={seeds}", f"hydra.sweep.dir={out_dir / 'train' / 'nats'}",
-            "hydra.sweep.subdir=W${model.attention.window}_lambda${model.attention.sparsity_lambda}_seed${seed}",
-            *common]
+    nats = [
+        PY,
+        "-m",
+        "nats.train",
+        "-m",
+        *args.nats,
+        f"model.attention.sparsity_lambda={_list(args.lambdas)}",
+        f"model.attention.window={_list(args.windows)}",
+        f"seed={seeds}",
+        f"hydra.sweep.dir={out_dir / 'train' / 'nats'}",
+        "hydra.sweep.subdir=W${model.attention.window}_lambda${model.attention.sparsity_lambda}_seed${seed}",
+        *common,
+    ]
     cmds.append(("nats", nats, len(args.lambdas) * len(args.windows) * len(args.seeds)))
     if not args.no_dense:
-        dense = [PY, "-m", "nats.train", "-m", *args.dense, f"seed={seeds}",
-                 f"hydra.sweep.dir={out_dir / 'train' / 'dense'}", "hydra.sweep.subdir=seed${seed}", *common]
+        dense = [
+            PY,
+            "-m",
+            "nats.train",
+            "-m",
+            *args.dense,
+            f"seed={seeds}",
+            f"hydra.sweep.dir={out_dir / 'train' / 'dense'}",
+            "hydra.sweep.subdir=seed${seed}",
+            *common,
+        ]
         cmds.append(("dense", dense, len(args.seeds)))
     return cmds
 
@@ -113,10 +137,15 @@ def run_train(args: argparse.Namespace) -> int:
             if p.poll() is None:
                 p.terminate()
                 p.wait()
-            print(f"[train:{name}] {_submitted(out_dir / name)}/{n} jobs submitted; logs in "
-                  f"{out_dir / name / '.submitit'}", flush=True)
-        print("detached: the jobs run on their own; when they have finished run this again with "
-              "--stages eval collect", flush=True)
+            print(
+                f"[train:{name}] {_submitted(out_dir / name)}/{n} jobs submitted; logs in "
+                f"{out_dir / name / '.submitit'}",
+                flush=True,
+            )
+        print(
+            "detached: the jobs run on their own; when they have finished run this again with --stages eval collect",
+            flush=True,
+        )
         return 0
     rc = 0
     for name, p, _ in procs:
@@ -170,8 +199,15 @@ def run_eval(args: argparse.Namespace) -> int:
             print(f"[eval] {run}: no checkpoints/last.ckpt, skipped", flush=True)
             continue
         device = ["device=cuda"] if args.launcher == "submitit_slurm" else []
-        todo.append([f"ckpt_path={ckpt}", f"hydra.run.dir={run / 'eval'}", *eval_data_overrides(run), *device,
-                     *args.eval_overrides])
+        todo.append(
+            [
+                f"ckpt_path={ckpt}",
+                f"hydra.run.dir={run / 'eval'}",
+                *eval_data_overrides(run),
+                *device,
+                *args.eval_overrides,
+            ]
+        )
     cmd = [PY, "-m", "nats.eval"]
     for extra in todo:
         print(f"[eval] {shlex.join(cmd + extra)}", flush=True)
@@ -183,10 +219,21 @@ def run_eval(args: argparse.Namespace) -> int:
         import submitit
 
         executor = submitit.AutoExecutor(folder=str(out_dir / "eval_jobs" / "%j"), cluster="slurm")
-        params = dict(timeout_min=args.eval_time_min, gpus_per_node=1, tasks_per_node=1, nodes=1,
-                      cpus_per_task=args.cpus_per_task or 8, name="nats-eval", slurm_signal_delay_s=60)
-        for key, value in (("partition", args.partition), ("account", args.account), ("qos", args.qos),
-                           ("constraint", args.constraint)):
+        params = dict(
+            timeout_min=args.eval_time_min,
+            gpus_per_node=1,
+            tasks_per_node=1,
+            nodes=1,
+            cpus_per_task=args.cpus_per_task or 8,
+            name="nats-eval",
+            slurm_signal_delay_s=60,
+        )
+        for key, value in (
+            ("partition", args.partition),
+            ("account", args.account),
+            ("qos", args.qos),
+            ("constraint", args.constraint),
+        ):
             if value is not None:
                 params[f"slurm_{key}"] = value
         if args.mem_gb is not None:
@@ -259,8 +306,11 @@ def main(argv: list[str] | None = None) -> int:
             return rc
         if rc:
             failed = rc
-            print(f"[{stage}] exit code {rc}" + ("; the next stages use the runs that finished" if stage != "collect"
-                                                 else ""), flush=True)
+            print(
+                f"[{stage}] exit code {rc}"
+                + ("; the next stages use the runs that finished" if stage != "collect" else ""),
+                flush=True,
+            )
     return failed
 
 

@@ -1,4 +1,5 @@
 """Shared test set-up: `slow` tests run only with --runslow; `gpu` tests only where CUDA is present."""
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,10 @@ def compose(overrides: list[str], tmp_path: Path, config_name: str = "train"):
     """Compose a real config from conf/ with outputs under tmp_path and the shared data cache."""
     from nats.train import compose_config
 
-    return compose_config([f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}/logs",
-                           f"paths.data_dir={DATA_DIR}", *overrides], config_name)
+    return compose_config(
+        [f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}/logs", f"paths.data_dir={DATA_DIR}", *overrides],
+        config_name,
+    )
 
 
 @pytest.fixture

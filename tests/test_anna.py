@@ -1,4 +1,5 @@
 """ANNA (LSH attention) and the softmax surrogate: semantics against brute force, causality, swapping cores."""
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,16 @@ from nats.models.gpt import GPT, GPTConfig
 
 
 def dims(causal=True, n_head=2, n_kv_head=2, head_dim=8, layer_idx=0, block_size=64):
-    return AttentionDims(n_embd=n_head * head_dim, n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim,
-                         block_size=block_size, layer_idx=layer_idx, n_layer=2, causal=causal)
+    return AttentionDims(
+        n_embd=n_head * head_dim,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        head_dim=head_dim,
+        block_size=block_size,
+        layer_idx=layer_idx,
+        n_layer=2,
+        causal=causal,
+    )
 
 
 def qkv(B=2, Hq=2, Hkv=2, N=12, D=8, seed=0):
@@ -87,8 +96,9 @@ def test_many_tables_every_pair_collides_equals_surrogate():
     q, k, v = qkv(N=10)
     anna = AnnaAttention(dims(False), l=64, z=1, beta=4.0, seed=3)
     assert anna.collisions(q, k).all()
-    torch.testing.assert_close(anna(q, k, v, None).y, SoftmaxSurrogateAttention(dims(False), beta=4.0)(q, k, v, None).y,
-                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        anna(q, k, v, None).y, SoftmaxSurrogateAttention(dims(False), beta=4.0)(q, k, v, None).y, atol=1e-6, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -128,10 +138,10 @@ def test_causal_never_looks_ahead():
     y = core(q, k, v, None).y
     for t in (3, 9):
         k2, v2 = k.clone(), v.clone()
-        k2[:, :, t + 1:] = torch.randn_like(k2[:, :, t + 1:])
-        v2[:, :, t + 1:] = torch.randn_like(v2[:, :, t + 1:])
+        k2[:, :, t + 1 :] = torch.randn_like(k2[:, :, t + 1 :])
+        v2[:, :, t + 1 :] = torch.randn_like(v2[:, :, t + 1 :])
         q2 = q.clone()
-        q2[:, :, t + 1:] = torch.randn_like(q2[:, :, t + 1:])
+        q2[:, :, t + 1 :] = torch.randn_like(q2[:, :, t + 1 :])
         torch.testing.assert_close(core(q2, k2, v2, None).y[:, :, : t + 1], y[:, :, : t + 1])
 
 
@@ -177,8 +187,18 @@ def test_collision_rate_is_angular():
 
 def _model(name="softmax_surrogate", causal=False, **attn):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=37, block_size=32, n_layer=2, n_head=2, n_embd=32, pos_emb="learned", causal=causal,
-                    tie_embeddings=False, n_out=2, attention={"name": name, **attn})
+    cfg = GPTConfig(
+        vocab_size=37,
+        block_size=32,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        pos_emb="learned",
+        causal=causal,
+        tie_embeddings=False,
+        n_out=2,
+        attention={"name": name, **attn},
+    )
     return GPT(cfg).eval()
 
 
@@ -189,8 +209,10 @@ def test_use_anna_swaps_cores_and_keeps_weights(causal):
     ref = model(x).logits
     full = use_anna(model, l=1, z=0)  # one bucket: the same function
     assert all(isinstance(b.attn.core, AnnaAttention) and b.attn.core.beta == 3.0 for b in full.blocks)
-    assert all(isinstance(b.attn.core, SoftmaxSurrogateAttention) and not isinstance(b.attn.core, AnnaAttention)
-               for b in model.blocks), "the original is untouched"
+    assert all(
+        isinstance(b.attn.core, SoftmaxSurrogateAttention) and not isinstance(b.attn.core, AnnaAttention)
+        for b in model.blocks
+    ), "the original is untouched"
     torch.testing.assert_close(full(x).logits, ref, atol=1e-5, rtol=1e-5)
     sparse = use_anna(model, l=1, z=4, seed=1)
     assert sparse.config.attention["name"] == "anna" and sparse.config.attention["l"] == 1

@@ -1,4 +1,5 @@
 """benchmarks/bench_nats_train.py --smoke: nats-train (dense, NAtS) and the isolated step on the CPU, read back."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,14 @@ from conftest import REPO
 @pytest.mark.slow
 def test_bench_nats_train_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/bench_nats_train.py", "--smoke", "--out", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_nats_train.py", "--smoke", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads((tmp_path / "bench_nats_train_cpu.json").read_text())
     table = (tmp_path / "bench_nats_train_cpu.md").read_text()

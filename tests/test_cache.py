@@ -1,6 +1,7 @@
 """KV-cache policies (nats.cache): visible sets against brute-force definitions of spec sections 5 and 7,
 decoding against the parallel forward (float64, GQA, evictions), cache sizes, the Triton decode kernel in
 Triton's CPU interpreter, generate, and clear errors."""
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 def tiny(attention: dict, n_layer: int = 3, block_size: int = 72, **kw) -> GPT:
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=V, block_size=block_size, n_layer=n_layer, n_head=4, n_kv_head=2, n_embd=32,
-                    attention=attention, **kw)
+    cfg = GPTConfig(
+        vocab_size=V,
+        block_size=block_size,
+        n_layer=n_layer,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=32,
+        attention=attention,
+        **kw,
+    )
     return GPT(cfg).double().eval()
 
 
@@ -84,8 +93,7 @@ def step_all(cache, q, k, v, types=None):
 
 
 def new_cache(cls, B, H, N, G=1, **kw):
-    return cls(batch=B, n_head=H * G, n_kv_head=H, head_dim=N, max_len=N, dtype=torch.float64, backend="torch",
-               **kw)
+    return cls(batch=B, n_head=H * G, n_kv_head=H, head_dim=N, max_len=N, dtype=torch.float64, backend="torch", **kw)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -150,20 +158,22 @@ def test_nats_load_equals_stepping_state():
     types[..., 0] = 0
     k = torch.randn(B, H, N, D, dtype=torch.float64)
     v = torch.randn(B, H, N, D, dtype=torch.float64)
-    stepped = NAtSCache(batch=B, n_head=H, n_kv_head=H, head_dim=D, max_len=N, dtype=torch.float64, window=W,
-                        backend="torch")
+    stepped = NAtSCache(
+        batch=B, n_head=H, n_kv_head=H, head_dim=D, max_len=N, dtype=torch.float64, window=W, backend="torch"
+    )
     q = torch.randn(B * H, 1, N, D, dtype=torch.float64)
     step_all(stepped, q, k.reshape(B * H, N, D), v.reshape(B * H, N, D), types=types)
-    loaded = NAtSCache(batch=B, n_head=H, n_kv_head=H, head_dim=D, max_len=N, dtype=torch.float64, window=W,
-                       backend="torch")
+    loaded = NAtSCache(
+        batch=B, n_head=H, n_kv_head=H, head_dim=D, max_len=N, dtype=torch.float64, window=W, backend="torch"
+    )
     loaded.load(k, v, types)
     assert torch.equal(stepped.length, loaded.length) and torch.equal(stepped.n_global, loaded.n_global)
     assert torch.equal(stepped.ring_valid, loaded.ring_valid)
     assert torch.equal(stepped.kept(), loaded.kept())
     for r in range(B * H):
         n = int(stepped.length[r])
-        a = stepped.k_pool[stepped.start[r]:stepped.start[r] + n]
-        b = loaded.k_pool[loaded.start[r]:loaded.start[r] + n]
+        a = stepped.k_pool[stepped.start[r] : stepped.start[r] + n]
+        b = loaded.k_pool[loaded.start[r] : loaded.start[r] + n]
         assert torch.equal(a, b)
         assert torch.equal(stepped.ring_k[r][stepped.ring_valid[r]], loaded.ring_k[r][loaded.ring_valid[r]])
     fa, fb = stepped.fractions(), loaded.fractions()
@@ -231,8 +241,17 @@ def test_h2o_matches_slow_loop_gqa(budget, recent):
     q = torch.randn(B * H, G, N, D, dtype=torch.float64) * 2
     k = torch.randn(B * H, N, D, dtype=torch.float64)
     v = torch.randn(B * H, N, D, dtype=torch.float64)
-    cache = H2OCache(batch=B, n_head=H * G, n_kv_head=H, head_dim=D, max_len=N, dtype=torch.float64,
-                     backend="torch", budget=budget, recent=recent)
+    cache = H2OCache(
+        batch=B,
+        n_head=H * G,
+        n_kv_head=H,
+        head_dim=D,
+        max_len=N,
+        dtype=torch.float64,
+        backend="torch",
+        budget=budget,
+        recent=recent,
+    )
     out = step_all(cache, q, k, v)
     R = budget // 2 if recent is None else recent
     for r in range(B * H):
@@ -359,8 +378,9 @@ def test_triton_pool_attention_matches_torch(dtype):
     ref = torch_pool_attention(q, kp, vp, start, length, int(length.max()), rk, rv, rvalid)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for splits in (1, 3, None):
-        out = triton_pool_attention(q, kp, vp, start, length, int(length.max()), ring_k=rk, ring_v=rv,
-                                    ring_valid=rvalid, splits=splits)
+        out = triton_pool_attention(
+            q, kp, vp, start, length, int(length.max()), ring_k=rk, ring_v=rv, ring_valid=rvalid, splits=splits
+        )
         assert out.dtype == dtype
         assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=0), splits
     ln = length.clamp(min=1)
@@ -398,8 +418,7 @@ def test_nats_cache_memory_follows_kept_tokens_per_head():
     padded = B * H * int(cache.length.max()) / int(cache.kept().sum())
     assert kv_ratio < 1.1 < padded, (kv_ratio, padded)
     q = torch.randn(B * H, 1, 64, D)
-    step_all(cache, q, torch.randn(B * H, 64, D), torch.randn(B * H, 64, D),
-             types=torch.randint(0, 3, (B, H, 64)))
+    step_all(cache, q, torch.randn(B * H, 64, D), torch.randn(B * H, 64, D), types=torch.randint(0, 3, (B, H, 64)))
     assert cache.kv_nbytes() / cache.kept_nbytes() < 1.15
 
 
@@ -431,8 +450,9 @@ def test_model_errors():
     with pytest.raises(ValueError, match="attention 'anna'"):
         make_caches(anna, "full", 1, 8)
     with pytest.raises(ValueError, match="cannot decode"):
-        policy_logits(tiny({"name": "dense"}), torch.zeros(1, 20, dtype=torch.long), "h2o_dense", budget=8,
-                      sequential=True)
+        policy_logits(
+            tiny({"name": "dense"}), torch.zeros(1, 20, dtype=torch.long), "h2o_dense", budget=8, sequential=True
+        )
 
 
 def test_decode_benchmark_helpers_on_cpu():
@@ -466,8 +486,12 @@ def test_decode_benchmark_helpers_on_cpu():
             pos += 1
         assert torch.isfinite(logits).all()
         kept = sum(int(c.kept().sum()) for c in caches)
-        expect = {"full": 2 * B * 2 * (L + 8), "full_sdpa": 2 * B * 2 * (L + 8), "h2o": 2 * B * 2 * 12,
-                  "streaming_llm": 2 * B * 2 * 12}
+        expect = {
+            "full": 2 * B * 2 * (L + 8),
+            "full_sdpa": 2 * B * 2 * (L + 8),
+            "h2o": 2 * B * 2 * 12,
+            "streaming_llm": 2 * B * 2 * 12,
+        }
         if policy in expect:
             assert kept == expect[policy], policy
         else:
@@ -475,7 +499,8 @@ def test_decode_benchmark_helpers_on_cpu():
             c = caches[0]
             assert int(c.type_counts.sum()) == 0  # track=False
             assert int(c.n_global[0]) == int((types[0, 0] == 0).sum()) + 1 and int(c.n_global[1]) == int(
-                (types[0, 1] == 0).sum())
+                (types[0, 1] == 0).sum()
+            )
 
 
 def test_nats_fused_triton_step_equals_torch_step():
@@ -488,8 +513,21 @@ def test_nats_fused_triton_step_equals_torch_step():
     q = torch.randn(B * H, G, N, D)
     k, v = torch.randn(B * H, N, D), torch.randn(B * H, N, D)
     types, q, k, v = (t.to(dev) for t in (types, q, k, v))
-    caches = [NAtSCache(batch=B, n_head=H * G, n_kv_head=H, head_dim=D, max_len=N, window=W, backend=be,
-                        check_every=2, init_capacity=1, device=dev) for be in ("torch", "triton")]
+    caches = [
+        NAtSCache(
+            batch=B,
+            n_head=H * G,
+            n_kv_head=H,
+            head_dim=D,
+            max_len=N,
+            window=W,
+            backend=be,
+            check_every=2,
+            init_capacity=1,
+            device=dev,
+        )
+        for be in ("torch", "triton")
+    ]
     outs = [step_all(c, q, k, v, types=types) for c in caches]
     assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=0)
     a, b = caches

@@ -6,6 +6,7 @@ the interpreter and the graphs are compiled with ``aot_eager`` (tracing, fake te
 formula are what is tested; inductor's code generation is exercised on the GPU by
 ``benchmarks/bench_train.py --attention nats``).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,8 +37,8 @@ def test_density_op_matches_autograd_reference():
         c = torch.randn(2, 3, dtype=dtype, device=DEVICE)
         a, b = NF.nats_density(w, 6), R.nats_density(w, 6)
         assert a.dtype == b.dtype == dtype
-        ga, = torch.autograd.grad((a * c).sum(), z, retain_graph=True)
-        gb, = torch.autograd.grad((b * c).sum(), z)
+        (ga,) = torch.autograd.grad((a * c).sum(), z, retain_graph=True)
+        (gb,) = torch.autograd.grad((b * c).sum(), z)
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
         assert ga.abs().max() > 0
@@ -72,9 +73,9 @@ def test_density_compiles_without_graph_break():
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     a = compiled(z)
-    ga, = torch.autograd.grad(a, z)
+    (ga,) = torch.autograd.grad(a, z)
     b = f(z)
-    gb, = torch.autograd.grad(b, z)
+    (gb,) = torch.autograd.grad(b, z)
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(ga, gb)
 
@@ -88,8 +89,11 @@ def test_attention_custom_op_opcheck():
     v = torch.randn(B, HKV, N, D, generator=gen).to(DEVICE).requires_grad_()
     _, w = st_weights(B, HKV, N, seed=4)
     for mask_grad in ("dense", "exact"):
-        torch.library.opcheck(attention_fwd, (q, k, v, w.detach().requires_grad_(), 5, mask_grad),
-                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        torch.library.opcheck(
+            attention_fwd,
+            (q, k, v, w.detach().requires_grad_(), 5, mask_grad),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+        )
 
 
 def test_attention_compiles_and_matches_eager():
@@ -118,19 +122,27 @@ def test_attention_compiles_and_matches_eager():
 
 def _reference_version(HQ, HKV, W, do):
     """The test's function with the PyTorch reference in place of the kernel and the op."""
+
     def g(qkv, z):
         q, k, v = qkv.split([HQ, HKV, HKV], dim=2)
         y = torch.softmax(z, -1)
         w = F.one_hot(y.argmax(-1), 3).to(y.dtype) + y - y.detach()
         o = R.nats_attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), w, W)
         return (o * do).sum() + R.nats_density(w, W).sum()
+
     return g
 
 
 def test_nats_gpt_compiles_as_one_graph():
     """A whole NAtS GPT (Triton backend) compiles with fullgraph=True and trains like the eager model."""
-    cfg = GPTConfig(vocab_size=67, block_size=48, n_layer=2, n_head=2, n_embd=32,
-                    attention={"name": "nats", "window": 4, "sparsity_lambda": 1.0, "backend": "triton"})
+    cfg = GPTConfig(
+        vocab_size=67,
+        block_size=48,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        attention={"name": "nats", "window": 4, "sparsity_lambda": 1.0, "backend": "triton"},
+    )
     torch.manual_seed(0)
     model = GPT(cfg).to(DEVICE).train()
     idx = torch.randint(0, 67, (2, 41), generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -154,8 +166,14 @@ def test_changing_tau_does_not_recompile():
     """The tau schedule changes the Gumbel temperature every step: a compiled model must not recompile for it
     (tau lives in a buffer), and the new value must take effect (the soft weights, hence the scorer's
     gradient, change)."""
-    cfg = GPTConfig(vocab_size=67, block_size=32, n_layer=1, n_head=2, n_embd=32,
-                    attention={"name": "nats", "window": 4, "sparsity_lambda": 1.0, "backend": "reference"})
+    cfg = GPTConfig(
+        vocab_size=67,
+        block_size=32,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        attention={"name": "nats", "window": 4, "sparsity_lambda": 1.0, "backend": "reference"},
+    )
     torch.manual_seed(0)
     model = GPT(cfg).train()
     core = model.blocks[0].attn.core

@@ -6,6 +6,7 @@ on tokens after t (causal cores), gradients reach q, k, v and the core's paramet
 works or is refused as the class declares (`supports_gqa`), and KV-cache decoding works through the declared
 `decode_policy` (reproducing the model's forward) or is refused with a message naming the core.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,9 @@ B, N, C, HQ = 2, 12, 32, 4
 
 
 def dims(n_kv_head: int = HQ, causal: bool = True) -> AttentionDims:
-    return AttentionDims(n_embd=C, n_head=HQ, n_kv_head=n_kv_head, head_dim=8, block_size=N, layer_idx=0,
-                         n_layer=1, causal=causal)
+    return AttentionDims(
+        n_embd=C, n_head=HQ, n_kv_head=n_kv_head, head_dim=8, block_size=N, layer_idx=0, n_layer=1, causal=causal
+    )
 
 
 def inputs(n_kv_head: int, seed: int = 0, requires_grad: bool = False):
@@ -89,8 +91,9 @@ def test_gradients_flow(name):
 def tiny_model(name: str) -> GPT:
     torch.manual_seed(0)
     gqa = 2 if ATTENTIONS.get(name).supports_gqa else None
-    cfg = GPTConfig(vocab_size=37, block_size=24, n_layer=2, n_head=HQ, n_kv_head=gqa, n_embd=C,
-                    attention={"name": name})
+    cfg = GPTConfig(
+        vocab_size=37, block_size=24, n_layer=2, n_head=HQ, n_kv_head=gqa, n_embd=C, attention={"name": name}
+    )
     model = GPT(cfg).double().eval()
     with torch.no_grad():  # spread learned scorers (NAtS) so that every kind of token occurs
         for p in model.parameters():

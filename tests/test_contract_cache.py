@@ -12,6 +12,7 @@ in parallel and the rest decoded one token at a time.
 * a policy that needs an attention core (`requires_core`) refuses other models;
 * every policy has its conf/cache/<name>.yaml, and nats-eval's config composes all of them into `policies`.
 """
+
 from __future__ import annotations
 
 import pytest

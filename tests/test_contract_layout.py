@@ -1,5 +1,6 @@
 """CONTRIBUTING.md's "where to add X" stays true: for each plugin kind the folder it names holds every registered
 plugin's module, the config folder it names holds a config per plugin, and the contract test it names exists."""
+
 from __future__ import annotations
 
 import inspect

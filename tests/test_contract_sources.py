@@ -6,6 +6,7 @@ through `get_source` (options it does not take fail unless None), every split yi
 names in the same order on every read (and `num_documents` agrees when it answers), its fingerprint and cache
 key are JSON and do not depend on the instance, an unknown split fails, and a data config selects it.
 """
+
 from __future__ import annotations
 
 import json

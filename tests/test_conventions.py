@@ -1,5 +1,6 @@
 """Issue 15 part 6, conventions researchers expect: nats.__version__, the W&B logger config, datasets as an optional
 extra, one atomic-write helper, LICENSE and CITATION.cff."""
+
 from __future__ import annotations
 
 import builtins
@@ -37,7 +38,7 @@ def test_wandb_logger_composes_offline_and_says_what_is_missing(tmp_path):
 
 def test_datasets_is_an_extra_and_only_the_hub_path_imports_it(tmp_path, monkeypatch):
     text = (REPO / "pyproject.toml").read_text()
-    deps = text[text.index("dependencies = ["):text.index("]", text.index("dependencies = ["))]
+    deps = text[text.index("dependencies = [") : text.index("]", text.index("dependencies = ["))]
     assert "datasets" not in deps and "pyyaml" in deps
     assert re.search(r'^datasets = \["datasets', text, re.M)
     for path in (REPO / "nats").rglob("*.py"):  # no module-level import of datasets anywhere in nats

@@ -1,5 +1,6 @@
 """Fused linear + cross-entropy (nats_kernels.cross_entropy): the Triton kernel (in the interpreter without a
 GPU), the custom op against autograd through F.cross_entropy, and the GPT's fused_cross_entropy option."""
+
 from __future__ import annotations
 
 import pytest
@@ -138,4 +139,3 @@ def test_fused_gpt_classifier_head_and_autocast():
         # under autocast both take bf16 logits (the fused op in fp32 would be off by ~1e-5 and ~3e-3 here)
         torch.testing.assert_close(a.loss, b.loss, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ga, gb, rtol=0, atol=1e-4 * gb.abs().max().item())
-

@@ -1,5 +1,6 @@
 """Data-parallel training on the CPU: the accumulation arithmetic that keeps the global batch at 480 for 1, 2 and 4
 processes, and a real 2-process DDP run (gloo) of `nats-train trainer=ddp` that matches the 1-process run."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,16 @@ from nats.train import build, run
 from nats.utils import grad_accumulation, world_size_of
 
 NATS_TRAIN = str(Path(sys.executable).parent / "nats-train")
-SMALL = ["model.block_size=32", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.max_eval_windows=4",
-         "callbacks.progress_bar=null", "callbacks.throughput=null", "trainer.enable_progress_bar=false"]
+SMALL = [
+    "model.block_size=32",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "data.max_eval_windows=4",
+    "callbacks.progress_bar=null",
+    "callbacks.throughput=null",
+    "trainer.enable_progress_bar=false",
+]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -25,16 +34,25 @@ SMALL = ["model.block_size=32", "model.n_layer=2", "model.n_head=2", "model.n_em
 @pytest.mark.parametrize("processes", [1, 2, 4])
 @pytest.mark.parametrize("micro", [24, 40])  # the paper's micro-batch, and the one ddp_scaling.py uses on an H200
 def test_accumulation_reaches_global_batch_480(processes, micro, tmp_path):
-    cfg = compose(["experiment=pg19_gpt2_dense", f"trainer.devices={processes}", f"data.micro_batch_size={micro}"],
-                  tmp_path)
+    cfg = compose(
+        ["experiment=pg19_gpt2_dense", f"trainer.devices={processes}", f"data.micro_batch_size={micro}"], tmp_path
+    )
     assert cfg.global_batch_size == 480 and world_size_of(cfg.trainer) == processes
     accum = grad_accumulation(cfg.global_batch_size, cfg.data.micro_batch_size, processes)
     assert micro * processes * accum == 480
     assert accum == {(24, 1): 20, (24, 2): 10, (24, 4): 5, (40, 1): 12, (40, 2): 6, (40, 4): 3}[(micro, processes)]
     # the Trainer the config builds (on CPU processes here) accumulates exactly that
-    cpu = compose(SMALL + [f"trainer.devices={processes}", "trainer.accelerator=cpu", "global_batch_size=480",
-                           f"data.micro_batch_size={micro}"] + (["+trainer.strategy=ddp"] if processes > 1 else []),
-                  tmp_path)
+    cpu = compose(
+        SMALL
+        + [
+            f"trainer.devices={processes}",
+            "trainer.accelerator=cpu",
+            "global_batch_size=480",
+            f"data.micro_batch_size={micro}",
+        ]
+        + (["+trainer.strategy=ddp"] if processes > 1 else []),
+        tmp_path,
+    )
     _, _, trainer = build(cpu)
     assert trainer.accumulate_grad_batches == accum and trainer.world_size == processes
     assert trainer.accumulate_grad_batches * micro * trainer.world_size == 480
@@ -44,8 +62,16 @@ def test_accumulation_reaches_global_batch_480(processes, micro, tmp_path):
 def test_global_batch_that_does_not_divide(micro, processes, tmp_path):
     with pytest.raises(ValueError, match=rf"global_batch_size=480 is not divisible by .* = {micro} x {processes}"):
         grad_accumulation(480, micro, processes)
-    cfg = compose(SMALL + [f"trainer.devices={processes}", "trainer.accelerator=cpu", "global_batch_size=480",
-                           f"data.micro_batch_size={micro}"], tmp_path)
+    cfg = compose(
+        SMALL
+        + [
+            f"trainer.devices={processes}",
+            "trainer.accelerator=cpu",
+            "global_batch_size=480",
+            f"data.micro_batch_size={micro}",
+        ],
+        tmp_path,
+    )
     with pytest.raises(ValueError, match=r"Choose data.micro_batch_size from \[.*\]"):
         build(cfg)
 
@@ -53,8 +79,15 @@ def test_global_batch_that_does_not_divide(micro, processes, tmp_path):
 # ----------------------------------------------------------------------------------------------------
 # two processes, gloo
 # ----------------------------------------------------------------------------------------------------
-DDP_RUN = SMALL + ["data.micro_batch_size=2", "global_batch_size=8", "trainer.max_steps=2", "eval_every=2",
-                   "logger=none", "trainer.precision=32-true", "callbacks.model_checkpoint.save_top_k=0"]
+DDP_RUN = SMALL + [
+    "data.micro_batch_size=2",
+    "global_batch_size=8",
+    "trainer.max_steps=2",
+    "eval_every=2",
+    "logger=none",
+    "trainer.precision=32-true",
+    "callbacks.model_checkpoint.save_top_k=0",
+]
 
 
 def test_two_process_ddp_matches_one_process(tmp_path):
@@ -62,8 +95,15 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     2 x 2 processes x 2 accumulation; the same samples per optimizer step as one process with 4 accumulation
     steps, hence the same validation loss."""
     run_dir = tmp_path / "ddp"
-    cmd = [NATS_TRAIN, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", f"paths.data_dir={DATA_DIR}",
-           f"hydra.run.dir={run_dir}", *DDP_RUN]
+    cmd = [
+        NATS_TRAIN,
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        f"paths.data_dir={DATA_DIR}",
+        f"hydra.run.dir={run_dir}",
+        *DDP_RUN,
+    ]
     env = dict(os.environ, PROJECT_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -81,9 +121,31 @@ def test_two_process_ddp_matches_one_process(tmp_path):
 def test_ddp_scaling_script_cpu_smoke(tmp_path):
     """benchmarks/ddp_scaling.py end to end on CPU (2 gloo processes vs 1): both runs, the table, the plot."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "ddp_scaling.py"), "--cpu-smoke", "--out", str(out),
-           "--devices", "2", "--micro", "2", "--global-batch", "8", "--steps", "8", "--log-every", "2",
-           "--eval-every", "4", "--min-single-steps", "4", "--budget-s", "240", "--data-dir", str(DATA_DIR)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "ddp_scaling.py"),
+        "--cpu-smoke",
+        "--out",
+        str(out),
+        "--devices",
+        "2",
+        "--micro",
+        "2",
+        "--global-batch",
+        "8",
+        "--steps",
+        "8",
+        "--log-every",
+        "2",
+        "--eval-every",
+        "4",
+        "--min-single-steps",
+        "4",
+        "--budget-s",
+        "240",
+        "--data-dir",
+        str(DATA_DIR),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads((out / "ddp_scaling.json").read_text())

@@ -2,6 +2,7 @@
 (reference.density_terms_reference): rho, coef (the sparsity gradient) and the KV statistics, on awkward lengths,
 windows below, at and above N, rows without globals or with only globals, ties in the weights, and bf16 input.
 On the CPU the kernel runs in Triton's interpreter; on a GPU for real (the `gpu` test)."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,9 @@ def poison(monkeypatch):
 
 
 def random_weights(shape, n, gen, p=(0.2, 0.3, 0.5), dtype=torch.float32):
-    types = torch.multinomial(torch.tensor(p), int(torch.tensor(shape).prod()) * n, replacement=True,
-                              generator=gen).reshape(*shape, n)
+    types = torch.multinomial(
+        torch.tensor(p), int(torch.tensor(shape).prod()) * n, replacement=True, generator=gen
+    ).reshape(*shape, n)
     w = types_to_weights(types, dtype)
     return w + 0.01 * torch.rand(w.shape, generator=gen).to(dtype) * w  # not exactly one-hot: argmax decides
 

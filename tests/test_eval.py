@@ -1,5 +1,6 @@
 """nats-eval: perplexity vs KV budget of a checkpoint (spec sections 6-8), its outputs, and clear errors that
 leave nothing written."""
+
 from __future__ import annotations
 
 import csv
@@ -27,14 +28,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 def make_checkpoint(path: Path, attention: dict, block_size: int = 32, n_layer: int = 2, **model) -> Path:
     """A checkpoint as nats-train writes it (LitGPT state_dict + hyper_parameters), with random weights."""
     torch.manual_seed(0)
-    lit = LitGPT(model={**TINY, "block_size": block_size, "n_layer": n_layer, "attention": attention, **model},
-                 optim={"lr": 1e-3})
+    lit = LitGPT(
+        model={**TINY, "block_size": block_size, "n_layer": n_layer, "attention": attention, **model},
+        optim={"lr": 1e-3},
+    )
     if attention["name"] == "nats":  # spread the scorer so that all three token types occur
         with torch.no_grad():
             for block in lit.model.blocks:
                 block.attn.core.scorer.weight.normal_(0, 1.0)
-    torch.save({"state_dict": lit.state_dict(), "hyper_parameters": dict(lit.hparams),
-                "pytorch-lightning_version": "2.0"}, path)
+    torch.save(
+        {"state_dict": lit.state_dict(), "hyper_parameters": dict(lit.hparams), "pytorch-lightning_version": "2.0"},
+        path,
+    )
     return path
 
 
@@ -62,12 +67,18 @@ def reference_ppl(ckpt: Path, n: int, windows: int, split: str = "test") -> tupl
 def test_eval_nats_checkpoint_all_methods(tmp_path):
     ckpt = make_checkpoint(tmp_path / "nats.ckpt", {"name": "nats", "window": 4})
     out = tmp_path / "out"
-    report = run(eval_cfg(ckpt, out, ["max_windows=3", "batch_size=2", "budgets=[0.5,8]",
-                                      "methods=[full,streaming_llm,h2o,h2o_dense,nats]"]))
+    report = run(
+        eval_cfg(
+            ckpt,
+            out,
+            ["max_windows=3", "batch_size=2", "budgets=[0.5,8]", "methods=[full,streaming_llm,h2o,h2o_dense,nats]"],
+        )
+    )
     assert {p.name for p in out.iterdir()} == set(OUTPUT_FILES)  # no temporary leftovers
     rows = {(r["method"], r["budget"]): r for r in report["results"]}
-    assert set(rows) == {("full", None), ("nats", None)} | {(m, b) for m in ("streaming_llm", "h2o", "h2o_dense")
-                                                            for b in (16, 8)}
+    assert set(rows) == {("full", None), ("nats", None)} | {
+        (m, b) for m in ("streaming_llm", "h2o", "h2o_dense") for b in (16, 8)
+    }
     # spec section 8: windows of N + 1 tokens, ppl = exp(mean NLL); nats and full equal the model's own forward
     ppl, x = reference_ppl(ckpt, 32, 3)
     assert rows[("nats", None)]["ppl"] == pytest.approx(ppl, rel=1e-5)
@@ -106,9 +117,18 @@ def test_eval_sequential_paths_equal_parallel(tmp_path):
     ckpt = make_checkpoint(tmp_path / "nats.ckpt", {"name": "nats", "window": 4}, block_size=24)
     common = ["max_windows=2", "batch_size=2", "budgets=[10]", "methods=[full,streaming_llm,h2o,nats]"]
     par = run(eval_cfg(ckpt, tmp_path / "par", common + ["policies.h2o.sequential=false"]))
-    seq = run(eval_cfg(ckpt, tmp_path / "seq", common + ["policies.full.sequential=true",
-                                                         "policies.streaming_llm.sequential=true",
-                                                         "policies.nats.sequential=true"]))
+    seq = run(
+        eval_cfg(
+            ckpt,
+            tmp_path / "seq",
+            common
+            + [
+                "policies.full.sequential=true",
+                "policies.streaming_llm.sequential=true",
+                "policies.nats.sequential=true",
+            ],
+        )
+    )
     for a, b in zip(par["results"], seq["results"]):
         assert a["method"] == b["method"] and a["sequential"] != b["sequential"]
         assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-5)
@@ -131,8 +151,14 @@ def test_cli_with_defaults(tmp_path):
     ckpt = make_checkpoint(tmp_path / "nats.ckpt", {"name": "nats", "window": 8}, block_size=64, n_layer=1)
     out = tmp_path / "run"
     exe = Path(sys.executable).with_name("nats-eval")
-    cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "nats.eval"]),
-           f"ckpt_path={ckpt}", "max_windows=1", f"hydra.run.dir={out}", f"paths.data_dir={DATA_DIR}"]
+    cmd = [
+        str(exe) if exe.exists() else sys.executable,
+        *([] if exe.exists() else ["-m", "nats.eval"]),
+        f"ckpt_path={ckpt}",
+        "max_windows=1",
+        f"hydra.run.dir={out}",
+        f"paths.data_dir={DATA_DIR}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -199,13 +225,21 @@ def test_bad_budgets(tmp_path):
 
 def test_empty_test_split(tmp_path):
     books = tmp_path / "books"
-    for split, text in (("train", "the quick brown fox " * 200), ("validation", "the lazy dog " * 100),
-                        ("test", "end")):
+    for split, text in (
+        ("train", "the quick brown fox " * 200),
+        ("validation", "the lazy dog " * 100),
+        ("test", "end"),
+    ):
         (books / split).mkdir(parents=True)
         (books / split / "a.txt").write_text(text)
     out = tmp_path / "out"
     ckpt = make_checkpoint(tmp_path / "dense.ckpt", {"name": "dense"})
     with pytest.raises(ValueError, match="test split has no window of N \\+ 1 = 33 tokens"):
-        run(eval_cfg(ckpt, out, ["data=text_dir", f"data.path={books}", f"paths.data_dir={tmp_path / 'data'}",
-                                 "data.num_workers=0"]))
+        run(
+            eval_cfg(
+                ckpt,
+                out,
+                ["data=text_dir", f"data.path={books}", f"paths.data_dir={tmp_path / 'data'}", "data.num_workers=0"],
+            )
+        )
     assert_nothing_written(out)

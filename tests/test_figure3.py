@@ -1,5 +1,6 @@
 """experiments/figure3.py: run naming, the commands it launches (they compose to the intended configs), the report
 on the committed results of the study, pack / report round trip, and (slow) a tiny end-to-end run on the CPU."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -38,8 +39,9 @@ def test_train_command_composes_the_intended_config(tmp_path):
     assert (att.name, att.sparsity_lambda, att.mask_grad, att.window) == ("nats", 1.0, "exact", 16)
     assert cfg.seed == 2 and cfg.trainer.max_steps == 1000 and cfg.data.source == "pg19"
     assert cfg.callbacks.tau_schedule.steps == 1000 and cfg.optim.clip_mode == "separate"
-    dense = compose([a for a in figure3.train_cmd("dense_s1", tmp_path, [], 300)[3:] if not a.startswith("hydra.")],
-                    tmp_path)
+    dense = compose(
+        [a for a in figure3.train_cmd("dense_s1", tmp_path, [], 300)[3:] if not a.startswith("hydra.")], tmp_path
+    )
     assert dense.model.attention.name == "dense" and dense.trainer.max_steps == 300
     assert dense.global_batch_size == dense.data.micro_batch_size == 32 and dense.model.block_size == 1024
 
@@ -91,12 +93,42 @@ def _report_text(root, out):
 @pytest.mark.slow
 def test_tiny_study_end_to_end_on_cpu(tmp_path):
     """train --eval (background processes), status, report: a tiny dense and NAtS model on Gutenberg (~2 min)."""
-    extra = ["model=tiny", "trainer=cpu", "compile=false", "data=gutenberg", "data.micro_batch_size=4",
-             "global_batch_size=4", "trainer.max_steps=6", "eval_every=3", "data.max_eval_windows=4",
-             "data.num_workers=0", "trainer.log_every_n_steps=1", f"paths.data_dir={REPO / 'data'}"]
+    extra = [
+        "model=tiny",
+        "trainer=cpu",
+        "compile=false",
+        "data=gutenberg",
+        "data.micro_batch_size=4",
+        "global_batch_size=4",
+        "trainer.max_steps=6",
+        "eval_every=3",
+        "data.max_eval_windows=4",
+        "data.num_workers=0",
+        "trainer.log_every_n_steps=1",
+        f"paths.data_dir={REPO / 'data'}",
+    ]
     root = tmp_path / "runs"
-    figure3.main(["train", "--eval", "--root", str(root), "--runs", "dense", "nats_l0.05", "--budget-s", "400",
-                  "--max-windows", "4", "--batch-size-dense", "4", "--batch-size-nats", "4", "--extra", *extra])
+    figure3.main(
+        [
+            "train",
+            "--eval",
+            "--root",
+            str(root),
+            "--runs",
+            "dense",
+            "nats_l0.05",
+            "--budget-s",
+            "400",
+            "--max-windows",
+            "4",
+            "--batch-size-dense",
+            "4",
+            "--batch-size-nats",
+            "4",
+            "--extra",
+            *extra,
+        ]
+    )
     for run in ("dense_s1", "nats_l0.05_s1"):
         assert (root / run / "metrics.json").is_file(), (root / run / "train.out").read_text()[-2000:]
         for split in ("validation", "test"):

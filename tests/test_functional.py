@@ -180,11 +180,7 @@ def test_token_counts():
             m = NF.nats_mask(types, W)
             e = R.next_global_index(types == 0)
             kk = torch.arange(N)
-            col = (
-                (types == 0) * (N - kk)
-                + (types == 1) * (e - kk + 1)
-                + (types == 2) * torch.clamp(N - kk, max=W)
-            )
+            col = (types == 0) * (N - kk) + (types == 1) * (e - kk + 1) + (types == 2) * torch.clamp(N - kk, max=W)
             assert torch.equal(m.sum(-2), col)
             c = NF.kv_cache_sizes(types, W)
             assert c.dtype == torch.long
@@ -269,9 +265,7 @@ def test_type_gradients_match_spec_formulas(N, W, Hq, Hkv, mask_grad):
         for kk in range(N):
             ds = sum(d[i, kk] for i in range(kk, min(kk + W - 1, N - 1) + 1))
             dl = sum(d[i, kk] for i in range(kk, e[kk] + 1))
-            seg = sum(
-                d[i, j] for j in range(p[kk] + 1, kk) if t[j] == 1 for i in range(kk + 1, e[kk] + 1)
-            )
+            seg = sum(d[i, j] for j in range(p[kk] + 1, kk) if t[j] == 1 for i in range(kk + 1, e[kk] + 1))
             dg = sum(d[i, kk] for i in range(kk, N)) - seg
             seg_nonzero |= abs(float(seg)) > 1e-6
             exp = torch.tensor([float(dg), float(dl), float(ds)], dtype=F64)
@@ -320,16 +314,12 @@ def test_gradcheck_qkv():
     types = rand_types((1, 2, 9), gen)
     w = NF.types_to_weights(types, F64)
     q, k, v = qkv(1, 4, 2, 9, 3, gen)
-    assert torch.autograd.gradcheck(
-        lambda q, k, v: NF.nats_attention(q, k, v, w, 3, backend="reference"), (q, k, v)
-    )
+    assert torch.autograd.gradcheck(lambda q, k, v: NF.nats_attention(q, k, v, w, 3, backend="reference"), (q, k, v))
 
 
 def _dense(q, k, v):
     G = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(
-        q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), is_causal=True
-    )
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), is_causal=True)
 
 
 @pytest.mark.parametrize("N", [1, 16, 45])
@@ -428,9 +418,11 @@ def test_density_value_and_gradient(N, W):
             e, p = next_prev_brute(t)
             for kk in range(N):
                 nloc = sum(1 for j in range(p[kk] + 1, kk) if t[j] == 1)
-                exp = torch.tensor(
-                    [N - kk - nloc * (e[kk] - kk), e[kk] - kk + 1, min(W, N - kk)], dtype=F64
-                ) * c[a, h] / area
+                exp = (
+                    torch.tensor([N - kk - nloc * (e[kk] - kk), e[kk] - kk + 1, min(W, N - kk)], dtype=F64)
+                    * c[a, h]
+                    / area
+                )
                 torch.testing.assert_close(g_fast[a, h, kk], exp, atol=TOL, rtol=TOL)
 
 

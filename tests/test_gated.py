@@ -1,5 +1,6 @@
 """Gated attention (output gate): a gate fixed at 1 is the ungated model; the diagnostics (first-token
 attention share, mean gate) against direct computation; the gate-study configs."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,17 @@ CORES = ["dense", "softmax_surrogate", "nats"]
 
 def config(core="dense", gate="none", bias=True, causal=True, n_kv_head=None, **attn):
     extra = {"beta": 2.0} if core == "softmax_surrogate" else {}
-    return GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, bias=bias,
-                     causal=causal, attention={"name": core, "output_gate": gate, **extra, **attn})
+    return GPTConfig(
+        vocab_size=97,
+        block_size=32,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=n_kv_head,
+        n_embd=32,
+        bias=bias,
+        causal=causal,
+        attention={"name": core, "output_gate": gate, **extra, **attn},
+    )
 
 
 def pair(core="dense", gate="headwise", **kw):
@@ -73,7 +83,7 @@ def test_headwise_gate_can_close_one_head():
     for gb, pb in zip(gated.blocks, plain.blocks):
         with torch.no_grad():
             gb.attn.gate.bias[h] = -100.0  # sigmoid(-100) ~ 4e-44: closed
-            pb.attn.proj.weight[:, h * D:(h + 1) * D] = 0.0
+            pb.attn.proj.weight[:, h * D : (h + 1) * D] = 0.0
     x = torch.randint(0, 97, (2, 24))
     torch.testing.assert_close(gated(x).logits, plain(x).logits, atol=1e-6, rtol=1e-5)
 
@@ -195,9 +205,16 @@ def test_gated_attention_group_configs(name, gate):
 def test_attention_sink_monitor_logs_in_validation():
     from nats.train import build
 
-    cfg = compose(["experiment=anna_match2", "debug=default", "data.n_train=64", "data.n_test=32",
-                   "model.attention.output_gate=headwise",
-                   "+callbacks.attention_sink._target_=nats.analysis.AttentionSinkMonitor"])
+    cfg = compose(
+        [
+            "experiment=anna_match2",
+            "debug=default",
+            "data.n_train=64",
+            "data.n_test=32",
+            "model.attention.output_gate=headwise",
+            "+callbacks.attention_sink._target_=nats.analysis.AttentionSinkMonitor",
+        ]
+    )
     datamodule, module, trainer = build(cfg)
     assert any(isinstance(c, AttentionSinkMonitor) for c in trainer.callbacks)
     trainer.fit(module, datamodule=datamodule)

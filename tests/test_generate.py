@@ -1,6 +1,7 @@
 """nats-generate: decoding through a KV-cache policy equals greedy decoding of the model's parallel forward (full
 on a dense model, nats on a NAtS model), sampling is seeded, the cache statistics are the policy's, the CLI runs
 end to end, and mistakes get clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ NEW = 20
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     """Tiny models trained 4 steps by nats-train's build: NAtS (window 8) and dense."""
     root = tmp_path_factory.mktemp("generate_runs")
-    return {"nats": train_checkpoint(root / "nats", ["model/attention=nats", "model.attention.window=8"]),
-            "dense": train_checkpoint(root / "dense", ["model/attention=dense"])}
+    return {
+        "nats": train_checkpoint(root / "nats", ["model/attention=nats", "model.attention.window=8"]),
+        "dense": train_checkpoint(root / "dense", ["model/attention=dense"]),
+    }
 
 
 def prompt_ids(batch: int = 1) -> torch.Tensor:
@@ -58,7 +61,7 @@ def test_policy_equals_greedy_parallel_forward(ckpts, kind, policy):
     ref = greedy_parallel(model, idx, NEW)
     out, caches = generate_tokens(model, idx, NEW, policy, vocab_limit=VOCAB_SIZE)
     assert out.shape == (2, idx.shape[1] + NEW)
-    assert torch.equal(out, ref), (out[0, idx.shape[1]:].tolist(), ref[0, idx.shape[1]:].tolist())
+    assert torch.equal(out, ref), (out[0, idx.shape[1] :].tolist(), ref[0, idx.shape[1] :].tolist())
     assert len(caches) == model.config.n_layer and caches[0].t == idx.shape[1] + NEW - 1
     # without the vocabulary limit it is nats.cache.decode.generate's loop (same tokens when none is padding)
     plain, _ = generate_tokens(model, idx, NEW, policy)
@@ -168,7 +171,8 @@ def test_model_of_another_vocabulary(tmp_path):
     from nats.models.gpt import GPTConfig
 
     PretrainedGPT(GPTConfig(vocab_size=100, block_size=32, n_layer=1, n_head=2, n_embd=16)).save_pretrained(
-        tmp_path / "small_vocab")
+        tmp_path / "small_vocab"
+    )
     with pytest.raises(ValueError, match="vocab_size=100 is smaller than the 50257 tokens"):
         run(gen_cfg(tmp_path / "out", [f"model_dir={tmp_path}/small_vocab"]))
 
@@ -179,18 +183,34 @@ def test_cli(ckpts, tmp_path):
     base = [str(exe)] if exe.exists() else [sys.executable, "-m", "nats.generate"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
-    proc = subprocess.run([*base, f"ckpt_path={ckpts['nats']}", "policy=nats", f"prompt='{PROMPT}'",
-                           "max_new_tokens=8", f"hydra.run.dir={out}", f"paths.data_dir={DATA_DIR}"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            *base,
+            f"ckpt_path={ckpts['nats']}",
+            "policy=nats",
+            f"prompt='{PROMPT}'",
+            "max_new_tokens=8",
+            f"hydra.run.dir={out}",
+            f"paths.data_dir={DATA_DIR}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert PROMPT in proc.stdout and "policy nats:" in proc.stdout and "KV fraction" in proc.stdout
     assert "token types: global" in proc.stdout
     report = json.loads((out / "generation.json").read_text())
     assert report["policy"] == "nats" and len(report["tokens"][0]) == report["prompt_tokens"] + 8
     assert "KV fraction" in (out / "generate.log").read_text()
-    proc = subprocess.run([*base, f"ckpt_path={ckpts['dense']}", "policy=nats", f"hydra.run.dir={tmp_path}/bad",
-                           "max_new_tokens=4"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [*base, f"ckpt_path={ckpts['dense']}", "policy=nats", f"hydra.run.dir={tmp_path}/bad", "max_new_tokens=4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode != 0 and "needs a model with nats attention" in proc.stderr
 
 

@@ -1,6 +1,7 @@
 """nats.hub: save_pretrained / from_pretrained (config.json + model.safetensors, or pytorch_model.bin without
 safetensors) give the identical model, a NAtS model with its scorers and attention config; export of a nats-train
 checkpoint to that folder; clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,23 @@ from nats.models.gpt import GPT, GPTConfig
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 # a tiny model trained a few steps by nats-train's own build (data: the Gutenberg cache)
-TINY_RUN = ["model.block_size=64", "model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.n_kv_head=2",
-            "data.micro_batch_size=4", "global_batch_size=4", "trainer.max_steps=4", "eval_every=4",
-            "data.max_eval_windows=2", "optim.lr=1e-2", "optim.warmup_steps=1", "callbacks=none", "logger=none",
-            "trainer.enable_progress_bar=false"]
+TINY_RUN = [
+    "model.block_size=64",
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "data.micro_batch_size=4",
+    "global_batch_size=4",
+    "trainer.max_steps=4",
+    "eval_every=4",
+    "data.max_eval_windows=2",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=1",
+    "callbacks=none",
+    "logger=none",
+    "trainer.enable_progress_bar=false",
+]
 
 
 def train_checkpoint(run_dir: Path, attention: list[str]) -> Path:
@@ -121,9 +135,20 @@ def test_without_safetensors_torch_weights(tmp_path, monkeypatch):
     """No safetensors package: pytorch_model.bin; saving again with it replaces the stale file."""
     torch.manual_seed(0)
     # untied head, learned positions, biases, GQA and an output gate: every kind of weight
-    model = GPT(GPTConfig(vocab_size=50304, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                          pos_emb="learned", tie_embeddings=False, bias=True,
-                          attention={"name": "dense", "output_gate": "headwise"}))
+    model = GPT(
+        GPTConfig(
+            vocab_size=50304,
+            block_size=48,
+            n_layer=2,
+            n_head=4,
+            n_kv_head=2,
+            n_embd=32,
+            pos_emb="learned",
+            tie_embeddings=False,
+            bias=True,
+            attention={"name": "dense", "output_gate": "headwise"},
+        )
+    )
     monkeypatch.setattr(hub, "_has_safetensors", lambda: False)
     save_pretrained(model, tmp_path / "m")
     assert {p.name for p in (tmp_path / "m").iterdir()} == {CONFIG_NAME, TORCH_NAME, "README.md"}

@@ -151,14 +151,17 @@ def compact_ranges_py(plan, b, h, m0, m1, window):
     n_g, n_l = int(cg[-1]), int(cl[-1])
     p = int(plan[b, h, _plan.P_ROW, m0])
     s_first = m0 - window + 1
-    entries = order[:int(cg[m1])].tolist()
+    entries = order[: int(cg[m1])].tolist()
     if p + 1 >= s_first:  # one range of ORD2: the non-globals at positions >= s_first
         lo = s_first - int(cg[s_first - 1]) if s_first > 0 else 0
-        return entries + order2[n_g + lo:n_g + m1 + 1 - int(cg[m1])].tolist()
+        return entries + order2[n_g + lo : n_g + m1 + 1 - int(cg[m1])].tolist()
     l_lo = int(cl[p]) if p >= 0 else 0
     s_lo = int(cs[s_first - 1]) if s_first > 0 else 0
-    return (entries + order[n_g + l_lo:n_g + int(cl[m1])].tolist()
-            + order[n_g + n_l + s_lo:n_g + n_l + int(cs[m1])].tolist())
+    return (
+        entries
+        + order[n_g + l_lo : n_g + int(cl[m1])].tolist()
+        + order[n_g + n_l + s_lo : n_g + n_l + int(cs[m1])].tolist()
+    )
 
 
 def test_compact_plan():
@@ -166,8 +169,14 @@ def test_compact_plan():
     query block hold every key it sees, each once."""
     gen = torch.Generator().manual_seed(3)
     bm = 16
-    for mix, n, w in [("uniform", 100, 3), ("few_global", 257, 40), ("all_sliding", 130, 1),
-                      ("all_local", 64, 5), ("sparse", 200, 500), ("all_global", 33, 2)]:
+    for mix, n, w in [
+        ("uniform", 100, 3),
+        ("few_global", 257, 40),
+        ("all_sliding", 130, 1),
+        ("all_local", 64, 5),
+        ("sparse", 200, 500),
+        ("all_global", 33, 2),
+    ]:
         t = make_types(2, 2, n, mix, gen).to(DEVICE)
         for src in (t, types_to_weights(t)):
             types, plan = compact_plan(src, w)
@@ -175,7 +184,7 @@ def test_compact_plan():
             order, lim, cum = compact_order(t, min(w, n + 1))
             assert torch.equal(plan[:, :, _plan.ORD_ROW], order)
             assert torch.equal(plan[:, :, _plan.LIM_ROW], lim)
-            assert torch.equal(plan[:, :, _plan.CG_ROW:_plan.CS_ROW + 1], cum)
+            assert torch.equal(plan[:, :, _plan.CG_ROW : _plan.CS_ROW + 1], cum)
             assert torch.equal(plan[:, :, _plan.E_ROW].long(), next_global(t))
             assert torch.equal(plan[:, :, _plan.P_ROW].long(), prev_global(t))
             want2 = torch.sort(torch.where(t == 0, 0, n) + torch.arange(n, device=t.device), dim=-1).values % n
@@ -189,7 +198,7 @@ def test_compact_plan():
                     m1 = min(m0 + bm, n) - 1
                     listed = compact_ranges_py(plan, b, h, m0, m1, w)
                     assert len(set(listed)) == len(listed)
-                    needed = set(torch.nonzero(mask[b, h, m0:m1 + 1].any(0)).flatten().tolist())
+                    needed = set(torch.nonzero(mask[b, h, m0 : m1 + 1].any(0)).flatten().tolist())
                     assert needed <= set(listed)
 
 
@@ -323,8 +332,10 @@ def test_prefill_int8_types_and_training_forward_agree():
 # ----------------------------------------------------------------------------------------------------
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("N,W,mix,D", [(1000, 64, "sparse", 64), (4096, 256, "few_global", 128),
-                                       (8192, 128, "uniform", 128), (3001, 4096, "sparse", 32)])
+@pytest.mark.parametrize(
+    "N,W,mix,D",
+    [(1000, 64, "sparse", 64), (4096, 256, "few_global", 128), (8192, 128, "uniform", 128), (3001, 4096, "sparse", 32)],
+)
 def test_gpu_training_bf16(N, W, mix, D):
     q, k, v, do, types = make_inputs(1, 4, 2, N, D, torch.bfloat16, mix, seed=N)
     got, want = run_both(q, k, v, do, types, W, ref_dtype=torch.float32)

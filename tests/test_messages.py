@@ -1,5 +1,6 @@
 """Issue 14 parts 3, 6 and 8: what a user types or feeds in that is wrong gets a message naming the problem and the
 fix, and the documented way to add the temperature schedule composes and instantiates."""
+
 from __future__ import annotations
 
 import re
@@ -83,8 +84,9 @@ def _module_from(tmp_path: Path, block_size: int = 16) -> D.TokenDataModule:
         tokens = np.asarray(D.open_token_bin(src.cache_path / f"{split}.bin"))[:2000]
         D.write_token_bin(folder / f"{split}.bin", [tokens])
     (folder / "meta.json").write_text((src.cache_path / "meta.json").read_text())
-    return D.TokenDataModule("gutenberg", str(DATA_DIR), block_size=block_size, micro_batch_size=2,
-                             cache_path=str(folder))
+    return D.TokenDataModule(
+        "gutenberg", str(DATA_DIR), block_size=block_size, micro_batch_size=2, cache_path=str(folder)
+    )
 
 
 def test_token_id_outside_the_header_vocabulary_names_the_file(tmp_path):
@@ -136,10 +138,18 @@ def test_model_vocabulary_smaller_than_the_data_stops_a_real_fit(tmp_path):
     from nats.lit import LitGPT
 
     dm = _module_from(tmp_path)
-    lit = LitGPT(model={"vocab_size": 1000, "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16},
-                 optim={"lr": 1e-3})
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    lit = LitGPT(
+        model={"vocab_size": 1000, "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16}, optim={"lr": 1e-3}
+    )
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     with pytest.raises(ValueError, match=r"model\.vocab_size=1000 is smaller than the vocabulary"):
         trainer.fit(lit, datamodule=dm)
 
@@ -178,8 +188,9 @@ def test_odd_rope_head_dimension_shows_the_value_and_the_fix():
 def test_eval_max_windows_below_one_names_max_windows(tmp_path, value):
     from nats.eval import evaluate
 
-    cfg = compose([f"ckpt_path={tmp_path}/missing.ckpt", f"max_windows={value}", "progress=false"], tmp_path,
-                  config_name="eval")
+    cfg = compose(
+        [f"ckpt_path={tmp_path}/missing.ckpt", f"max_windows={value}", "progress=false"], tmp_path, config_name="eval"
+    )
     with pytest.raises(ValueError) as err:
         evaluate(cfg)  # checked before the checkpoint is read
     msg = str(err.value)
@@ -195,7 +206,8 @@ def test_eval_model_vocabulary_smaller_than_the_data(tmp_path):
     from nats.eval import evaluate
 
     ckpt = make_checkpoint(tmp_path / "small.ckpt", {"name": "dense"}, vocab_size=1000)
-    cfg = compose([f"ckpt_path={ckpt}", "max_windows=1", "progress=false", "methods=[full]"], tmp_path,
-                  config_name="eval")
+    cfg = compose(
+        [f"ckpt_path={ckpt}", "max_windows=1", "progress=false", "methods=[full]"], tmp_path, config_name="eval"
+    )
     with pytest.raises(ValueError, match=r"model\.vocab_size=1000.*50257"):
         evaluate(cfg)

@@ -1,4 +1,5 @@
 """The GPT model: shapes, causality, GQA, positions, the output gate, the config."""
+
 from __future__ import annotations
 
 import pytest

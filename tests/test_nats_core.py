@@ -1,4 +1,5 @@
 """The `nats` attention core in the model: types, determinism, gradients, sparsity objective, logging."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,15 @@ from nats.train import run
 
 def tiny_nats(**attention) -> GPT:
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=97, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                    attention={"name": "nats", "window": 4, **attention})
+    cfg = GPTConfig(
+        vocab_size=97,
+        block_size=48,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=32,
+        attention={"name": "nats", "window": 4, **attention},
+    )
     return GPT(cfg)
 
 
@@ -110,17 +118,31 @@ def test_stats_and_report_match_the_mask():
 def test_bad_window_and_noncausal():
     with pytest.raises(ValueError, match="window must be an integer >= 1"):
         tiny_nats(window=0)
-    cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=1, n_head=2, n_embd=16, causal=False,
-                    attention={"name": "nats"})
+    cfg = GPTConfig(
+        vocab_size=97, block_size=16, n_layer=1, n_head=2, n_embd=16, causal=False, attention={"name": "nats"}
+    )
     with pytest.raises(ValueError, match="causal only"):
         GPT(cfg)(torch.zeros(1, 8, dtype=torch.long))
 
 
 def _final_density(tmp_path, lam: float) -> float:
-    overrides = ["model/attention=nats", f"model.attention.sparsity_lambda={lam}", "model.attention.window=4",
-                 "model.block_size=64", "data.micro_batch_size=4", "global_batch_size=4", "trainer.max_steps=40",
-                 "optim.warmup_steps=5", "optim.lr=3e-3", "eval_every=40", "data.max_eval_windows=8",
-                 "logger=csv", "callbacks.progress_bar=null", "callbacks.throughput=null", "seed=3"]
+    overrides = [
+        "model/attention=nats",
+        f"model.attention.sparsity_lambda={lam}",
+        "model.attention.window=4",
+        "model.block_size=64",
+        "data.micro_batch_size=4",
+        "global_batch_size=4",
+        "trainer.max_steps=40",
+        "optim.warmup_steps=5",
+        "optim.lr=3e-3",
+        "eval_every=40",
+        "data.max_eval_windows=8",
+        "logger=csv",
+        "callbacks.progress_bar=null",
+        "callbacks.throughput=null",
+        "seed=3",
+    ]
     metrics = run(compose(overrides, tmp_path / str(lam)))
     return metrics["val/density"]
 

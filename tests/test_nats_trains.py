@@ -23,6 +23,7 @@ default 2e-3 the tiny model does not get there this soon. The dense model and th
 well at 1e-2. Block size 64 and batch 4 keep the two runs cheap on CPU (the 50k-token LM head dominates the
 cost): ~30 s together on one core.
 """
+
 from __future__ import annotations
 
 import csv
@@ -35,15 +36,26 @@ from conftest import compose
 from nats.train import build
 
 STEPS = 30
-RUN = ["model.block_size=64", "global_batch_size=4", "data.micro_batch_size=4", "optim.lr=1e-2",
-       "optim.warmup_steps=10", f"trainer.max_steps={STEPS}", f"eval_every={STEPS}", "data.max_eval_windows=16",
-       "final_validation=false", "logger=csv", "trainer.log_every_n_steps=1", "callbacks=none",
-       "trainer.enable_progress_bar=false"]
-NATS = ["model/attention=nats"]    # every NAtS and clipping option at its default
+RUN = [
+    "model.block_size=64",
+    "global_batch_size=4",
+    "data.micro_batch_size=4",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=10",
+    f"trainer.max_steps={STEPS}",
+    f"eval_every={STEPS}",
+    "data.max_eval_windows=16",
+    "final_validation=false",
+    "logger=csv",
+    "trainer.log_every_n_steps=1",
+    "callbacks=none",
+    "trainer.enable_progress_bar=false",
+]
+NATS = ["model/attention=nats"]  # every NAtS and clipping option at its default
 DENSE = ["model/attention=dense"]
-FIRST, LAST = 5, 10                # the training loss compared: means over the first / last steps
-LOSS_TOL = 0.2                     # nats (NAtS may do better, not worse by more); the loss falls by ~3
-SCORER_OVER_BACKBONE = 2.0         # the dense estimator peaks at 0.5 here; `exact` passes 1e3 by step 14
+FIRST, LAST = 5, 10  # the training loss compared: means over the first / last steps
+LOSS_TOL = 0.2  # nats (NAtS may do better, not worse by more); the loss falls by ~3
+SCORER_OVER_BACKBONE = 2.0  # the dense estimator peaks at 0.5 here; `exact` passes 1e3 by step 14
 
 
 def train(run_dir: Path, overrides: list[str]) -> tuple[dict[int, dict[str, float]], float, float]:
@@ -85,7 +97,7 @@ def test_scorer_never_shrinks_the_backbone_update(runs):
     shrunk, clipped = [], 0
     for step, m in sorted(steps.items()):
         backbone, scorer = m["train/grad_norm_backbone"], m["train/grad_norm_scorer"]
-        assert m["train/grad_norm"] ** 2 == pytest.approx(backbone ** 2 + scorer ** 2, rel=1e-4), step
+        assert m["train/grad_norm"] ** 2 == pytest.approx(backbone**2 + scorer**2, rel=1e-4), step
         alone = min(1.0, clip / (backbone + 1e-6))  # the factor the backbone's own norm calls for
         clipped += alone < 1.0
         share = m["train/grad_clip_coef_backbone"] / alone
@@ -94,7 +106,8 @@ def test_scorer_never_shrinks_the_backbone_update(runs):
     assert not shrunk, (
         f"the scorers' gradient shrank the backbone's update at {len(shrunk)} of {STEPS} steps; worst: step "
         f"{min(shrunk)[1]}, scaled by {min(shrunk)[0]:.3g} x what its own norm ({min(shrunk)[2]:.3g}) calls for "
-        f"(scorer norm {min(shrunk)[3]:.3g})")
+        f"(scorer norm {min(shrunk)[3]:.3g})"
+    )
     assert clipped >= 5, "clipping was hardly ever active: the check above would say little"
 
 
@@ -106,7 +119,8 @@ def test_scorer_gradient_stays_below_the_backbone(runs):
     worst = max(ratio, key=ratio.get)
     assert not over, (
         f"scorer gradient norm >= {SCORER_OVER_BACKBONE} x the backbone's at steps {over}; worst: step {worst}, "
-        f"{steps[worst]['train/grad_norm_scorer']:.3g} against {steps[worst]['train/grad_norm_backbone']:.3g}")
+        f"{steps[worst]['train/grad_norm_scorer']:.3g} against {steps[worst]['train/grad_norm_backbone']:.3g}"
+    )
 
 
 def test_nats_loss_falls_like_dense(runs):
@@ -116,9 +130,11 @@ def test_nats_loss_falls_like_dense(runs):
         return sum(steps[s]["train/loss"] for s in which) / len(which)
 
     first, last = range(FIRST), range(STEPS - LAST, STEPS)
-    report = (f"train loss, first {FIRST} / last {LAST} steps: nats {loss(nats, first):.3f} / {loss(nats, last):.3f}, "
-              f"dense {loss(dense, first):.3f} / {loss(dense, last):.3f}; val loss: nats {nats_val:.3f}, "
-              f"dense {dense_val:.3f}")
+    report = (
+        f"train loss, first {FIRST} / last {LAST} steps: nats {loss(nats, first):.3f} / {loss(nats, last):.3f}, "
+        f"dense {loss(dense, first):.3f} / {loss(dense, last):.3f}; val loss: nats {nats_val:.3f}, "
+        f"dense {dense_val:.3f}"
+    )
     for steps in (dense, nats):  # both learn: ~10.4 -> ~7.3
         assert loss(steps, last) < loss(steps, first) - 2.5, report
     assert loss(nats, last) < loss(dense, last) + LOSS_TOL, report

@@ -1,5 +1,6 @@
 """notebooks/kv_budget_analysis.ipynb: stored without outputs, and it runs (nbclient) on the output of a real
 pipeline: a tiny NAtS model trained for a few steps by nats-train, then evaluated by nats-eval."""
+
 from __future__ import annotations
 
 import os
@@ -31,15 +32,33 @@ def test_notebook_runs_on_a_trained_and_evaluated_model(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     try:
         train_dir = tmp_path / "train"
-        run_train(compose(["model/attention=nats", "model.attention.window=4", "model.block_size=32",
-                           "model.n_layer=2", "data.micro_batch_size=2", "global_batch_size=2",
-                           "trainer.max_steps=3", "eval_every=3", "data.max_eval_windows=2", "logger=none",
-                           "callbacks.throughput=null", "callbacks.progress_bar=null", "final_validation=false"],
-                          train_dir))
+        run_train(
+            compose(
+                [
+                    "model/attention=nats",
+                    "model.attention.window=4",
+                    "model.block_size=32",
+                    "model.n_layer=2",
+                    "data.micro_batch_size=2",
+                    "global_batch_size=2",
+                    "trainer.max_steps=3",
+                    "eval_every=3",
+                    "data.max_eval_windows=2",
+                    "logger=none",
+                    "callbacks.throughput=null",
+                    "callbacks.progress_bar=null",
+                    "final_validation=false",
+                ],
+                train_dir,
+            )
+        )
         ckpt = train_dir / "checkpoints" / "last.ckpt"
         eval_dir = tmp_path / "eval"
-        report = run_eval(compose([f"ckpt_path={ckpt}", "max_windows=2", "batch_size=2", "progress=false"], eval_dir,
-                                  config_name="eval"))
+        report = run_eval(
+            compose(
+                [f"ckpt_path={ckpt}", "max_windows=2", "batch_size=2", "progress=false"], eval_dir, config_name="eval"
+            )
+        )
     finally:
         torch.set_num_threads(n)
     assert {r["method"] for r in report["results"]} == {"full", "streaming_llm", "h2o", "nats"}
@@ -47,8 +66,9 @@ def test_notebook_runs_on_a_trained_and_evaluated_model(tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     monkeypatch.setenv("NATS_EVAL_DIR", str(eval_dir))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(REPO / "notebooks")}})
+    client = NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}}
+    )
     client.execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]

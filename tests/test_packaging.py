@@ -1,5 +1,6 @@
 """Packaging: what pyproject.toml installs (every package folder, the Hydra configs as package data), the config
 lookup of an installed nats, a wheel that runs from another folder (slow), and nats without triton (macOS)."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -44,7 +45,8 @@ def test_every_package_folder_is_installed():
                 continue
             assert folder.resolve() in installed_as, (
                 f"{folder.relative_to(REPO)}/ holds Python files but is not in [tool.setuptools] packages "
-                "of pyproject.toml: add it there")
+                "of pyproject.toml: add it there"
+            )
 
 
 def test_kernels_and_configs_are_mapped():
@@ -60,11 +62,19 @@ def test_every_config_is_package_data():
     """Every file of conf/ matches the package-data patterns of nats.conf, so the wheel's nats/conf is the whole
     config tree (the slow wheel test below builds one and runs from it)."""
     patterns = SETUPTOOLS["package-data"]["nats.conf"]
-    files = [p.relative_to(REPO / "conf").as_posix() for p in (REPO / "conf").rglob("*") if p.is_file()
-             and "__pycache__" not in p.parts]
+    files = [
+        p.relative_to(REPO / "conf").as_posix()
+        for p in (REPO / "conf").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    ]
     assert "train.yaml" in files and len(files) > 20
-    missing = [f for f in files if not any(fnmatch.fnmatch(f, pat) if "/" in pat else "/" not in f
-                                           and fnmatch.fnmatch(f, pat) for pat in patterns)]
+    missing = [
+        f
+        for f in files
+        if not any(
+            fnmatch.fnmatch(f, pat) if "/" in pat else "/" not in f and fnmatch.fnmatch(f, pat) for pat in patterns
+        )
+    ]
     assert not missing, f"conf/ files outside the package data of nats.conf in pyproject.toml: {missing}"
 
 
@@ -95,18 +105,35 @@ def test_wheel_runs_from_another_folder(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
-                   check=True, cwd=tmp_path, timeout=300)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
+        check=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     (wheel,) = wheels.glob("*.whl")
-    subprocess.run([*pip, "install", "--no-deps", "--no-compile", "--target", str(site), str(wheel)], check=True,
-                   cwd=tmp_path, timeout=300)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--no-compile", "--target", str(site), str(wheel)],
+        check=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert (site / "nats" / "conf" / "train.yaml").is_file() and (site / "nats_kernels" / "__init__.py").is_file()
     env = {k: v for k, v in os.environ.items() if k not in ("PROJECT_ROOT", "PYTHONPATH")}
     env["PYTHONPATH"] = str(site)
     where = subprocess.run(
-        [sys.executable, "-c", "import nats, nats_kernels, nats.utils as u; "
-                               "print(nats.__file__); print(nats_kernels.__file__); print(u.CONF_DIR)"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-c",
+            "import nats, nats_kernels, nats.utils as u; "
+            "print(nats.__file__); print(nats_kernels.__file__); print(u.CONF_DIR)",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert where.returncode == 0, where.stderr
     assert all(Path(line).is_relative_to(site) for line in where.stdout.split()), where.stdout
     script = site / "bin" / "nats-train"

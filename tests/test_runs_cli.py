@@ -2,6 +2,7 @@
 `resume=<run folder>` / `resume=latest` continuing an interrupted run in its folder, a corrupt checkpoint stopping
 with the project's own message and a `failed.json`, the run's log in `train.log`, the progress bar counting
 optimizer steps, and a mistyped option naming the valid ones."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,20 @@ sys.path.insert(0, str(REPO / "experiments"))
 import collect  # noqa: E402  (experiments/collect.py)
 
 NATS_TRAIN = str(Path(sys.executable).parent / "nats-train")
-SMALL = ["model.block_size=32", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.max_eval_windows=4",
-         "data.micro_batch_size=2", "global_batch_size=4", "eval_every=2", "logger=none",
-         "callbacks.throughput=null", "final_validation=false", f"paths.data_dir={DATA_DIR}"]
+SMALL = [
+    "model.block_size=32",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "data.max_eval_windows=4",
+    "data.micro_batch_size=2",
+    "global_batch_size=4",
+    "eval_every=2",
+    "logger=none",
+    "callbacks.throughput=null",
+    "final_validation=false",
+    f"paths.data_dir={DATA_DIR}",
+]
 
 
 def nats_train(args: list[str], root: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -39,8 +51,12 @@ def test_runs_started_together_get_their_own_folders(tmp_path):
     made their folders; each folder records its own failure."""
     env = dict(os.environ, PROJECT_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
     cmd = [NATS_TRAIN, *SMALL, "eval_every=0"]
-    procs = [subprocess.Popen([*cmd, f"seed={s}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=tmp_path) for s in (1, 2)]
+    procs = [
+        subprocess.Popen(
+            [*cmd, f"seed={s}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
+        )
+        for s in (1, 2)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode != 0 and "eval_every must be >= 1" in err
@@ -85,8 +101,13 @@ def test_resume_argv_merges_the_saved_overrides(tmp_path):
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text("- model/attention=nats\n- trainer.max_steps=100\n- seed=3\n")
     argv = resume_argv([f"resume={run_dir}", "trainer.max_steps=200"], tmp_path)
-    assert argv == ["model/attention=nats", "seed=3", "trainer.max_steps=200", "ckpt_path=auto",
-                    f"hydra.run.dir={run_dir}"]
+    assert argv == [
+        "model/attention=nats",
+        "seed=3",
+        "trainer.max_steps=200",
+        "ckpt_path=auto",
+        f"hydra.run.dir={run_dir}",
+    ]
     assert resume_argv(["seed=1"], tmp_path) == ["seed=1"]  # no resume=: unchanged
     with pytest.raises(FileNotFoundError, match="not the folder of a nats-train run"):
         resume_argv([f"resume={tmp_path / 'nope'}"], tmp_path)
@@ -107,8 +128,17 @@ def test_checkpoint_step_reports_garbage_with_the_fix(tmp_path):
 
 def test_progress_bar_counts_optimizer_steps(tmp_path):
     """4 micro-batches per optimizer step: the stock TQDM bar would end at 12 micro-batches (of a total of 3)."""
-    cfg = compose([*SMALL, "global_batch_size=8", "trainer.max_steps=3", "eval_every=3",
-                   "callbacks.progress_bar.refresh_rate=1", "ckpt_path=null"], tmp_path)
+    cfg = compose(
+        [
+            *SMALL,
+            "global_batch_size=8",
+            "trainer.max_steps=3",
+            "eval_every=3",
+            "callbacks.progress_bar.refresh_rate=1",
+            "ckpt_path=null",
+        ],
+        tmp_path,
+    )
     datamodule, module, trainer = build(cfg)
     trainer.fit(module, datamodule=datamodule)
     (bar,) = [c for c in trainer.callbacks if type(c).__name__ == "StepProgressBar"]
@@ -120,13 +150,20 @@ def test_progress_bar_counts_optimizer_steps(tmp_path):
     assert "train/loss=" in str(bar.train_progress_bar.postfix) and "lr=" in str(bar.train_progress_bar.postfix)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("+trainer.max_step=4",
-     r"trainer \(lightning.*Trainer\) has no option 'max_step' \(did you mean trainer.max_steps\?\)"),
-    ("+callbacks.progress_bar.refresh=4",
-     r"callbacks.progress_bar \(nats.callbacks.StepProgressBar\) has no option 'refresh' \(did you mean "
-     r"callbacks.progress_bar.refresh_rate\?\)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "+trainer.max_step=4",
+            r"trainer \(lightning.*Trainer\) has no option 'max_step' \(did you mean trainer.max_steps\?\)",
+        ),
+        (
+            "+callbacks.progress_bar.refresh=4",
+            r"callbacks.progress_bar \(nats.callbacks.StepProgressBar\) has no option 'refresh' \(did you mean "
+            r"callbacks.progress_bar.refresh_rate\?\)",
+        ),
+    ],
+)
 def test_mistyped_option_names_the_valid_ones(override, message, tmp_path):
     with pytest.raises(TypeError, match=message):
         build(compose([*SMALL, override], tmp_path))

@@ -4,6 +4,7 @@
 scorer gradient cannot scale the backbone's update down; `global` is one norm over everything (the behaviour
 before). The tests compose the real configs and train through Lightning, as nats-train does.
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,8 +24,16 @@ INFLATE = 1e6  # what the scorer's gradient is multiplied by: the 2e3 -> 1e6 gro
 
 def small(overrides: list[str]) -> list[str]:
     """Tiny model on the Gutenberg data, 2 micro-batches of 2 per optimizer step (so accumulation is on)."""
-    return ["model.block_size=32", "data.micro_batch_size=2", "global_batch_size=4", "data.max_eval_windows=2",
-            "callbacks=none", "final_validation=false", "trainer.enable_progress_bar=false", *overrides]
+    return [
+        "model.block_size=32",
+        "data.micro_batch_size=2",
+        "global_batch_size=4",
+        "data.max_eval_windows=2",
+        "callbacks=none",
+        "final_validation=false",
+        "trainer.enable_progress_bar=false",
+        *overrides,
+    ]
 
 
 def backbone_and_scorer(module) -> tuple[dict[str, torch.nn.Parameter], dict[str, torch.nn.Parameter]]:
@@ -119,7 +128,8 @@ def test_global_is_clip_grad_norm_bit_for_bit(tmp_path):
 
 def test_separate_clips_each_group_to_its_bound(tmp_path):
     module, raw, clipped = grads_after_clip(
-        tmp_path, ["model/attention=nats", "optim.clip_mode=separate", "optim.scorer_grad_clip=0.01"], inflate=1e3)
+        tmp_path, ["model/attention=nats", "optim.clip_mode=separate", "optim.scorer_grad_clip=0.01"], inflate=1e3
+    )
     backbone, scorer = backbone_and_scorer(module)
     assert norm(raw[n] for n in scorer) > 0.01 and norm(raw[n] for n in backbone) > 1.0  # both groups clipped
     assert norm(clipped[n] for n in scorer) == pytest.approx(0.01, rel=1e-4)
@@ -137,8 +147,11 @@ def test_separate_clips_each_group_to_its_bound(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 def test_inflated_scorer_gradient_cannot_starve_the_backbone(tmp_path):
     steps = ["model/attention=nats", "trainer.max_steps=1", "logger=none"]
-    runs = {(mode, inflate): fit(tmp_path / f"{mode}-{inflate}", steps + [f"optim.clip_mode={mode}"], inflate)
-            for mode in ("separate", "global") for inflate in (None, INFLATE)}
+    runs = {
+        (mode, inflate): fit(tmp_path / f"{mode}-{inflate}", steps + [f"optim.clip_mode={mode}"], inflate)
+        for mode in ("separate", "global")
+        for inflate in (None, INFLATE)
+    }
     module = runs["separate", None][0]
     backbone, scorer = backbone_and_scorer(module)
 
@@ -181,8 +194,16 @@ def test_gradient_norms_logged_on_log_steps(attention, tmp_path, monkeypatch):
     calls = []
     foreach_norm = torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or foreach_norm(*a, **k))
-    fit(tmp_path, [f"model/attention={attention}", "trainer.max_steps=4", "trainer.log_every_n_steps=2",
-                   "logger=csv", "optim.grad_clip=0.5"])
+    fit(
+        tmp_path,
+        [
+            f"model/attention={attention}",
+            "trainer.max_steps=4",
+            "trainer.log_every_n_steps=2",
+            "logger=csv",
+            "optim.grad_clip=0.5",
+        ],
+    )
     rows = logged_rows(tmp_path)
     loss_steps = sorted(int(r["step"]) for r in rows if r.get("train/loss"))
     norm_rows = [r for r in rows if r.get("train/grad_norm")]
@@ -193,7 +214,7 @@ def test_gradient_norms_logged_on_log_steps(attention, tmp_path, monkeypatch):
         coef = float(r["train/grad_clip_coef_backbone"])
         if attention == "nats":
             scorer = float(r["train/grad_norm_scorer"])
-            assert 0 < scorer < total and total ** 2 == pytest.approx(scorer ** 2 + backbone ** 2, rel=1e-5)
+            assert 0 < scorer < total and total**2 == pytest.approx(scorer**2 + backbone**2, rel=1e-5)
             assert coef == pytest.approx(min(1.0, 0.5 / (backbone + 1e-6)), rel=1e-5)
             assert float(r["train/grad_clip_coef_scorer"]) == pytest.approx(min(1.0, 0.5 / (scorer + 1e-6)), rel=1e-5)
         else:
@@ -206,8 +227,16 @@ def test_norms_without_clipping_only_on_log_steps(tmp_path, monkeypatch):
     calls = []
     foreach_norm = torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or foreach_norm(*a, **k))
-    fit(tmp_path, ["model/attention=nats", "trainer.max_steps=4", "trainer.log_every_n_steps=2", "logger=csv",
-                   "optim.grad_clip=null"])
+    fit(
+        tmp_path,
+        [
+            "model/attention=nats",
+            "trainer.max_steps=4",
+            "trainer.log_every_n_steps=2",
+            "logger=csv",
+            "optim.grad_clip=null",
+        ],
+    )
     rows = [r for r in logged_rows(tmp_path) if r.get("train/grad_norm_scorer")]
     assert sorted(int(r["step"]) for r in rows) == [1, 3] and len(calls) == 2
     assert not any(r.get("train/grad_clip_coef_backbone") for r in logged_rows(tmp_path))

@@ -1,15 +1,29 @@
 """experiments/ (studies) and benchmarks/ (speed): scripts that do not lean on tests/, and docs whose script paths
 exist (issue 15 part 5)."""
+
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted([*REPO.glob("experiments/*.py"), *REPO.glob("experiments/*.sh"),
-                  *REPO.glob("benchmarks/*.py"), *REPO.glob("benchmarks/*.sh")])
-DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", REPO / "slurm" / "README.md", *REPO.glob("docs/*.md"),
-        *REPO.glob("benchmarks/*.md"), *REPO.glob("experiments/*.md"), *REPO.glob("*/results/README.md")]
+SCRIPTS = sorted(
+    [
+        *REPO.glob("experiments/*.py"),
+        *REPO.glob("experiments/*.sh"),
+        *REPO.glob("benchmarks/*.py"),
+        *REPO.glob("benchmarks/*.sh"),
+    ]
+)
+DOCS = [
+    REPO / "README.md",
+    REPO / "CONTRIBUTING.md",
+    REPO / "slurm" / "README.md",
+    *REPO.glob("docs/*.md"),
+    *REPO.glob("benchmarks/*.md"),
+    *REPO.glob("experiments/*.md"),
+    *REPO.glob("*/results/README.md"),
+]
 
 
 def test_both_folders_have_scripts_and_a_readme():
@@ -24,7 +38,8 @@ def test_no_script_imports_tests():
     for path in SCRIPTS:
         text = path.read_text()
         assert not re.search(r"""["'/]tests["']\)|/ ["']tests["']|from conftest|import conftest""", text), (
-            f"{path.relative_to(REPO)} uses tests/: compose configs with nats.train.compose_config instead")
+            f"{path.relative_to(REPO)} uses tests/: compose configs with nats.train.compose_config instead"
+        )
 
 
 def test_no_machine_specific_checkout_paths():

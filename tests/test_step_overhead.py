@@ -10,6 +10,7 @@
   tau schedule and a final ``trainer.validate``, with a NAtS model on the Triton backend whose kernel cache is
   empty when the run starts (the `_TRITON_BACKEND` guard of the issue).
 """
+
 from __future__ import annotations
 
 import csv
@@ -24,12 +25,28 @@ from nats.attention.nats import NAtSAttention
 from nats.train import build, run
 
 # 6 optimizer steps of 2 micro-batches (accumulation), logs written every 2 steps, validation every 3
-BASE = ["model.block_size=32", "model.n_layer=2", "model/attention=nats", "model.attention.window=4",
-        "model.attention.sparsity_lambda=0.5", "model.attention.backend=reference",
-        "data.micro_batch_size=2", "global_batch_size=4", "data.max_eval_windows=4", "trainer.max_steps=6",
-        "optim.warmup_steps=2", "eval_every=3", "trainer.log_every_n_steps=2", "logger=csv",
-        "callbacks=[default,tau_schedule]", "callbacks.tau_schedule.steps=6", "callbacks.progress_bar=null",
-        "callbacks.model_checkpoint=null", "final_validation=false", "ckpt_path=null"]
+BASE = [
+    "model.block_size=32",
+    "model.n_layer=2",
+    "model/attention=nats",
+    "model.attention.window=4",
+    "model.attention.sparsity_lambda=0.5",
+    "model.attention.backend=reference",
+    "data.micro_batch_size=2",
+    "global_batch_size=4",
+    "data.max_eval_windows=4",
+    "trainer.max_steps=6",
+    "optim.warmup_steps=2",
+    "eval_every=3",
+    "trainer.log_every_n_steps=2",
+    "logger=csv",
+    "callbacks=[default,tau_schedule]",
+    "callbacks.tau_schedule.steps=6",
+    "callbacks.progress_bar=null",
+    "callbacks.model_checkpoint=null",
+    "final_validation=false",
+    "ckpt_path=null",
+]
 TIMING = ("per_sec", "mfu", "time")  # throughput columns: wall-clock dependent
 
 
@@ -94,7 +111,6 @@ def test_statistics_and_tau_only_where_needed(tmp_path, monkeypatch):
     assert len(sets) == 5 * n_cores, sets
 
 
-
 def test_tau_schedule_finds_nats_cores_by_type():
     """TemperatureSchedule sets tau on the NAtS cores (by class), not on any module that has `tau` and `scorer`."""
     from types import SimpleNamespace
@@ -108,8 +124,11 @@ def test_tau_schedule_finds_nats_cores_by_type():
     class Module(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.gpt = GPT(GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=8,
-                                     attention={"name": "nats", "window": 2}))
+            self.gpt = GPT(
+                GPTConfig(
+                    vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=8, attention={"name": "nats", "window": 2}
+                )
+            )
             self.decoy = Decoy()
             self.logged = {}
 
@@ -122,6 +141,7 @@ def test_tau_schedule_finds_nats_cores_by_type():
     schedule.on_train_batch_start(trainer, module, None, 0)
     assert [b.attn.core.tau for b in module.gpt.blocks] == [0.5, 0.5] and module.decoy.tau == 1.0
     assert module.logged == {"nats/tau": 0.5}
+
 
 def test_compiled_run_never_recompiles(tmp_path):
     """compile=aot_eager, NAtS on the Triton backend (interpreted on the CPU): after the first training step
@@ -142,8 +162,18 @@ def test_compiled_run_never_recompiles(tmp_path):
                 torch.compiler.set_stance("fail_on_recompile")
 
     overrides = [o for o in BASE if not o.startswith("model.attention.backend")]
-    cfg = compose(overrides + ["model.attention.backend=triton", "compile=aot_eager", "global_batch_size=2",
-                               "trainer.max_steps=5", "eval_every=2", "callbacks.tau_schedule.steps=5"], tmp_path)
+    cfg = compose(
+        overrides
+        + [
+            "model.attention.backend=triton",
+            "compile=aot_eager",
+            "global_batch_size=2",
+            "trainer.max_steps=5",
+            "eval_every=2",
+            "callbacks.tau_schedule.steps=5",
+        ],
+        tmp_path,
+    )
     datamodule, module, trainer = build(cfg)
     trainer.callbacks.append(FailOnRecompile())
     try:
@@ -155,9 +185,11 @@ def test_compiled_run_never_recompiles(tmp_path):
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
     train_entries = _debug_get_cache_entry_list(GPT.forward.__code__)
-    eval_entries = _debug_get_cache_entry_list(module._forward_eval.__wrapped__.__code__
-                                               if hasattr(module._forward_eval, "__wrapped__")
-                                               else module._forward_eval._torchdynamo_orig_callable.__code__)
+    eval_entries = _debug_get_cache_entry_list(
+        module._forward_eval.__wrapped__.__code__
+        if hasattr(module._forward_eval, "__wrapped__")
+        else module._forward_eval._torchdynamo_orig_callable.__code__
+    )
     assert len(train_entries) == 1, len(train_entries)
     assert len(eval_entries) == 1, len(eval_entries)
     torch._dynamo.reset()

@@ -1,6 +1,7 @@
 """Sweeps and SLURM: the launcher configs, the batch script submitit would submit (rendered without sbatch), a
 2x2 multirun through the submitit_local launcher collected into one table, checkpoint auto-resume in the run
 folder, and the pre-emption path (signal -> hpc checkpoint -> requeue -> the same folder -> resume)."""
+
 from __future__ import annotations
 
 import csv
@@ -25,9 +26,18 @@ from nats.train import run
 
 BIN = Path(sys.executable).parent
 NATS_TRAIN = str(BIN / "nats-train")
-TINY = ["model.block_size=32", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.micro_batch_size=2",
-        "global_batch_size=2", "data.max_eval_windows=2", "callbacks.progress_bar=null", "callbacks.throughput=null",
-        "trainer.enable_progress_bar=false"]
+TINY = [
+    "model.block_size=32",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "data.micro_batch_size=2",
+    "global_batch_size=2",
+    "data.max_eval_windows=2",
+    "callbacks.progress_bar=null",
+    "callbacks.throughput=null",
+    "trainer.enable_progress_bar=false",
+]
 
 sys.path.insert(0, str(REPO / "experiments"))
 import collect  # noqa: E402  (experiments/collect.py)
@@ -45,17 +55,24 @@ def fake_slurm(tmp_path) -> dict[str, str]:
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(
         '#!/bin/sh\ncp "$1" "$FAKE_SLURM_DIR/sbatch_$$.sh"\n'
-        'echo "sbatch: error: a test double, nothing was submitted" >&2\nexit 1\n')
+        'echo "sbatch: error: a test double, nothing was submitted" >&2\nexit 1\n'
+    )
     (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
     # scontrol records its arguments; with FAKE_SCONTROL_KILL=1 it then kills its caller, as SLURM ends a
     # requeued job
     (bin_dir / "scontrol").write_text(
         '#!/bin/sh\necho "$@" >> "$FAKE_SLURM_DIR/scontrol.txt"\n'
-        'if [ "$FAKE_SCONTROL_KILL" = "1" ]; then kill -9 $PPID; fi\nexit 0\n')
+        'if [ "$FAKE_SCONTROL_KILL" = "1" ]; then kill -9 $PPID; fi\nexit 0\n'
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_DIR=str(tmp_path),
-                PROJECT_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
+    return dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        FAKE_SLURM_DIR=str(tmp_path),
+        PROJECT_ROOT=str(tmp_path),
+        OMP_NUM_THREADS="1",
+    )
 
 
 def sbatch_scripts(folder: Path) -> list[str]:
@@ -67,7 +84,7 @@ def srun_command(script: str) -> list[str]:
     line = next(ln for ln in script.splitlines() if ln.startswith("srun "))
     tokens = shlex.split(line)
     i = tokens.index("-u")
-    return tokens[i - 1:]
+    return tokens[i - 1 :]
 
 
 def load_pickles(folder: Path):
@@ -85,18 +102,31 @@ def test_slurm_launcher_follows_the_trainer(trainer, tasks, tmp_path):
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = hydra_compose("train", overrides=[
-            "hydra/launcher=submitit_slurm", f"trainer={trainer}", "hydra.launcher.partition=gpu",
-            "hydra.launcher.account=proj", "hydra.launcher.mem_gb=256", "hydra.launcher.constraint=h100",
-            "hydra.launcher.timeout_min=600", f"paths.output_dir={tmp_path}"], return_hydra_config=True)
+        cfg = hydra_compose(
+            "train",
+            overrides=[
+                "hydra/launcher=submitit_slurm",
+                f"trainer={trainer}",
+                "hydra.launcher.partition=gpu",
+                "hydra.launcher.account=proj",
+                "hydra.launcher.mem_gb=256",
+                "hydra.launcher.constraint=h100",
+                "hydra.launcher.timeout_min=600",
+                f"paths.output_dir={tmp_path}",
+            ],
+            return_hydra_config=True,
+        )
     launcher = cfg.hydra.launcher
     assert launcher.tasks_per_node == launcher.gpus_per_node == tasks == cfg.trainer.devices
     assert launcher.nodes == cfg.trainer.num_nodes == 1
     assert (launcher.partition, launcher.account, launcher.mem_gb, launcher.constraint) == ("gpu", "proj", 256, "h100")
     assert launcher.additional_parameters.requeue is True and launcher.max_num_timeout > 0
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        local = hydra_compose("train", overrides=["hydra/launcher=submitit_local", f"paths.output_dir={tmp_path}"],
-                              return_hydra_config=True)
+        local = hydra_compose(
+            "train",
+            overrides=["hydra/launcher=submitit_local", f"paths.output_dir={tmp_path}"],
+            return_hydra_config=True,
+        )
     assert local.hydra.launcher._target_.endswith("LocalLauncher") and local.hydra.launcher.tasks_per_node == 1
 
 
@@ -105,17 +135,39 @@ def test_slurm_launcher_follows_the_trainer(trainer, tasks, tmp_path):
 # ----------------------------------------------------------------------------------------------------
 def test_pipeline_renders_the_batch_scripts(tmp_path, fake_slurm):
     out = tmp_path / "paper"
-    cmd = [sys.executable, str(REPO / "slurm" / "pipeline.py"), "--stages", "train", "--out", str(out),
-           "--lambdas", "0.1", "0.3", "--partition", "gpu", "--account", "proj", "--constraint", "h100",
-           "--time-min", "600", "--mem-gb", "200", "--", "data.path=/data/pg19"]
+    cmd = [
+        sys.executable,
+        str(REPO / "slurm" / "pipeline.py"),
+        "--stages",
+        "train",
+        "--out",
+        str(out),
+        "--lambdas",
+        "0.1",
+        "0.3",
+        "--partition",
+        "gpu",
+        "--account",
+        "proj",
+        "--constraint",
+        "h100",
+        "--time-min",
+        "600",
+        "--mem-gb",
+        "200",
+        "--",
+        "data.path=/data/pg19",
+    ]
     res = subprocess.run(cmd, env=fake_slurm, capture_output=True, text=True, timeout=240)
     assert "a test double" in res.stderr, res.stdout + res.stderr
     scripts = sbatch_scripts(tmp_path)
     assert len(scripts) == 2, res.stdout + res.stderr  # the NAtS sweep (a job array) and the dense baseline
     by_kind = {("nats" if "/train/nats/" in s else "dense"): s for s in scripts}
     for kind, script in by_kind.items():
-        flags = {ln.split("=", 1)[0]: ln.split("=", 1)[1] if "=" in ln else True
-                 for ln in (x[len("#SBATCH "):] for x in script.splitlines() if x.startswith("#SBATCH "))}
+        flags = {
+            ln.split("=", 1)[0]: ln.split("=", 1)[1] if "=" in ln else True
+            for ln in (x[len("#SBATCH ") :] for x in script.splitlines() if x.startswith("#SBATCH "))
+        }
         assert flags["--gpus-per-node"] == "4" and flags["--ntasks-per-node"] == "4" and flags["--nodes"] == "1"
         assert flags["--partition"] == "gpu" and flags["--account"] == "proj" and flags["--constraint"] == "h100"
         assert flags["--time"] == "600" and flags["--mem"] == "200GB" and flags["--requeue"] is True
@@ -131,8 +183,11 @@ def test_pipeline_renders_the_batch_scripts(tmp_path, fake_slurm):
     overrides = sorted(tuple(j.args[0]) for j in jobs)
     assert len(overrides) == 3
     assert all("ckpt_path=auto" in o and "data.path=/data/pg19" in o for o in overrides)
-    lambdas = sorted(next(x for x in o if x.startswith("model.attention.sparsity_lambda=")) for o in overrides
-                     if "experiment=pg19_gpt2_nats" in o)
+    lambdas = sorted(
+        next(x for x in o if x.startswith("model.attention.sparsity_lambda="))
+        for o in overrides
+        if "experiment=pg19_gpt2_nats" in o
+    )
     assert lambdas == ["model.attention.sparsity_lambda=0.1", "model.attention.sparsity_lambda=0.3"]
     assert sum("experiment=pg19_gpt2_dense" in o for o in overrides) == 1
 
@@ -145,16 +200,33 @@ def test_plain_sbatch_script(tmp_path, fake_slurm, monkeypatch):
     assert {"--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4", "--signal=USR2@120", "--requeue"} <= set(flags)
     fake_srun = Path(fake_slurm["PATH"].split(os.pathsep)[0]) / "srun"
     fake_srun.write_text('#!/bin/sh\nfor a in "$@"; do echo "ARG $a"; done\n')
-    env = {**fake_slurm, "SLURM_JOB_ID": "77", "SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_NUM_NODES": "1",
-           "PYTHON": "python3"}
-    res = subprocess.run(["bash", str(script), "experiment=pg19_gpt2_nats", "data.path=/data/pg19"], env=env,
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    env = {
+        **fake_slurm,
+        "SLURM_JOB_ID": "77",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_JOB_NUM_NODES": "1",
+        "PYTHON": "python3",
+    }
+    res = subprocess.run(
+        ["bash", str(script), "experiment=pg19_gpt2_nats", "data.path=/data/pg19"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     args = [ln[4:] for ln in res.stdout.splitlines() if ln.startswith("ARG ")]
     assert args[:3] == ["python3", "-m", "nats.train"]
-    assert {"trainer=ddp", "trainer.devices=4", "trainer.num_nodes=1", "ckpt_path=auto",
-            f"hydra.run.dir={tmp_path}/logs/${{task_name}}/slurm/77", "experiment=pg19_gpt2_nats",
-            "data.path=/data/pg19"} <= set(args)
+    assert {
+        "trainer=ddp",
+        "trainer.devices=4",
+        "trainer.num_nodes=1",
+        "ckpt_path=auto",
+        f"hydra.run.dir={tmp_path}/logs/${{task_name}}/slurm/77",
+        "experiment=pg19_gpt2_nats",
+        "data.path=/data/pg19",
+    } <= set(args)
     monkeypatch.delenv("SUBMITIT_PREEMPT_SIGNAL", raising=False)
     from nats.runs import requeue_signal
 
@@ -167,8 +239,16 @@ def test_requeued_job_resolves_the_same_sweep_folder(tmp_path, fake_slurm, monke
 
     monkeypatch.setenv("PROJECT_ROOT", str(tmp_path))  # read again in the job (sbatch passes the environment)
 
-    cmd = [NATS_TRAIN, "-m", "hydra/launcher=submitit_slurm", "trainer=cpu", "hydra.launcher.gpus_per_node=null",
-           "seed=1,2", f"paths.data_dir={DATA_DIR}", *TINY]
+    cmd = [
+        NATS_TRAIN,
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        "trainer=cpu",
+        "hydra.launcher.gpus_per_node=null",
+        "seed=1,2",
+        f"paths.data_dir={DATA_DIR}",
+        *TINY,
+    ]
     res = subprocess.run(cmd, env=fake_slurm, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert "a test double" in res.stderr, res.stdout + res.stderr
     sweeps = list((tmp_path / "logs" / "train" / "multiruns").iterdir())
@@ -186,9 +266,20 @@ def test_requeued_job_resolves_the_same_sweep_folder(tmp_path, fake_slurm, monke
 # ----------------------------------------------------------------------------------------------------
 def test_local_multirun_2x2_collects_4_rows(tmp_path):
     sweep = tmp_path / "sweep"
-    cmd = [NATS_TRAIN, "-m", "hydra/launcher=submitit_local", "model/attention=nats",
-           "model.attention.sparsity_lambda=0,0.5", "model.attention.window=4,8", "trainer.max_steps=2",
-           "eval_every=2", "logger=none", f"paths.data_dir={DATA_DIR}", f"hydra.sweep.dir={sweep}", *TINY]
+    cmd = [
+        NATS_TRAIN,
+        "-m",
+        "hydra/launcher=submitit_local",
+        "model/attention=nats",
+        "model.attention.sparsity_lambda=0,0.5",
+        "model.attention.window=4,8",
+        "trainer.max_steps=2",
+        "eval_every=2",
+        "logger=none",
+        f"paths.data_dir={DATA_DIR}",
+        f"hydra.sweep.dir={sweep}",
+        *TINY,
+    ]
     env = dict(os.environ, PROJECT_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -211,8 +302,12 @@ def fake_run(root: Path, name: str, attention: dict, seed: int, metrics: dict | 
 
     run_dir = root / name
     (run_dir / ".hydra").mkdir(parents=True)
-    cfg = {"task_name": "train", "seed": seed, "global_batch_size": 480,
-           "model": {"n_layer": 12, "block_size": 1024, "attention": attention}}
+    cfg = {
+        "task_name": "train",
+        "seed": seed,
+        "global_batch_size": 480,
+        "model": {"n_layer": 12, "block_size": 1024, "attention": attention},
+    }
     (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     overrides = [f"seed={seed}"] + [f"model.attention.{k}={v}" for k, v in attention.items() if k != "name"]
     (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
@@ -231,12 +326,24 @@ def fake_run(root: Path, name: str, attention: dict, seed: int, metrics: dict | 
 def test_collect_dense_seeds_eval_and_unfinished(tmp_path):
     root = tmp_path / "multirun"
     for seed, shift in ((1, 0.0), (2, 0.2)):
-        fake_run(root, f"nats/l0.1_s{seed}", {"name": "nats", "window": 16, "sparsity_lambda": 0.1}, seed,
-                 {"val/loss": 3.0 + shift, "val/ppl": 20.0 + shift, "val/density": 0.2})
-        fake_run(root, f"nats/l1_s{seed}", {"name": "nats", "window": 16, "sparsity_lambda": 1.0}, seed,
-                 {"val/loss": 3.2 + shift, "val/density": 0.05})
-    eval_rows = [{"method": "full", "label": "full", "budget": "", "ppl": "21.0", "area": "1.0"},
-                 {"method": "h2o", "label": "h2o", "budget": "0.25", "ppl": "30.0", "area": "0.25"}]
+        fake_run(
+            root,
+            f"nats/l0.1_s{seed}",
+            {"name": "nats", "window": 16, "sparsity_lambda": 0.1},
+            seed,
+            {"val/loss": 3.0 + shift, "val/ppl": 20.0 + shift, "val/density": 0.2},
+        )
+        fake_run(
+            root,
+            f"nats/l1_s{seed}",
+            {"name": "nats", "window": 16, "sparsity_lambda": 1.0},
+            seed,
+            {"val/loss": 3.2 + shift, "val/density": 0.05},
+        )
+    eval_rows = [
+        {"method": "full", "label": "full", "budget": "", "ppl": "21.0", "area": "1.0"},
+        {"method": "h2o", "label": "h2o", "budget": "0.25", "ppl": "30.0", "area": "0.25"},
+    ]
     fake_run(root, "dense/s1", {"name": "dense", "output_gate": "none"}, 1, {"val/loss": 2.9}, eval_rows)
     fake_run(root, "nats/l3_s1", {"name": "nats", "window": 16, "sparsity_lambda": 3.0}, 1, None)  # still running
     crashed = fake_run(root, "nats/l10_s1", {"name": "nats", "window": 16, "sparsity_lambda": 10.0}, 1, None)
@@ -263,13 +370,42 @@ def test_collect_dense_seeds_eval_and_unfinished(tmp_path):
 
 
 def test_pipeline_dry_run_and_eval_overrides(tmp_path, capsys):
-    assert pipeline.main(["--dry-run", "--out", str(tmp_path), "--lambdas", "0.03", "1", "--seeds", "1", "2",
-                          "--windows", "8", "16", "--partition", "gpu", "--", "data.path=/data/pg19"]) == 0
+    assert (
+        pipeline.main(
+            [
+                "--dry-run",
+                "--out",
+                str(tmp_path),
+                "--lambdas",
+                "0.03",
+                "1",
+                "--seeds",
+                "1",
+                "2",
+                "--windows",
+                "8",
+                "16",
+                "--partition",
+                "gpu",
+                "--",
+                "data.path=/data/pg19",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     nats_line = next(ln for ln in text.splitlines() if ln.startswith("[train:nats]"))
-    for part in ("experiment=pg19_gpt2_nats", "model.attention.sparsity_lambda=0.03,1", "model.attention.window=8,16",
-                 "seed=1,2", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu", "ckpt_path=auto",
-                 f"hydra.sweep.dir={tmp_path / 'train' / 'nats'}", "data.path=/data/pg19"):
+    for part in (
+        "experiment=pg19_gpt2_nats",
+        "model.attention.sparsity_lambda=0.03,1",
+        "model.attention.window=8,16",
+        "seed=1,2",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.partition=gpu",
+        "ckpt_path=auto",
+        f"hydra.sweep.dir={tmp_path / 'train' / 'nats'}",
+        "data.path=/data/pg19",
+    ):
         assert part in nats_line, part
     assert "experiment=pg19_gpt2_dense" in next(ln for ln in text.splitlines() if ln.startswith("[train:dense]"))
     assert "[collect]" in text
@@ -278,17 +414,22 @@ def test_pipeline_dry_run_and_eval_overrides(tmp_path, capsys):
 
     run_dir = tmp_path / "train" / "nats" / "W16_lambda0.1_seed1"
     (run_dir / ".hydra").mkdir(parents=True)
-    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(
-        {"data": {"source": "pg19", "path": "/data/pg19", "hf_name": None, "seed": "${seed}"}}))
+    (run_dir / ".hydra" / "config.yaml").write_text(
+        yaml.safe_dump({"data": {"source": "pg19", "path": "/data/pg19", "hf_name": None, "seed": "${seed}"}})
+    )
     (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["paths.data_dir=/cache", "seed=1"]))
     assert pipeline.eval_data_overrides(run_dir) == ["data=pg19", "data.path=/data/pg19", "paths.data_dir=/cache"]
     # a run on data=pg19_subset (source pg19, path an interpolation) is evaluated on pg19_subset, not pg19
     sub = tmp_path / "train" / "nats" / "subset"
     (sub / ".hydra").mkdir(parents=True)
-    (sub / ".hydra" / "config.yaml").write_text(yaml.safe_dump(
-        {"data": {"source": "pg19", "path": "${oc.env:NATS_PG19_SUBSET,x}", "cache_name": "pg19-subset"}}))
-    (sub / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump(
-        {"hydra": {"runtime": {"choices": {"data": "pg19_subset", "model": "gpt2_small"}}}}))
+    (sub / ".hydra" / "config.yaml").write_text(
+        yaml.safe_dump(
+            {"data": {"source": "pg19", "path": "${oc.env:NATS_PG19_SUBSET,x}", "cache_name": "pg19-subset"}}
+        )
+    )
+    (sub / ".hydra" / "hydra.yaml").write_text(
+        yaml.safe_dump({"hydra": {"runtime": {"choices": {"data": "pg19_subset", "model": "gpt2_small"}}}})
+    )
     assert pipeline.eval_data_overrides(sub) == ["data=pg19_subset", "data.cache_name=pg19-subset"]
 
 
@@ -339,8 +480,16 @@ class SignalAt(Callback):
             os.kill(os.getpid(), self.signum)
 
 
-SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "0",
-             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODELIST": "node1"}
+SLURM_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NTASKS": "1",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NUM_NODES": "1",
+    "SLURM_NODELIST": "node1",
+}
 
 
 def test_preemption_saves_requeues_and_resumes(tmp_path, fake_slurm, monkeypatch):
@@ -356,11 +505,25 @@ def test_preemption_saves_requeues_and_resumes(tmp_path, fake_slurm, monkeypatch
     submitit_handler.__module__ = "submitit.core.job_environment"
     previous = signal.signal(signal.SIGUSR2, submitit_handler)
     run_dir = tmp_path / "run"
-    base = TINY + ["logger=none", "callbacks.model_checkpoint=null", "+trainer.enable_checkpointing=false",
-                   "eval_every=2", "final_validation=false"]
+    base = TINY + [
+        "logger=none",
+        "callbacks.model_checkpoint=null",
+        "+trainer.enable_checkpointing=false",
+        "eval_every=2",
+        "final_validation=false",
+    ]
     try:
-        run(compose(base + ["trainer.max_steps=4", "+callbacks.preempt._target_=test_sweeps.SignalAt",
-                            "+callbacks.preempt.step=3"], run_dir))
+        run(
+            compose(
+                base
+                + [
+                    "trainer.max_steps=4",
+                    "+callbacks.preempt._target_=test_sweeps.SignalAt",
+                    "+callbacks.preempt.step=3",
+                ],
+                run_dir,
+            )
+        )
         assert signal.getsignal(signal.SIGUSR2) is submitit_handler  # put back after fit
         hpc = run_dir / "hpc_ckpt_1.ckpt"
         assert hpc.is_file(), sorted(p.name for p in run_dir.iterdir())
@@ -379,8 +542,18 @@ def test_requeue_of_a_submitit_job_end_to_end(tmp_path, fake_slurm):
     """The whole path as on a cluster: nats-train -m with the SLURM launcher writes the job (sbatch refused); the
     job runs as srun would run it; SIGUSR2 -> Lightning saves hpc_ckpt_1 and calls scontrol requeue, which kills
     it as SLURM would; the job runs again, lands in the same folder and finishes from the hpc checkpoint."""
-    cmd = [NATS_TRAIN, "-m", "hydra/launcher=submitit_slurm", "trainer=cpu", "hydra.launcher.gpus_per_node=null",
-           "trainer.max_steps=40", "eval_every=10", "logger=none", f"paths.data_dir={DATA_DIR}", *TINY]
+    cmd = [
+        NATS_TRAIN,
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        "trainer=cpu",
+        "hydra.launcher.gpus_per_node=null",
+        "trainer.max_steps=40",
+        "eval_every=10",
+        "logger=none",
+        f"paths.data_dir={DATA_DIR}",
+        *TINY,
+    ]
     res = subprocess.run(cmd, env=fake_slurm, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert "a test double" in res.stderr, res.stdout + res.stderr
     [script] = sbatch_scripts(tmp_path)
@@ -414,13 +587,36 @@ def test_pipeline_locally_end_to_end(tmp_path):
     """slurm/pipeline.py with local processes on the small model: train 2 NAtS lambdas + dense, nats-eval each
     (when nats/eval.py exists), collect: 3 rows, and the eval rows of every run."""
     out = tmp_path / "paper"
-    cmd = [sys.executable, str(REPO / "slurm" / "pipeline.py"), "--launcher", "submitit_local", "--out", str(out),
-           "--nats", "model/attention=nats", "--dense", "model/attention=dense", "--lambdas", "0", "0.5",
-           "--eval-overrides", "max_windows=2", "methods=[full,streaming_llm]", "budgets=[0.5]", "device=cpu",
-           "progress=false", "--", "trainer.max_steps=2", "eval_every=2", "logger=none", f"paths.data_dir={DATA_DIR}",
-           *TINY]
-    res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                         timeout=900, cwd=tmp_path)
+    cmd = [
+        sys.executable,
+        str(REPO / "slurm" / "pipeline.py"),
+        "--launcher",
+        "submitit_local",
+        "--out",
+        str(out),
+        "--nats",
+        "model/attention=nats",
+        "--dense",
+        "model/attention=dense",
+        "--lambdas",
+        "0",
+        "0.5",
+        "--eval-overrides",
+        "max_windows=2",
+        "methods=[full,streaming_llm]",
+        "budgets=[0.5]",
+        "device=cpu",
+        "progress=false",
+        "--",
+        "trainer.max_steps=2",
+        "eval_every=2",
+        "logger=none",
+        f"paths.data_dir={DATA_DIR}",
+        *TINY,
+    ]
+    res = subprocess.run(
+        cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900, cwd=tmp_path
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     with open(out / "results" / "runs.csv", newline="") as f:
         rows = list(csv.DictReader(f))

@@ -1,4 +1,5 @@
 """Match2 and k-hop induction heads: labels against brute force, data modules, and the experiment configs."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -102,8 +103,9 @@ def test_match2_datamodule_splits_and_batches():
 
 
 def fake_trainer(step=0, world=1, rank=0, max_steps=10, accum=1):
-    return SimpleNamespace(global_step=step, world_size=world, global_rank=rank, max_steps=max_steps,
-                           accumulate_grad_batches=accum)
+    return SimpleNamespace(
+        global_step=step, world_size=world, global_rank=rank, max_steps=max_steps, accumulate_grad_batches=accum
+    )
 
 
 def rows(t):
@@ -174,8 +176,9 @@ def compose(overrides):
     return compose_config(overrides + ["paths.output_dir=/tmp/nats_test_tasks"])
 
 
-@pytest.mark.parametrize("experiment,causal,vocab,n_out",
-                         [("anna_match2", False, 37, 2), ("anna_induction", True, 20, 4)])
+@pytest.mark.parametrize(
+    "experiment,causal,vocab,n_out", [("anna_match2", False, 37, 2), ("anna_induction", True, 20, 4)]
+)
 def test_experiment_configs_compose(experiment, causal, vocab, n_out):
     import hydra
     from omegaconf import OmegaConf
@@ -195,8 +198,9 @@ def test_experiment_configs_compose(experiment, causal, vocab, n_out):
     assert cfg.trainer.max_steps == 20000 and cfg.global_batch_size == cfg.data.micro_batch_size == 32
     dm = hydra.utils.instantiate(cfg.data)
     assert dm.n_train == 10000 and dm.n_test == 256
-    anna = compose([f"experiment={experiment}", "model/attention=anna", "model.attention.beta=10",
-                    "model.attention.l=4"])
+    anna = compose(
+        [f"experiment={experiment}", "model/attention=anna", "model.attention.beta=10", "model.attention.l=4"]
+    )
     assert anna.model.attention.name == "anna" and anna.model.attention.l == 4
 
 

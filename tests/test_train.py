@@ -1,4 +1,5 @@
 """The training stack through the real configs: composition, fast_dev_run fits, exact resume, clear errors."""
+
 from __future__ import annotations
 
 import csv
@@ -54,8 +55,12 @@ def data_overrides(data: str, book_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_configs_compose_and_instantiate(experiment, tmp_path, book_dir):
-    cfg = compose([f"experiment={experiment}", f"data.path={book_dir}", f"data.cache_dir={tmp_path}/cache"]
-                  if "pg19" in experiment else [f"experiment={experiment}"], tmp_path)
+    cfg = compose(
+        [f"experiment={experiment}", f"data.path={book_dir}", f"data.cache_dir={tmp_path}/cache"]
+        if "pg19" in experiment
+        else [f"experiment={experiment}"],
+        tmp_path,
+    )
     OmegaConf.resolve(cfg)  # every interpolation resolves
     module = hydra.utils.instantiate(cfg.module, _convert_="all")
     datamodule = hydra.utils.instantiate(cfg.data)
@@ -95,8 +100,15 @@ def test_attention_configs_build(attention, tmp_path):
 def test_fast_dev_run_each_model(model, tmp_path):
     text = (REPO / "conf/model" / f"{model}.yaml").read_text()
     if "${data." in text:  # a task model (vocabulary and classes from the task data)
-        overrides = [f"model={model}", "trainer=debug", "data=match2", "data.micro_batch_size=2",
-                     "global_batch_size=2", "data.n_train=64", "data.n_test=8"]
+        overrides = [
+            f"model={model}",
+            "trainer=debug",
+            "data=match2",
+            "data.micro_batch_size=2",
+            "global_batch_size=2",
+            "data.n_train=64",
+            "data.n_test=8",
+        ]
     else:
         overrides = small([f"model={model}", "trainer=debug", "data.max_eval_windows=2"])
     cfg = compose(overrides, tmp_path)
@@ -126,9 +138,21 @@ def train_losses(run_dir: Path) -> dict[int, float]:
         return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
 
 
-RESUME = small(["data.micro_batch_size=2", "global_batch_size=4", "optim.max_steps=6", "optim.warmup_steps=2",
-                "eval_every=3", "data.max_eval_windows=4", "logger=csv", "trainer.log_every_n_steps=1",
-                "final_validation=false", "callbacks.throughput=null", "callbacks.progress_bar=null"])
+RESUME = small(
+    [
+        "data.micro_batch_size=2",
+        "global_batch_size=4",
+        "optim.max_steps=6",
+        "optim.warmup_steps=2",
+        "eval_every=3",
+        "data.max_eval_windows=4",
+        "logger=csv",
+        "trainer.log_every_n_steps=1",
+        "final_validation=false",
+        "callbacks.throughput=null",
+        "callbacks.progress_bar=null",
+    ]
+)
 
 
 def test_resume_gives_the_uninterrupted_losses(tmp_path):
@@ -151,9 +175,19 @@ def test_resume_gives_the_uninterrupted_losses(tmp_path):
 
 
 def test_short_run_logs_checkpoints_and_prints_ppl(tmp_path, capsys):
-    cfg = compose(small(["trainer.max_steps=4", "eval_every=2", "data.max_eval_windows=4",
-                         "trainer.log_every_n_steps=1", "callbacks.progress_bar=null",
-                         "callbacks.throughput.window_size=2"]), tmp_path)
+    cfg = compose(
+        small(
+            [
+                "trainer.max_steps=4",
+                "eval_every=2",
+                "data.max_eval_windows=4",
+                "trainer.log_every_n_steps=1",
+                "callbacks.progress_bar=null",
+                "callbacks.throughput.window_size=2",
+            ]
+        ),
+        tmp_path,
+    )
     metrics = run(cfg)
     out = capsys.readouterr().out
     assert "val_ppl " in out and "unigram_ppl " in out

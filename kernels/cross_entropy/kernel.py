@@ -10,6 +10,7 @@ Rows whose target is ``ignore_index`` get loss 0 and g = 0. A target outside [0,
 sync): its loss then misses the picked logit. Without a CUDA GPU the kernel runs in Triton's CPU
 interpreter (small shapes only: tests).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _cross_entropy_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_row, ignore_index,
-                               BLOCK_V: tl.constexpr):
+def _cross_entropy_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_row, ignore_index, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row  # int64 offset: M * V exceeds 2**31
     target = tl.load(targets_ptr + row)
@@ -57,19 +57,23 @@ def _cross_entropy_rows_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_row,
         tl.store(base + c, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def cross_entropy_rows_(logits: Tensor, targets: Tensor, ignore_index: int = -100, *,
-                        block_v: int | None = None, out: Tensor | None = None) -> Tensor:
+def cross_entropy_rows_(
+    logits: Tensor, targets: Tensor, ignore_index: int = -100, *, block_v: int | None = None, out: Tensor | None = None
+) -> Tensor:
     """Overwrite logits [M, V] (unit column stride) with g = softmax - onehot (0 on ignored rows), in their
     dtype; return the per-row losses, fp32 [M] (written into ``out`` if given)."""
     M, V = logits.shape
     if logits.stride(1) != 1 or targets.shape != (M,):
-        raise ValueError(f"expected logits [M, V] with unit column stride and targets [M], got "
-                         f"{tuple(logits.shape)} (strides {logits.stride()}) and {tuple(targets.shape)}")
+        raise ValueError(
+            f"expected logits [M, V] with unit column stride and targets [M], got "
+            f"{tuple(logits.shape)} (strides {logits.stride()}) and {tuple(targets.shape)}"
+        )
     if out is None:
         out = torch.empty(M, dtype=torch.float32, device=logits.device)
     if M == 0:
         return out
     block = block_v or min(BLOCK_V, triton.next_power_of_2(V))
-    _cross_entropy_rows_kernel[(M,)](logits, targets, out, V, logits.stride(0), ignore_index,
-                                     BLOCK_V=block, num_warps=NUM_WARPS)
+    _cross_entropy_rows_kernel[(M,)](
+        logits, targets, out, V, logits.stride(0), ignore_index, BLOCK_V=block, num_warps=NUM_WARPS
+    )
     return out

@@ -11,6 +11,7 @@ To ``torch.compile`` the op is one opaque node (fake implementation and autograd
 takes no part in autocast (it computes in its inputs' dtype): cast x and w to the compute dtype first
 (``nats.models.gpt`` does).
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,9 @@ def _no_autocast(x: Tensor):
 
 
 @torch.library.custom_op("nats::linear_cross_entropy", mutates_args=())
-def fused_linear_cross_entropy(x: Tensor, w: Tensor, targets: Tensor,
-                               ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+def fused_linear_cross_entropy(
+    x: Tensor, w: Tensor, targets: Tensor, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """(loss scalar fp32 (fp64 for fp64 inputs), g = softmax - onehot [M, V] in x.dtype, n_valid fp32 scalar)."""
     _check(x, w, targets)
     with _no_autocast(x):
@@ -55,8 +57,11 @@ def fused_linear_cross_entropy(x: Tensor, w: Tensor, targets: Tensor,
 @fused_linear_cross_entropy.register_fake
 def _(x, w, targets, ignore_index):
     _check(x, w, targets)
-    return (x.new_empty((), dtype=torch.promote_types(x.dtype, torch.float32)),
-            x.new_empty((x.shape[0], w.shape[0])), x.new_empty((), dtype=torch.float32))
+    return (
+        x.new_empty((), dtype=torch.promote_types(x.dtype, torch.float32)),
+        x.new_empty((x.shape[0], w.shape[0])),
+        x.new_empty((), dtype=torch.float32),
+    )
 
 
 def _setup_context(ctx, inputs, output):

@@ -7,6 +7,7 @@ For logits l [M, V], targets t [M] and the valid rows R = {i : t_i != ignore_ind
 
 computed in fp32 (fp64 for fp64 logits).
 """
+
 from __future__ import annotations
 
 import torch

@@ -22,6 +22,7 @@ def triton_supports(q) -> bool:
 
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] in HEAD_DIMS
 
+
 _LAZY = {
     "triton_nats_attention": ".autograd",
     "nats_prefill": ".prefill",

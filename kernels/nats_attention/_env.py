@@ -78,8 +78,10 @@ def grid_blocks(n: int, block: int) -> int:
     """Blocks of `block` rows over n (the second grid axis of the query- and key-block kernels)."""
     nb = cdiv(n, block)
     if nb > MAX_GRID_Y:
-        raise ValueError(f"sequence length {n} needs {nb} blocks of {block} rows, more than the {MAX_GRID_Y} "
-                         "a CUDA grid axis allows; split the sequence (chunked prefill) or use larger blocks")
+        raise ValueError(
+            f"sequence length {n} needs {nb} blocks of {block} rows, more than the {MAX_GRID_Y} "
+            "a CUDA grid axis allows; split the sequence (chunked prefill) or use larger blocks"
+        )
     return nb
 
 
@@ -93,5 +95,17 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-__all__ = ["AUTOTUNE", "INTERPRET", "POISON", "cdiv", "clamp_window", "configs", "dot_precision", "empty", "empty_bnhd",
-           "grad_like", "tl", "triton"]
+__all__ = [
+    "AUTOTUNE",
+    "INTERPRET",
+    "POISON",
+    "cdiv",
+    "clamp_window",
+    "configs",
+    "dot_precision",
+    "empty",
+    "empty_bnhd",
+    "grad_like",
+    "tl",
+    "triton",
+]

@@ -24,8 +24,9 @@ from .plan import PLAN_ROWS, compact_plan
 
 
 @torch.library.custom_op("nats::attention_fwd", mutates_args=())
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, type_weights: Tensor, window: int,
-                  mask_grad: str = "dense") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, type_weights: Tensor, window: int, mask_grad: str = "dense"
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(o [B,Hq,N,D], lse2 [B,Hq,N] fp32, types int8 [B,Hkv,N], plan int32 [B,Hkv,PLAN_ROWS,N]).
 
     ``mask_grad`` (spec section 3a) does not change the forward; it is an input so that the backward sees it."""
@@ -39,13 +40,27 @@ def _(q, k, v, type_weights, window, mask_grad="dense"):
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     o = q.new_empty((B, N, HQ, D)).transpose(1, 2)
-    return (o, q.new_empty((B, HQ, N), dtype=torch.float32), q.new_empty((B, HKV, N), dtype=torch.int8),
-            q.new_empty((B, HKV, PLAN_ROWS, N), dtype=torch.int32))
+    return (
+        o,
+        q.new_empty((B, HQ, N), dtype=torch.float32),
+        q.new_empty((B, HKV, N), dtype=torch.int8),
+        q.new_empty((B, HKV, PLAN_ROWS, N), dtype=torch.int32),
+    )
 
 
 @torch.library.custom_op("nats::attention_bwd", mutates_args=())
-def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, types: Tensor,
-                  plan: Tensor, window: int, mask_grad: str = "dense") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def attention_bwd(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    types: Tensor,
+    plan: Tensor,
+    window: int,
+    mask_grad: str = "dense",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, d_type_weights fp32 [B,Hkv,N,3]); d_type_weights with the estimator ``mask_grad``."""
     return nats_backward(do, q, k, v, o, lse, types, plan, window, tw_dtype=torch.float32, mask_grad=mask_grad)
 

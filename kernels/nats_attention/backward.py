@@ -57,23 +57,69 @@ EXP2_MAX = tl.constexpr(64.0)
 
 def _dq_configs():
     return _env.configs(
-        [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-         for bm, bn, w, s in [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
-                              (64, 32, 8, 2), (128, 64, 8, 2), (32, 64, 4, 3)]],
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1))
+        [
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in [
+                (64, 32, 4, 2),
+                (64, 32, 4, 3),
+                (64, 64, 4, 2),
+                (64, 64, 8, 2),
+                (128, 32, 8, 2),
+                (64, 32, 8, 2),
+                (128, 64, 8, 2),
+                (32, 64, 4, 3),
+            ]
+        ],
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1),
+    )
 
 
 def _dkdv_configs():
     return _env.configs(
-        [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-         for bm, bn, w, s in [(32, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 3),
-                              (32, 128, 4, 3), (64, 64, 8, 2), (16, 128, 4, 2)]],
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1))
+        [
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in [
+                (32, 64, 4, 2),
+                (64, 128, 8, 2),
+                (64, 64, 4, 3),
+                (32, 128, 8, 2),
+                (64, 128, 8, 3),
+                (32, 128, 4, 3),
+                (64, 64, 8, 2),
+                (16, 128, 4, 2),
+            ]
+        ],
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1),
+    )
 
 
 @triton.jit
-def _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, lo, hi, ORDp, LIMp, t_base, k_base, v_base, skn,
-              svn, offs_d, qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, LOCAL: tl.constexpr):
+def _dq_range(
+    dq,
+    rd,
+    dd,
+    q,
+    do,
+    lse,
+    delta,
+    offs_m,
+    m0,
+    q_hi,
+    lo,
+    hi,
+    ORDp,
+    LIMp,
+    t_base,
+    k_base,
+    v_base,
+    skn,
+    svn,
+    offs_d,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    LOCAL: tl.constexpr,
+):
     """dQ and the row sums Rd (visible locals before i; LOCAL: the range may hold locals, read their
     types) and dM_ii over the compact entries [lo, hi) (see forward.py)."""
     i2 = offs_m[:, None]
@@ -105,10 +151,47 @@ def _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, lo, hi, ORDp, LIM
 @triton.autotune(configs=_dq_configs(), key=["HEAD_DIM", "GROUP", "DENSE"])
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, LSEC, DELTA, T, PLAN, DQ, RD, DD,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
-    N, W, sm_scale, qk_scale, H_Q, GROUP,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    DO,
+    LSE,
+    LSEC,
+    DELTA,
+    T,
+    PLAN,
+    DQ,
+    RD,
+    DD,
+    sqb,
+    sqh,
+    sqn,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sob,
+    soh,
+    son,
+    sdob,
+    sdoh,
+    sdon,
+    sdqb,
+    sdqh,
+    sdqn,
+    N,
+    W,
+    sm_scale,
+    qk_scale,
+    H_Q,
+    GROUP,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     DENSE: tl.constexpr,
 ):
     pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
@@ -128,12 +211,84 @@ def _bwd_dq_kernel(
     rd = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of dM over the row's visible locals before it
     dd = tl.zeros([BLOCK_M], dtype=tl.float32)  # dM on the diagonal
     # (a) globals, (b) locals or the band's non-globals (the only range with locals), (c) sliding or nothing
-    dq, rd, dd = _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, 0, g_hi, ordp, limp, t_base, k_base,
-                           v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC, False)
-    dq, rd, dd = _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, b_lo, b_hi, b_ord, b_lim, t_base,
-                           k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC, True)
-    dq, rd, dd = _dq_range(dq, rd, dd, q, do, lse, delta, offs_m, m0, q_hi, c_lo, c_hi, ordp, limp, t_base,
-                           k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC, False)
+    dq, rd, dd = _dq_range(
+        dq,
+        rd,
+        dd,
+        q,
+        do,
+        lse,
+        delta,
+        offs_m,
+        m0,
+        q_hi,
+        0,
+        g_hi,
+        ordp,
+        limp,
+        t_base,
+        k_base,
+        v_base,
+        skn,
+        svn,
+        offs_d,
+        qk_scale,
+        BLOCK_N,
+        DOT_PREC,
+        False,
+    )
+    dq, rd, dd = _dq_range(
+        dq,
+        rd,
+        dd,
+        q,
+        do,
+        lse,
+        delta,
+        offs_m,
+        m0,
+        q_hi,
+        b_lo,
+        b_hi,
+        b_ord,
+        b_lim,
+        t_base,
+        k_base,
+        v_base,
+        skn,
+        svn,
+        offs_d,
+        qk_scale,
+        BLOCK_N,
+        DOT_PREC,
+        True,
+    )
+    dq, rd, dd = _dq_range(
+        dq,
+        rd,
+        dd,
+        q,
+        do,
+        lse,
+        delta,
+        offs_m,
+        m0,
+        q_hi,
+        c_lo,
+        c_hi,
+        ordp,
+        limp,
+        t_base,
+        k_base,
+        v_base,
+        skn,
+        svn,
+        offs_d,
+        qk_scale,
+        BLOCK_N,
+        DOT_PREC,
+        False,
+    )
 
     if DENSE:
         # the row sums feed the type gradients only: weight row i by r_i = exp(LSE_i - LSEc_i) in (0, 1]
@@ -142,17 +297,54 @@ def _bwd_dq_kernel(
         rd = rd * r
         dd = dd * r
     dq = dq * sm_scale
-    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(
+        DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
     tl.store(RD + pid_bh * N + offs_m, rd, mask=row_ok)
     tl.store(DD + pid_bh * N + offs_m, dd, mask=row_ok)
 
 
 @triton.jit
-def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
-               e_min, e2_min, lim_min, m0, q_base, do_base, lse_base, lsec_base, delta_base, sqn, sdon, offs_d, N,
-               W, qk_scale, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, WITH_DKDV: tl.constexpr,
-               DENSE: tl.constexpr):
+def _dkdv_step(
+    dk,
+    dv,
+    col_all,
+    col_l,
+    col_s,
+    col_l2,
+    k,
+    v,
+    e,
+    e2,
+    lim,
+    offs_n,
+    n_lo,
+    n_hi,
+    l_end,
+    l2_end,
+    s_end,
+    e_min,
+    e2_min,
+    lim_min,
+    m0,
+    q_base,
+    do_base,
+    lse_base,
+    lsec_base,
+    delta_base,
+    sqn,
+    sdon,
+    offs_d,
+    N,
+    W,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    WITH_DKDV: tl.constexpr,
+    DENSE: tl.constexpr,
+):
     """One query block of the dK/dV kernel (key-major tiles [BLOCK_N, BLOCK_M]).
 
     The masked column sums are the plain column sum ``cs`` of the tile for every key whose row limit lies
@@ -219,11 +411,46 @@ def _dkdv_step(dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, 
 @triton.autotune(configs=_dkdv_configs(), key=["HEAD_DIM", "GROUP", "DENSE"])
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, LSEC, DELTA, T, PLAN, DK, DV, COLS,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-    N, W, sm_scale, qk_scale,
-    H_Q, GROUP,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    LSEC,
+    DELTA,
+    T,
+    PLAN,
+    DK,
+    DV,
+    COLS,
+    sqb,
+    sqh,
+    sqn,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdob,
+    sdoh,
+    sdon,
+    sdkb,
+    sdkh,
+    sdkn,
+    sdvb,
+    sdvh,
+    sdvn,
+    N,
+    W,
+    sm_scale,
+    qk_scale,
+    H_Q,
+    GROUP,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     DENSE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)  # b * H_KV + hk
@@ -239,10 +466,8 @@ def _bwd_dkdv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N
     offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None],
-                other=0.0)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None],
-                other=0.0)
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
     ty = tl.load(T + pid_bh * N + offs_n, mask=col_ok, other=3).to(tl.int32)
     e = tl.load(e_row + offs_n, mask=col_ok, other=-1)
     e2 = tl.load(e_row + tl.maximum(e, 0), mask=col_ok, other=-1)  # global after the next one
@@ -276,23 +501,95 @@ def _bwd_dkdv_kernel(
         # two loops, so that neither holds a dot under an `if` (which would stop load pipelining)
         for m0 in range(m_start, live_end + 1, BLOCK_M):
             dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
-                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
-                e_min, e2_min, lim_min, m0,
-                q_base, do_base, LSE + bh * N, LSEC + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
-                BLOCK_M, DOT_PREC, True, DENSE)
+                dk,
+                dv,
+                col_all,
+                col_l,
+                col_s,
+                col_l2,
+                k,
+                v,
+                e,
+                e2,
+                lim,
+                offs_n,
+                n_lo,
+                n_hi,
+                l_end,
+                l2_end,
+                s_end,
+                e_min,
+                e2_min,
+                lim_min,
+                m0,
+                q_base,
+                do_base,
+                LSE + bh * N,
+                LSEC + bh * N,
+                DELTA + bh * N,
+                sqn,
+                sdon,
+                offs_d,
+                N,
+                W,
+                qk_scale,
+                BLOCK_M,
+                DOT_PREC,
+                True,
+                DENSE,
+            )
         m_dead = tl.maximum(m_start, (live_end + 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
         for m0 in range(m_dead, N, BLOCK_M):
             dk, dv, col_all, col_l, col_s, col_l2 = _dkdv_step(
-                dk, dv, col_all, col_l, col_s, col_l2, k, v, e, e2, lim, offs_n, n_lo, n_hi, l_end, l2_end, s_end,
-                e_min, e2_min, lim_min, m0,
-                q_base, do_base, LSE + bh * N, LSEC + bh * N, DELTA + bh * N, sqn, sdon, offs_d, N, W, qk_scale,
-                BLOCK_M, DOT_PREC, False, DENSE)
+                dk,
+                dv,
+                col_all,
+                col_l,
+                col_s,
+                col_l2,
+                k,
+                v,
+                e,
+                e2,
+                lim,
+                offs_n,
+                n_lo,
+                n_hi,
+                l_end,
+                l2_end,
+                s_end,
+                e_min,
+                e2_min,
+                lim_min,
+                m0,
+                q_base,
+                do_base,
+                LSE + bh * N,
+                LSEC + bh * N,
+                DELTA + bh * N,
+                sqn,
+                sdon,
+                offs_d,
+                N,
+                W,
+                qk_scale,
+                BLOCK_M,
+                DOT_PREC,
+                False,
+                DENSE,
+            )
 
     dk = dk * sm_scale
-    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=col_ok[:, None])
-    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=col_ok[:, None])
+    tl.store(
+        DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=col_ok[:, None],
+    )
+    tl.store(
+        DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=col_ok[:, None],
+    )
     cols = COLS + (pid_bh * N + offs_n) * 4
     tl.store(cols, col_all, mask=col_ok)
     tl.store(cols + 1, col_l, mask=col_ok)
@@ -358,8 +655,20 @@ def _type_grad_kernel(T, COLS, RD, DD, DTW, N, GROUP, stb, sth, stn, stc, H_KV, 
         tl.store(out + 2 * stc, ds.to(DTW.dtype.element_ty), mask=ok)
 
 
-def nats_backward(do, q, k, v, o, lse, types, plan, window: int, sm_scale: float | None = None,
-                  tw_dtype: torch.dtype = torch.float32, mask_grad: str = "dense"):
+def nats_backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    types,
+    plan,
+    window: int,
+    sm_scale: float | None = None,
+    tw_dtype: torch.dtype = torch.float32,
+    mask_grad: str = "dense",
+):
     """Gradients (dq, dk, dv, d_type_weights) of NAtS attention.
 
     ``lse`` is the forward's base-2 log-sum-exp; ``types`` int8 [B, Hkv, N] and ``plan`` int32
@@ -371,7 +680,7 @@ def nats_backward(do, q, k, v, o, lse, types, plan, window: int, sm_scale: float
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     if sm_scale is None:
-        sm_scale = D ** -0.5
+        sm_scale = D**-0.5
     W = _env.clamp_window(window, N)
     q, k, v, do, o = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, do, o))
     dev = q.device
@@ -391,21 +700,88 @@ def nats_backward(do, q, k, v, o, lse, types, plan, window: int, sm_scale: float
 
     grid_q = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))
     _bwd_dq_kernel[grid_q](
-        q, k, v, o, do, lse, lsec, delta, types, plan, dq, rd, dd,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-        N, W, sm_scale, qk_scale, HQ, group,
-        HEAD_DIM=D, DOT_PREC=prec, DENSE=dense,
+        q,
+        k,
+        v,
+        o,
+        do,
+        lse,
+        lsec,
+        delta,
+        types,
+        plan,
+        dq,
+        rd,
+        dd,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        dq.stride(0),
+        dq.stride(1),
+        dq.stride(2),
+        N,
+        W,
+        sm_scale,
+        qk_scale,
+        HQ,
+        group,
+        HEAD_DIM=D,
+        DOT_PREC=prec,
+        DENSE=dense,
     )
     grid_k = lambda meta: (B * HKV, _env.grid_blocks(N, meta["BLOCK_N"]))
     _bwd_dkdv_kernel[grid_k](
-        q, k, v, do, lse, lsec, delta, types, plan, dk, dv, cols,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        N, W, sm_scale, qk_scale, HQ, group,
-        HEAD_DIM=D, DOT_PREC=prec, DENSE=dense,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        lsec,
+        delta,
+        types,
+        plan,
+        dk,
+        dv,
+        cols,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        dk.stride(0),
+        dk.stride(1),
+        dk.stride(2),
+        dv.stride(0),
+        dv.stride(1),
+        dv.stride(2),
+        N,
+        W,
+        sm_scale,
+        qk_scale,
+        HQ,
+        group,
+        HEAD_DIM=D,
+        DOT_PREC=prec,
+        DENSE=dense,
     )
     ch = 64 if INTERPRET else min(1024, max(64, triton.next_power_of_2(N)))
     _type_grad_kernel[(B * HKV,)](types, cols, rd, dd, dtw, N, group, *dtw.stride(), HKV, CH=ch, num_warps=4)

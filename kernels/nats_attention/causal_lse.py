@@ -23,10 +23,19 @@ from .forward import check_head_dim, load_rows, query_program
 
 def _lse_configs():
     return _env.configs(
-        [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-         for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3),
-                              (64, 128, 4, 3)]],
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1))
+        [
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in [
+                (128, 64, 4, 3),
+                (128, 64, 8, 3),
+                (128, 128, 8, 3),
+                (64, 64, 4, 3),
+                (128, 32, 4, 3),
+                (64, 128, 4, 3),
+            ]
+        ],
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1),
+    )
 
 
 @triton.jit
@@ -39,8 +48,23 @@ def _lse_step(m_i, l_i, s):
 @triton.autotune(configs=_lse_configs(), key=["HEAD_DIM", "GROUP"])
 @triton.jit
 def _causal_lse_kernel(
-    Q, K, LSEC, sqb, sqh, sqn, skb, skh, skn, N, qk_scale, H_Q, GROUP,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    Q,
+    K,
+    LSEC,
+    sqb,
+    sqh,
+    sqn,
+    skb,
+    skh,
+    skn,
+    N,
+    qk_scale,
+    H_Q,
+    GROUP,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
     q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, row_ok)
@@ -73,12 +97,24 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, sm_scale: float | None = None) 
     check_head_dim(D)
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
     if sm_scale is None:
-        sm_scale = D ** -0.5
+        sm_scale = D**-0.5
     lsec = _env.empty((B, HQ, N), torch.float32, q.device)
     grid = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))
     _causal_lse_kernel[grid](
-        q, k, lsec, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        N, sm_scale * 1.4426950408889634, HQ, HQ // HKV,
-        HEAD_DIM=D, DOT_PREC=dot_precision(q.dtype),
+        q,
+        k,
+        lsec,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        N,
+        sm_scale * 1.4426950408889634,
+        HQ,
+        HQ // HKV,
+        HEAD_DIM=D,
+        DOT_PREC=dot_precision(q.dtype),
     )
     return lsec

@@ -14,6 +14,7 @@ second kernel combines the SPLITS partials of every (r, g). Scores use elementwi
 Without a CUDA GPU the kernels run in Triton's CPU interpreter (chosen in one place for every kernel, before
 triton is imported: ``_env.py``): slow, for tests only.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,9 +46,28 @@ def _attend_rows(acc, m_i, l_i, q, KB, VB, rows, ok, offs_d, dmask, D, qk_scale)
 
 
 @triton.jit
-def _pool_decode_kernel(Q, KP, VP, START, LEN, RK, RV, RVALID, M_OUT, L_OUT, ACC_OUT, qk_scale, SPLITS,
-                        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_N: tl.constexpr, HAS_RING: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr):
+def _pool_decode_kernel(
+    Q,
+    KP,
+    VP,
+    START,
+    LEN,
+    RK,
+    RV,
+    RVALID,
+    M_OUT,
+    L_OUT,
+    ACC_OUT,
+    qk_scale,
+    SPLITS,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RING: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     r = pid // G
@@ -92,8 +112,9 @@ def _combine_kernel(M, L, ACC, OUT, SPLITS, D: tl.constexpr, BLOCK_D: tl.constex
     l = tl.load(L + pid * SPLITS + offs_s, mask=ok, other=0.0)
     mx = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx))
-    acc = tl.load(ACC + (pid * SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None] & dmask[None, :],
-                  other=0.0)
+    acc = tl.load(
+        ACC + (pid * SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0
+    )
     num = tl.sum(acc * w[:, None], axis=0)
     den = tl.sum(l * w, axis=0)
     tl.store(OUT + pid * D + offs_d, (num / den).to(OUT.dtype.element_ty), mask=dmask)
@@ -104,8 +125,9 @@ def default_splits(max_len: int, rows: int) -> int:
     return int(min(MAX_SPLITS, max(1, math.ceil(max(int(max_len), 1) / 256))))
 
 
-def triton_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None,
-                          splits=None):
+def triton_pool_attention(
+    q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None, splits=None
+):
     """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync); the
     reference is :func:`decode_reference.torch_pool_attention`."""
     R, G, D = q.shape
@@ -130,8 +152,25 @@ def triton_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=None
         W, rk, rv, rvalid = 1, k_pool, v_pool, start  # unused placeholders
     block_d = triton.next_power_of_2(D)
     _pool_decode_kernel[(R * G, splits)](
-        q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, 1.0 / math.sqrt(D), splits,
-        G=G, D=D, BLOCK_D=block_d, BLOCK_N=BLOCK_N, HAS_RING=has_ring, W=W,
+        q,
+        k_pool,
+        v_pool,
+        start,
+        length,
+        rk,
+        rv,
+        rvalid,
+        m,
+        l,
+        acc,
+        1.0 / math.sqrt(D),
+        splits,
+        G=G,
+        D=D,
+        BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N,
+        HAS_RING=has_ring,
+        W=W,
         BLOCK_W=triton.next_power_of_2(W),
     )
     _combine_kernel[(R * G,)](m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS)
@@ -142,8 +181,25 @@ def triton_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=None
 # NAtS cache maintenance, fused: one launch before the attention (type, ring write, append), one after (evict)
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _nats_append_kernel(Z, TIN, POS, TOUT, KNEW, VNEW, RK, RV, RVALID, KP, VP, START, LENGTH,
-                        HAS_LOGITS: tl.constexpr, W: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _nats_append_kernel(
+    Z,
+    TIN,
+    POS,
+    TOUT,
+    KNEW,
+    VNEW,
+    RK,
+    RV,
+    RVALID,
+    KP,
+    VP,
+    START,
+    LENGTH,
+    HAS_LOGITS: tl.constexpr,
+    W: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     r = tl.program_id(0)
     pos = tl.load(POS)
     if HAS_LOGITS:  # t = argmax(z) (first maximum on ties, like torch.argmax); token 0 is global
@@ -174,8 +230,9 @@ def _nats_append_kernel(Z, TIN, POS, TOUT, KNEW, VNEW, RK, RV, RVALID, KP, VP, S
 
 
 @triton.jit
-def _nats_evict_kernel(T, POS, KP, VP, START, LENGTH, NGLOBAL, RVALID, W: tl.constexpr, D: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+def _nats_evict_kernel(
+    T, POS, KP, VP, START, LENGTH, NGLOBAL, RVALID, W: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr
+):
     r = tl.program_id(0)
     pos = tl.load(POS)
     t = tl.load(T + r)
@@ -200,14 +257,41 @@ def nats_append(z, types, pos, t_out, k_new, v_new, ring_k, ring_v, ring_valid, 
     """Type (argmax of z [R, 3], or the given types [R]), ring write and segment append for one token."""
     R, W, D = ring_k.shape
     has_logits = z is not None
-    _nats_append_kernel[(R,)](z if has_logits else types, types if not has_logits else z, pos, t_out, k_new, v_new,
-                              ring_k, ring_v, ring_valid.view(torch.int8), k_pool, v_pool, start, length,
-                              HAS_LOGITS=has_logits, W=W, D=D, BLOCK_D=triton.next_power_of_2(D))
+    _nats_append_kernel[(R,)](
+        z if has_logits else types,
+        types if not has_logits else z,
+        pos,
+        t_out,
+        k_new,
+        v_new,
+        ring_k,
+        ring_v,
+        ring_valid.view(torch.int8),
+        k_pool,
+        v_pool,
+        start,
+        length,
+        HAS_LOGITS=has_logits,
+        W=W,
+        D=D,
+        BLOCK_D=triton.next_power_of_2(D),
+    )
 
 
 def nats_evict(t, pos, k_pool, v_pool, start, length, n_global, ring_valid):
     """After the query: locals of the rows whose token was global are dropped; the expired ring slot cleared."""
     R, W = ring_valid.shape
     D = k_pool.shape[1]
-    _nats_evict_kernel[(R,)](t, pos, k_pool, v_pool, start, length, n_global, ring_valid.view(torch.int8),
-                             W=W, D=D, BLOCK_D=triton.next_power_of_2(D))
+    _nats_evict_kernel[(R,)](
+        t,
+        pos,
+        k_pool,
+        v_pool,
+        start,
+        length,
+        n_global,
+        ring_valid.view(torch.int8),
+        W=W,
+        D=D,
+        BLOCK_D=triton.next_power_of_2(D),
+    )

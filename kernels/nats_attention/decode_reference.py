@@ -6,6 +6,7 @@ head) over its pool segment and, optionally, the valid slots of a ring. Also the
 
 Imports no Triton.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,9 @@ def _gather_segments(pool: Tensor, start: Tensor, width: int, row_stride: int | 
     return pool[idx.clamp(max=pool.shape[0] - 1)]
 
 
-def torch_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None,
-                         row_stride=None):
+def torch_pool_attention(
+    q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None, row_stride=None
+):
     """The reference: gathers the segments into a padded ``[R, max_len, D]`` tensor (a slice when they are
     evenly strided: ``row_stride``) and runs :func:`masked_attention`."""
     width = max(int(max_len), 0)

@@ -109,15 +109,20 @@ def _density_kernel(w_ptr, rho_ptr, coef_ptr, stats_ptr, N, W, inv_area, BLOCK: 
 
 def supported(type_weights: torch.Tensor) -> bool:
     """Whether :func:`density_terms` runs the kernel for these weights (else use the reference)."""
-    return (type_weights.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and 1 <= type_weights.shape[-2] <= MAX_N and type_weights.shape[-1] == 3)
+    return (
+        type_weights.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and 1 <= type_weights.shape[-2] <= MAX_N
+        and type_weights.shape[-1] == 3
+    )
 
 
 def density_terms(type_weights: torch.Tensor, window: int):
     """(rho [...], coef [..., N, 3], stats [..., 5]) of weights [..., N, 3], all fp32 (see the module docstring)."""
     if not supported(type_weights):
-        raise ValueError(f"density kernel: weights [..., N <= {MAX_N}, 3] in fp16/bf16/fp32, got "
-                         f"{tuple(type_weights.shape)} {type_weights.dtype}")
+        raise ValueError(
+            f"density kernel: weights [..., N <= {MAX_N}, 3] in fp16/bf16/fp32, got "
+            f"{tuple(type_weights.shape)} {type_weights.dtype}"
+        )
     lead, N = type_weights.shape[:-2], type_weights.shape[-2]
     w = type_weights.detach().reshape(-1, N, 3).contiguous()
     R = w.shape[0]
@@ -126,6 +131,15 @@ def density_terms(type_weights: torch.Tensor, window: int):
     stats = empty((R, 5), torch.float32, w.device)
     if R:
         block = max(16, triton.next_power_of_2(N))
-        _density_kernel[(R,)](w, rho, coef, stats, N, int(window), 1.0 / (N * (N + 1) / 2.0), BLOCK=block,
-                              num_warps=4 if block <= 2048 else 8)
+        _density_kernel[(R,)](
+            w,
+            rho,
+            coef,
+            stats,
+            N,
+            int(window),
+            1.0 / (N * (N + 1) / 2.0),
+            BLOCK=block,
+            num_warps=4 if block <= 2048 else 8,
+        )
     return rho.reshape(lead), coef.reshape(*lead, N, 3), stats.reshape(*lead, 5)

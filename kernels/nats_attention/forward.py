@@ -74,8 +74,6 @@ def online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
     return acc, m_new, l_i
 
 
-
-
 def check_head_dim(d: int) -> None:
     if d not in HEAD_DIMS:
         raise ValueError(f"the NAtS Triton kernels support head dims {HEAD_DIMS}, got {d}; use the reference")
@@ -134,15 +132,46 @@ def load_compact(ORDp, LIMp, offs_c, hi, k_base, v_base, skn, svn, offs_d):
 
 def _fwd_configs():
     return _env.configs(
-        [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-         for bm, bn, w, s in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
-                              (128, 32, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3)]],
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1))
+        [
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in [
+                (128, 64, 8, 2),
+                (128, 64, 8, 3),
+                (128, 64, 4, 3),
+                (64, 64, 4, 3),
+                (64, 32, 4, 3),
+                (128, 32, 4, 3),
+                (128, 128, 8, 2),
+                (128, 128, 8, 3),
+                (64, 128, 4, 3),
+            ]
+        ],
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1),
+    )
 
 
 @triton.jit
-def _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, lo, hi, ORDp, LIMp, k_base, v_base, skn, svn,
-               offs_d, qk_scale, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+def _fwd_range(
+    acc,
+    m_i,
+    l_i,
+    q,
+    offs_m,
+    m0,
+    q_hi,
+    lo,
+    hi,
+    ORDp,
+    LIMp,
+    k_base,
+    v_base,
+    skn,
+    svn,
+    offs_d,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Online-softmax update of (acc, m_i, l_i) with the compact entries [lo, hi)."""
     for c0 in range(lo, hi, BLOCK_N):
         offs_c = c0 + tl.arange(0, BLOCK_N)
@@ -162,10 +191,33 @@ def _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, lo, hi, ORDp, LIMp, k_base, v
 @triton.autotune(configs=_fwd_configs(), key=["HEAD_DIM", "GROUP", "STORE_LSE"])
 @triton.jit
 def _nats_fwd_kernel(
-    Q, K, V, O, LSE, PLAN,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-    N, W, qk_scale, H_Q, GROUP,  # qk_scale = sm_scale * log2(e)
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    PLAN,
+    sqb,
+    sqh,
+    sqn,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sob,
+    soh,
+    son,
+    N,
+    W,
+    qk_scale,
+    H_Q,
+    GROUP,  # qk_scale = sm_scale * log2(e)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
     pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
@@ -178,18 +230,78 @@ def _nats_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, 0, g_hi, ordp, limp,
-                               k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC)
-    acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, b_lo, b_hi, b_ord, b_lim,
-                               k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC)
-    acc, m_i, l_i = _fwd_range(acc, m_i, l_i, q, offs_m, m0, q_hi, c_lo, c_hi, ordp, limp,
-                               k_base, v_base, skn, svn, offs_d, qk_scale, BLOCK_N, DOT_PREC)
+    acc, m_i, l_i = _fwd_range(
+        acc,
+        m_i,
+        l_i,
+        q,
+        offs_m,
+        m0,
+        q_hi,
+        0,
+        g_hi,
+        ordp,
+        limp,
+        k_base,
+        v_base,
+        skn,
+        svn,
+        offs_d,
+        qk_scale,
+        BLOCK_N,
+        DOT_PREC,
+    )
+    acc, m_i, l_i = _fwd_range(
+        acc,
+        m_i,
+        l_i,
+        q,
+        offs_m,
+        m0,
+        q_hi,
+        b_lo,
+        b_hi,
+        b_ord,
+        b_lim,
+        k_base,
+        v_base,
+        skn,
+        svn,
+        offs_d,
+        qk_scale,
+        BLOCK_N,
+        DOT_PREC,
+    )
+    acc, m_i, l_i = _fwd_range(
+        acc,
+        m_i,
+        l_i,
+        q,
+        offs_m,
+        m0,
+        q_hi,
+        c_lo,
+        c_hi,
+        ordp,
+        limp,
+        k_base,
+        v_base,
+        skn,
+        svn,
+        offs_d,
+        qk_scale,
+        BLOCK_N,
+        DOT_PREC,
+    )
 
     # Every real row sees its own key (M_ii = 1), so l_i > 0 there.
     l_safe = tl.where(row_ok, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(
+        O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
     if STORE_LSE:
         tl.store(LSE + pid_bh * N + offs_m, m_i + tl.math.log2(l_safe), mask=row_ok)
 
@@ -204,16 +316,37 @@ def nats_forward(q, k, v, plan, window: int, sm_scale: float | None = None, stor
     check_head_dim(D)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if sm_scale is None:
-        sm_scale = D ** -0.5
+        sm_scale = D**-0.5
     W = _env.clamp_window(window, N)
     o = _env.empty_bnhd(q.shape, q.dtype, q.device)
     lse = _env.empty((B, HQ, N), torch.float32, q.device) if store_lse else o
     grid = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))
     _nats_fwd_kernel[grid](
-        q, k, v, o, lse, plan,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        N, W, sm_scale * 1.4426950408889634, HQ, HQ // HKV,
-        HEAD_DIM=D, DOT_PREC=dot_precision(q.dtype), STORE_LSE=store_lse,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        plan,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        N,
+        W,
+        sm_scale * 1.4426950408889634,
+        HQ,
+        HQ // HKV,
+        HEAD_DIM=D,
+        DOT_PREC=dot_precision(q.dtype),
+        STORE_LSE=store_lse,
     )
     return o, (lse if store_lse else None)

@@ -59,8 +59,21 @@ def _load_type(TW, stw_n, stw_c, offs, ok, FROM_WEIGHTS: tl.constexpr):
 
 
 @triton.jit
-def _plan_kernel(TW, T, PLAN, stw_b, stw_h, stw_n, stw_c, N, H, W, CH: tl.constexpr, FROM_WEIGHTS: tl.constexpr,
-                 COMPACT: tl.constexpr):
+def _plan_kernel(
+    TW,
+    T,
+    PLAN,
+    stw_b,
+    stw_h,
+    stw_n,
+    stw_c,
+    N,
+    H,
+    W,
+    CH: tl.constexpr,
+    FROM_WEIGHTS: tl.constexpr,
+    COMPACT: tl.constexpr,
+):
     head = tl.program_id(0)
     b = (head // H).to(tl.int64)
     h = head % H
@@ -150,8 +163,19 @@ def _launch(type_info: torch.Tensor, window: int, compact: bool):
     types = torch.empty((B, H, N), dtype=torch.int8, device=dev)
     plan = torch.empty((B, H, PLAN_ROWS, N), dtype=torch.int32, device=dev)
     ch = 64 if INTERPRET else min(2048, max(128, triton.next_power_of_2(N)))
-    _plan_kernel[(B * H,)](type_info.detach(), types, plan, *strides, N, H, window, CH=ch,
-                           FROM_WEIGHTS=from_weights, COMPACT=compact, num_warps=4)
+    _plan_kernel[(B * H,)](
+        type_info.detach(),
+        types,
+        plan,
+        *strides,
+        N,
+        H,
+        window,
+        CH=ch,
+        FROM_WEIGHTS=from_weights,
+        COMPACT=compact,
+        num_warps=4,
+    )
     return types, plan
 
 

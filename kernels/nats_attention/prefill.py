@@ -12,17 +12,22 @@ from .forward import check_head_dim, nats_forward
 from .plan import compact_plan
 
 
-def nats_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, types: torch.Tensor, window: int,
-                 sm_scale: float | None = None) -> torch.Tensor:
+def nats_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, types: torch.Tensor, window: int, sm_scale: float | None = None
+) -> torch.Tensor:
     """NAtS attention output [B,Hq,N,D] for hard integer types [B,Hkv,N] (no gradient)."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     if HQ % HKV != 0 or k.shape != v.shape or tuple(types.shape) != (B, HKV, N):
-        raise ValueError(f"expected q [B,Hq,N,D], k/v [B,Hkv,N,D], types [B,Hkv,N]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(types.shape)}")
+        raise ValueError(
+            f"expected q [B,Hq,N,D], k/v [B,Hkv,N,D], types [B,Hkv,N]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(types.shape)}"
+        )
     if types.is_floating_point():
-        raise ValueError("nats_prefill takes integer types (0 global, 1 local, 2 sliding); "
-                         "use triton_nats_attention for type weights")
+        raise ValueError(
+            "nats_prefill takes integer types (0 global, 1 local, 2 sliding); "
+            "use triton_nats_attention for type weights"
+        )
     check_head_dim(D)
     window = int(window)
     if window < 1:

@@ -93,9 +93,7 @@ def check_types(types: Tensor, name: str = "types") -> None:
         raise ValueError(f"{name} must have shape [..., N] with N >= 1, got {tuple(types.shape)}")
     if types.numel() and bool(((types < 0) | (types > 2)).any()):
         bad = types[(types < 0) | (types > 2)].unique()[:8].tolist()
-        raise ValueError(
-            f"{name} must hold token types 0 (global), 1 (local) or 2 (sliding); found {bad}"
-        )
+        raise ValueError(f"{name} must hold token types 0 (global), 1 (local) or 2 (sliding); found {bad}")
 
 
 def check_type_weights(type_weights: Tensor, name: str = "type_weights") -> None:
@@ -106,8 +104,7 @@ def check_type_weights(type_weights: Tensor, name: str = "type_weights") -> None
         raise TypeError(f"{name} must be a floating tensor (one-hot (g, l, s) weights), got dtype {type_weights.dtype}")
     if type_weights.dim() < 2 or type_weights.shape[-1] != 3:
         raise ValueError(
-            f"{name} must have shape [..., N, 3] (last dim = (global, local, sliding)), "
-            f"got {tuple(type_weights.shape)}"
+            f"{name} must have shape [..., N, 3] (last dim = (global, local, sliding)), got {tuple(type_weights.shape)}"
         )
     if type_weights.shape[-2] < 1:
         raise ValueError(f"{name} must have N >= 1 tokens, got shape {tuple(type_weights.shape)}")
@@ -128,7 +125,8 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, type_weights: Tensor
             raise TypeError(f"{name} must be a floating tensor, got dtype {t.dtype}")
     if k.shape != v.shape:
         raise ValueError(
-            f"k and v must have the same shape [B, Hkv, N, D], got k {tuple(k.shape)} and v {tuple(v.shape)}")
+            f"k and v must have the same shape [B, Hkv, N, D], got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
     B, Hq, N, D = q.shape
     Bk, Hkv, Nk, Dk = k.shape
     if (Bk, Nk, Dk) != (B, N, D):
@@ -317,8 +315,9 @@ def _compute_dtype(*ts: Tensor) -> torch.dtype:
     return dt
 
 
-def nats_attention_reference(q: Tensor, k: Tensor, v: Tensor, type_weights: Tensor, window: int,
-                             mask_grad: str = "dense") -> Tensor:
+def nats_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, type_weights: Tensor, window: int, mask_grad: str = "dense"
+) -> Tensor:
     """Exact NAtS attention (spec section 3), pure PyTorch, O(N^2) memory.
 
     Args:
@@ -371,8 +370,9 @@ def nats_attention_reference(q: Tensor, k: Tensor, v: Tensor, type_weights: Tens
     else:
         # log r_i = LSE_i - LSEc_i <= 0, both relative to the kept row max (finite: the diagonal is kept)
         zd = z.detach()
-        log_r = (torch.logsumexp(zd.masked_fill(~kept, float("-inf")), -1, keepdim=True)
-                 - torch.logsumexp(zd.masked_fill(~causal, float("-inf")), -1, keepdim=True))
+        log_r = torch.logsumexp(zd.masked_fill(~kept, float("-inf")), -1, keepdim=True) - torch.logsumexp(
+            zd.masked_fill(~causal, float("-inf")), -1, keepdim=True
+        )
         z_masked = zd + log_r  # <= log N: exp(z_masked) / S_i = exp(s_ij - LSEc_i)
         r = torch.exp(log_r)
         Md = M.detach()

@@ -32,6 +32,7 @@ a sub-quadratic version would sort the codes per table and attend within buckets
 Swapping cores in a trained model: `use_anna(model, l, z)` (or `swap_attention(model, cfg)`) returns a copy
 of a GPT whose attention cores are replaced, weights untouched.
 """
+
 from __future__ import annotations
 
 import copy
@@ -98,8 +99,9 @@ class AnnaAttention(SoftmaxSurrogateAttention):
     seed: draws the planes; empty: "self" | "zero", what a query without any colliding key does.
     """
 
-    def __init__(self, dims: AttentionDims, l: int = 8, z: int = 1, beta: float = 1.0, seed: int = 0,
-                 empty: str = "self"):
+    def __init__(
+        self, dims: AttentionDims, l: int = 8, z: int = 1, beta: float = 1.0, seed: int = 0, empty: str = "self"
+    ):
         super().__init__(dims, beta=beta)
         if l < 1 or z < 0:
             raise ValueError(f"ANNA needs l >= 1 tables and z >= 0 hash functions per table, got l={l}, z={z}")
@@ -163,8 +165,9 @@ class AnnaAttention(SoftmaxSurrogateAttention):
         return AttentionOutput(y, stats=stats)
 
     def extra_repr(self) -> str:
-        return (f"l={self.l}, z={self.z}, beta={self.beta}, seed={self.seed}, empty={self.empty}, "
-                f"causal={self.dims.causal}")
+        return (
+            f"l={self.l}, z={self.z}, beta={self.beta}, seed={self.seed}, empty={self.empty}, causal={self.dims.causal}"
+        )
 
 
 # ---------------------------------------------------------------------- swapping cores in a trained model
@@ -193,8 +196,9 @@ def swap_attention(model, attention: Mapping[str, Any], inplace: bool = False):
     return new
 
 
-def use_anna(model, l: int, z: int, beta: float | None = None, seed: int = 0, empty: str = "self",
-             inplace: bool = False):
+def use_anna(
+    model, l: int, z: int, beta: float | None = None, seed: int = 0, empty: str = "self", inplace: bool = False
+):
     """A copy of `model` (a GPT trained with `softmax_surrogate`, usually) with ANNA attention in every layer.
 
     beta: ANNA's inverse temperature; None takes the one of the model's current cores (a surrogate's).
@@ -207,5 +211,6 @@ def use_anna(model, l: int, z: int, beta: float | None = None, seed: int = 0, em
                 f"(or anna) with one beta; found {betas}: pass beta explicitly"
             )
         beta = betas.pop()
-    return swap_attention(model, {"name": "anna", "l": l, "z": z, "beta": beta, "seed": seed, "empty": empty},
-                          inplace=inplace)
+    return swap_attention(
+        model, {"name": "anna", "l": l, "z": z, "beta": beta, "seed": seed, "empty": empty}, inplace=inplace
+    )

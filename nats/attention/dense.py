@@ -1,4 +1,5 @@
 """`dense`: ordinary softmax attention through torch SDPA (FlashAttention on GPUs)."""
+
 from __future__ import annotations
 
 import torch.nn.functional as F

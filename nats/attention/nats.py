@@ -8,6 +8,7 @@ evaluation takes onehot(argmax z_j) without noise. Token 0 is forced global (the
 gradient. Attention is `nats.functional.nats_attention` with window W; the auxiliary loss is
 lambda * density / n_layer, so that the model's summed auxiliary loss is lambda * mean-over-layers density.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,8 +54,9 @@ class NAtSAttention(AttentionCore):
         if backend not in NF.BACKENDS:
             raise ValueError(f"nats attention: backend must be one of {NF.BACKENDS}, got {backend!r}")
         if mask_grad not in NF.MASK_GRADS:
-            raise ValueError(f"nats attention: mask_grad must be one of {NF.MASK_GRADS} (NATS_SPEC.md section 3a), "
-                             f"got {mask_grad!r}")
+            raise ValueError(
+                f"nats attention: mask_grad must be one of {NF.MASK_GRADS} (NATS_SPEC.md section 3a), got {mask_grad!r}"
+            )
         self.window = window
         self.mask_grad = mask_grad
         self.sparsity_lambda = float(sparsity_lambda)
@@ -117,8 +119,15 @@ class NAtSAttention(AttentionCore):
         if not self.dims.causal:
             raise ValueError("nats attention is causal only: set model.causal=true")
         t = self.type_weights(self.type_logits(x))  # [B, Hkv, N, 3]
-        y = NF.nats_attention(q, k, v, t.to(q.dtype) if q.dtype == torch.float64 else t, self.window,
-                              backend=self.backend, mask_grad=self.mask_grad)
+        y = NF.nats_attention(
+            q,
+            k,
+            v,
+            t.to(q.dtype) if q.dtype == torch.float64 else t,
+            self.window,
+            backend=self.backend,
+            mask_grad=self.mask_grad,
+        )
         aux, stats = self._sparsity_and_stats(t)
         return AttentionOutput(y, aux_loss=aux, stats=stats)
 

@@ -17,6 +17,7 @@ checked for every registered core by tests/test_contract_attention.py):
   e.g. ``"full"`` for dense softmax attention; ``None`` when the cache policies cannot run a model with this
   core (``nats.cache.decode`` and ``nats-eval`` refuse it). ``decodable`` is ``decode_policy is not None``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -71,7 +72,9 @@ class AttentionCore(nn.Module):
 
 
 ATTENTIONS = Registry(
-    "attention", "nats.attention", skip={"registry"},
+    "attention",
+    "nats.attention",
+    skip={"registry"},
     hint="model.attention.name=..., or add a file to nats/attention/ with @register_attention",
 )
 ATTENTION_CORES = ATTENTIONS.entries  # name -> core class
@@ -90,8 +93,10 @@ def build_attention(cfg: Mapping[str, Any], dims: AttentionDims) -> AttentionCor
     cls = ATTENTIONS.get(cfg.pop("name", None))
     name = cls.name
     if dims.n_kv_head != dims.n_head and not cls.supports_gqa:
-        raise ValueError(f"attention {name!r} does not support grouped-query attention (n_kv_head={dims.n_kv_head} "
-                         f"< n_head={dims.n_head}): set model.n_kv_head=null")
+        raise ValueError(
+            f"attention {name!r} does not support grouped-query attention (n_kv_head={dims.n_kv_head} "
+            f"< n_head={dims.n_head}): set model.n_kv_head=null"
+        )
     try:
         return cls(dims, **cfg)
     except TypeError as err:

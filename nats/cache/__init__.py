@@ -6,9 +6,22 @@ Policies (one file each in nats/cache/policies/, registered with `@register_cach
 per-head segments of globals + live locals, periodic compaction), and the labelled evaluation-only
 approximation ``h2o_dense``. See docs/kv_cache.md.
 """
+
 from nats.cache.base import LayerCache, SlotCache
 from nats.cache.decode import check_model, decode_step, generate, make_caches, policy_logits, prefill
 from nats.cache.registry import available_caches, build_cache, get_cache_class, register_cache
 
-__all__ = ["LayerCache", "SlotCache", "register_cache", "available_caches", "build_cache", "get_cache_class",
-           "make_caches", "prefill", "decode_step", "policy_logits", "generate", "check_model"]
+__all__ = [
+    "LayerCache",
+    "SlotCache",
+    "register_cache",
+    "available_caches",
+    "build_cache",
+    "get_cache_class",
+    "make_caches",
+    "prefill",
+    "decode_step",
+    "policy_logits",
+    "generate",
+    "check_model",
+]

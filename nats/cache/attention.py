@@ -19,6 +19,7 @@ Two backends give the same result:
 
 ``"auto"`` picks Triton for CUDA tensors when it imports, else torch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,9 +54,21 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def pool_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, start: Tensor, length: Tensor, max_len: int, *,
-                   ring_k: Tensor | None = None, ring_v: Tensor | None = None, ring_valid: Tensor | None = None,
-                   row_stride: int | None = None, backend: str = "torch", splits: int | None = None) -> Tensor:
+def pool_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    start: Tensor,
+    length: Tensor,
+    max_len: int,
+    *,
+    ring_k: Tensor | None = None,
+    ring_v: Tensor | None = None,
+    ring_valid: Tensor | None = None,
+    row_stride: int | None = None,
+    backend: str = "torch",
+    splits: int | None = None,
+) -> Tensor:
     """Attention of q [R, G, D] over pool segments (+ ring). See the module docstring.
 
     Args:
@@ -72,6 +85,16 @@ def pool_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, start: Tensor, len
         fn, reason = _triton_fn()
         if fn is None:
             raise RuntimeError(f"the Triton decode kernel is unavailable ({reason})")
-        return fn(q, k_pool, v_pool, start, length, max_len, ring_k=ring_k, ring_v=ring_v, ring_valid=ring_valid,
-                  splits=splits)
+        return fn(
+            q,
+            k_pool,
+            v_pool,
+            start,
+            length,
+            max_len,
+            ring_k=ring_k,
+            ring_v=ring_v,
+            ring_valid=ring_valid,
+            splits=splits,
+        )
     return torch_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k, ring_v, ring_valid, row_stride)

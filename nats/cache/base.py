@@ -27,6 +27,7 @@ attended to, before eviction) per row; :meth:`fractions` gives the area fraction
 and the peak fraction ``max_i c_i / N`` per ``[B, Hkv]``. :meth:`kept` is the number of tokens held now,
 :meth:`nbytes` the bytes the cache has allocated (keys, values and metadata).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,9 +47,22 @@ class LayerCache:
     graph_safe: bool = True  # step() uses device tensors only (CUDA-graph capturable with the Triton backend)
     requires_core: str | None = None  # the attention core a model must have (e.g. "nats"; None: any decodable)
 
-    def __init__(self, *, batch: int, n_head: int, n_kv_head: int, head_dim: int, max_len: int,
-                 device: Any = "cpu", dtype: torch.dtype = torch.float32, layer_idx: int = 0, core=None,
-                 backend: str = "auto", track: bool = True, budget: int | None = None):
+    def __init__(
+        self,
+        *,
+        batch: int,
+        n_head: int,
+        n_kv_head: int,
+        head_dim: int,
+        max_len: int,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        layer_idx: int = 0,
+        core=None,
+        backend: str = "auto",
+        track: bool = True,
+        budget: int | None = None,
+    ):
         if n_head % n_kv_head:
             raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
         if max_len < 1 or batch < 1:
@@ -118,7 +132,7 @@ class LayerCache:
         ys = []
         for i in range(N):
             pos = torch.full((1,), i, dtype=torch.long, device=q.device)
-            ys.append(self.step(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], x[:, i:i + 1], pos))
+            ys.append(self.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], x[:, i : i + 1], pos))
         return torch.cat(ys, dim=2)
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, pos: Tensor) -> Tensor:  # pragma: no cover
@@ -174,8 +188,10 @@ class LayerCache:
         return int(self.kept().sum()) * 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(name={self.name!r}, layer={self.layer_idx}, batch={self.batch}, "
-                f"kv_heads={self.n_kv_head}, t={self.t}, budget={self.budget}, backend={self.backend!r})")
+        return (
+            f"{type(self).__name__}(name={self.name!r}, layer={self.layer_idx}, batch={self.batch}, "
+            f"kv_heads={self.n_kv_head}, t={self.t}, budget={self.budget}, backend={self.backend!r})"
+        )
 
 
 class SlotCache(LayerCache):
@@ -200,8 +216,16 @@ class SlotCache(LayerCache):
         self.t += 1
         D = self.head_dim
         max_len = self.capacity if self.backend == "triton" else min(self.t, self.capacity)
-        y = pool_attention(self._q_rows(q), self.k.view(-1, D), self.v.view(-1, D), self.start, self.length, max_len,
-                           row_stride=self.capacity, backend=self.backend)
+        y = pool_attention(
+            self._q_rows(q),
+            self.k.view(-1, D),
+            self.v.view(-1, D),
+            self.start,
+            self.length,
+            max_len,
+            row_stride=self.capacity,
+            backend=self.backend,
+        )
         return self._out(y)
 
     def kept(self):

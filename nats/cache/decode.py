@@ -14,6 +14,7 @@ Supported models: causal language models whose attention core declares a ``decod
 ``nats``: see `nats.attention.registry.AttentionCore`; any output gate, RoPE or learned positions, GQA).
 Positions are the original ones, so a sequence cannot outgrow the model's block_size.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,7 @@ from nats.attention.registry import ATTENTIONS, decodable_attention
 from nats.cache.base import LayerCache
 from nats.cache.registry import available_caches, get_cache_class
 
-__all__ = ["check_model", "make_caches", "prefill", "decode_step", "policy_logits", "generate",
-           "eval_mode"]
+__all__ = ["check_model", "make_caches", "prefill", "decode_step", "policy_logits", "generate", "eval_mode"]
 
 
 def check_model(model) -> None:
@@ -60,9 +60,20 @@ def eval_mode(model) -> Iterator[None]:
         model.train(was_training)
 
 
-def make_caches(model, policy: str, batch: int, max_len: int, *, budget: int | None = None,
-                device: Any = None, dtype: torch.dtype | None = None, backend: str = "auto", track: bool = True,
-                budget_check_len: int | None = None, **options: Any) -> list[LayerCache]:
+def make_caches(
+    model,
+    policy: str,
+    batch: int,
+    max_len: int,
+    *,
+    budget: int | None = None,
+    device: Any = None,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    track: bool = True,
+    budget_check_len: int | None = None,
+    **options: Any,
+) -> list[LayerCache]:
     """One cache of policy `policy` per layer of `model`, for `batch` sequences of up to `max_len` tokens.
 
     `budget` (budgeted policies only) is checked against `budget_check_len` (default `max_len`): B >= N or a
@@ -96,9 +107,22 @@ def make_caches(model, policy: str, batch: int, max_len: int, *, budget: int | N
     caches = []
     for i, block in enumerate(model.blocks):
         try:
-            caches.append(cls(batch=batch, n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim,
-                              max_len=max_len, device=device, dtype=dtype, layer_idx=i, core=block.attn.core,
-                              backend=backend, track=track, **options))
+            caches.append(
+                cls(
+                    batch=batch,
+                    n_head=c.n_head,
+                    n_kv_head=c.n_kv_head,
+                    head_dim=c.head_dim,
+                    max_len=max_len,
+                    device=device,
+                    dtype=dtype,
+                    layer_idx=i,
+                    core=block.attn.core,
+                    backend=backend,
+                    track=track,
+                    **options,
+                )
+            )
         except TypeError as err:
             raise TypeError(f"cache policy {policy!r} does not accept the options {sorted(options)}: {err}") from err
     return caches
@@ -144,8 +168,17 @@ def decode_step(model, caches: list[LayerCache], token: Tensor, pos: int | Tenso
     return model.lm_head(model.ln_f(x))[:, 0]
 
 
-def policy_logits(model, idx: Tensor, policy: str = "full", *, sequential: bool = False,
-                  prefill_len: int = 0, budget: int | None = None, backend: str = "auto", **options: Any):
+def policy_logits(
+    model,
+    idx: Tensor,
+    policy: str = "full",
+    *,
+    sequential: bool = False,
+    prefill_len: int = 0,
+    budget: int | None = None,
+    backend: str = "auto",
+    **options: Any,
+):
     """Logits [B, N, V] of idx [B, N] under a cache policy, and the caches (for their measurements).
 
     sequential=False: the layer-wise `prefill` of all N tokens. sequential=True: `prefill` of the first
@@ -178,9 +211,20 @@ def _sample(logits: Tensor, temperature: float, top_k: int | None, greedy: bool,
     return torch.multinomial(probs, 1, generator=generator)
 
 
-def generate(model, idx: Tensor, max_new_tokens: int, policy: str = "full", *, budget: int | None = None,
-             temperature: float = 1.0, top_k: int | None = None, greedy: bool = False,
-             generator: torch.Generator | None = None, backend: str = "auto", **options: Any) -> Tensor:
+def generate(
+    model,
+    idx: Tensor,
+    max_new_tokens: int,
+    policy: str = "full",
+    *,
+    budget: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+    **options: Any,
+) -> Tensor:
     """Continue idx [B, T] by `max_new_tokens` tokens under a cache policy; returns [B, T + max_new_tokens].
 
     The prompt is prefilled layer by layer (`prefill`), then each new token is one `decode_step`. Sampling:
@@ -198,8 +242,16 @@ def generate(model, idx: Tensor, max_new_tokens: int, policy: str = "full", *, b
         )
     if not get_cache_class(policy).decodable:
         raise ValueError(f"cache policy {policy!r} is a parallel approximation and cannot decode")
-    caches = make_caches(model, policy, B, total, budget=budget, backend=backend,
-                         budget_check_len=max(total, (budget or 0) + 1), **options)
+    caches = make_caches(
+        model,
+        policy,
+        B,
+        total,
+        budget=budget,
+        backend=backend,
+        budget_check_len=max(total, (budget or 0) + 1),
+        **options,
+    )
     out = [idx]
     with eval_mode(model):
         logits = prefill(model, caches, idx)[:, -1]

@@ -5,6 +5,7 @@ A *policy* is a subclass of :class:`nats.cache.base.LayerCache`: the KV cache of
 batch of sequences, per KV head. `build_cache(name, ...)` builds one; `nats.cache.decode.make_caches` builds one
 per layer of a model. Unknown names fail with the list of registered ones.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,7 +14,9 @@ from nats.registry import Registry
 
 # every module of nats.cache.policies holds one policy
 CACHES = Registry(
-    "cache policy", "nats.cache.policies", skip=set(),
+    "cache policy",
+    "nats.cache.policies",
+    skip=set(),
     hint="or add a file to nats/cache/policies/ with @register_cache",
 )
 CACHE_POLICIES = CACHES.entries  # name -> LayerCache subclass

@@ -11,6 +11,7 @@ Reading order: `GPTConfig` and `GPTOutput`; the pieces of a block (`RotaryEmbedd
 cross-entropy over the logits, or (`fused_cross_entropy`, training only) lm head and cross-entropy as one fused
 op that never returns the logits.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,9 +61,11 @@ class GPTConfig:
         sizes = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size")
         small = [k for k in sizes if getattr(self, k) is not None and getattr(self, k) < 1]
         if small:  # before the divisibility checks below, which would divide by zero
-            raise ValueError("invalid model config: " + "; ".join(f"model.{k}={getattr(self, k)} must be >= 1"
-                                                                  for k in small)
-                             + " (layers, heads, channels and positions are counts): set a positive integer")
+            raise ValueError(
+                "invalid model config: "
+                + "; ".join(f"model.{k}={getattr(self, k)} must be >= 1" for k in small)
+                + " (layers, heads, channels and positions are counts): set a positive integer"
+            )
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         problems = []
@@ -173,8 +176,14 @@ class Attention(nn.Module):
         self.output_gate = attn_cfg.pop("output_gate", "none")  # "none" | "headwise" | "elementwise"
         self.gate = None if self.output_gate == "none" else OutputGate(self.output_gate, c.n_embd, c.n_head, c.bias)
         dims = AttentionDims(
-            n_embd=c.n_embd, n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim,
-            block_size=c.block_size, layer_idx=layer_idx, n_layer=c.n_layer, causal=c.causal,
+            n_embd=c.n_embd,
+            n_head=c.n_head,
+            n_kv_head=c.n_kv_head,
+            head_dim=c.head_dim,
+            block_size=c.block_size,
+            layer_idx=layer_idx,
+            n_layer=c.n_layer,
+            causal=c.causal,
         )
         self.core = build_attention(attn_cfg, dims)
         self.resid_dropout = nn.Dropout(c.dropout)

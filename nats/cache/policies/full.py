@@ -1,4 +1,5 @@
 """`full`: dense causal attention; every key is kept (spec section 7)."""
+
 from __future__ import annotations
 
 import torch

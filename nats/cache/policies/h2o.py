@@ -16,6 +16,7 @@ attention this is the per-head rule). Scores accumulate in float32 (float64 for 
 The prefill is the base class' one: the same rule, one position at a time inside each layer. Its labelled
 parallel approximation is `h2o_dense` (h2o_dense.py).
 """
+
 from __future__ import annotations
 
 import math

@@ -5,6 +5,7 @@ softmax probability ``sum_{i' < i} P_dense[i', j]`` (summed over the group's que
 probabilities are those of full attention, not of the kept set. One masked forward per layer; it cannot decode
 (``decodable = False``: decode with `h2o`, h2o.py).
 """
+
 from __future__ import annotations
 
 import math

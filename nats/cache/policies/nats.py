@@ -28,6 +28,7 @@ slots per row (the paper's Algorithm 3 keeps per-head buffers with valid lengths
 periodically in the same spirit). Attention reads each segment and the valid ring slots once
 (:func:`nats.cache.attention.pool_attention`; Triton on CUDA).
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,8 +47,16 @@ class NAtSCache(LayerCache):
     """Args (besides LayerCache's): window W (default: the core's), check_every, slack, shrink_above,
     init_capacity (initial segment length per row, default check_every)."""
 
-    def __init__(self, *, window: int | None = None, check_every: int = 16, slack: float = 1 / 32,
-                 shrink_above: float = 1.15, init_capacity: int | None = None, **kwargs):
+    def __init__(
+        self,
+        *,
+        window: int | None = None,
+        check_every: int = 16,
+        slack: float = 1 / 32,
+        shrink_above: float = 1.15,
+        init_capacity: int | None = None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         if window is None:
             if self.core is None or not hasattr(self.core, "window"):
@@ -55,8 +64,10 @@ class NAtSCache(LayerCache):
             window = self.core.window
         self.window = NF._ref.check_window(window)
         if check_every < 1 or slack < 0 or shrink_above <= 1:
-            raise ValueError(f"nats cache: need check_every >= 1, slack >= 0, shrink_above > 1; got {check_every}, "
-                             f"{slack}, {shrink_above}")
+            raise ValueError(
+                f"nats cache: need check_every >= 1, slack >= 0, shrink_above > 1; got {check_every}, "
+                f"{slack}, {shrink_above}"
+            )
         self.check_every, self.slack, self.shrink_above = int(check_every), float(slack), float(shrink_above)
         R, W, D, dev = self.rows, self.window, self.head_dim, self.device
         self.ring_k = torch.zeros(R, W, D, device=dev, dtype=self.dtype)
@@ -154,8 +165,18 @@ class NAtSCache(LayerCache):
         self.t += 1
         # query i over the segment and the valid ring slots
         max_len = self.max_cap if self.backend == "triton" else int(self.length.max())
-        y = pool_attention(self._q_rows(q), self.k_pool, self.v_pool, self.start, self.length, max_len,
-                           ring_k=self.ring_k, ring_v=self.ring_v, ring_valid=self.ring_valid, backend=self.backend)
+        y = pool_attention(
+            self._q_rows(q),
+            self.k_pool,
+            self.v_pool,
+            self.start,
+            self.length,
+            max_len,
+            ring_k=self.ring_k,
+            ring_v=self.ring_v,
+            ring_valid=self.ring_valid,
+            backend=self.backend,
+        )
         # evict: in rows where token i is global, its locals go (move the token down over them)
         isg = t == GLOBAL
         src = torch.where(isg, self.start + self.length - 1, self.scratch)
@@ -180,14 +201,37 @@ class NAtSCache(LayerCache):
         else:
             z, tin = None, types.reshape(R).to(device=self.device, dtype=torch.long).contiguous()
         kr, vr = self._kv_rows(k).contiguous(), self._kv_rows(v).contiguous()
-        nats_append(z, tin, pos, self._t, kr, vr, self.ring_k, self.ring_v, self.ring_valid, self.k_pool,
-                    self.v_pool, self.start, self.length)
+        nats_append(
+            z,
+            tin,
+            pos,
+            self._t,
+            kr,
+            vr,
+            self.ring_k,
+            self.ring_v,
+            self.ring_valid,
+            self.k_pool,
+            self.v_pool,
+            self.start,
+            self.length,
+        )
         if self.track:
             self._record(self.length + self.ring_valid.sum(1))
             self.type_counts.scatter_add_(1, self._t[:, None], torch.ones_like(self._t)[:, None])
         self.t += 1
-        y = pool_attention(self._q_rows(q), self.k_pool, self.v_pool, self.start, self.length, self.max_cap,
-                           ring_k=self.ring_k, ring_v=self.ring_v, ring_valid=self.ring_valid, backend="triton")
+        y = pool_attention(
+            self._q_rows(q),
+            self.k_pool,
+            self.v_pool,
+            self.start,
+            self.length,
+            self.max_cap,
+            ring_k=self.ring_k,
+            ring_v=self.ring_v,
+            ring_valid=self.ring_valid,
+            backend="triton",
+        )
         nats_evict(self._t, pos, self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.ring_valid)
         return self._out(y)
 
@@ -251,9 +295,19 @@ class NAtSCache(LayerCache):
         return (c / c.sum(-1, keepdim=True).clamp(min=1)).view(self.batch, self.n_kv_head, 3)
 
     def tensors(self):
-        return [self.k_pool, self.v_pool, self.ring_k, self.ring_v, self.ring_valid, self.length, self.n_global,
-                self.start, self.cap, self.scratch, self.type_counts]
+        return [
+            self.k_pool,
+            self.v_pool,
+            self.ring_k,
+            self.ring_v,
+            self.ring_valid,
+            self.length,
+            self.n_global,
+            self.start,
+            self.cap,
+            self.scratch,
+            self.type_counts,
+        ]
 
     def kv_tensors(self):
         return [self.k_pool, self.v_pool, self.ring_k, self.ring_v]
-

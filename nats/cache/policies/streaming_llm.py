@@ -5,6 +5,7 @@ Key j is visible to query i iff ``j <= i and (j < sinks or i - j < B - sinks)``.
 position shift; positions stay within the model's block_size). The mask is static, so the parallel prefill is a
 masked forward and decoding equals it exactly.
 """
+
 from __future__ import annotations
 
 import torch
