@@ -1,0 +1,138 @@
+"""The NAtS attention function registered in transformers' attention registry (issue 17 part 1).
+
+`nats_attention_forward` has the signature of transformers' ``eager_attention_forward``: it receives the attention
+module, query ``[B, Hq, N, D]`` and key/value ``[B, Hkv, Nk, D]`` after RoPE (and after the KV cache update),
+the attention mask built by transformers, ``scaling`` and ``dropout``. It finds its layer's NAtS core in
+``module.nats_scorer`` (a `nats.attention.nats.NAtSAttention`, attached by `nats.hf.attach_nats`) and the layer's
+input hidden states (after the input norm) in ``module._nats_hidden``, stashed by a forward pre-hook on the
+attention module (the scorer reads the block's normalised input, NATS_SPEC.md section 1, as in the native model).
+
+* Prefill / training (``N == Nk``): types from the core (straight-through Gumbel in training, argmax in eval, token 0
+  global), attention by `nats.functional.nats_attention` (Triton on CUDA, the PyTorch reference elsewhere), and the
+  differentiable density (spec section 4) and KV statistics recorded on the core (``last_density``,
+  ``last_stats``).
+* Decode (``N < Nk``, a transformers cache holding the past): exact but **not evicting**: the core keeps the hard
+  types of the past tokens (``past_types``, set by the prefill in eval mode) and the new queries attend over the
+  NAtS mask rows of the full sequence (dense masked softmax). The cache still holds every token; an evicting
+  `Cache` subclass is future work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from nats import functional as NF
+from nats import ops
+
+ATTN_IMPLEMENTATION = "nats"
+
+
+def _check_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int) -> None:
+    """NAtS is causal over one unpadded sequence per row: refuse masks that are anything else (padding)."""
+    if attention_mask is None:
+        return
+    m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    m = m[..., -q_len:, :k_len]
+    causal = torch.ones(q_len, k_len, dtype=torch.bool, device=m.device).tril(k_len - q_len)
+    if not torch.equal(m, causal.expand_as(m)):
+        raise NotImplementedError(
+            "nats attention (transformers): the attention mask is not plain causal (padded or packed batches); "
+            "NAtS runs over unpadded sequences only: pass sequences of equal length without padding"
+        )
+
+
+def nats_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """transformers attention function (registered as ``"nats"``); returns ``(out [B, N, Hq, D], None)``."""
+    core = getattr(module, "nats_scorer", None)
+    hidden = getattr(module, "_nats_hidden", None)
+    if core is None or hidden is None:
+        raise RuntimeError(
+            "nats attention (transformers): this attention module has no NAtS scorer or no stashed hidden states; "
+            "call nats.hf.attach_nats(model) instead of setting attn_implementation='nats' by hand"
+        )
+    module._nats_hidden = None  # used once; do not keep the activations alive
+    if dropout:
+        raise NotImplementedError("nats attention (transformers): attention dropout is not supported (set it to 0)")
+    B, Hq, N, D = query.shape
+    Nk = key.shape[-2]
+    sliding = kwargs.get("sliding_window")
+    if sliding is not None and Nk > sliding:
+        raise NotImplementedError(
+            f"nats attention (transformers): the model's own sliding window ({sliding}) is shorter than the "
+            f"sequence ({Nk}); NAtS replaces it only where it does not bind"
+        )
+    _check_mask(attention_mask, N, Nk)
+    if scaling is not None and not math.isclose(scaling, D**-0.5, rel_tol=1e-6):
+        query = query * (scaling * math.sqrt(D))  # nats_attention scales by 1/sqrt(D)
+
+    if N == Nk:  # prefill / training forward
+        t = core.type_weights(core.type_logits(hidden))  # [B, Hkv, N, 3]
+        if core.force_type is not None:
+            t = _forced(t, core.force_type)
+        y = NF.nats_attention(
+            query,
+            key,
+            value,
+            t.to(query.dtype) if query.dtype == torch.float64 else t,
+            core.window,
+            backend=core.backend,
+            mask_grad=core.mask_grad,
+        )
+        density, values = ops.density_and_stats(t, core.window)  # [B, Hkv] (differentiable), [B, Hkv, 5]
+        core.last_density = density
+        core.last_stats = {name: values[..., i].detach() for i, name in enumerate(ops.KV_STAT_NAMES)}
+        core.past_types = None if core.training else t.detach().argmax(-1)  # [B, Hkv, N]
+        return y.transpose(1, 2).contiguous(), None
+
+    # decode: new queries over past + new keys, exact NAtS rows, no eviction
+    past = core.past_types
+    if past is None or past.shape[-1] != Nk - N or past.shape[0] != B:
+        raise RuntimeError(
+            "nats attention (transformers): decoding needs the types of the cached tokens; run the prompt through "
+            "the model in eval mode first (model.eval(); model.generate(...))"
+        )
+    if core.force_type is not None:
+        new = torch.full((B, key.shape[1], N), int(core.force_type), dtype=torch.long, device=key.device)
+    else:
+        new = core.hard_types(hidden)  # [B, Hkv, N]
+    types = torch.cat([past, new], dim=-1)  # [B, Hkv, Nk]
+    types[..., 0] = NF.TOKEN_GLOBAL
+    core.past_types = types
+    mask = NF.nats_mask(types, core.window)[..., -N:, :]  # [B, Hkv, N, Nk]
+    rep = Hq // key.shape[1]
+    k = key.repeat_interleave(rep, dim=1)
+    v = value.repeat_interleave(rep, dim=1)
+    mask = mask.repeat_interleave(rep, dim=1)
+    s = torch.matmul(query, k.transpose(-1, -2)).float() / math.sqrt(D)
+    a = F.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).to(value.dtype)
+    y = torch.matmul(a, v)
+    return y.transpose(1, 2).contiguous(), None
+
+
+def _forced(t: torch.Tensor, force_type: int) -> torch.Tensor:
+    """One-hot weights of a fixed type for every token (token 0 global), keeping t's dtype; no gradient."""
+    types = torch.full(t.shape[:-1], int(force_type), dtype=torch.long, device=t.device)
+    types[..., 0] = NF.TOKEN_GLOBAL
+    return NF.types_to_weights(types, t.dtype)
+
+
+def register() -> None:
+    """Register ``"nats"`` in transformers' attention registry (and its mask registry: the sdpa mask, so that a
+    padded batch reaches `nats_attention_forward` as a mask and is refused rather than silently ignored)."""
+    from transformers import AttentionInterface  # noqa: PLC0415
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: PLC0415
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, nats_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
