@@ -1,0 +1,483 @@
+"""Long-context training examples for fine-tuning a pretrained model's NAtS scorers, built offline.
+
+Each :class:`LongContextExample` is a prompt (token ids), an answer span (token ids: the tokens the distillation
+loss is taken on) and a task name. Tasks:
+
+- ``pg19_continuation``: a passage of a PG-19 book (the local PG-19 subset, read with :class:`PG19Source`, the same
+  reader as the token caches) as the prompt, and the next ``answer_tokens`` tokens of the book as the answer.
+- ``passkey``: a 5-digit number hidden at a random depth of repeated filler text (Mohtashami & Jaggi, 2023; the
+  format of RULER's ``repeat`` haystack); the answer is the number.
+- ``niah``: needle in a haystack, key/value: several needles "One of the special magic numbers for <key> is:
+  <value>." hidden in a haystack (PG-19 text when a PG-19 path is given, else the filler); the question asks for
+  one key's value (RULER's ``niah_multikey`` format).
+- ``variable_tracking``: chains of assignments ``VAR X = 12345``, ``VAR Y = VAR X`` ... scattered through filler,
+  plus a distractor chain; the answer lists the variables of the queried chain (RULER's ``vt`` format).
+
+The synthetic generators are written here, after RULER's formats: the PyPI package ``nvidia-long-context-eval``
+ships RULER's generators, but as command-line scripts (argument parsing at import time, imports through
+``sys.path`` edits, NLTK's ``punkt`` data and ``wonderwords``), which cannot be called as functions offline; see
+``docs/hf_data.md``. Sentences are split with a regular expression (no NLTK).
+
+Every example is a function of ``(seed, task, index)`` alone (its own ``random.Random``), so the same settings
+give the same examples, and asking for more examples keeps the first ones. Prompt + answer never exceed
+``max_length`` tokens; example lengths are drawn in ``[min_length, max_length]``. The examples are cached as JSONL
+under ``cache_dir`` (default ``data/hf_longctx``), in a file named by a hash of the settings and of the tokenizer,
+and read back from there the next time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import random
+import re
+import string
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nats.utils import atomic_path
+
+__all__ = [
+    "TASKS",
+    "DEFAULT_PG19_PATH",
+    "LongContextExample",
+    "TiktokenAdapter",
+    "encode_fn",
+    "tokenizer_fingerprint",
+    "split_sentences",
+    "build_examples",
+    "load_or_build_examples",
+    "cache_path",
+]
+
+TASKS: tuple[str, ...] = ("pg19_continuation", "passkey", "niah", "variable_tracking")
+#: the PG-19 subset beside the repository (``../shared/data/pg19-subset``), as the data configs use it
+DEFAULT_PG19_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pg19-subset"
+#: bump when a generator changes its output: part of the cache key
+FORMAT_VERSION = 1
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+#: the filler's sentences, the haystack units (so that a prompt fills its budget to within a sentence)
+FILLER_UNITS = tuple(s for s in re.split(r"(?<=\.) ", FILLER))
+_WORDS = (
+    "amber",
+    "brisk",
+    "cobalt",
+    "dusty",
+    "eager",
+    "fuzzy",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "keen",
+    "lucky",
+    "mellow",
+    "nimble",
+    "olive",
+    "proud",
+    "quiet",
+    "rusty",
+    "silver",
+    "tidy",
+    "urban",
+    "vivid",
+    "witty",
+    "young",
+)
+_NOUNS = (
+    "anchor",
+    "badger",
+    "candle",
+    "dragon",
+    "engine",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchard",
+    "pepper",
+    "quarry",
+    "river",
+    "saddle",
+    "tunnel",
+    "umbrella",
+    "valley",
+    "walrus",
+    "yacht",
+)
+
+
+@dataclass
+class LongContextExample:
+    """One example: ``prompt_ids`` then ``answer_ids`` (the span the loss is taken on), and the task's name.
+
+    ``meta``: what the generator chose (e.g. the passkey and its depth; the book and offset), JSON-able."""
+
+    task: str
+    prompt_ids: list[int]
+    answer_ids: list[int]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def input_ids(self) -> list[int]:
+        """Prompt and answer, the model's input (the answer span is its last ``len(answer_ids)`` tokens)."""
+        return self.prompt_ids + self.answer_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.answer_ids)
+
+
+class TiktokenAdapter:
+    """A :class:`tiktoken.Encoding` (e.g. ``nats.data.tokenizer.get_tokenizer("gpt2")``) with the small part of the
+    Hugging Face tokenizer interface that this module uses (``encode(text, add_special_tokens=False)``, ``decode``,
+    ``name_or_path``, ``len``)."""
+
+    def __init__(self, encoding: Any) -> None:
+        self.encoding = encoding
+        self.name_or_path = f"tiktoken:{encoding.name}"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids: Sequence[int], **kwargs: Any) -> str:
+        return self.encoding.decode(list(ids))
+
+    def __len__(self) -> int:
+        return self.encoding.n_vocab
+
+
+def encode_fn(tokenizer: Any) -> Callable[[str], list[int]]:
+    """``text -> token ids`` without special tokens (BOS/EOS), for a Hugging Face tokenizer or an adapter."""
+    return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+
+
+_PROBE = "Probe: The pass key is 40521. VAR QXZTA = 12345\n\n“Quoted”, naïve café — 3.14!"
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash that tells tokenizers apart (its name, vocabulary size and the ids of a probe text), for the
+    cache key."""
+    probe = encode_fn(tokenizer)(_PROBE)
+    name = str(getattr(tokenizer, "name_or_path", type(tokenizer).__name__))
+    blob = json.dumps([Path(name).name, len(tokenizer), probe])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"'”’)\]]*\s+(?=[\"'“‘(\[]?[A-Z0-9])")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split text into sentences at ``.``/``!``/``?`` followed by white space and a capital or digit (the offline
+    replacement of NLTK's ``sent_tokenize`` that RULER uses); white space inside a sentence is collapsed."""
+    text = re.sub(r"\s+", " ", text).strip()
+    return [s.strip() for s in _SENTENCE_END.split(text) if s.strip()] if text else []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the generators: (rng, length, encode, context) -> (prompt ids, answer ids, meta), prompt + answer <= length
+
+
+def _fit(
+    build: Callable[[int], str], n_max: int, budget: int, encode: Callable[[str], list[int]]
+) -> tuple[list[int], int]:
+    """The largest ``n <= n_max`` haystack units such that ``encode(build(n))`` has at most ``budget`` tokens:
+    a guess from the tokens per unit, then a binary search; returns ``(ids, n)``."""
+    best = (encode(build(0)), 0)
+    if len(best[0]) > budget:
+        raise ValueError(f"the task's fixed text alone is {len(best[0])} tokens, more than the budget {budget}")
+    lo, hi = 0, n_max + 1  # build(lo) fits; build(hi) does not (or is beyond n_max)
+    probe = min(n_max, 8)
+    if probe:
+        per = max(1e-6, (len(encode(build(probe))) - len(best[0])) / probe)
+        n = min(n_max, int((budget - len(best[0])) / per))
+    else:
+        n = 0
+    while hi - lo > 1:
+        if not lo < n < hi:
+            n = (lo + hi) // 2
+        ids = encode(build(n))
+        if len(ids) <= budget:
+            best, lo = (ids, n), n
+            n = n + 1  # the guess is usually right or one short: check the next one first
+        else:
+            hi = n
+            n = n - 1
+    return best
+
+
+def _number(rng: random.Random, digits: int) -> str:
+    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+
+
+def _filler(n: int) -> list[str]:
+    return [FILLER_UNITS[i % len(FILLER_UNITS)] for i in range(n)]
+
+
+def _insert(units: list[str], k: int, needles: list[tuple[float, str]]) -> list[str]:
+    """``units[:k]`` with each needle inserted at its depth (a fraction of the way through)."""
+    out = list(units[:k])
+    for depth, needle in sorted(needles, key=lambda d: d[0], reverse=True):
+        out.insert(round(depth * len(out)), needle)
+    return out
+
+
+def _haystack_units(rng: random.Random, pg19: list[tuple[str, list[str]]] | None, n: int) -> tuple[list[str], dict]:
+    """``n`` sentences: consecutive sentences of one PG-19 book from a random point (wrapping), else the filler."""
+    if not pg19:
+        return _filler(n), {"haystack": "filler"}
+    name, sents = pg19[rng.randrange(len(pg19))]
+    start = rng.randrange(len(sents))
+    return [sents[(start + i) % len(sents)] for i in range(n)], {"haystack": name, "sentence": start}
+
+
+def _gen_passkey(rng, total, encode, ctx):
+    key = _number(rng, 5)
+    answer = encode(" " + key)
+    depth = rng.random()
+    head = (
+        "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+        "I will quiz you about the important info there.\n\n"
+    )
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    tail = "\n\nWhat is the pass key? The pass key is"
+
+    def build(n: int) -> str:
+        return head + " ".join(_insert(_filler(n), n, [(depth, needle)])) + tail
+
+    ids, n = _fit(build, ctx["max_units"], total - len(answer), encode)
+    return ids, answer, {"passkey": key, "depth": round(depth, 4), "filler_units": n}
+
+
+def _gen_niah(rng, total, encode, ctx):
+    num_needles = ctx["niah_needles"]
+    keys: list[str] = []
+    while len(keys) < num_needles:
+        k = f"{rng.choice(_WORDS)}-{rng.choice(_NOUNS)}"
+        if k not in keys:
+            keys.append(k)
+    values = [_number(rng, 7) for _ in keys]
+    needles = [(rng.random(), f"One of the special magic numbers for {k} is: {v}.") for k, v in zip(keys, values)]
+    q = rng.randrange(num_needles)
+    units, meta = _haystack_units(rng, ctx["pg19"], ctx["max_units"])
+    head = (
+        "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the numbers afterwards.\n"
+    )
+    tail = (
+        f"\nWhat is the special magic number for {keys[q]} mentioned in the provided text? "
+        f"The special magic number for {keys[q]} mentioned in the provided text is"
+    )
+
+    def build(n: int) -> str:
+        return head + " ".join(_insert(units, n, needles)) + tail
+
+    answer = encode(" " + values[q])
+    ids, n = _fit(build, len(units), total - len(answer), encode)
+    return ids, answer, {"key": keys[q], "value": values[q], "needles": num_needles, "units": n, **meta}
+
+
+def _variable_names(rng: random.Random, k: int) -> list[str]:
+    names: list[str] = []
+    while len(names) < k:
+        v = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+        if v not in names:
+            names.append(v)
+    return names
+
+
+def _gen_variable_tracking(rng, total, encode, ctx):
+    hops, chains = ctx["vt_hops"], ctx["vt_chains"]
+    names = _variable_names(rng, (hops + 1) * chains)
+    values = []
+    while len(values) < chains:
+        v = _number(rng, 5)
+        if v not in values:
+            values.append(v)
+    statements: list[str] = []
+    for c in range(chains):
+        var = names[c * (hops + 1) : (c + 1) * (hops + 1)]
+        statements.append(f"VAR {var[0]} = {values[c]}.")
+        statements += [f"VAR {var[i]} = VAR {var[i - 1]}." for i in range(1, hops + 1)]
+    # keep each chain in order: sorted depths per chain, interleaved between chains
+    depths: list[float] = []
+    for _ in range(chains):
+        depths += sorted(rng.random() for _ in range(hops + 1))
+    query = names[: hops + 1]
+    head = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+    tail = (
+        f"\nQuestion: Find all variables that are assigned the value {values[0]} in the text above. Answer: According "
+        f"to the chain(s) of variable assignment in the text above, {hops + 1} variables are assigned the value "
+        f"{values[0]}, they are:"
+    )
+
+    def build(n: int) -> str:
+        return head + " ".join(_insert(_filler(n), n, list(zip(depths, statements)))) + tail
+
+    answer = encode(" " + " ".join(query))
+    ids, n = _fit(build, ctx["max_units"], total - len(answer), encode)
+    return ids, answer, {"value": values[0], "variables": query, "chains": chains, "filler_units": n}
+
+
+def _gen_pg19_continuation(rng, total, encode, ctx):
+    books = ctx["pg19_text"]
+    if not books:
+        raise ValueError("pg19_continuation needs PG-19 books: pass pg19_path (the folder of <split>.tar.xz)")
+    k = ctx["answer_tokens"]
+    budget = total - k
+    if budget < 1:
+        raise ValueError(f"pg19_continuation: length {total} leaves no room for a prompt before {k} answer tokens")
+    for _ in range(100):
+        name, text = books[rng.randrange(len(books))]
+        # a character window that surely holds budget + k tokens (~4.5 characters per token in English prose)
+        span = (budget + k) * 8 + 64
+        if len(text) <= span // 4:
+            continue
+        start = rng.randrange(max(1, len(text) - span))
+        nl = text.find("\n", start)  # start at a line boundary
+        start = nl + 1 if 0 <= nl < start + 2000 else start
+        ids = encode(text[start : start + span])
+        if len(ids) < budget + k:
+            continue
+        return ids[:budget], ids[budget : budget + k], {"book": name, "char_offset": start}
+    raise ValueError(f"pg19_continuation: found no book with {budget + k} tokens left after a random offset")
+
+
+_GENERATORS = {
+    "passkey": _gen_passkey,
+    "niah": _gen_niah,
+    "variable_tracking": _gen_variable_tracking,
+    "pg19_continuation": _gen_pg19_continuation,
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# building and caching
+
+
+def _read_pg19(path: str | Path, split: str, max_books: int) -> list[tuple[str, str]]:
+    from nats.data.sources.pg19 import PG19Source  # the reader of the token caches: archives or split folders
+
+    source = PG19Source(cache_dir=Path(path), path=path)  # only the split asked for need exist (no prepare())
+    books = []
+    for doc in source.documents(split):
+        books.append((doc.name, doc.text))
+        if len(books) >= max_books:
+            break
+    if not books:
+        raise ValueError(f"no PG-19 books in split {split!r} under {path}")
+    return books
+
+
+def _settings(**kw: Any) -> dict[str, Any]:
+    return {"format_version": FORMAT_VERSION, **kw}
+
+
+def cache_path(cache_dir: str | Path, settings: dict[str, Any]) -> Path:
+    """``<cache_dir>/longctx-<hash of the settings>.jsonl``."""
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"longctx-{key}.jsonl"
+
+
+def build_examples(
+    tokenizer: Any,
+    tasks: Iterable[str] = TASKS,
+    num_examples: int = 16,
+    max_length: int = 8192,
+    min_length: int | None = None,
+    seed: int = 0,
+    pg19_path: str | Path | None = None,
+    split: str = "train",
+    max_books: int = 32,
+    answer_tokens: int = 64,
+    niah_needles: int = 4,
+    vt_hops: int = 4,
+    vt_chains: int = 2,
+) -> list[LongContextExample]:
+    """Generate ``num_examples`` examples of each task (no cache; see :func:`load_or_build_examples`).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (or :class:`TiktokenAdapter`); special tokens are not added.
+        max_length: prompt + answer tokens at most (the model's context, or less).
+        min_length: the shortest example (default ``max_length // 2``); each example's length (prompt + answer)
+            is drawn uniformly in ``[min_length, max_length]``, and its prompt fills it up to a haystack unit (a
+            sentence; the PG-19 continuation exactly).
+        pg19_path: the PG-19 copy (``<split>.tar.xz`` archives or split folders), for ``pg19_continuation`` and
+            as the ``niah`` haystack; ``None``: no ``pg19_continuation``, the ``niah`` haystack is the filler.
+        split, max_books: the first ``max_books`` books of ``split`` are used.
+        answer_tokens: the length of the ``pg19_continuation`` answer (the next K tokens).
+        niah_needles, vt_hops, vt_chains: the synthetic tasks' difficulty (needles hidden; assignments per chain
+            after the first; chains, of which one is asked for).
+    """
+    tasks = list(tasks)
+    unknown = [t for t in tasks if t not in _GENERATORS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
+    min_length = max_length // 2 if min_length is None else min_length
+    if not 0 < min_length <= max_length:
+        raise ValueError(f"need 0 < min_length <= max_length; got {min_length}, {max_length}")
+    encode = encode_fn(tokenizer)
+    books = _read_pg19(pg19_path, split, max_books) if pg19_path is not None else None
+    ctx: dict[str, Any] = {
+        "pg19_text": books,
+        "pg19": [(n, split_sentences(t[:200_000])) for n, t in books] if books else None,
+        "answer_tokens": answer_tokens,
+        "niah_needles": niah_needles,
+        "vt_hops": vt_hops,
+        "vt_chains": vt_chains,
+        # haystack units (sentences of 4+ tokens) that certainly exceed the largest budget
+        "max_units": max_length // 3 + 8,
+    }
+    out = []
+    for task in tasks:
+        for i in range(num_examples):
+            rng = random.Random(f"{seed}/{task}/{i}")
+            total = rng.randint(min_length, max_length)
+            prompt, answer, meta = _GENERATORS[task](rng, total, encode, ctx)
+            assert len(prompt) + len(answer) <= total, (task, i)
+            out.append(LongContextExample(task, list(prompt), list(answer), {"index": i, "length": total, **meta}))
+    return out
+
+
+#: build_examples' settings and their defaults (all of them go into the cache key)
+_BUILD_DEFAULTS = {k: p.default for k, p in inspect.signature(build_examples).parameters.items() if k != "tokenizer"}
+
+
+def load_or_build_examples(
+    tokenizer: Any, cache_dir: str | Path = "data/hf_longctx", rebuild: bool = False, **kwargs: Any
+) -> tuple[list[LongContextExample], Path]:
+    """:func:`build_examples` through a JSONL cache: ``(examples, cache file)``.
+
+    The cache file is named by a hash of every setting (defaults included), the PG-19 path and the tokenizer's
+    :func:`tokenizer_fingerprint`, and written atomically; an existing one is read instead of generating again
+    (``rebuild=True`` regenerates it). Its first line holds the settings."""
+    defaults = _BUILD_DEFAULTS
+    unknown = sorted(set(kwargs) - set(defaults))
+    if unknown:
+        raise TypeError(f"unknown setting(s) {unknown}; build_examples takes {sorted(defaults)}")
+    options = {**defaults, **kwargs}
+    options["tasks"] = list(options["tasks"])
+    if options["pg19_path"] is not None:
+        options["pg19_path"] = str(Path(options["pg19_path"]).expanduser().resolve())
+    settings = _settings(tokenizer=tokenizer_fingerprint(tokenizer), **options)
+    path = cache_path(cache_dir, settings)
+    if path.is_file() and not rebuild:
+        with open(path, encoding="utf-8") as f:
+            header = json.loads(f.readline())
+            if header.get("settings") != settings:
+                raise ValueError(f"{path}: the cache's settings differ from the requested ones (a hash clash?)")
+            return [LongContextExample(**json.loads(line)) for line in f if line.strip()], path
+    examples = build_examples(tokenizer, **options)
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"settings": settings, "count": len(examples)}) + "\n")
+        for ex in examples:
+            f.write(json.dumps(asdict(ex)) + "\n")
+    return examples, path
