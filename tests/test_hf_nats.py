@@ -228,9 +228,14 @@ def test_greedy_generate_equals_parallel_forward(arch):
     model = attach_nats(tiny_model(arch), window=3, init_std=0.5)
     prompt = ids(n=12, b=1)
     with torch.no_grad():
-        gen = model.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10, pad_token_id=0)
+        gen = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False, min_new_tokens=10
+        )
+        decoded_types = [s.past_types.clone() for s in scorers(model)]  # [1, Hkv, 21]: prompt + fed-back tokens
         full = model(gen).logits  # the parallel forward over prompt + generated tokens
     assert gen.shape == (1, 22)
+    for s, t in zip(scorers(model), decoded_types):  # the decode steps typed each token as the prefill does
+        assert torch.equal(t, s.past_types[..., :21])
     greedy = full[:, prompt.shape[1] - 1 : -1].argmax(-1)
     assert torch.equal(greedy, gen[:, prompt.shape[1] :])
 

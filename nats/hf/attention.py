@@ -106,7 +106,7 @@ def nats_attention_forward(
     if core.force_type is not None:
         new = torch.full((B, key.shape[1], N), int(core.force_type), dtype=torch.long, device=key.device)
     else:
-        new = core.hard_types(hidden)  # [B, Hkv, N]
+        new = core.type_logits(hidden).argmax(-1)  # [B, Hkv, N] (not hard_types: it makes its first token global)
     types = torch.cat([past, new], dim=-1)  # [B, Hkv, Nk]
     types[..., 0] = NF.TOKEN_GLOBAL
     core.past_types = types
