@@ -45,6 +45,7 @@ from nats.cache.decode import policy_logits
 from nats.cache.registry import get_cache_class
 from nats.functional import budget_fractions
 from nats.models.gpt import GPT, GPTConfig
+from nats.runs import read_model_checkpoint
 from nats.utils import CONF_DIR
 
 log = logging.getLogger(__name__)
@@ -59,31 +60,7 @@ _TRAIN_HINT = "pass the .ckpt of a nats-train run, e.g. ckpt_path=logs/train/run
 # ----------------------------------------------------------------------------------------------------
 def load_checkpoint(path: str | os.PathLike | None) -> tuple[GPT, dict[str, Any]]:
     """The GPT of a nats-train (LitGPT) checkpoint and its model config dict; clear errors otherwise."""
-    if path is None or str(path) in ("", "None", "null"):
-        raise ValueError(f"no checkpoint given: {_TRAIN_HINT}")
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"ckpt_path={path} does not exist: {_TRAIN_HINT}")
-    try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as err:  # not a torch file, or pickled objects beyond tensors and containers
-        raise ValueError(
-            f"ckpt_path={path} is not a readable nats-train checkpoint ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}): {_TRAIN_HINT}"
-        ) from err
-    hp = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
-    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
-    if (
-        not isinstance(hp, dict)
-        or not isinstance(hp.get("model"), dict)
-        or not isinstance(state, dict)
-        or not any(k.startswith("model.") for k in state)
-    ):
-        raise ValueError(
-            f"ckpt_path={path} is not a nats-train checkpoint (it needs hyper_parameters['model'], the GPT config, "
-            f"and a state_dict with 'model.*' weights, as nats.lit.LitGPT writes): {_TRAIN_HINT}"
-        )
-    model_cfg = dict(hp["model"])
+    model_cfg, weights = read_model_checkpoint(path, f"ckpt_path={path}", _TRAIN_HINT)
     try:
         config = GPTConfig.from_dict(model_cfg)
     except (TypeError, ValueError) as err:
@@ -97,7 +74,6 @@ def load_checkpoint(path: str | os.PathLike | None) -> tuple[GPT, dict[str, Any]
             f"{' or '.join(supported)} (model/attention=dense or model/attention=nats)"
         )
     model = GPT(config)
-    weights = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not config.tie_embeddings]
     if missing or unexpected:

@@ -36,6 +36,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 
 from nats.models.gpt import GPT, GPTConfig
+from nats.runs import read_model_checkpoint
 
 __all__ = [
     "PretrainedGPT",
@@ -330,34 +331,10 @@ def from_pretrained(name_or_path: str | os.PathLike, map_location: Any = "cpu", 
 def load_checkpoint(path: str | os.PathLike | None) -> PretrainedGPT:
     """The model of a nats-train (LitGPT) Lightning checkpoint, any architecture; clear errors otherwise.
     (nats.eval.load_checkpoint also refuses the models that the KV caches cannot decode.)"""
-    if path is None or str(path) in ("", "None", "null"):
-        raise ValueError(f"no checkpoint given: {_CKPT_HINT}")
-    p = Path(path)
-    if p.is_dir():
+    if path is not None and Path(path).is_dir():
         raise ValueError(f"{path} is a folder, not a checkpoint file: {_CKPT_HINT}")
-    if not p.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist: {_CKPT_HINT}")
-    try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as err:  # not a torch file, or pickled objects beyond tensors and containers
-        raise ValueError(
-            f"{path} is not a readable nats-train checkpoint ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}): {_CKPT_HINT}"
-        ) from err
-    hp = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
-    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
-    if (
-        not isinstance(hp, dict)
-        or not isinstance(hp.get("model"), Mapping)
-        or not isinstance(state, dict)
-        or not any(k.startswith("model.") for k in state)
-    ):
-        raise ValueError(
-            f"{path} is not a nats-train checkpoint (it needs hyper_parameters['model'], the GPT "
-            f"config, and a state_dict with 'model.*' weights, as nats.lit.LitGPT writes): {_CKPT_HINT}"
-        )
-    model = PretrainedGPT(config_from_dict(hp["model"], str(path)))
-    weights = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+    model_cfg, weights = read_model_checkpoint(path, str(path), _CKPT_HINT)
+    model = PretrainedGPT(config_from_dict(model_cfg, str(path)))
     return _load_weights(model, weights, str(path)).eval()
 
 

@@ -101,6 +101,40 @@ def checkpoint_step(path: str | os.PathLike) -> int:
     return int(ckpt.get("global_step", 0))
 
 
+def read_model_checkpoint(path: str | os.PathLike | None, name: str, hint: str) -> tuple[dict, dict]:
+    """(model config dict, model weights without their ``model.`` prefix) of a nats-train (LitGPT) checkpoint,
+    read with ``weights_only=True``; clear errors otherwise. ``name`` names the file in the messages (e.g.
+    ``ckpt_path=<path>``), ``hint`` says what to pass instead. Used by nats-eval and nats.hub."""
+    import torch
+
+    if path is None or str(path) in ("", "None", "null"):
+        raise ValueError(f"no checkpoint given: {hint}")
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{name} does not exist: {hint}")
+    try:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as err:  # not a torch file, or pickled objects beyond tensors and containers
+        raise ValueError(
+            f"{name} is not a readable nats-train checkpoint ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}): {hint}"
+        ) from err
+    hp = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
+    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if (
+        not isinstance(hp, dict)
+        or not isinstance(hp.get("model"), Mapping)
+        or not isinstance(state, dict)
+        or not any(k.startswith("model.") for k in state)
+    ):
+        raise ValueError(
+            f"{name} is not a nats-train checkpoint (it needs hyper_parameters['model'], the GPT config, "
+            f"and a state_dict with 'model.*' weights, as nats.lit.LitGPT writes): {hint}"
+        )
+    weights = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+    return dict(hp["model"]), weights
+
+
 def latest_run(runs_dir: str | os.PathLike) -> Path:
     """The most recently modified run folder under ``runs_dir`` that holds a checkpoint to resume from."""
     runs_dir = Path(runs_dir)
