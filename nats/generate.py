@@ -20,15 +20,14 @@ sample, then the cache statistics: KV entries kept per layer and KV head at the 
 tokens processed, the area and peak fractions of the cache over the decode (NATS_SPEC.md section 6), the bytes
 kept, and for nats the fractions of global / local / sliding tokens.
 
-The loop is `nats.cache.decode.generate`'s, written out here to keep the caches (for their statistics) and to
-mask the padded vocabulary; `generate_tokens` is the function.
+The loop is `nats.cache.decode.generate_with_caches` (which keeps the caches for their statistics and masks the
+padded vocabulary); `generate_tokens` is the function.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from nats.cache.base import LayerCache
-from nats.cache.decode import check_model, decode_step, eval_mode, make_caches, prefill
+from nats.cache.decode import check_model, generate_with_caches
 from nats.cache.registry import available_caches, get_cache_class
 from nats.utils import CONF_DIR, atomic_write
 
@@ -57,22 +56,6 @@ _MODEL_HINT = (
 # ----------------------------------------------------------------------------------------------------
 # decoding
 # ----------------------------------------------------------------------------------------------------
-def _next_token(
-    logits: Tensor, temperature: float, top_k: int | None, vocab_limit: int | None, generator: torch.Generator | None
-) -> Tensor:
-    """logits [B, V] -> next token [B, 1]: argmax (temperature 0) or a sample of softmax(logits / temperature)
-    over the top_k largest; ids >= vocab_limit never."""
-    if vocab_limit is not None and vocab_limit < logits.size(-1):
-        logits = logits[..., :vocab_limit]
-    if temperature == 0:
-        return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-
-
 def generate_tokens(
     model,
     idx: Tensor,
@@ -90,50 +73,21 @@ def generate_tokens(
     """Continue idx [B, T] by `max_new_tokens` tokens through the caches of `policy`; returns the tokens
     [B, T + max_new_tokens] and the caches (one per layer, after the last token fed; for `cache_stats`).
 
-    As `nats.cache.decode.generate` (same prefill and steps, same checks), plus `vocab_limit` (ids >= it are
-    never chosen). Greedy when temperature == 0."""
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or null (no cut), got {top_k}")
-    check_model(model)
-    B, T = idx.shape
-    if T < 1:
-        raise ValueError("generation needs a prompt of at least one token")
-    total = T + max_new_tokens
-    if total > model.config.block_size:
-        raise ValueError(
-            f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's block_size "
-            f"{model.config.block_size}: positions are kept, so shorten the prompt or generate fewer tokens"
-        )
-    cls = get_cache_class(policy)
-    if not cls.decodable:
-        decodable = [n for n in available_caches() if get_cache_class(n).decodable]
-        raise ValueError(
-            f"cache policy {policy!r} is a parallel approximation and cannot decode token by token: "
-            f"use one of {decodable}"
-        )
-    caches = make_caches(
+    `nats.cache.decode.generate_with_caches` with nats-generate's default of greedy decoding (temperature 0);
+    ids >= `vocab_limit` are never chosen."""
+    return generate_with_caches(
         model,
+        idx,
+        max_new_tokens,
         policy,
-        B,
-        total,
         budget=budget,
+        temperature=temperature,
+        top_k=top_k,
+        vocab_limit=vocab_limit,
+        generator=generator,
         backend=backend,
-        budget_check_len=max(total, (budget or 0) + 1),
         **options,
     )
-    out = [idx]
-    with eval_mode(model):
-        logits = prefill(model, caches, idx)[:, -1]
-        for s in range(max_new_tokens):
-            nxt = _next_token(logits, temperature, top_k, vocab_limit, generator)
-            out.append(nxt)
-            if s + 1 < max_new_tokens:
-                logits = decode_step(model, caches, nxt[:, 0], T + s)
-    return torch.cat(out, dim=1), caches
 
 
 def cache_stats(caches: list[LayerCache]) -> dict[str, Any]:

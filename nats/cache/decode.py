@@ -18,6 +18,7 @@ Positions are the original ones, so a sequence cannot outgrow the model's block_
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +29,16 @@ from nats.attention.registry import ATTENTIONS, decodable_attention
 from nats.cache.base import LayerCache
 from nats.cache.registry import available_caches, get_cache_class
 
-__all__ = ["check_model", "make_caches", "prefill", "decode_step", "policy_logits", "generate", "eval_mode"]
+__all__ = [
+    "check_model",
+    "make_caches",
+    "prefill",
+    "decode_step",
+    "policy_logits",
+    "generate",
+    "generate_with_caches",
+    "eval_mode",
+]
 
 
 def check_model(model) -> None:
@@ -200,7 +210,13 @@ def policy_logits(
         return torch.cat(out, dim=1), caches
 
 
-def _sample(logits: Tensor, temperature: float, top_k: int | None, greedy: bool, generator) -> Tensor:
+def _sample(
+    logits: Tensor, temperature: float, top_k: int | None, greedy: bool, generator, vocab_limit: int | None = None
+) -> Tensor:
+    """logits [B, V] -> next token [B, 1]: argmax (greedy or temperature 0), else a sample of
+    softmax(logits / temperature) over the top_k largest; ids >= vocab_limit never."""
+    if vocab_limit is not None and vocab_limit < logits.size(-1):
+        logits = logits[..., :vocab_limit]
     if greedy or temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.float() / temperature
@@ -229,19 +245,60 @@ def generate(
 
     The prompt is prefilled layer by layer (`prefill`), then each new token is one `decode_step`. Sampling:
     greedy (or temperature 0), else softmax(logits / temperature) restricted to the `top_k` largest."""
+    return generate_with_caches(
+        model,
+        idx,
+        max_new_tokens,
+        policy,
+        budget=budget,
+        temperature=temperature,
+        top_k=top_k,
+        greedy=greedy,
+        generator=generator,
+        backend=backend,
+        **options,
+    )[0]
+
+
+def generate_with_caches(
+    model,
+    idx: Tensor,
+    max_new_tokens: int,
+    policy: str = "full",
+    *,
+    budget: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    greedy: bool = False,
+    vocab_limit: int | None = None,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+    **options: Any,
+) -> tuple[Tensor, list]:
+    """`generate`, also returning the caches (one per layer, after the last token fed: for their statistics);
+    ids >= `vocab_limit` (e.g. the padding of a vocabulary rounded up) are never chosen."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or null (no cut), got {top_k}")
+    check_model(model)
     B, T = idx.shape
     if T < 1:
-        raise ValueError("generate needs a prompt of at least one token")
+        raise ValueError("generation needs a prompt of at least one token")
     total = T + max_new_tokens
     if total > model.config.block_size:
         raise ValueError(
-            f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's block_size "
+            f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's block_size "
             f"{model.config.block_size}: positions are kept, so shorten the prompt or generate fewer tokens"
         )
     if not get_cache_class(policy).decodable:
-        raise ValueError(f"cache policy {policy!r} is a parallel approximation and cannot decode")
+        decodable = [n for n in available_caches() if get_cache_class(n).decodable]
+        raise ValueError(
+            f"cache policy {policy!r} is a parallel approximation and cannot decode token by token: "
+            f"use one of {decodable}"
+        )
     caches = make_caches(
         model,
         policy,
@@ -256,8 +313,8 @@ def generate(
     with eval_mode(model):
         logits = prefill(model, caches, idx)[:, -1]
         for s in range(max_new_tokens):
-            nxt = _sample(logits, temperature, top_k, greedy, generator)
+            nxt = _sample(logits, temperature, top_k, greedy, generator, vocab_limit)
             out.append(nxt)
             if s + 1 < max_new_tokens:
                 logits = decode_step(model, caches, nxt[:, 0], T + s)
-    return torch.cat(out, dim=1)
+    return torch.cat(out, dim=1), caches
