@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--extra", nargs="*", default=[], help="more nats-train overrides for both runs (e.g. data.path=...)"
     )
+    ap.add_argument("--single-from", default=None, help="take the 1-GPU run from this ddp_scaling.json (same settings)")
     ap.add_argument("--target", type=float, default=None, help="the speed-up target (default 0.875 x GPUs)")
     ap.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     ap.add_argument("--warmup", type=int, default=20)
@@ -393,6 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     if rc != 0:
         log(tail(out / "ddp.log"))
     r4 = results["ddp"]
+
+    if args.single_from:  # the 1-GPU run of an earlier call with the same settings
+        prev = json.loads(Path(args.single_from).read_text())
+        results.update(single_rc=prev["single_rc"], single_wall_s=prev["single_wall_s"], single=prev["single"])
+        notes.append(f"the 1-GPU run is the one of {args.single_from}")
+        log(report(results, args, notes, out))
+        return 0 if results["ddp_rc"] == 0 else 1
 
     # 2. the 1-GPU run, as many steps as the budget leaves
     left = args.budget_s - (time.time() - t_start) - 20

@@ -187,6 +187,7 @@ class LitGPT(L.LightningModule):
         optim: Mapping[str, Any],
         compile: bool | str = False,
         compile_mode: str | None = None,
+        compile_split_ddp: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -215,6 +216,10 @@ class LitGPT(L.LightningModule):
             # compile_mode: torch.compile's mode; "reduce-overhead" replays CUDA graphs, which takes the host's
             # per-kernel launch cost (the NAtS step is host-bound without it: issue 16) off the step time
             opts = {"mode": compile_mode} if compile_mode else {}
+            # Under DDP, dynamo by default splits the compiled graph at every gradient bucket (DDPOptimizer) so that
+            # all-reduces overlap the backward. That split cost NAtS 20% of its per-GPU speed on 2 H200s, while the
+            # whole all-reduce takes 1.6 ms there (NVLink; benchmarks/allreduce_probe.py): one graph by default.
+            torch._dynamo.config.optimize_ddp = bool(compile_split_ddp)
             self._forward = torch.compile(self.model.forward, backend=backend, **opts)
             self._forward_eval = torch.compile(_eval_forward(self.model), backend=backend, **opts)
         self._eval_shape: torch.Size | None = None
