@@ -397,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.single_from:  # the 1-GPU run of an earlier call with the same settings
         prev = json.loads(Path(args.single_from).read_text())
+        for curve in ("loss", "val_loss"):  # JSON object keys are strings; steps are ints
+            prev["single"][curve] = {int(k): v for k, v in prev["single"][curve].items()}
         results.update(single_rc=prev["single_rc"], single_wall_s=prev["single_wall_s"], single=prev["single"])
         notes.append(f"the 1-GPU run is the one of {args.single_from}")
         log(report(results, args, notes, out))

@@ -22,3 +22,6 @@ echo "prepare: $(( $(date +%s) - t0 )) s"
 python3 benchmarks/ddp_scaling.py --out "$OUT" --devices 2 --experiment fig3_nats --data pg19_subset \
   --micro 32 --global-batch 64 --steps 150 --min-single-steps 150 --warmup 20 --eval-every 50 --compile \
   --no-preflight --target 1.9 --budget-s 480 --extra "data.path=$PWD/data/pg19-subset-src" "$@"
+# the runs' metric CSVs, flat (files deeper than 2 folders under $OUT do not come back from a lent machine)
+for r in ddp2 gpu1; do f=$(find "$OUT/runs/$r" -name metrics.csv 2>/dev/null | head -1); [ -n "$f" ] && cp "$f" "$OUT/${r}_metrics.csv"; done
+exit 0
