@@ -6,8 +6,12 @@ in parallel and the rest decoded one token at a time.
 
 * exact when nothing is evicted: with budget B = N (budgeted policies) decoding equals the model's forward;
 * under eviction: decoding step by step equals the policy's own parallel (layer-wise) prefill of the whole
-  sequence, and the budget changes the result;
+  sequence, and the budget changes the result; a prefill-time policy (`prefill_time`, e.g. SnapKV: an exact
+  prefill, then the cache is compressed) instead equals the model's forward in its parallel prefill and when
+  decoding from an empty prompt, and the budget changes what it decodes after a prompt;
 * kept <= budget after every step (and <= the tokens seen), area and peak fractions in [0, 1], peak <= B / N;
+  a prefill-time policy keeps on average (layers, heads) <= B plus the decoded tokens, and its prefill reads
+  everything;
 * prefill starts from an empty cache; an evaluation-only policy (`decodable = False`) refuses to decode;
 * a policy that needs an attention core (`requires_core`) refuses other models;
 * every policy has its conf/cache/<name>.yaml, and nats-eval's config composes all of them into `policies`.
@@ -50,9 +54,14 @@ def tokens(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, V, (2, N), generator=torch.Generator().manual_seed(seed))
 
 
+def prefill_time(cls) -> bool:
+    return getattr(cls, "prefill_time", False)
+
+
 def budget_kw(cls, budget: int) -> dict:
     # budget_check_len: B = N keeps everything, which make_caches otherwise refuses (that is `full`)
-    return {"budget": budget, "budget_check_len": N + 1} if cls.budgeted else {}
+    kw = {"budget": budget, "budget_check_len": N + 1} if cls.budgeted else {}
+    return {**kw, "window": 4} if prefill_time(cls) else kw  # SnapKV's observation window must be below B
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -78,6 +87,15 @@ def test_decoding_equals_the_parallel_prefill(name):
     model = model_for(cls)
     idx = tokens(1)
     par, _ = policy_logits(model, idx, name, **budget_kw(cls, BUDGET))
+    if prefill_time(cls):
+        with torch.no_grad():
+            full = model(idx).logits
+        assert torch.allclose(par, full, atol=1e-10, rtol=0), f"{name}: the prefill is not exact"
+        seq, _ = policy_logits(model, idx, name, sequential=True, **budget_kw(cls, BUDGET))
+        assert torch.allclose(seq, full, atol=1e-10, rtol=0), f"{name}: decoding from an empty prompt"
+        seq, _ = policy_logits(model, idx, name, sequential=True, prefill_len=P, **budget_kw(cls, BUDGET))
+        assert not torch.allclose(seq, full, atol=1e-3), f"{name}: the budget changes nothing"
+        return
     if cls.budgeted:
         with torch.no_grad():
             assert not torch.allclose(par, model(idx).logits, atol=1e-3), f"{name}: the budget changes nothing"
@@ -94,21 +112,25 @@ def test_kept_within_budget_and_fractions(name):
     model = model_for(cls)
     idx = tokens(2)
     budget = BUDGET if cls.budgeted else None
-    caches = make_caches(model, name, 2, N, budget=budget, backend="torch")
+    options = {"window": 4} if prefill_time(cls) else {}
+    caches = make_caches(model, name, 2, N, budget=budget, backend="torch", **options)
 
     def check(t: int) -> None:
         for c in caches:
             kept = c.kept()
             assert kept.shape == (2, 2) and kept.dtype == torch.long
             assert (kept >= 1).all() and (kept <= t).all(), (name, t, kept)
-            if budget is not None:
+            if budget is not None and not prefill_time(cls):
                 assert (kept <= budget).all(), (name, t, kept)
             fr = c.fractions()
             for key in ("area", "peak"):
                 assert fr[key].shape == (2, 2) and ((fr[key] >= 0) & (fr[key] <= 1)).all(), (name, key, fr[key])
-            if budget is not None:
+            if budget is not None and not prefill_time(cls):
                 assert (fr["peak"] <= budget / t + 1e-12).all()
             assert c.nbytes() > 0 and c.t == t
+        if prefill_time(cls):  # per-layer (PyramidKV) or per-head (AdaKV) budgets: B on average, + decoded tokens
+            mean = torch.stack([c.kept() for c in caches]).double().mean()
+            assert mean <= budget + t - P + 1e-12, (name, t, mean)
 
     with eval_mode(model):
         prefill(model, caches, idx[:, :P] if cls.decodable else idx)

@@ -46,6 +46,8 @@ class LayerCache:
     decodable: bool = True  # False for eval-only approximations (prefill only)
     graph_safe: bool = True  # step() uses device tensors only (CUDA-graph capturable with the Triton backend)
     requires_core: str | None = None  # the attention core a model must have (e.g. "nats"; None: any decodable)
+    prefill_time: bool = False  # exact prefill, then compresses the cache once (SnapKV & co.; not budget <= B after)
+    needs_n_layer: bool = False  # takes n_layer= (per-layer budgets, PyramidKV); make_caches passes it
 
     def __init__(
         self,

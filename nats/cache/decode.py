@@ -111,6 +111,7 @@ def make_caches(
             f"{cls.requires_core}); this model uses attention {c.attention.get('name')!r}: evaluate it with "
             f"{', '.join(others)}"
         )
+    options = {**options, "n_layer": len(model.blocks)} if getattr(cls, "needs_n_layer", False) else options
     param = next(model.parameters())
     device = param.device if device is None else device
     dtype = param.dtype if dtype is None else dtype

@@ -1,0 +1,80 @@
+"""`pyramidkv`: PyramidKV (Cai et al. 2024): SnapKV's selection with per-layer budgets that decrease linearly
+from the lowest layer to the highest, their mean equal to the budget B.
+
+With a prompt of N > B tokens, window w, prefix length p = N - w, base b = B - w and L layers, layer l keeps
+the window and its ``b_l`` best prefix keys (SnapKV's votes, snapkv.py), where the real budgets
+
+    x_l = max - l * (max - min) / (L - 1),   min = b / beta,  max = 2 b - min
+
+(PyramidKV's pyramid; ``beta`` = 20 as in its code) are clipped as PyramidKV does when the lowest layer would
+ask for more prefix keys than there are (``max = p``, ``min = 2 b - max``), and rounded to integers that are
+non-increasing in l, within 1 of x_l and sum to exactly ``L * b`` (the original code floors the step
+instead, so its mean can exceed b a little). So the layers' mean cache after the prefill is exactly B, the lower
+layers keep more than B and the higher ones fewer. N <= B keeps everything in every layer; unlike the original,
+a prompt below 2 (B - w) is not sent back to plain SnapKV (as in kvpress). One layer: SnapKV.
+
+The policy needs the number of layers: ``n_layer`` (`make_caches` passes it to policies with ``needs_n_layer``).
+Storage, decoding (appends, no eviction) and budget accounting: as `snapkv`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from nats.cache.policies.snapkv import SnapKVCache, top_mask
+from nats.cache.registry import register_cache
+
+
+def pyramid_budgets(base: int, prefix: int, n_layer: int, beta: float = 20) -> list[int]:
+    """Prefix-key budgets of the layers (window excluded): non-increasing, summing to ``n_layer * base``, each
+    at most `prefix` (needs 0 <= base <= prefix)."""
+    if not 0 <= base <= prefix:
+        raise ValueError(f"pyramid budgets need 0 <= base <= prefix, got base={base}, prefix={prefix}")
+    if n_layer == 1:
+        return [base]
+    lo = base / beta
+    hi = 2 * base - lo
+    if hi > prefix:
+        hi, lo = prefix, 2 * base - prefix
+    x = [hi - layer * (hi - lo) / (n_layer - 1) for layer in range(n_layer)]
+    out = [min(math.floor(v + 1e-9), prefix) for v in x]
+    extra = n_layer * base - sum(out)
+    for layer in range(n_layer):  # the remaining tokens to the lowest layers below the prefix length
+        if extra == 0:
+            break
+        if out[layer] < prefix:
+            out[layer] += 1
+            extra -= 1
+    return out
+
+
+@register_cache("pyramidkv")
+class PyramidKVCache(SnapKVCache):
+    needs_n_layer = True  # make_caches passes n_layer=len(model.blocks)
+
+    def __init__(self, *, budget: int, n_layer: int | None = None, beta: float = 20, **kwargs):
+        type(self).check_budget(budget, 10**18, beta=beta, **kwargs)
+        if n_layer is None or int(n_layer) != n_layer or n_layer < 1:
+            raise ValueError(
+                f"pyramidkv needs n_layer, the model's number of layers (a positive integer), got {n_layer!r}"
+            )
+        super().__init__(budget=budget, **kwargs)
+        if not 0 <= self.layer_idx < n_layer:
+            raise ValueError(f"pyramidkv: layer_idx={self.layer_idx} outside the {n_layer} layers")
+        self.n_layer, self.beta = int(n_layer), float(beta)
+
+    @classmethod
+    def check_budget(cls, budget, n, beta: float = 20, **options):
+        super().check_budget(budget, n, **options)
+        if not beta >= 1:
+            raise ValueError(f"pyramidkv: beta must be >= 1 (the pyramid's min = (B - window) / beta), got {beta!r}")
+
+    def layer_budgets(self, n: int) -> list[int]:
+        """The cache size of every layer after a prefill of n tokens (window included)."""
+        if n <= self.budget:
+            return [n] * self.n_layer
+        b = pyramid_budgets(self.budget - self.window, n - self.window, self.n_layer, self.beta)
+        return [x + self.window for x in b]
+
+    def _keep_prefix(self, votes, n):
+        return top_mask(votes, self.layer_budgets(n)[self.layer_idx] - self.window)

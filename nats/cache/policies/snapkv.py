@@ -1,0 +1,199 @@
+"""`snapkv`: SnapKV (Li et al. 2024), a *prefill-time* compression with budget B per layer and KV head.
+
+The prompt's attention is exact (causal SDPA over all N prompt tokens: SnapKV compresses only the cache). Then,
+if N > B, the cache keeps per KV head
+
+* the observation window: the last ``w = window`` prompt tokens (default 32), and
+* the B - w prefix keys (positions < N - w) with the largest *votes*: the softmax probabilities that the window's
+  queries give them (softmax over the causal keys, as the model computes it), summed over the w queries and,
+  for GQA, over the query heads of the KV group, then smoothed along the key axis by a 1-D pooling
+  (``pooling="max"`` or ``"avg"``, ``kernel`` 7, stride 1, zero-padded ``kernel // 2`` as SnapKV's ``pool1d``).
+  Ties go to the earlier position.
+
+If N <= B everything is kept (the cache equals `full`). Decoding appends every new token and evicts nothing, as
+SnapKV does (its reference code and kvpress' press only act at prefill): after s decode steps a row holds
+``min(N, B) + s`` keys. Budget accounting (spec section 6) counts what the queries actually read: prompt query i
+reads i + 1 keys (the prefill is full attention, and the whole prompt's keys exist until the compression), decode
+query i the kept keys plus the new ones; so the area and peak fractions include the prefill, and ``kept()`` is
+the compressed cache.
+
+Storage (allocated at prefill, so memory follows the compression): keys and values ``[B * Hkv, cap, D]`` with
+``cap = (kept after prefill, largest row) + (max_len - N)`` decode slots, the position of each slot
+(``slot_pos``, -1 empty) and the rows' lengths. A row's kept keys are slots ``0 .. length - 1`` in position
+order, decode tokens are appended at ``length``: a step is one scatter and the pool attention of
+`nats.cache.attention` (device tensors only, CUDA-graph capturable after the prefill). `step` on a cache that
+was never prefilled starts from an empty prompt (nothing to compress: capacity max_len, all tokens kept).
+
+Subclasses change only which prefix keys a row keeps (:meth:`SnapKVCache._keep_prefix`): `pyramidkv` (per-layer
+budgets) and `adakv` (per-head budgets).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nats.cache.attention import compute_dtype, pool_attention
+from nats.cache.base import LayerCache
+from nats.cache.registry import register_cache
+
+POOLINGS = ("max", "avg")
+
+
+def pool1d(x: Tensor, kernel: int, pooling: str) -> Tensor:
+    """1-D pooling along the last axis, stride 1, zero padding ``kernel // 2`` (same length; odd kernel)."""
+    if kernel == 1:
+        return x
+    shape = x.shape
+    x = x.reshape(-1, 1, shape[-1])
+    if pooling == "max":
+        x = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    else:
+        x = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    return x.reshape(shape)
+
+
+def snapkv_votes(q: Tensor, k: Tensor, window: int, kernel: int = 7, pooling: str = "max") -> Tensor:
+    """SnapKV's pooled votes of the prefix keys, ``[B, Hkv, N - window]`` (compute dtype: float32, float64 for
+    float64 inputs), from q ``[B, Hq, N, D]`` and k ``[B, Hkv, N, D]``: the causal softmax probabilities of the
+    last `window` queries, summed over those queries and the group's query heads, pooled along the keys."""
+    B, Hq, N, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    cdt = compute_dtype(q.dtype)
+    qw = q[:, :, N - window :].to(cdt).reshape(B, Hkv, G, window, D)
+    s = torch.einsum("bhgwd,bhnd->bhgwn", qw, k.to(cdt)) / math.sqrt(D)
+    i = torch.arange(N - window, N, device=q.device)[:, None]
+    j = torch.arange(N, device=q.device)[None, :]
+    p = torch.softmax(s.masked_fill(j > i, float("-inf")), dim=-1)
+    votes = p[..., : N - window].sum(dim=(2, 3))
+    return pool1d(votes, kernel, pooling)
+
+
+def top_mask(scores: Tensor, n: int | Tensor) -> Tensor:
+    """Bool mask of the `n` largest scores along the last axis (n an int or a tensor broadcasting against
+    ``scores[..., :1]``); ties go to the lower index."""
+    order = scores.sort(dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
+    return rank < n
+
+
+@register_cache("snapkv")
+class SnapKVCache(LayerCache):
+    budgeted = True
+    prefill_time = True  # compresses once after an exact prefill; decoding appends without evicting
+
+    def __init__(self, *, budget: int, window: int = 32, kernel: int = 7, pooling: str = "max", **kwargs):
+        super().__init__(budget=budget, **kwargs)
+        type(self).check_budget(budget, 10**18, window=window, kernel=kernel, pooling=pooling)
+        self.window, self.kernel, self.pooling = int(window), int(kernel), pooling
+        self.k = self.v = self.slot_pos = None  # allocated by the prefill (or the first step)
+        self.start = torch.zeros(self.rows, device=self.device, dtype=torch.long)
+        self.length = torch.zeros(self.rows, device=self.device, dtype=torch.long)
+        self._row = torch.arange(self.rows, device=self.device)
+        self.capacity = 0
+        self._width = 0  # host-side bound of the lengths (the torch backend's padded width)
+        self.prompt_len = 0
+
+    @classmethod
+    def check_budget(cls, budget, n, window: int = 32, kernel: int = 7, pooling: str = "max", **options):
+        super().check_budget(budget, n)
+        name = cls.name
+        if int(window) != window or window < 1:
+            raise ValueError(f"{name}: window must be a positive integer (observation window), got {window!r}")
+        if window >= budget:
+            raise ValueError(
+                f"{name}: window={window} must be below the budget B={budget} (the cache keeps B - window prefix "
+                f"keys and the window): use a budget > {window} or a smaller window ({name} option window=...)"
+            )
+        if int(kernel) != kernel or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"{name}: kernel must be an odd positive integer (pooling width), got {kernel!r}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"{name}: pooling must be one of {POOLINGS}, got {pooling!r}")
+
+    # ------------------------------------------------------------------ selection
+    def _keep_prefix(self, votes: Tensor, n: int) -> Tensor:
+        """Which prefix keys each row keeps, bool ``[B, Hkv, n - window]``, from the votes (prompt of n > B tokens)."""
+        return top_mask(votes, self.budget - self.window)
+
+    def keep_mask(self, q: Tensor, k: Tensor) -> Tensor:
+        """The prompt tokens the cache keeps after a prefill of q/k, bool ``[B, Hkv, N]``."""
+        B, _, N, _ = q.shape
+        if N <= self.budget:
+            return torch.ones(B, self.n_kv_head, N, dtype=torch.bool, device=q.device)
+        votes = snapkv_votes(q, k, self.window, self.kernel, self.pooling)
+        window = torch.ones(B, self.n_kv_head, self.window, dtype=torch.bool, device=q.device)
+        return torch.cat([self._keep_prefix(votes, N), window], dim=-1)
+
+    # ------------------------------------------------------------------ the protocol
+    def _allocate(self, kept: int, prompt: int) -> None:
+        self.capacity = cap = kept + self.max_len - prompt
+        self.k = torch.zeros(self.rows, cap, self.head_dim, device=self.device, dtype=self.dtype)
+        self.v = torch.zeros_like(self.k)
+        self.slot_pos = torch.full((self.rows, cap), -1, device=self.device, dtype=torch.long)
+        self.start = self._row * cap
+        self._width = kept
+        self.prompt_len = prompt
+
+    def _prefill(self, q, k, v, x):
+        B, Hq, N, D = q.shape
+        if N > self.max_len:
+            raise ValueError(f"{self.name}: a prompt of {N} tokens exceeds max_len={self.max_len}")
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != k.shape[1])
+        keep = self.keep_mask(q, k).reshape(self.rows, N)
+        counts = keep.sum(-1)
+        kept = int(counts.max())
+        pos = (~keep).to(torch.int8).sort(dim=-1, stable=True).indices[:, :kept]  # kept positions first, in order
+        valid = torch.arange(kept, device=q.device)[None, :] < counts[:, None]
+        self._allocate(kept, N)
+        self.k[:, :kept] = k.reshape(self.rows, N, D).gather(1, pos[..., None].expand(-1, -1, D))
+        self.v[:, :kept] = v.reshape(self.rows, N, D).gather(1, pos[..., None].expand(-1, -1, D))
+        self.slot_pos[:, :kept] = torch.where(valid, pos, -1)
+        self.length.copy_(counts)
+        self._record_many(torch.arange(1, N + 1, device=self.device).expand(self.rows, N))
+        self.t = N
+        return y
+
+    def step(self, q, k, v, x, pos):
+        if self.k is None:  # never prefilled: an empty prompt, nothing to compress
+            self._allocate(0, 0)
+        if self.t >= self.max_len:
+            raise RuntimeError(f"{self.name}: more than max_len={self.max_len} tokens (prompt + decode steps)")
+        slot = self.length.clone()
+        self.k[self._row, slot] = self._kv_rows(k)
+        self.v[self._row, slot] = self._kv_rows(v)
+        self.slot_pos[self._row, slot] = pos.expand(self.rows)
+        self.length += 1
+        self._record(self.length)
+        self.t += 1
+        self._width += 1
+        width = self.capacity if self.backend == "triton" else min(self._width, self.capacity)
+        D = self.head_dim
+        y = pool_attention(
+            self._q_rows(q),
+            self.k.view(-1, D),
+            self.v.view(-1, D),
+            self.start,
+            self.length,
+            width,
+            row_stride=self.capacity,
+            backend=self.backend,
+        )
+        return self._out(y)
+
+    def visible_positions(self) -> Tensor:
+        """Positions held per row (-1 for empty slots), ``[B * Hkv, cap]`` (for tests and analysis)."""
+        return self.slot_pos.clone()
+
+    def kept(self):
+        return self.length.view(self.batch, self.n_kv_head).clone()
+
+    def tensors(self):
+        return [t for t in (self.k, self.v, self.slot_pos, self.start, self.length) if t is not None]
+
+    def kv_tensors(self):
+        return [t for t in (self.k, self.v) if t is not None]
