@@ -11,6 +11,7 @@ Needs the ``hf`` extra (``pip install nats-attention[hf]``: transformers)::
 """
 
 from nats.hf.attention import ATTN_IMPLEMENTATION, nats_attention_forward
+from nats.hf.cache import PolicyCache, use_policy_caches
 from nats.hf.scorers import (
     SUPPORTED_MODEL_TYPES,
     HFNAtSScorer,
@@ -29,6 +30,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "SUPPORTED_MODEL_TYPES",
     "HFNAtSScorer",
+    "PolicyCache",
     "attach_nats",
     "detach_nats",
     "is_attached",
@@ -39,4 +41,5 @@ __all__ = [
     "nats_stats",
     "scorers",
     "set_force_type",
+    "use_policy_caches",
 ]

@@ -11,10 +11,12 @@ attention module (the scorer reads the block's normalised input, NATS_SPEC.md se
   global), attention by `nats.functional.nats_attention` (Triton on CUDA, the PyTorch reference elsewhere), and the
   differentiable density (spec section 4) and KV statistics recorded on the core (``last_density``,
   ``last_stats``).
-* Decode (``N < Nk``, a transformers cache holding the past): exact but **not evicting**: the core keeps the hard
-  types of the past tokens (``past_types``, set by the prefill in eval mode) and the new queries attend over the
-  NAtS mask rows of the full sequence (dense masked softmax). The cache still holds every token; an evicting
-  `Cache` subclass is future work.
+* Decode with a `nats.hf.cache.PolicyCache` (``model.generate(..., past_key_values=PolicyCache(model, "nats"))``):
+  the cache's policy does the attention, prefill and decode steps, over only the keys it keeps (the evicting NAtS
+  cache of spec section 5, or a baseline policy).
+* Decode with an ordinary transformers cache (``N < Nk``, e.g. ``DynamicCache``, the default of ``generate``):
+  exact but not evicting: the core keeps the hard types of the past tokens (``past_types``, set by the prefill in
+  eval mode) and the new queries attend over the NAtS mask rows of the full sequence (dense masked softmax).
 """
 
 from __future__ import annotations
@@ -57,12 +59,29 @@ def nats_attention_forward(
     """transformers attention function (registered as ``"nats"``); returns ``(out [B, N, Hq, D], None)``."""
     core = getattr(module, "nats_scorer", None)
     hidden = getattr(module, "_nats_hidden", None)
-    if core is None or hidden is None:
+    cache = getattr(module, "_nats_cache", None)
+    if hidden is None:
         raise RuntimeError(
-            "nats attention (transformers): this attention module has no NAtS scorer or no stashed hidden states; "
-            "call nats.hf.attach_nats(model) instead of setting attn_implementation='nats' by hand"
+            "nats attention (transformers): this attention module has no stashed hidden states; call "
+            "nats.hf.attach_nats(model) (or nats.hf.use_policy_caches(model)) instead of setting "
+            "attn_implementation='nats' by hand"
         )
-    module._nats_hidden = None  # used once; do not keep the activations alive
+    module._nats_hidden = module._nats_cache = None  # used once; do not keep the activations alive
+    from nats.hf.cache import PolicyCache  # noqa: PLC0415
+
+    if isinstance(cache, PolicyCache):  # the cache's policy attends over what it keeps (spec section 5)
+        if dropout:
+            raise NotImplementedError("nats attention (transformers): attention dropout is not supported (set it to 0)")
+        D = query.shape[-1]
+        _check_mask(attention_mask, query.shape[-2], cache.layers[module.layer_idx].seen)
+        if scaling is not None and not math.isclose(scaling, D**-0.5, rel_tol=1e-6):
+            query = query * (scaling * math.sqrt(D))
+        y = cache.attend(module.layer_idx, query, hidden)
+        return y.transpose(1, 2).contiguous(), None
+    if core is None:  # use_policy_caches on a model without scorers, run without a PolicyCache: plain attention
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
     if dropout:
         raise NotImplementedError("nats attention (transformers): attention dropout is not supported (set it to 0)")
     B, Hq, N, D = query.shape

@@ -47,11 +47,43 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def _stash_hidden(module: nn.Module, args, kwargs):
+    """Forward pre-hook of an attention module: its input hidden states (the scorer's input) and the cache it is
+    given (a `nats.hf.cache.PolicyCache` runs its policy in the attention function)."""
     module._nats_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    module._nats_cache = kwargs.get("past_key_values")
 
 
 def is_attached(model: nn.Module) -> bool:
-    return getattr(model, "_nats_hf", None) is not None
+    """NAtS scorers are attached (`attach_nats`)."""
+    state = getattr(model, "_nats_hf", None)
+    return state is not None and state.get("window") is not None
+
+
+def _check_supported(model: nn.Module, what: str) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"nats.hf.{what}: unsupported architecture {model_type!r} ({type(model).__name__}); "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def attach_hooks(model: nn.Module) -> nn.Module:
+    """Route the model's attention through the ``"nats"`` attention function: register it, add the pre-hooks that
+    stash each attention module's input and cache, select it in the config. Idempotent; `attach_nats` and
+    `nats.hf.cache.use_policy_caches` call it."""
+    _check_supported(model, "use_policy_caches")
+    if getattr(model, "_nats_hf", None) is not None:
+        return model
+    _attention.register()
+    hooks = []
+    for layer in _decoder_layers(model):
+        attn = layer.self_attn
+        attn._nats_hidden = attn._nats_cache = None
+        hooks.append(attn.register_forward_pre_hook(_stash_hidden, with_kwargs=True))
+    model._nats_hf = {"hooks": hooks, "attn_implementation": model.config._attn_implementation, "window": None}
+    model.config._attn_implementation = _attention.ATTN_IMPLEMENTATION
+    return model
 
 
 def attach_nats(
@@ -78,21 +110,15 @@ def attach_nats(
         the same model, modified in place (scorers in the model's dtype and device, ``config._attn_implementation``
         set to ``"nats"``; the previous implementation is restored by `detach_nats`).
     """
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"nats.hf.attach_nats: unsupported architecture {model_type!r} ({type(model).__name__}); "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    _check_supported(model, "attach_nats")
+    config = model.config
     if is_attached(model):
         raise ValueError("nats.hf.attach_nats: NAtS is already attached to this model (nats.hf.detach_nats first)")
-    _attention.register()
+    attach_hooks(model)
     layers = _decoder_layers(model)
     n_kv = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     ref = next(model.parameters())
-    hooks = []
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         dims = AttentionDims(
@@ -109,10 +135,7 @@ def attach_nats(
             nn.init.normal_(scorer.scorer.weight, std=init_std)
         scorer.train(model.training)  # a new module is in training mode (Gumbel noise): follow the model's mode
         attn.add_module(SCORER_NAME, scorer.to(device=ref.device, dtype=ref.dtype))
-        attn._nats_hidden = None
-        hooks.append(attn.register_forward_pre_hook(_stash_hidden, with_kwargs=True))
-    model._nats_hf = {"hooks": hooks, "attn_implementation": config._attn_implementation, "window": int(window)}
-    config._attn_implementation = _attention.ATTN_IMPLEMENTATION
+    model._nats_hf["window"] = int(window)
     if freeze:
         for name, p in model.named_parameters():
             p.requires_grad_(f".{SCORER_NAME}." in f".{name}")
@@ -120,16 +143,17 @@ def attach_nats(
 
 
 def detach_nats(model: nn.Module) -> nn.Module:
-    """Undo `attach_nats`: remove the scorers and hooks and restore the attention implementation (parameters stay
-    frozen; unfreeze them yourself if needed)."""
-    if not is_attached(model):
+    """Undo `attach_nats` (or `use_policy_caches`): remove the scorers and hooks and restore the attention
+    implementation (parameters stay frozen; unfreeze them yourself if needed)."""
+    state = getattr(model, "_nats_hf", None)
+    if state is None:
         raise ValueError("nats.hf.detach_nats: NAtS is not attached to this model")
-    state = model._nats_hf
     for h in state["hooks"]:
         h.remove()
     for layer in _decoder_layers(model):
-        delattr(layer.self_attn, SCORER_NAME)
-        layer.self_attn._nats_hidden = None
+        if hasattr(layer.self_attn, SCORER_NAME):
+            delattr(layer.self_attn, SCORER_NAME)
+        layer.self_attn._nats_hidden = layer.self_attn._nats_cache = None
     model.config._attn_implementation = state["attn_implementation"]
     model._nats_hf = None
     return model

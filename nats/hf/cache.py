@@ -1,0 +1,213 @@
+"""A transformers `Cache` whose layers are the project's KV-cache policies (issue 17 part 1, spec section 5).
+
+``model.generate(ids, past_key_values=PolicyCache(model, "nats"))`` decodes a NAtS model (`nats.hf.attach_nats`) with
+the evicting NAtS cache of `nats.cache.policies.nats`: per KV head, globals stay, locals go once a later global
+has been queried, sliding tokens leave after W - 1 steps; the cache holds only what the queries may still read.
+The same class runs the baselines on any supported model (``"full"``, ``"streaming_llm"``, ``"h2o"``,
+``"snapkv"``, ...: every policy of `nats.cache.available_caches`), so all of them are compared through one decode
+path, transformers' own ``generate``.
+
+How it plugs into transformers (public extension points only):
+
+* `PolicyCache` is a ``transformers.Cache`` of `PolicyCacheLayer` (a ``CacheLayerMixin``). A layer's ``update``
+  does not store anything: it keeps the new keys/values for the attention call that follows and returns them.
+  ``get_seq_length`` counts the tokens seen, so ``generate`` computes positions (and RoPE) as usual.
+* The attention function registered as ``"nats"`` (`nats.hf.attention`) finds the cache through a forward pre-hook
+  on each attention module (it stashes ``past_key_values``, as it stashes the scorer's input) and hands the layer's
+  queries, new keys/values and normalised input to the policy: ``prefill`` for the prompt (for NAtS the fused,
+  compacting Triton kernel on CUDA, the reference elsewhere), then one ``step`` per new token. The policy does
+  the attention over exactly what it keeps.
+
+A model without NAtS scorers needs the hooks and the attention function too: `use_policy_caches(model)` installs
+them (``attach_nats`` already does). Limits: one unpadded sequence per batch row (every row at the same position),
+greedy or sampled decoding (no beam search: a policy cache cannot be reordered), and a cache is used for one
+``generate`` call (make a new one per prompt).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from nats.cache import available_caches, get_cache_class
+from nats.cache.base import LayerCache
+
+
+class PolicyCacheLayer(CacheLayerMixin):
+    """One decoder layer's cache: a `nats.cache.base.LayerCache` of the chosen policy, built at the first update
+    (when batch size, KV heads, head size, dtype and device are known)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, owner: PolicyCache, layer_idx: int):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.policy: LayerCache | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.seen = 0  # tokens processed (positions), what generate asks for
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.policy = self.owner.make_layer(self.layer_idx, key_states)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.seen + key_states.shape[-2] > self.owner.max_len:
+            raise ValueError(
+                f"PolicyCache: {self.seen + key_states.shape[-2]} tokens exceed its max_len={self.owner.max_len}; "
+                f"make the cache with a larger max_len (prompt + max_new_tokens)"
+            )
+        self.pending = (key_states, value_states)
+        self.seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+    def reset(self) -> None:
+        self.policy, self.pending, self.seen, self.is_initialized = None, None, 0, False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PolicyCache does not support beam search (num_beams=1 only)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PolicyCache does not support num_return_sequences > 1 or beam search")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("PolicyCache does not support contrastive search or batch selection")
+
+
+class PolicyCache(Cache):
+    """A transformers cache that runs a KV-cache policy of the project in every layer.
+
+    Args:
+        model: the transformers model (``LlamaForCausalLM``-style); for ``policy="nats"`` with NAtS attached
+            (`nats.hf.attach_nats`), for other policies NAtS attached or `use_policy_caches(model)` called.
+        policy: a name of `nats.cache.available_caches()` (``nats``, ``full``, ``streaming_llm``, ``h2o``, ...).
+        max_len: the most tokens (prompt + new) it will see; default ``config.max_position_embeddings``
+            (preallocating policies such as ``full`` allocate it: pass what you need).
+        budget: the token budget of budgeted policies (StreamingLLM, H2O, SnapKV, ...).
+        backend: ``auto`` (Triton on CUDA), ``triton`` or ``torch``.
+        track: record the per-step cache sizes (``fractions()``).
+        **options: the policy's own options (``sinks=`` for streaming_llm, ``window=`` / ``check_every=`` for nats,
+            ...).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: str = "nats",
+        *,
+        max_len: int | None = None,
+        budget: int | None = None,
+        backend: str = "auto",
+        track: bool = True,
+        **options: Any,
+    ):
+        from nats.hf.scorers import SCORER_NAME, _decoder_layers  # noqa: PLC0415
+
+        if policy not in available_caches():
+            raise ValueError(
+                f"PolicyCache: unknown cache policy {policy!r}; available: {', '.join(available_caches())}"
+            )
+        self.policy_cls = get_cache_class(policy)
+        if not self.policy_cls.decodable:
+            raise ValueError(f"PolicyCache: cache policy {policy!r} is evaluation-only and cannot decode")
+        config = model.config
+        attn = [layer.self_attn for layer in _decoder_layers(model)]
+        if not all(hasattr(a, "_nats_cache") for a in attn) or config._attn_implementation != "nats":
+            raise ValueError(
+                "PolicyCache: the model does not route its attention through nats (call nats.hf.attach_nats(model) "
+                "for NAtS, or nats.hf.use_policy_caches(model) for the other policies, first)"
+            )
+        self.cores = [getattr(a, SCORER_NAME, None) for a in attn]
+        if self.policy_cls.requires_core == "nats" and any(c is None for c in self.cores):
+            raise ValueError(f"PolicyCache: policy {policy!r} needs NAtS scorers: call nats.hf.attach_nats(model)")
+        self.policy = policy
+        self.n_head = config.num_attention_heads
+        self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
+        if self.max_len < 1:
+            raise ValueError("PolicyCache: pass max_len (the model config has no max_position_embeddings)")
+        self.budget, self.backend, self.track = budget, backend, track
+        self.options = dict(options)
+        if getattr(self.policy_cls, "needs_n_layer", False):
+            self.options["n_layer"] = len(attn)
+        if self.policy_cls.budgeted:
+            self.policy_cls.check_budget(budget, self.max_len, **options)
+        elif budget is not None:
+            raise ValueError(f"PolicyCache: cache policy {policy!r} takes no budget (got budget={budget})")
+        super().__init__(layers=[PolicyCacheLayer(self, i) for i in range(len(attn))])
+
+    def make_layer(self, layer_idx: int, key_states: torch.Tensor) -> LayerCache:
+        B, Hkv, _, D = key_states.shape
+        extra = {"budget": int(self.budget)} if self.policy_cls.budgeted else {}
+        return self.policy_cls(
+            batch=B,
+            n_head=self.n_head,
+            n_kv_head=Hkv,
+            head_dim=D,
+            max_len=self.max_len,
+            device=key_states.device,
+            dtype=key_states.dtype,
+            layer_idx=layer_idx,
+            core=self.cores[layer_idx],
+            backend=self.backend,
+            track=self.track,
+            **extra,
+            **self.options,
+        )
+
+    def attend(self, layer_idx: int, query: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's attention output ``[B, Hq, N, D]`` for its N new queries (``[B, Hq, N, D]``, after RoPE and
+        scaled for 1/sqrt(D)) and their normalised input ``hidden [B, N, C]``, through the policy: ``prefill``
+        for the first call of a sequence, then ``step`` per token."""
+        layer = self.layers[layer_idx]
+        k, v = layer.pending
+        layer.pending = None
+        pol = layer.policy
+        N = query.shape[-2]
+        if pol.t == 0 and N > 1:
+            return pol.prefill(query, k, v, hidden)
+        out = []
+        for i in range(N):
+            pos = torch.full((1,), pol.t, dtype=torch.long, device=query.device)
+            s = slice(i, i + 1)
+            out.append(pol.step(query[:, :, s], k[:, :, s], v[:, :, s], hidden[:, s], pos))
+        return torch.cat(out, dim=2)
+
+    # measurements (spec section 6), per layer [B, Hkv]
+    def kept(self) -> torch.Tensor:
+        """Tokens held now, ``[n_layer, B, Hkv]``."""
+        return torch.stack([layer.policy.kept() for layer in self.layers])
+
+    def fractions(self) -> dict[str, torch.Tensor]:
+        """KV area and peak fractions so far (``area``, ``peak``: ``[n_layer, B, Hkv]``)."""
+        per = [layer.policy.fractions() for layer in self.layers]
+        return {key: torch.stack([p[key] for p in per]) for key in per[0]}
+
+    def nbytes(self) -> int:
+        """Bytes the layers' caches have allocated (keys, values, metadata)."""
+        return sum(layer.policy.nbytes() for layer in self.layers if layer.policy is not None)
+
+
+def use_policy_caches(model: nn.Module) -> nn.Module:
+    """Route a supported model's attention through nats so that `PolicyCache` can run any policy on it (without
+    NAtS scorers; `attach_nats` does this too). Without a `PolicyCache` the model then computes ordinary causal
+    attention (the ``full`` policy's prefill). Undo with `nats.hf.detach_nats`."""
+    from nats.hf.scorers import attach_hooks  # noqa: PLC0415
+
+    return attach_hooks(model)

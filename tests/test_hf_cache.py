@@ -1,0 +1,110 @@
+"""nats.hf.cache.PolicyCache: the project's KV-cache policies inside transformers' `generate` (issue 17 part 1).
+
+The evicting NAtS cache decodes token for token what the parallel NAtS forward predicts, while holding fewer keys
+than it has seen; the full policy equals transformers' own decoding; a baseline (StreamingLLM) runs on a model
+without scorers and matches the native decode loop's rule; misuse is refused with a message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_nats import ids, tiny_model  # noqa: E402
+
+from nats.hf import PolicyCache, attach_nats, detach_nats, use_policy_caches  # noqa: E402
+
+PROMPT, NEW = 40, 12
+
+
+def greedy(model, prompt, cache=None, n=NEW):
+    kw = {} if cache is None else {"past_key_values": cache}
+    with torch.no_grad():
+        return model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            **kw,
+        )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_nats_cache_generate_equals_parallel_forward_and_evicts(arch, batch):
+    model = attach_nats(tiny_model(arch), window=4, init_std=0.5)
+    prompt = ids(n=PROMPT, b=batch)
+    cache = PolicyCache(model, "nats", max_len=PROMPT + NEW, backend="torch")
+    gen = greedy(model, prompt, cache)
+    assert gen.shape == (batch, PROMPT + NEW)
+    with torch.no_grad():
+        full = model(gen).logits  # the parallel NAtS forward (eval: argmax types) over prompt + generated tokens
+    assert torch.equal(full[:, PROMPT - 1 : -1].argmax(-1), gen[:, PROMPT:])
+    # the NAtS cache really evicts: it holds fewer keys than it has seen, and its sizes are the spec's
+    seen = PROMPT + NEW - 1  # the last generated token is never fed back
+    assert cache.get_seq_length() == seen
+    kept = cache.kept()
+    assert kept.shape == (2, batch, 2)
+    assert (kept <= seen).all() and (kept < seen).any()
+    fr = cache.fractions()
+    assert ((fr["area"] > 0) & (fr["area"] < 1)).all() and ((fr["peak"] > 0) & (fr["peak"] <= 1)).all()
+    # and decodes as the non-evicting path (transformers' DynamicCache + NAtS mask rows) does
+    assert torch.equal(greedy(model, prompt), gen)
+
+
+def test_full_policy_equals_transformers_decoding():
+    model = tiny_model("llama")
+    prompt = ids(n=PROMPT, b=2)
+    ref = greedy(model, prompt)  # eager attention, DynamicCache
+    use_policy_caches(model)
+    assert torch.equal(greedy(model, prompt), ref)  # no PolicyCache: plain attention through the nats function
+    cache = PolicyCache(model, "full", max_len=PROMPT + NEW, backend="torch")
+    assert torch.equal(greedy(model, prompt, cache), ref)
+    assert (cache.kept() == PROMPT + NEW - 1).all()
+    detach_nats(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_streaming_llm_on_a_model_without_scorers_matches_its_rule():
+    """StreamingLLM (sinks + recent window) through generate == a dense masked forward of its visible set."""
+    model = use_policy_caches(tiny_model("llama"))
+    prompt = ids(n=PROMPT, b=1)
+    budget, sinks = 16, 4
+    cache = PolicyCache(model, "streaming_llm", max_len=PROMPT + NEW, budget=budget, sinks=sinks, backend="torch")
+    gen = greedy(model, prompt, cache)
+    assert (cache.kept() == budget).all()
+    # query i sees the sinks and the last budget - sinks tokens: the eager model with that mask, one query at a time
+    n = gen.shape[1]
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    visible = (j <= i) & ((j < sinks) | (j > i - (budget - sinks)))
+    mask = torch.zeros(1, 1, n, n).masked_fill(~visible, float("-inf"))
+    detach_nats(model)
+    with torch.no_grad():
+        logits = model(gen, attention_mask=mask).logits
+    # the prompt is prefilled by the policy's own rule (StreamingLLM's prefill is the same masked attention)
+    assert torch.equal(logits[:, PROMPT - 1 : -1].argmax(-1), gen[:, PROMPT:])
+
+
+def test_misuse_is_refused():
+    plain = tiny_model("llama")
+    with pytest.raises(ValueError, match="use_policy_caches"):
+        PolicyCache(plain, "full", max_len=64)
+    use_policy_caches(plain)
+    with pytest.raises(ValueError, match="attach_nats"):
+        PolicyCache(plain, "nats", max_len=64)
+    with pytest.raises(ValueError, match="unknown cache policy"):
+        PolicyCache(plain, "nope", max_len=64)
+    with pytest.raises(ValueError, match="budget"):
+        PolicyCache(plain, "full", max_len=64, budget=8)
+    model = attach_nats(tiny_model("llama"), window=4)
+    cache = PolicyCache(model, "nats", max_len=PROMPT, backend="torch")
+    with pytest.raises(ValueError, match="max_len"):
+        greedy(model, ids(n=PROMPT, b=1), cache)
+    with pytest.raises(NotImplementedError, match="beam"):
+        greedy_beams = PolicyCache(model, "nats", max_len=PROMPT + NEW, backend="torch")
+        with torch.no_grad():
+            model.generate(ids(n=8, b=1), max_new_tokens=4, num_beams=2, past_key_values=greedy_beams)
