@@ -96,8 +96,9 @@ def build(cfg: DictConfig):
     if cfg.eval_every < 1:
         raise ValueError(f"eval_every must be >= 1 optimizer steps, got {cfg.eval_every}")
 
-    data_len, model_len = cfg.data.get("block_size"), cfg.model.block_size
-    if data_len is not None and data_len > model_len:
+    # a config without a native model (an hf_model experiment: `override /model: null`) has no model.block_size
+    data_len, model_len = cfg.data.get("block_size"), OmegaConf.select(cfg, "model.block_size")
+    if data_len is not None and model_len is not None and data_len > model_len:
         raise ValueError(
             f"data.block_size={data_len} is longer than model.block_size={model_len}: the model cannot attend "
             f"that far. Set data.block_size <= {model_len} or train a model with model.block_size={data_len}."
@@ -157,12 +158,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
             final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
             metrics.update({k: float(v) for k, v in final.items()})
     if trainer.is_global_zero:
-        if "val/ppl" not in metrics and "val/loss" in metrics:
+        lm_loss = getattr(module, "loss_is_cross_entropy", True)  # False: e.g. a distillation MSE (nats.hf.lit)
+        if lm_loss and "val/ppl" not in metrics and "val/loss" in metrics:
             metrics["val/ppl"] = math.exp(metrics["val/loss"])
         if hasattr(datamodule, "unigram_perplexity"):
             log.info(f"unigram_ppl {datamodule.unigram_perplexity('validation'):.2f}")
         log.info(f"val_loss {metrics.get('val/loss', float('nan')):.4f}")
-        log.info(f"val_ppl {metrics.get('val/ppl', float('nan')):.2f}")
+        if lm_loss:
+            log.info(f"val_ppl {metrics.get('val/ppl', float('nan')):.2f}")
         write_metrics(
             cfg.paths.output_dir,
             metrics,
@@ -173,7 +176,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             global_batch_size=int(cfg.global_batch_size),
             tokens_seen=int(trainer.global_step)
             * int(cfg.global_batch_size)
-            * int(getattr(datamodule, "block_size", cfg.model.block_size)),
+            * int(getattr(datamodule, "block_size", None) or OmegaConf.select(cfg, "model.block_size", default=0)),
             resumed_from=ckpt_path,
         )
     return metrics

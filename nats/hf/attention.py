@@ -70,6 +70,8 @@ def nats_attention_forward(
     from nats.hf.cache import PolicyCache  # noqa: PLC0415
 
     if isinstance(cache, PolicyCache):  # the cache's policy attends over what it keeps (spec section 5)
+        if query.dtype != value.dtype or key.dtype != value.dtype:  # autocast: fp32 q/k after RoPE, bf16 v
+            query, key = query.to(value.dtype), key.to(value.dtype)
         if dropout:
             raise NotImplementedError("nats attention (transformers): attention dropout is not supported (set it to 0)")
         D = query.shape[-1]
@@ -84,6 +86,8 @@ def nats_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
     if dropout:
         raise NotImplementedError("nats attention (transformers): attention dropout is not supported (set it to 0)")
+    if query.dtype != value.dtype or key.dtype != value.dtype:  # under autocast transformers' RoPE returns fp32 q/k
+        query, key = query.to(value.dtype), key.to(value.dtype)
     B, Hq, N, D = query.shape
     Nk = key.shape[-2]
     sliding = kwargs.get("sliding_window")
