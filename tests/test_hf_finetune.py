@@ -345,3 +345,24 @@ def test_the_experiment_config_and_its_errors(tmp_path, pretrained):
         LitNAtSDistill({"name_or_path": str(pretrained)}, optim, compile=True)
     with pytest.raises(ValueError, match="did you mean warmup_frac"):
         LitNAtSDistill({"name_or_path": str(pretrained)}, {**optim, "warmup_fraction": 0.1})
+
+
+def test_finetune_report(full_run, tmp_path):
+    """experiments/finetune_report.py turns a run folder into the table and plots of issue 17 part 5."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("finetune_report", REPO / "experiments" / "finetune_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.report(full_run["dir"], tmp_path, "ft")
+    stats = json.loads((full_run["dir"] / "nats_stats.json").read_text())
+    n_layer = len(stats["per_layer"]["density"])
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ") and ln.count("|") == 5][1:]  # header first
+    assert len(rows) == n_layer  # one row per layer: area, peak, per-head areas
+    assert f"{stats['per_layer']['density'][0]:.3f}" in rows[0]
+    mse = logged(full_run["dir"], "train/mse")
+    assert f"{mse[min(mse)]:.4f}" in text  # the curve's first logged train MSE
+    assert (tmp_path / "ft.md").is_file() and (tmp_path / "ft_loss.png").is_file()
+    assert (tmp_path / "ft_kv_layers.png").is_file()

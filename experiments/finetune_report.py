@@ -1,0 +1,167 @@
+"""Report of a NAtS scorer fine-tuning run (`nats-train experiment=finetune_smollm2_nats`; issue 17 part 5).
+
+    python experiments/finetune_report.py <run folder> [--out DIR] [--name finetune_smollm2]
+
+Reads the run folder (``csv/metrics.csv``, ``nats_stats.json``, ``step_times.json`` when the run had
+``'callbacks=[default,step_timer]'``, ``metrics.json``) and writes into ``--out`` (default: the run folder):
+
+* ``<name>.md``: the setting, the distillation curve (train MSE, density, validation MSE and density at each
+  validation), time per optimizer step, and the learned KV area / peak fractions per layer (and per KV head);
+* ``<name>_loss.png``: train MSE and density per step, validation MSE and density;
+* ``<name>_kv_layers.png``: KV area and peak fraction per layer, one mark per KV head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+from pathlib import Path
+
+
+def read_curves(run: Path) -> dict[str, dict[int, float]]:
+    files = sorted((run / "csv").rglob("metrics.csv"))
+    if not files:
+        raise SystemExit(f"no csv/metrics.csv in {run}: was the run logged with logger=tensorboard_csv or csv?")
+    curves: dict[str, dict[int, float]] = {}
+    with open(files[-1], newline="") as f:
+        for row in csv.DictReader(f):
+            if not row.get("step"):
+                continue
+            step = int(row["step"]) + 1  # Lightning logs the 0-based index of the step being taken
+            for key, value in row.items():
+                if key != "step" and value not in ("", None):
+                    curves.setdefault(key, {})[step] = float(value)
+    return curves
+
+
+def step_seconds(run: Path) -> dict[str, float] | None:
+    """Median seconds per optimizer step (steps whose interval holds no validation) and the first step's."""
+    path = run / "step_times.json"
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    ends, vals = rec["step_end"], [v for v in rec["val"] if v[1] is not None]
+    gaps = []
+    for a, b in zip(ends, ends[1:]):
+        if not any(a <= v0 <= b for v0, _ in vals):
+            gaps.append(b - a)
+    first = ends[0] - rec["train_start"] if ends and rec.get("train_start") is not None else float("nan")
+    return {"median": statistics.median(gaps) if gaps else float("nan"), "first": first, "steps": len(ends)}
+
+
+def fmt(x: float | None, digits: int = 4) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def report(run: Path, out: Path, name: str) -> str:
+    curves = read_curves(run)
+    stats = json.loads((run / "nats_stats.json").read_text()) if (run / "nats_stats.json").is_file() else None
+    timing = step_seconds(run)
+    cfg_path = run / ".hydra" / "config.yaml"
+    setting = ""
+    if cfg_path.is_file():
+        import yaml
+
+        cfg = yaml.safe_load(cfg_path.read_text())
+        m, d = cfg.get("module", {}), cfg.get("data", {})
+        setting = (
+            f"model `{cfg.get('hf_model', {}).get('name_or_path')}`, W = {m.get('window')}, lambda = "
+            f"{m.get('sparsity_lambda')}, {cfg.get('trainer', {}).get('max_steps')} optimizer steps of "
+            f"{cfg.get('global_batch_size')} examples, tasks {d.get('tasks')}, lengths "
+            f"{d.get('min_length') or d.get('max_length', 0) // 2}-{d.get('max_length')} tokens, precision "
+            f"{cfg.get('trainer', {}).get('precision')}"
+        )
+    lines = [f"# NAtS scorer fine-tuning: {run.name}", ""]
+    if setting:
+        lines += [setting, ""]
+    if timing:
+        lines += [
+            f"Time per optimizer step: **{timing['median']:.3f} s** (median over {timing['steps']} steps, "
+            f"validations excluded); the first step took {timing['first']:.1f} s (Triton compile and autotune).",
+            "",
+        ]
+    val_steps = sorted(curves.get("val/mse", {}))
+    lines += [
+        "| step | train MSE | train density | val MSE | val density | val peak |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    train_steps = sorted(curves.get("train/mse", {}))
+    for s in sorted(set(train_steps[:: max(1, len(train_steps) // 15)]) | set(val_steps)):
+        lines.append(
+            f"| {s} | {fmt(curves.get('train/mse', {}).get(s))} | {fmt(curves.get('train/density', {}).get(s))} | "
+            f"{fmt(curves.get('val/mse', {}).get(s))} | {fmt(curves.get('val/density', {}).get(s))} | "
+            f"{fmt(curves.get('val/peak', {}).get(s))} |"
+        )
+    if stats:
+        per = stats["per_layer"]
+        lines += [
+            "",
+            f"KV fractions at step {stats['step']} (validation, {stats['examples']} examples, W = {stats['window']}): "
+            f"mean area {stats['mean']['density']:.3f}, mean peak {stats['mean']['peak']:.3f}.",
+            "",
+            "| layer | area | peak | area per KV head |",
+            "|---:|---:|---:|---|",
+        ]
+        heads = stats["per_layer_head"]["density"]
+        for i, (a, p) in enumerate(zip(per["density"], per["peak"])):
+            lines.append(f"| {i} | {a:.3f} | {p:.3f} | {', '.join(f'{h:.3f}' for h in heads[i])} |")
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+        for key, ax, label in (
+            ("train/mse", a1, "train MSE"),
+            ("val/mse", a1, "val MSE"),
+            ("train/density", a2, "train density"),
+            ("val/density", a2, "val density (argmax types)"),
+        ):
+            c = curves.get(key)
+            if c:
+                ax.plot(list(c), list(c.values()), marker="." if key.startswith("val") else None, label=label)
+        a1.set_ylabel("MSE of final hidden states (answer span)")
+        a2.set_ylabel("KV area fraction")
+        for ax in (a1, a2):
+            ax.set_xlabel("optimizer step")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"{name}_loss.png", dpi=120)
+        plt.close(fig)
+        if stats:
+            fig, ax = plt.subplots(figsize=(7, 3.6))
+            layers = range(len(stats["per_layer"]["density"]))
+            ax.plot(layers, stats["per_layer"]["density"], marker="o", label="area (mean over KV heads)")
+            ax.plot(layers, stats["per_layer"]["peak"], marker="s", label="peak (mean over KV heads)")
+            for i, hs in enumerate(stats["per_layer_head"]["density"]):
+                ax.scatter([i] * len(hs), hs, s=8, color="gray", alpha=0.6)
+            ax.set_xlabel("layer")
+            ax.set_ylabel("KV fraction")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(out / f"{name}_kv_layers.png", dpi=120)
+            plt.close(fig)
+    except ImportError as err:  # matplotlib missing: the table is enough
+        print(f"no plots: {err}")
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", type=Path)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--name", default="finetune_smollm2")
+    args = ap.parse_args(argv)
+    print(report(args.run, args.out or args.run, args.name))
+
+
+if __name__ == "__main__":
+    main()

