@@ -136,9 +136,11 @@ def read_model_checkpoint(path: str | os.PathLike | None, name: str, hint: str) 
 
 
 def latest_run(runs_dir: str | os.PathLike) -> Path:
-    """The most recently modified run folder under ``runs_dir`` that holds a checkpoint to resume from."""
+    """The run folder with the most recent checkpoint to resume from: among the folders of ``runs_dir``, or, for a
+    logs root, of every task's ``<task>/runs/`` (``logs/train/runs``, ``logs/finetune_smollm2_nats/runs``, ...)."""
     runs_dir = Path(runs_dir)
-    runs = [d for d in runs_dir.iterdir() if d.is_dir() and checkpoint_candidates(d)] if runs_dir.is_dir() else []
+    folders = [*runs_dir.iterdir(), *runs_dir.glob("*/runs/*")] if runs_dir.is_dir() else []
+    runs = [d for d in folders if d.is_dir() and checkpoint_candidates(d)]
     if not runs:
         raise FileNotFoundError(
             f"resume=latest: no run folder with a checkpoint under {runs_dir}; pass the run "

@@ -202,7 +202,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 def main() -> float | None:
     """`nats-train`: a Hydra app; ``resume=<run folder>`` (or ``resume=latest``) first becomes that run's own
     overrides + ``hydra.run.dir=<run folder>`` + ``ckpt_path=auto`` (nats.runs.resume_argv)."""
-    runs_dir = os.path.join(os.environ.get("PROJECT_ROOT", "."), "logs", "train", "runs")
+    runs_dir = os.path.join(os.environ.get("PROJECT_ROOT", "."), "logs")  # resume=latest: every task's runs/
     try:
         argv = resume_argv(sys.argv[1:], runs_dir)
     except (ValueError, FileNotFoundError) as err:

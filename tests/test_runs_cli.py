@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA_DIR, REPO, compose
-from nats.runs import CheckpointError, checkpoint_step, resume_argv
+from nats.runs import CheckpointError, checkpoint_step, latest_run, resume_argv
 from nats.train import build
 
 sys.path.insert(0, str(REPO / "experiments"))
@@ -167,3 +167,20 @@ def test_progress_bar_counts_optimizer_steps(tmp_path):
 def test_mistyped_option_names_the_valid_ones(override, message, tmp_path):
     with pytest.raises(TypeError, match=message):
         build(compose([*SMALL, override], tmp_path))
+
+
+def test_resume_latest_searches_every_task(tmp_path):
+    """resume=latest from the logs root: the newest checkpoint of any task's runs/ (e.g. a fine-tuning run)."""
+    import os
+    import time
+
+    older = tmp_path / "train" / "runs" / "2026-01-01_00-00-00_aaaa"
+    newer = tmp_path / "finetune_smollm2_nats" / "runs" / "2026-01-02_00-00-00_bbbb"
+    for run in (older, newer):
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
+        time.sleep(0.01)
+    os.utime(older / "checkpoints" / "last.ckpt", (time.time() - 100, time.time() - 100))
+    assert latest_run(tmp_path) == newer
+    os.utime(older / "checkpoints" / "last.ckpt", None)  # now the train run's checkpoint is the newest
+    assert latest_run(tmp_path) == older
