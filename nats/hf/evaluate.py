@@ -1,0 +1,632 @@
+"""`nats-eval-hf`: long-context accuracy against KV budget of a Hugging Face model (issue 18 part 3; docs/hf_eval.md).
+
+    nats-eval-hf scorers=logs/finetune_smollm2_nats/runs/<run>/scorers.pt
+    nats-eval-hf hf_model=smollm2_135m scorers=<run>/scorers.pt methods=[full,nats,snapkv,h2o,streaming_llm] \
+        budgets=[0.5,0.25,0.125]
+    nats-eval-hf resume=logs/eval_hf/runs/<run>       # continue an interrupted run in its folder
+
+The pretrained model (``hf_model``, `nats.hf.pretrained.load_pretrained`), with NAtS attached and its fine-tuned
+scorer weights loaded when ``scorers`` is given (else `use_policy_caches`), answers the long-context examples of
+`nats.hf.data` (built with the model's tokenizer, from an evaluation seed and PG-19 split). Every method of
+``methods`` (an entry of ``policies``, conf/cache/*.yaml) runs once, a budgeted one at every fraction of
+``budgets`` (B = round(fraction x the example's prompt length)): greedy ``model.generate`` with batch 1 and a
+fresh `nats.hf.PolicyCache` per example, so NAtS and the baselines share one decode path.
+
+Scoring (per example a score in [0, 1]; RULER's ``string_match_all`` for the synthetic tasks):
+
+* ``passkey``, ``niah``, ``variable_tracking``: the fraction of the expected strings (the pass key; the needle's
+  value; the chain's variable names) found in the decoded new text, case-insensitive, as whole words (not inside a
+  longer number or name). ``correct``: all of them found.
+* ``pg19_continuation``: teacher-forced greedy next-token accuracy over the book's next ``continuation_tokens``
+  tokens: the prompt, then those tokens, are fed through the cache, and each argmax prediction is compared with the
+  true next token (free-running greedy text is scored 0 once it drifts from the book by one word). ``correct``: all
+  of them right; ``nll``: their mean negative log-likelihood (the table shows its perplexity).
+
+Measured per example (means over layers and KV heads, and per layer and KV head): ``area`` and ``peak`` (the
+cache's KV area and peak fractions over prompt and decoding, ``PolicyCache.fractions()``, spec section 6) and
+``kv_fraction``, the tokens held at the end over the tokens the cache has seen (prompt + fed-back new tokens: 1
+for ``full``, about the budget fraction for StreamingLLM); for NAtS also the fractions of global / local / sliding
+tokens.
+
+Outputs in ``${paths.output_dir}``: ``results.jsonl`` (one line per method, budget and example, appended as soon as
+it is computed; a rerun in the same folder skips the lines present), ``run.json`` (the settings a resumed run must
+share), and, rewritten after every (method, budget), ``results.md`` (accuracy per task and mean, KV area, peak and
+kv_fraction per method @ budget), ``summary.json``, ``accuracy_vs_kv.png`` and ``kv_fractions.json`` (per layer and
+KV head, the layout of nats-eval's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from nats.cache.registry import get_cache_class
+from nats.hf.data import LongContextExample, load_or_build_examples
+from nats.utils import CONF_DIR, atomic_path, atomic_write
+
+log = logging.getLogger(__name__)
+
+RESULTS, SETTINGS = "results.jsonl", "run.json"
+TABLE, SUMMARY, PLOT, KV_FRACTIONS = "results.md", "summary.json", "accuracy_vs_kv.png", "kv_fractions.json"
+#: the `hf_model` keys that `load_pretrained` takes
+PRETRAINED_KEYS = ("name_or_path", "gguf_file", "dtype", "local_files_only")
+#: the settings a resumed run must share with the rows already in its folder
+RESUME_KEYS = ("model", "scorers", "window", "examples", "answer_margin", "continuation_tokens")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scoring
+# ----------------------------------------------------------------------------------------------------------------
+def references(example: LongContextExample) -> list[str]:
+    """The strings a correct answer contains: the pass key, the needle's value, the chain's variable names."""
+    meta = example.meta
+    if example.task == "passkey":
+        return [str(meta["passkey"])]
+    if example.task == "niah":
+        return [str(meta["value"])]
+    if example.task == "variable_tracking":
+        return [str(v) for v in meta["variables"]]
+    raise ValueError(f"task {example.task!r} is scored by its tokens, not by strings")
+
+
+def match_score(prediction: str, refs: Sequence[str]) -> float:
+    """RULER's ``string_match_all``: the fraction of `refs` in `prediction` (case-insensitive), each as a whole
+    word (``40521`` is not found in ``140521``)."""
+    found = [re.search(rf"(?<![0-9A-Za-z]){re.escape(r)}(?![0-9A-Za-z])", prediction, re.IGNORECASE) for r in refs]
+    return sum(f is not None for f in found) / len(refs)
+
+
+def token_accuracy(generated: Sequence[int], reference: Sequence[int]) -> float:
+    """The fraction of `reference`'s positions where `generated` has the same token (missing ones are wrong)."""
+    return sum(g == r for g, r in zip(generated, reference)) / len(reference)
+
+
+def score(example: LongContextExample, generated: Sequence[int], text: str, k: int) -> tuple[float, Any]:
+    """``(score in [0, 1], what was expected)`` of one answer: generated token ids and their decoded text."""
+    if example.task == "pg19_continuation":
+        ref = example.answer_ids[:k]
+        return token_accuracy(generated[: len(ref)], ref), ref
+    refs = references(example)
+    return match_score(text, refs), refs
+
+
+def new_tokens(example: LongContextExample, margin: int, k: int) -> int:
+    """How many tokens to generate: the answer's length + margin (the continuation: its first k tokens)."""
+    if example.task == "pg19_continuation":
+        return min(k, len(example.answer_ids))
+    return len(example.answer_ids) + margin
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plan: methods x budgets, checked before anything runs
+# ----------------------------------------------------------------------------------------------------------------
+def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
+    """The (method, budget fraction) runs; raises on unknown methods, `nats` without scorers and bad budgets."""
+    policies = cfg.get("policies") or {}
+    methods = list(cfg.get("methods") or [])
+    if not methods:
+        raise ValueError(f"methods is empty: list some of {', '.join(policies)}, e.g. methods=[full,nats,snapkv]")
+    runs = []
+    for method in dict.fromkeys(methods):
+        if method not in policies:
+            raise ValueError(
+                f"unknown method {method!r}; available: {', '.join(policies)} (conf/cache/*.yaml, composed into "
+                "`policies` by conf/eval_hf.yaml)"
+            )
+        pcfg = policies[method]
+        cls = get_cache_class(pcfg.name)
+        if not cls.decodable:
+            raise ValueError(f"method {method!r} (policy {pcfg.name!r}) is evaluation-only and cannot decode")
+        if cls.requires_core == "nats" and not has_scorers:
+            raise ValueError(
+                f"method {method!r} needs scorers: pass scorers=<fine-tuning run>/scorers.pt (written by "
+                "nats-train experiment=finetune_smollm2_nats), or drop it from methods"
+            )
+        opts = pcfg.get("options")
+        options = OmegaConf.to_container(opts, resolve=True) if opts else {}
+        budgets: list[float | None] = [None]
+        if cls.budgeted:
+            if not cfg.get("budgets"):
+                raise ValueError(f"method {method!r} needs budgets: set budgets=[0.5,0.25,...] (prompt fractions)")
+            budgets = []
+            for b in cfg.budgets:
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
+                    raise ValueError(f"budgets are fractions of the prompt length in (0, 1); got {b!r}")
+                budgets.append(float(b))
+        label = pcfg.get("label", method)
+        runs += [
+            {"method": method, "policy": pcfg.name, "label": label, "budget": b, "options": options} for b in budgets
+        ]
+    return runs
+
+
+def budget_tokens(fraction: float | None, prompt_len: int) -> int | None:
+    return None if fraction is None else max(1, round(fraction * prompt_len))
+
+
+def check_budgets(runs: list[dict[str, Any]], examples: list[LongContextExample]) -> None:
+    """Every budgeted run's budget in tokens suits every prompt (the policy's own `check_budget` message)."""
+    for run in runs:
+        if run["budget"] is None:
+            continue
+        cls = get_cache_class(run["policy"])
+        for ex in examples:
+            n = len(ex.prompt_ids)
+            b = budget_tokens(run["budget"], n)
+            try:
+                cls.check_budget(b, n, **run["options"])
+            except ValueError as err:
+                raise ValueError(
+                    f"{run['method']} at budget {run['budget']} of the {n}-token prompt of {ex.task} example "
+                    f"{ex.meta.get('index')} = {b} tokens: {err}"
+                ) from err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model and scorers
+# ----------------------------------------------------------------------------------------------------------------
+def load_model(hf_model: DictConfig, device: torch.device) -> tuple[Any, Any]:
+    """The pretrained model (eval mode, on `device`) and its tokenizer (`nats.hf.pretrained.load_pretrained`)."""
+    from nats.hf.pretrained import load_pretrained
+
+    node = dict(hf_model)
+    if not node.get("name_or_path"):
+        raise ValueError("hf_model.name_or_path is not set: pick a model config (hf_model=smollm2_135m)")
+    return load_pretrained(**{k: node[k] for k in PRETRAINED_KEYS if k in node}, device=device)
+
+
+def read_scorers(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int | None]:
+    """``(scorer state dict, window W or None)`` of a ``scorers.pt`` (`nats.hf.nats_state_dict`) or of a
+    fine-tuning run's Lightning checkpoint (its ``model.``-prefixed scorer keys and ``hyper_parameters.window``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"scorers={path} does not exist: pass <fine-tuning run>/scorers.pt (or its .ckpt)")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to read is the same problem for the user
+        raise ValueError(f"scorers={path} is not a readable torch file ({type(err).__name__}: {err})") from err
+    window = None
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):  # a Lightning checkpoint
+        window = (obj.get("hyper_parameters") or {}).get("window")
+        obj = {k.removeprefix("model."): v for k, v in obj["state_dict"].items() if ".nats_scorer." in k}
+    if not isinstance(obj, dict) or not obj or not all(".nats_scorer." in k for k in obj):
+        raise ValueError(f"scorers={path} holds no NAtS scorer weights (keys '...nats_scorer...'): not a scorers.pt")
+    return obj, window
+
+
+def run_window(path: Path) -> int | None:
+    """The window W of the fine-tuning run that wrote `path`: its nats_stats.json or .hydra/config.yaml."""
+    stats = path.parent / "nats_stats.json"
+    if stats.is_file():
+        return json.loads(stats.read_text()).get("window")
+    config = path.parent / ".hydra" / "config.yaml"
+    if config.is_file():
+        return OmegaConf.select(OmegaConf.load(config), "module.window")
+    return None
+
+
+def prepare_model(cfg: DictConfig, model: Any) -> int | None:
+    """Attach NAtS and load the scorer weights (``scorers`` given), else route attention through the policy caches;
+    returns the NAtS window W (None without scorers)."""
+    from nats.hf import attach_nats, load_nats_state_dict, use_policy_caches
+
+    if not cfg.get("scorers"):
+        use_policy_caches(model)
+        return None
+    path = Path(cfg.scorers)
+    state, window = read_scorers(path)
+    window = cfg.get("window") or window or run_window(path)
+    if not window:
+        raise ValueError(
+            f"the NAtS window W of scorers={path} is not known (no nats_stats.json or .hydra/config.yaml beside "
+            "it): pass window=W (module.window of its fine-tuning run)"
+        )
+    attach_nats(model, window=int(window))  # its prefill kernel: Triton on CUDA, the reference elsewhere
+    try:
+        load_nats_state_dict(model, state)
+    except KeyError as err:
+        raise ValueError(f"scorers={path} does not fit hf_model={cfg.hf_model.name_or_path}: {err}") from None
+    model.eval()
+    return int(window)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one example
+# ----------------------------------------------------------------------------------------------------------------
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available: use device=cpu (or auto)")
+    return dev
+
+
+def generate_one(model: Any, prompt: list[int], n_new: int, cache: Any) -> list[int]:
+    """Greedy decoding of up to `n_new` tokens (fewer when the model ends with EOS) through `cache`."""
+    ids = torch.tensor([prompt], device=model.device)
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n_new,
+            do_sample=False,
+            past_key_values=cache,
+            pad_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def continue_one(model: Any, prompt: list[int], reference: list[int], cache: Any) -> tuple[list[int], float]:
+    """Teacher-forced greedy predictions of the `reference` tokens through `cache` (the prompt, then the reference
+    tokens but the last, fed in) and the mean NLL of the reference."""
+    ids = torch.tensor([prompt + reference[:-1]], device=model.device)
+    P = len(prompt)
+    with torch.no_grad():
+        logits = model(ids[:, :P], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        if len(reference) > 1:
+            rest = model(ids[:, P:], past_key_values=cache, use_cache=True).logits
+            logits = torch.cat([logits, rest], dim=1)
+    logits = logits[0].float()
+    nll = F.cross_entropy(logits, torch.tensor(reference, device=logits.device))
+    return logits.argmax(-1).tolist(), float(nll)
+
+
+def _round(t: torch.Tensor) -> list:
+    return torch.round(t.double(), decimals=6).tolist()
+
+
+def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, Any], cfg: DictConfig) -> dict:
+    """Answer one example with `run`'s method and budget; its score and KV measurements (a row)."""
+    from nats.hf import PolicyCache
+
+    prompt = example.prompt_ids
+    k = int(cfg.continuation_tokens)
+    n_new = new_tokens(example, int(cfg.answer_margin), k)
+    b = budget_tokens(run["budget"], len(prompt))
+    extra = {} if b is None else {"budget": b}
+    cache = PolicyCache(
+        model, run["policy"], max_len=len(prompt) + n_new, backend=cfg.backend, **extra, **run["options"]
+    )
+    t0 = time.time()
+    nll = None
+    if example.task == "pg19_continuation":
+        generated, nll = continue_one(model, prompt, example.answer_ids[:n_new], cache)
+    else:
+        generated = generate_one(model, prompt, n_new, cache)
+    seconds = time.time() - t0
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    value, expected = score(example, generated, text, k)
+    fr = cache.fractions()
+    area, peak = fr["area"][:, 0], fr["peak"][:, 0]  # [n_layer, Hkv]
+    seen = cache.get_seq_length()
+    kept = cache.kept()[:, 0].double()
+    per_head = {"area": _round(area), "peak": _round(peak), "kv_fraction": _round(kept / seen)}
+    policies = [layer.policy for layer in cache.layers]
+    if hasattr(policies[0], "type_fractions"):  # NAtS: global / local / sliding
+        per_head["type_fractions"] = _round(torch.stack([p.type_fractions()[0] for p in policies]))
+    return {
+        **key_of(run, example),
+        "policy": run["policy"],
+        "label": run["label"],
+        "budget_tokens": b,
+        "prompt_tokens": len(prompt),
+        "new_tokens": len(generated),
+        "score": value,
+        "correct": value == 1.0,
+        "expected": expected,
+        "prediction": text,
+        "generated": generated,
+        "nll": nll,
+        "area": float(area.mean()),
+        "peak": float(peak.mean()),
+        "kv_fraction": float((kept / seen).mean()),
+        "kept": float(kept.mean()),
+        "seen": seen,
+        "seconds": round(seconds, 3),
+        "per_head": per_head,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# results.jsonl: appended line by line, read back for resuming
+# ----------------------------------------------------------------------------------------------------------------
+def key_of(run: dict[str, Any], example: LongContextExample) -> dict[str, Any]:
+    return {"method": run["method"], "budget": run["budget"], "task": example.task, "index": example.meta["index"]}
+
+
+def row_key(row: dict[str, Any]) -> tuple:
+    return row["method"], row["budget"], row["task"], row["index"]
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """Append one JSON line with a single write, flushed to disk: a crash leaves whole lines and at most a cut last
+    line without its newline, which `read_rows` drops."""
+    with open(path, "ab") as f:
+        f.write((json.dumps(row) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of results.jsonl; a cut last line (an interrupted write) is removed from the file."""
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8")
+    whole, _, cut = text.rpartition("\n")
+    if cut:
+        log.warning(f"{path}: dropping an incomplete last line (an interrupted write)")
+        atomic_write(path, whole + "\n" if whole else "")
+    rows = []
+    for i, line in enumerate(whole.splitlines(), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {i} is not JSON ({err}): remove it to resume") from None
+    return rows
+
+
+def check_settings(out: Path, settings: dict[str, Any]) -> None:
+    """Write run.json, or check that the folder's results were computed with the same settings (methods may be
+    added; a method run before must keep its options)."""
+    path = out / SETTINGS
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        differ = [k for k in RESUME_KEYS if saved.get(k) != settings.get(k)]
+        old, new = saved.get("policies", {}), settings["policies"]
+        differ += [f"policies.{m}" for m in new if m in old and old[m] != new[m]]
+        settings = {**settings, "policies": {**old, **new}}
+        if differ:
+            raise ValueError(
+                f"{out} holds results of other settings ({', '.join(differ)} differ from {path}): resume with the "
+                "same model, scorers, data and options, or write to a new folder"
+            )
+    atomic_write(path, json.dumps(settings, indent=1) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# summary: table, plot, per-head fractions
+# ----------------------------------------------------------------------------------------------------------------
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(rows: list[dict[str, Any]], runs: list[dict[str, Any]], tasks: list[str]) -> list[dict[str, Any]]:
+    """Per run (method @ budget) with rows: accuracy per task (mean score), their mean, and the mean KV fractions."""
+    out = []
+    for run in runs:
+        mine = [r for r in rows if r["method"] == run["method"] and r["budget"] == run["budget"]]
+        if not mine:
+            continue
+        acc = {t: _mean([r["score"] for r in mine if r["task"] == t]) for t in tasks}
+        done = [a for a in acc.values() if a == a]  # tasks with rows (not NaN)
+        nll = [r["nll"] for r in mine if r.get("nll") is not None]
+        out.append(
+            {
+                **{k: run[k] for k in ("method", "label", "policy", "budget")},
+                "examples": len(mine),
+                "accuracy": acc,
+                "mean_accuracy": _mean(done),
+                **{k: _mean([r[k] for r in mine]) for k in ("area", "peak", "kv_fraction")},
+                "continuation_ppl": math.exp(_mean(nll)) if nll else None,
+            }
+        )
+    return out
+
+
+def _name(s: dict[str, Any]) -> str:
+    return s["label"] if s["budget"] is None else f"{s['label']} @ {s['budget']:g}"
+
+
+def markdown_table(summary: list[dict[str, Any]], tasks: list[str], header: str) -> str:
+    ppl = "pg19_continuation" in tasks
+    lines = [
+        header,
+        "",
+        f"| method @ budget | {' | '.join(tasks)} | mean | KV area | KV peak | kv_fraction |"
+        + (" pg19 ppl |" if ppl else "")
+        + " examples |",
+        f"|---|{'---:|' * (len(tasks) + 5 + ppl)}",
+    ]
+    for s in summary:
+        accs = " | ".join("-" if a != a else f"{100 * a:.1f}" for a in s["accuracy"].values())
+        cont = s["continuation_ppl"]
+        lines.append(
+            f"| {_name(s)} | {accs} | {100 * s['mean_accuracy']:.1f} | {s['area']:.3f} | {s['peak']:.3f} | "
+            f"{s['kv_fraction']:.3f} |"
+            + ((" - |" if cont is None else f" {cont:.2f} |") if ppl else "")
+            + f" {s['examples']} |"
+        )
+    lines.append(
+        "\nAccuracy: mean score in percent (RULER's string_match_all; pg19_continuation: teacher-forced greedy "
+        "next-token accuracy over the book's next k tokens; pg19 ppl: their perplexity); mean = over tasks. KV area / "
+        "peak: fractions of the full cache over prompt and decoding; kv_fraction: tokens held at the end / tokens "
+        "seen. Means over layers, KV heads and examples."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    by_label: dict[str, list[dict]] = {}
+    for s in summary:
+        by_label.setdefault(s["label"], []).append(s)
+    for ax, key in zip(axes, ("kv_fraction", "area")):
+        for label, points in by_label.items():
+            points = sorted(points, key=lambda s: s[key])
+            style = {"marker": "*", "markersize": 12} if points[0]["budget"] is None else {"marker": "o"}
+            xs, ys = [s[key] for s in points], [100 * s["mean_accuracy"] for s in points]
+            ax.plot(xs, ys, label=label, linestyle="-" if len(points) > 1 else "none", **style)
+        ax.set_xscale("log")
+        ax.set_ylim(-2, 102)
+        ax.set_xlabel({"kv_fraction": "KV kept at the end / tokens seen", "area": "KV area fraction"}[key])
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("mean accuracy (%)")
+    axes[1].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+
+
+def kv_fractions(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per method @ budget, the per layer and KV head fractions averaged over its examples."""
+    methods = {}
+    for s in summary:
+        mine = [r["per_head"] for r in rows if r["method"] == s["method"] and r["budget"] == s["budget"]]
+        methods[_name(s)] = {
+            "method": s["method"],
+            "budget": s["budget"],
+            **{k: _round(torch.tensor([p[k] for p in mine]).mean(0)) for k in mine[0]},
+        }
+    return {
+        "layout": "area/peak/kv_fraction: [layer][kv_head]; type_fractions: [layer][kv_head][global, local, sliding]",
+        "methods": methods,
+    }
+
+
+def write_summary(out: Path, rows, runs, tasks: list[str], header: str) -> list[dict[str, Any]]:
+    summary = summarize(rows, runs, tasks)
+    if summary:
+        atomic_write(out / TABLE, markdown_table(summary, tasks, header))
+        atomic_write(out / SUMMARY, json.dumps({"header": header, "tasks": tasks, "results": summary}, indent=1))
+        atomic_write(out / KV_FRACTIONS, json.dumps(kv_fractions(rows, summary)))
+        plot(summary, out / PLOT, header.split(":")[0])
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------------------------------
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Evaluate every (method, budget, example) not yet in ``${paths.output_dir}/results.jsonl``; write the summary
+    outputs; returns ``{"summary", "rows", "computed"}``."""
+    runs = plan_methods(cfg, has_scorers=bool(cfg.get("scorers")))
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    max_context = cfg.hf_model.get("max_context")
+    longest = int(data["max_length"]) + int(cfg.answer_margin)
+    if max_context and longest > int(max_context):
+        raise ValueError(
+            f"data.max_length + answer_margin = {longest} exceeds hf_model.max_context={max_context}: "
+            "use a smaller data.max_length"
+        )
+    device = _device(str(cfg.device))
+    model, tokenizer = load_model(cfg.hf_model, device)
+    window = prepare_model(cfg, model)
+    examples, examples_path = load_or_build_examples(tokenizer, **data)
+    check_budgets(runs, examples)
+
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = list(dict.fromkeys(ex.task for ex in examples))
+    settings = {
+        "model": {k: cfg.hf_model.get(k) for k in PRETRAINED_KEYS},
+        "scorers": str(Path(cfg.scorers).resolve()) if cfg.get("scorers") else None,
+        "window": window,
+        "examples": examples_path.name,
+        "data": data,
+        "answer_margin": int(cfg.answer_margin),
+        "continuation_tokens": int(cfg.continuation_tokens),
+        "policies": {r["method"]: r["options"] for r in runs},
+        "device": str(device),
+    }
+    check_settings(out, settings)
+    header = (
+        f"{cfg.hf_model.name_or_path}: accuracy vs KV budget, {len(examples)} examples ({', '.join(tasks)}; "
+        f"{data['min_length']}-{data['max_length']} tokens, seed {data['seed']}, PG-19 split {data['split']})"
+        + (f", NAtS scorers {cfg.scorers} (W = {window})" if window else "")
+    )
+
+    results = out / RESULTS
+    wanted = {row_key(key_of(r, ex)) for r in runs for ex in examples}
+    rows = [x for x in read_rows(results) if row_key(x) in wanted]
+    done = {row_key(x) for x in rows}
+    if done:
+        log.info(f"resuming: {len(done)} of {len(wanted)} results already in {results}")
+    todo = [(r, ex) for r in runs for ex in examples if row_key(key_of(r, ex)) not in done]
+    computed = 0
+    with tqdm(total=len(todo), desc="nats-eval-hf", disable=not cfg.get("progress", True), dynamic_ncols=True) as bar:
+        for r in runs:
+            name = _name(r)
+            mine = [x for x in rows if (x["method"], x["budget"]) == (r["method"], r["budget"])]
+            new = [ex for rr, ex in todo if rr is r]
+            for ex in new:
+                acc = f"{100 * _mean([x['score'] for x in mine]):.1f}%" if mine else "-"
+                bar.set_postfix_str(f"{name}: {ex.task} #{ex.meta['index']}, accuracy so far {acc}")
+                row = evaluate_one(model, tokenizer, ex, r, cfg)
+                append_row(results, row)
+                rows.append(row)
+                mine.append(row)
+                computed += 1
+                bar.update(1)
+            acc, kv = _mean([x["score"] for x in mine]), _mean([x["kv_fraction"] for x in mine])
+            log.info(
+                f"{name}: {len(mine)}/{len(examples)} examples ({len(new)} now), accuracy {100 * acc:.1f}%, "
+                f"kv_fraction {kv:.3f}"
+            )
+            if new:
+                write_summary(out, rows, runs, tasks, header)
+    summary = write_summary(out, rows, runs, tasks, header)
+    log.info(markdown_table(summary, tasks, header))
+    log.info(f"outputs in {out.resolve()}")
+    return {"summary": summary, "rows": rows, "computed": computed}
+
+
+def resume_argv(argv: list[str]) -> list[str]:
+    """``resume=<run folder>`` replaced by the run's own overrides (``.hydra/overrides.yaml``), the given ones
+    (which win) and ``hydra.run.dir=<run folder>``."""
+    import yaml
+
+    values = [a.split("=", 1)[1] for a in argv if a.startswith("resume=")]
+    if not values:
+        return argv
+    folder = Path(values[-1])
+    saved_file = folder / ".hydra" / "overrides.yaml"
+    if not saved_file.is_file():
+        raise FileNotFoundError(f"resume={folder}: {saved_file} not found, so it is not a nats-eval-hf run folder")
+    given = [a for a in argv if not a.startswith("resume=")]
+    keys = {a.split("=", 1)[0].lstrip("+~") for a in given}
+    saved = [str(o) for o in yaml.safe_load(saved_file.read_text()) or []]
+    return [o for o in saved if o.split("=", 1)[0].lstrip("+~") not in keys] + given + [f"hydra.run.dir={folder}"]
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval_hf")
+def _hydra_main(cfg: DictConfig) -> None:
+    if cfg.get("print_config"):
+        print(OmegaConf.to_yaml(cfg))
+    run(cfg)
+
+
+def main() -> None:
+    """`nats-eval-hf`; ``resume=<run folder>`` continues that run in its folder."""
+    try:
+        argv = resume_argv(sys.argv[1:])
+    except FileNotFoundError as err:
+        sys.exit(f"nats-eval-hf: {err}")
+    sys.argv = [sys.argv[0], *argv]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

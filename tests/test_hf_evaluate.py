@@ -1,0 +1,304 @@
+"""nats-eval-hf (issue 18 part 3): the real config composed and run in-process on a tiny random Llama saved with
+save_pretrained, a byte-level BPE tokenizer trained offline, and 3 short examples (passkey, niah, variable
+tracking), with `full`, `nats` (random scorer weights saved to a file) and `streaming_llm` at one budget.
+
+Checked: the rows and outputs; full holds every token, StreamingLLM its budget, NAtS fewer than it has seen (with
+per-layer/head fractions); the scoring of constructed answers; an interrupted run (summary gone, a cut JSONL
+line) resumes with only the missing rows, equal to the uninterrupted ones; the errors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from nats.hf import attach_nats, nats_state_dict  # noqa: E402
+from nats.hf import data as D  # noqa: E402
+from nats.hf import evaluate as E  # noqa: E402
+from nats.hf.data import LongContextExample  # noqa: E402
+from nats.train import compose_config  # noqa: E402
+
+WINDOW, BUDGET = 8, 0.25
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A random 2-layer Llama (vocabulary 1024) and a byte-level BPE tokenizer, in the transformers layout."""
+    root = tmp_path_factory.mktemp("tiny_llama")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=1000,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    bpe.train_from_iterator([D.FILLER] * 20 + [inspect.getsource(D)], trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(root)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(root)
+    # the scorers of a "fine-tuning run": random weights, and its nats_stats.json naming the window
+    run = root / "finetune_run"
+    run.mkdir()
+    model = attach_nats(transformers.AutoModelForCausalLM.from_pretrained(root), window=WINDOW, init_std=0.5)
+    torch.save(nats_state_dict(model), run / "scorers.pt")
+    (run / "nats_stats.json").write_text(json.dumps({"window": WINDOW}))
+    return root
+
+
+def eval_cfg(pretrained: Path, out: Path, *extra: str):
+    return compose_config(
+        [
+            f"paths.output_dir={out}",
+            f"paths.log_dir={out}/logs",
+            f"paths.data_dir={pretrained}/data",
+            f"hf_model.name_or_path={pretrained}",
+            "hf_model.max_context=512",
+            f"scorers={pretrained}/finetune_run/scorers.pt",
+            "methods=[full,nats,streaming_llm]",
+            f"budgets=[{BUDGET}]",
+            "data.tasks=[passkey,niah,variable_tracking]",
+            "data.num_examples=1",
+            "data.max_length=320",
+            "data.min_length=300",
+            "data.pg19_path=null",
+            "answer_margin=2",
+            "device=cpu",
+            "backend=torch",
+            "progress=false",
+            *extra,
+        ],
+        "eval_hf",
+    )
+
+
+@pytest.fixture
+def count_generate(monkeypatch):
+    calls = []
+    real = E.generate_one
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(E, "generate_one", counted)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def first_run(pretrained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    report = E.run(eval_cfg(pretrained, out))
+    return out, report
+
+
+def lines(out: Path) -> list[str]:
+    return (out / E.RESULTS).read_text().splitlines()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the run and its outputs
+# ----------------------------------------------------------------------------------------------------------------
+def test_rows_outputs_and_kv_fractions(first_run):
+    out, report = first_run
+    rows = [json.loads(x) for x in lines(out)]
+    assert len(rows) == report["computed"] == 9  # 3 methods x 3 examples
+    assert {(r["method"], r["budget"]) for r in rows} == {("full", None), ("nats", None), ("streaming_llm", BUDGET)}
+    assert {r["task"] for r in rows} == {"passkey", "niah", "variable_tracking"}
+    for r in rows:
+        assert 0 <= r["score"] <= 1 and r["correct"] == (r["score"] == 1)
+        assert r["seen"] == r["prompt_tokens"] + r["new_tokens"] - 1  # the last new token is never fed back
+        assert 280 <= r["prompt_tokens"] <= 320 and 0 < r["area"] <= 1 and 0 < r["peak"] <= 1
+        assert len(r["per_head"]["area"]) == 2 and len(r["per_head"]["area"][0]) == 2  # [layer][kv_head]
+        if r["method"] == "full":
+            assert r["kv_fraction"] == 1.0 and r["area"] == pytest.approx(1.0) and r["budget_tokens"] is None
+        elif r["method"] == "streaming_llm":
+            assert r["budget_tokens"] == round(BUDGET * r["prompt_tokens"]) and r["kept"] == r["budget_tokens"]
+            assert r["kv_fraction"] == pytest.approx(r["budget_tokens"] / r["seen"])
+            assert r["kv_fraction"] == pytest.approx(BUDGET, rel=0.1)
+        else:  # NAtS with random scorers: evicts, and records its types per layer and KV head
+            assert 0 < r["kv_fraction"] < 1 and 0 < r["area"] < 1
+            types = torch.tensor(r["per_head"]["type_fractions"])
+            assert types.shape == (2, 2, 3) and torch.allclose(types.sum(-1), torch.ones(2, 2), atol=1e-5)
+    settings = json.loads((out / E.SETTINGS).read_text())
+    assert settings["window"] == WINDOW  # found in the run's nats_stats.json
+    table = (out / E.TABLE).read_text()
+    for name in ("full", "nats", f"streaming_llm @ {BUDGET}", "passkey", "niah", "variable_tracking", "kv_fraction"):
+        assert name in table
+    summary = json.loads((out / E.SUMMARY).read_text())["results"]
+    assert [s["method"] for s in summary] == ["full", "nats", "streaming_llm"]
+    full = summary[0]
+    scores = [r["score"] for r in rows if r["method"] == "full"]
+    assert full["mean_accuracy"] == pytest.approx(sum(scores) / 3) and full["kv_fraction"] == 1.0
+    kv = json.loads((out / E.KV_FRACTIONS).read_text())["methods"]
+    assert set(kv) == {"full", "nats", f"streaming_llm @ {BUDGET}"} and "type_fractions" in kv["nats"]
+    assert (out / E.PLOT).stat().st_size > 1000
+
+
+def test_resume_runs_only_the_missing_rows(first_run, pretrained, tmp_path, count_generate):
+    out, _ = first_run
+    before = lines(out)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    (resumed / E.SETTINGS).write_text((out / E.SETTINGS).read_text())
+    (resumed / E.RESULTS).write_text("\n".join(before[:4]) + "\n" + before[4][: len(before[4]) // 2])  # cut line
+    report = E.run(eval_cfg(pretrained, resumed))
+    assert report["computed"] == len(count_generate) == 5
+    after = lines(resumed)
+    assert len(after) == 9 and after[:4] == before[:4]
+    strip = ("seconds",)
+    key = E.row_key
+    one = {key(r): {k: v for k, v in r.items() if k not in strip} for r in map(json.loads, before)}
+    two = {key(r): {k: v for k, v in r.items() if k not in strip} for r in map(json.loads, after)}
+    assert one == two  # the resumed rows are the uninterrupted run's
+    assert (resumed / E.TABLE).is_file()
+    # everything done: nothing is generated, the table is rewritten
+    (resumed / E.TABLE).unlink()
+    count_generate.clear()
+    assert E.run(eval_cfg(pretrained, resumed))["computed"] == 0 and not count_generate
+    assert (resumed / E.TABLE).is_file()
+    # a method added to a finished run: only its rows
+    report = E.run(eval_cfg(pretrained, resumed, "methods=[full,h2o]"))
+    assert report["computed"] == len(count_generate) == 3 and len(lines(resumed)) == 12
+    with pytest.raises(ValueError, match="other settings.*answer_margin"):
+        E.run(eval_cfg(pretrained, resumed, "answer_margin=3"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scoring
+# ----------------------------------------------------------------------------------------------------------------
+def test_scoring_of_constructed_answers():
+    passkey = LongContextExample("passkey", [1, 2], [3], {"passkey": "40521"})
+    for text, want in [
+        (" 40521.", 1.0),
+        ("The pass key is 40521, remember", 1.0),
+        (" 140521", 0.0),
+        (" 4052", 0.0),
+        (" 40512", 0.0),
+        ("", 0.0),
+    ]:
+        assert E.score(passkey, [], text, 16) == (want, ["40521"]), text
+    vt = LongContextExample("variable_tracking", [1], [2], {"variables": ["ABCDE", "FGHIJ", "KLMNO", "PQRST", "UVWXY"]})
+    assert E.score(vt, [], " ABCDE fghij KLMNO", 16)[0] == pytest.approx(0.6)  # RULER: partial credit, any case
+    assert E.score(vt, [], " ABCDE FGHIJ KLMNO PQRST UVWXY", 16)[0] == 1.0
+    niah = LongContextExample("niah", [1], [2], {"value": "5135289"})
+    assert E.score(niah, [], ": 5135289", 16)[0] == 1.0
+    book = LongContextExample("pg19_continuation", [1], [5, 6, 7, 8, 9, 10], {})
+    assert E.score(book, [5, 6, 0, 8], "", 4) == (0.75, [5, 6, 7, 8])  # the first k = 4 tokens
+    assert E.score(book, [5, 6], "", 4)[0] == 0.5  # missing tokens are wrong
+    assert E.new_tokens(book, 16, 4) == 4 and E.new_tokens(passkey, 16, 4) == 17
+
+
+def test_the_expected_answers_score_correct_end_to_end(first_run, pretrained, tmp_path, monkeypatch):
+    """Generation answering each example's own answer tokens: decoded and scored correct, 100 in the table."""
+    out, _ = first_run
+    name = json.loads((out / E.SETTINGS).read_text())["examples"]
+    examples = [json.loads(x) for x in (pretrained / "data" / "hf_longctx" / name).read_text().splitlines()[1:]]
+    answers = {tuple(ex["prompt_ids"]): ex["answer_ids"] for ex in examples}
+    real = E.generate_one
+
+    def answer(model, prompt, *args, **kwargs):  # the real decoding fills the cache; the answer replaces its output
+        real(model, prompt, *args, **kwargs)
+        return answers[tuple(prompt)]
+
+    monkeypatch.setattr(E, "generate_one", answer)
+    report = E.run(eval_cfg(pretrained, tmp_path, "methods=[full]"))
+    assert [r["correct"] for r in report["rows"]] == [True] * 3
+    assert "| full | 100.0 | 100.0 | 100.0 | 100.0 |" in (tmp_path / E.TABLE).read_text()
+
+
+@pytest.mark.parametrize("policy", ["full", "nats"])
+def test_continuation_is_teacher_forced_through_the_cache(pretrained, policy):
+    """pg19_continuation: the predictions and NLL through the policy cache (prompt, then the reference fed in)
+    are the parallel forward's over prompt + reference (dense, or NAtS with the same scorers)."""
+    from nats.hf import PolicyCache, load_nats_state_dict, use_policy_caches
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    if policy == "nats":
+        attach_nats(model, window=WINDOW)
+        load_nats_state_dict(model, torch.load(pretrained / "finetune_run" / "scorers.pt", weights_only=True))
+        model.eval()
+    else:
+        use_policy_caches(model)
+    g = torch.Generator().manual_seed(3)
+    prompt, reference = (
+        torch.randint(0, 1000, (40,), generator=g).tolist(),
+        torch.randint(0, 1000, (6,), generator=g).tolist(),
+    )
+    cache = PolicyCache(model, policy, max_len=46, backend="torch")
+    preds, nll = E.continue_one(model, prompt, reference, cache)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + reference[:-1]])).logits[0, 39:]
+    assert preds == logits.argmax(-1).tolist() and len(preds) == 6
+    assert nll == pytest.approx(float(torch.nn.functional.cross_entropy(logits, torch.tensor(reference))), rel=1e-4)
+    assert cache.get_seq_length() == 45
+    if policy == "nats":
+        assert (cache.kept() < 45).any()  # it evicted on the way
+
+
+def test_read_scorers_of_a_lightning_checkpoint(pretrained, tmp_path):
+    sd = torch.load(pretrained / "finetune_run" / "scorers.pt", weights_only=True)
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in sd.items()}, "hyper_parameters": {"window": 12}}, ckpt)
+    got, window = E.read_scorers(ckpt)
+    assert window == 12 and got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert E.read_scorers(pretrained / "finetune_run" / "scorers.pt")[1] is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (["scorers=null"], ValueError, "method 'nats' needs scorers"),
+        (["methods=[full,bogus]"], ValueError, r"unknown method 'bogus'; available: full, streaming_llm, h2o, nats"),
+        (
+            ["methods=[streaming_llm]", "budgets=[0.01]"],
+            ValueError,
+            r"streaming_llm at budget 0.01 of the \d+-token prompt .* = 3 tokens: .*too small for 4 attention sinks",
+        ),
+        (["methods=[streaming_llm]", "budgets=[2]"], ValueError, r"fractions of the prompt length in \(0, 1\)"),
+        (["methods=[snapkv]", "budgets=[0.1]"], ValueError, "snapkv: window=32 must be below the budget"),
+        (["scorers=/no/such/scorers.pt"], FileNotFoundError, "does not exist"),
+        (["data.max_length=600"], ValueError, "exceeds hf_model.max_context=512"),
+    ],
+)
+def test_errors(pretrained, tmp_path, count_generate, overrides, error, match):
+    with pytest.raises(error, match=match):
+        E.run(eval_cfg(pretrained, tmp_path, *overrides))
+    assert not count_generate and not (tmp_path / E.RESULTS).exists()
+
+
+def test_window_must_be_known(pretrained, tmp_path):
+    lone = tmp_path / "scorers.pt"
+    lone.write_bytes((pretrained / "finetune_run" / "scorers.pt").read_bytes())
+    with pytest.raises(ValueError, match="pass window=W"):
+        E.run(eval_cfg(pretrained, tmp_path, f"scorers={lone}"))
+
+
+def test_resume_argv(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- scorers=a.pt\n- budgets=[0.5]\n")
+    got = E.resume_argv([f"resume={tmp_path}", "budgets=[0.25]"])
+    assert got == ["scorers=a.pt", "budgets=[0.25]", f"hydra.run.dir={tmp_path}"]
+    with pytest.raises(FileNotFoundError, match="not a nats-eval-hf run folder"):
+        E.resume_argv([f"resume={tmp_path / 'nope'}"])
