@@ -108,3 +108,22 @@ def test_misuse_is_refused():
         greedy_beams = PolicyCache(model, "nats", max_len=PROMPT + NEW, backend="torch")
         with torch.no_grad():
             model.generate(ids(n=8, b=1), max_new_tokens=4, num_beams=2, past_key_values=greedy_beams)
+
+
+def test_decode_benchmark_smoke(tmp_path):
+    """benchmarks/bench_hf_decode.py end to end on a tiny model: dynamic, full and NAtS through generate."""
+    import importlib.util
+    import json
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_hf_decode", REPO / "benchmarks" / "bench_hf_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "bench_hf_decode.json").read_text())["rows"]}
+    assert set(rows) == {"dynamic", "full", "nats"}
+    assert all(r["generated"] == 8 and r["decode_tokens_per_s"] > 0 for r in rows.values())
+    assert rows["full"]["kept_fraction"] == 1.0 and rows["nats"]["kept_fraction"] < 1.0
+    assert rows["nats"]["kv_mib"] < rows["full"]["kv_mib"]
+    assert (tmp_path / "bench_hf_decode.md").read_text().count("\n| ") == 4  # header + 3 methods
