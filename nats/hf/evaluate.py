@@ -72,8 +72,11 @@ RESUME_KEYS = ("model", "scorers", "window", "examples", "answer_margin", "conti
 # scoring
 # ----------------------------------------------------------------------------------------------------------------
 def references(example: LongContextExample) -> list[str]:
-    """The strings a correct answer contains: the pass key, the needle's value, the chain's variable names."""
+    """The strings a correct answer contains: the pass key, the needle's value, the chain's variable names, the
+    answers a RULER task (`nats.hf.ruler`) lists in ``meta["answers"]``."""
     meta = example.meta
+    if "answers" in meta:
+        return [str(a) for a in meta["answers"]]
     if example.task == "passkey":
         return [str(meta["passkey"])]
     if example.task == "niah":
@@ -101,6 +104,8 @@ def score(example: LongContextExample, generated: Sequence[int], text: str, k: i
         ref = example.answer_ids[:k]
         return token_accuracy(generated[: len(ref)], ref), ref
     refs = references(example)
+    if example.meta.get("match") == "any":  # RULER's string_match_part (QA: any annotator's answer)
+        return max(match_score(text, [r]) for r in refs), refs
     return match_score(text, refs), refs
 
 
