@@ -14,8 +14,10 @@ from conftest import REPO, compose
 NOTEBOOK = REPO / "notebooks" / "kv_budget_analysis.ipynb"
 
 
-def test_notebook_is_stored_without_outputs():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+@pytest.mark.parametrize("path", sorted(NOTEBOOK.parent.glob("*.ipynb")), ids=lambda p: p.name)
+def test_notebook_is_stored_without_outputs(path):
+    """Every notebook (hf_kv_budgets.ipynb runs in tests/test_hf_analysis.py)."""
+    nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None
