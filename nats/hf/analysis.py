@@ -364,7 +364,7 @@ def demo_runs(root: str | Path, n_layer: int = 4, steps: int = 6, quiet: bool = 
     loggers = {name: logging.getLogger(name) for name in ("nats", "lightning.pytorch", "lightning.fabric")}
     levels = {name: lg.level for name, lg in loggers.items()}
     bars = hf_logging.is_progress_bar_enabled()
-    backend = matplotlib.get_backend()  # the runner's plot switches to Agg: a notebook's inline figures stay
+    backend = matplotlib.get_backend()  # keep the notebook's backend whatever the runner does
     try:
         with warnings.catch_warnings():
             if quiet:

@@ -17,6 +17,8 @@ Scoring (per example a score in [0, 1]; RULER's ``string_match_all`` for the syn
 * ``passkey``, ``niah``, ``variable_tracking``: the fraction of the expected strings (the pass key; the needle's
   value; the chain's variable names) found in the decoded new text, case-insensitive, as whole words (not inside a
   longer number or name). ``correct``: all of them found.
+* ``longbench/<dataset>`` (``longbench.path`` set; `nats.hf.longbench`): LongBench's own metric of the dataset
+  (QA F1, ROUGE-L, classification, retrieval, count, code similarity), ``max_new`` = its generation length.
 * ``pg19_continuation``: teacher-forced greedy next-token accuracy over the book's next ``continuation_tokens``
   tokens: the prompt, then those tokens, are fed through the cache, and each argmax prediction is compared with the
   true next token (free-running greedy text is scored 0 once it drifts from the book by one word). ``correct``: all
@@ -56,6 +58,7 @@ from tqdm.auto import tqdm
 
 from nats.cache.registry import get_cache_class
 from nats.hf.data import LongContextExample, load_or_build_examples
+from nats.hf.longbench import fingerprint, load_longbench, score_longbench
 from nats.utils import CONF_DIR, atomic_path, atomic_write
 
 log = logging.getLogger(__name__)
@@ -65,7 +68,7 @@ TABLE, SUMMARY, PLOT, KV_FRACTIONS = "results.md", "summary.json", "accuracy_vs_
 #: the `hf_model` keys that `load_pretrained` takes
 PRETRAINED_KEYS = ("name_or_path", "gguf_file", "dtype", "local_files_only")
 #: the settings a resumed run must share with the rows already in its folder
-RESUME_KEYS = ("model", "scorers", "window", "examples", "answer_margin", "continuation_tokens")
+RESUME_KEYS = ("model", "scorers", "window", "examples", "longbench", "answer_margin", "continuation_tokens")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -103,6 +106,8 @@ def score(example: LongContextExample, generated: Sequence[int], text: str, k: i
     if example.task == "pg19_continuation":
         ref = example.answer_ids[:k]
         return token_accuracy(generated[: len(ref)], ref), ref
+    if example.task.startswith("longbench/"):
+        return score_longbench(example, text), example.meta["answers"]
     refs = references(example)
     if example.meta.get("match") == "any":  # RULER's string_match_part (QA: any annotator's answer)
         return max(match_score(text, [r]) for r in refs), refs
@@ -110,7 +115,10 @@ def score(example: LongContextExample, generated: Sequence[int], text: str, k: i
 
 
 def new_tokens(example: LongContextExample, margin: int, k: int) -> int:
-    """How many tokens to generate: the answer's length + margin (the continuation: its first k tokens)."""
+    """How many tokens to generate: the answer's length + margin (the continuation: its first k tokens; LongBench:
+    the dataset's generation length ``meta["max_new"]``)."""
+    if "max_new" in example.meta:
+        return int(example.meta["max_new"])
     if example.task == "pg19_continuation":
         return min(k, len(example.answer_ids))
     return len(example.answer_ids) + margin
@@ -462,17 +470,16 @@ def markdown_table(summary: list[dict[str, Any]], tasks: list[str], header: str)
         "next-token accuracy over the book's next k tokens; pg19 ppl: their perplexity); mean = over tasks. KV area / "
         "peak: fractions of the full cache over prompt and decoding; kv_fraction: tokens held at the end / tokens "
         "seen. Means over layers, KV heads and examples."
+        + (" longbench/*: LongBench's metric of each dataset." if any("longbench/" in t for t in tasks) else "")
     )
     return "\n".join(lines) + "\n"
 
 
 def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's inline one) stays
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    fig = Figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2, sharey=True)
     by_label: dict[str, list[dict]] = {}
     for s in summary:
         by_label.setdefault(s["label"], []).append(s)
@@ -492,7 +499,6 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
 
 
 def kv_fractions(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> dict[str, Any]:
@@ -540,6 +546,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     model, tokenizer = load_model(cfg.hf_model, device)
     window = prepare_model(cfg, model)
     examples, examples_path = load_or_build_examples(tokenizer, **data)
+    lb = cfg.get("longbench") or {}
+    longbench = None
+    if lb.get("path"):  # prompt + the dataset's generation length <= data.max_length, as the generated tasks
+        opts = {"num_examples": lb.get("num_examples"), "chat_template": lb.get("chat_template", "auto")}
+        lb_examples = load_longbench(lb.path, list(lb.datasets), tokenizer, data["max_length"], **opts)
+        longbench = {"datasets": list(lb.datasets), "examples": fingerprint(lb_examples)}
+        examples = examples + lb_examples
     check_budgets(runs, examples)
 
     out = Path(cfg.paths.output_dir)
@@ -550,6 +563,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "scorers": str(Path(cfg.scorers).resolve()) if cfg.get("scorers") else None,
         "window": window,
         "examples": examples_path.name,
+        "longbench": longbench,
         "data": data,
         "answer_margin": int(cfg.answer_margin),
         "continuation_tokens": int(cfg.continuation_tokens),
