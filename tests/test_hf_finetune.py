@@ -12,7 +12,6 @@ schedule; scorers.pt; the datamodule's split, order and micro-batch rule.
 from __future__ import annotations
 
 import csv
-import inspect
 import json
 from pathlib import Path
 
@@ -25,9 +24,9 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from nats import functional as NF  # noqa: E402
 from nats.hf import attach_nats, load_nats_state_dict, nats_density, nats_state_dict, set_force_type  # noqa: E402
-from nats.hf import data as D  # noqa: E402
 from nats.hf.datamodule import LongContextDataModule, _TrainSamples, collate  # noqa: E402
 from nats.hf.lit import LitNAtSDistill, finetune_lr_at  # noqa: E402
+from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 from nats.train import build, compose_config, run  # noqa: E402
 
 WINDOW = 16
@@ -39,30 +38,8 @@ def pretrained(tmp_path_factory) -> Path:
     """A folder in the transformers layout: a random 2-layer Llama (hidden 64, 4 heads / 2 KV heads, vocabulary
     1024) and a byte-level BPE tokenizer (vocabulary ~1000) trained on the data generators' own text."""
     root = tmp_path_factory.mktemp("tiny_llama")
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=1000,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-    )
-    bpe.train_from_iterator([D.FILLER] * 20 + [inspect.getsource(D)], trainer)
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    tok.save_pretrained(root)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=1024,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    assert len(tok) <= config.vocab_size
-    transformers.LlamaForCausalLM(config).save_pretrained(root)
+    save_tiny_random_llama(root)
+    assert len(transformers.AutoTokenizer.from_pretrained(root)) <= 1024  # the model's vocabulary
     return root
 
 

