@@ -70,6 +70,18 @@ def eval_mode(model) -> Iterator[None]:
         model.train(was_training)
 
 
+def policy_options(policy: str, budget: int | None, check_len: int, n_layer: int, options: dict) -> dict:
+    """A policy's keyword arguments besides the shapes: its `options`, the budget of a budgeted policy (checked
+    against sequences of `check_len` tokens; the others take none) and ``n_layer`` for those that need it."""
+    cls = get_cache_class(policy)
+    if cls.budgeted:
+        cls.check_budget(budget, check_len, **options)
+        options = {**options, "budget": int(budget)}
+    elif budget is not None:
+        raise ValueError(f"cache policy {policy!r} takes no budget (got budget={budget})")
+    return {**options, "n_layer": n_layer} if cls.needs_n_layer else options
+
+
 def make_caches(
     model,
     policy: str,
@@ -99,11 +111,7 @@ def make_caches(
             f"max_len={max_len} tokens exceed the model's block_size={c.block_size} (positions are kept, so the "
             f"RoPE/position tables end there): use shorter sequences"
         )
-    if cls.budgeted:
-        cls.check_budget(budget, budget_check_len or max_len, **options)
-        options = {**options, "budget": int(budget)}
-    elif budget is not None:
-        raise ValueError(f"cache policy {policy!r} takes no budget (got budget={budget})")
+    options = policy_options(policy, budget, budget_check_len or max_len, len(model.blocks), options)
     if cls.requires_core is not None and any(b.attn.core.name != cls.requires_core for b in model.blocks):
         others = [n for n in available_caches() if get_cache_class(n).requires_core is None]
         raise ValueError(
@@ -111,7 +119,6 @@ def make_caches(
             f"{cls.requires_core}); this model uses attention {c.attention.get('name')!r}: evaluate it with "
             f"{', '.join(others)}"
         )
-    options = {**options, "n_layer": len(model.blocks)} if getattr(cls, "needs_n_layer", False) else options
     param = next(model.parameters())
     device = param.device if device is None else device
     dtype = param.dtype if dtype is None else dtype

@@ -69,18 +69,8 @@ def nats_attention_forward(
     module._nats_hidden = module._nats_cache = None  # used once; do not keep the activations alive
     from nats.hf.cache import PolicyCache  # noqa: PLC0415
 
-    if isinstance(cache, PolicyCache):  # the cache's policy attends over what it keeps (spec section 5)
-        if query.dtype != value.dtype or key.dtype != value.dtype:  # autocast: fp32 q/k after RoPE, bf16 v
-            query, key = query.to(value.dtype), key.to(value.dtype)
-        if dropout:
-            raise NotImplementedError("nats attention (transformers): attention dropout is not supported (set it to 0)")
-        D = query.shape[-1]
-        _check_mask(attention_mask, query.shape[-2], cache.layers[module.layer_idx].seen)
-        if scaling is not None and not math.isclose(scaling, D**-0.5, rel_tol=1e-6):
-            query = query * (scaling * math.sqrt(D))
-        y = cache.attend(module.layer_idx, query, hidden)
-        return y.transpose(1, 2).contiguous(), None
-    if core is None:  # use_policy_caches on a model without scorers, run without a PolicyCache: plain attention
+    policy_cache = isinstance(cache, PolicyCache)
+    if core is None and not policy_cache:  # use_policy_caches on a model without scorers, no PolicyCache: plain
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
@@ -89,6 +79,12 @@ def nats_attention_forward(
     if query.dtype != value.dtype or key.dtype != value.dtype:  # under autocast transformers' RoPE returns fp32 q/k
         query, key = query.to(value.dtype), key.to(value.dtype)
     B, Hq, N, D = query.shape
+    if scaling is not None and not math.isclose(scaling, D**-0.5, rel_tol=1e-6):
+        query = query * (scaling * math.sqrt(D))  # nats_attention and the policies scale by 1/sqrt(D)
+    if policy_cache:  # the cache's policy attends over what it keeps (spec section 5)
+        _check_mask(attention_mask, N, cache.layers[module.layer_idx].seen)
+        y = cache.attend(module.layer_idx, query, hidden)
+        return y.transpose(1, 2).contiguous(), None
     Nk = key.shape[-2]
     sliding = kwargs.get("sliding_window")
     if sliding is not None and Nk > sliding:
@@ -97,8 +93,6 @@ def nats_attention_forward(
             f"sequence ({Nk}); NAtS replaces it only where it does not bind"
         )
     _check_mask(attention_mask, N, Nk)
-    if scaling is not None and not math.isclose(scaling, D**-0.5, rel_tol=1e-6):
-        query = query * (scaling * math.sqrt(D))  # nats_attention scales by 1/sqrt(D)
 
     if N == Nk:  # prefill / training forward
         t = core.type_weights(core.type_logits(hidden))  # [B, Hkv, N, 3]

@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from nats.cache import available_caches, get_cache_class
 from nats.cache.base import LayerCache
+from nats.cache.decode import policy_options
 
 
 class PolicyCacheLayer(CacheLayerMixin):
@@ -142,19 +143,12 @@ class PolicyCache(Cache):
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         if self.max_len < 1:
             raise ValueError("PolicyCache: pass max_len (the model config has no max_position_embeddings)")
-        self.budget, self.backend, self.track = budget, backend, track
-        self.options = dict(options)
-        if getattr(self.policy_cls, "needs_n_layer", False):
-            self.options["n_layer"] = len(attn)
-        if self.policy_cls.budgeted:
-            self.policy_cls.check_budget(budget, self.max_len, **options)
-        elif budget is not None:
-            raise ValueError(f"PolicyCache: cache policy {policy!r} takes no budget (got budget={budget})")
+        self.backend, self.track = backend, track
+        self.options = policy_options(policy, budget, self.max_len, len(attn), options)  # budget, n_layer included
         super().__init__(layers=[PolicyCacheLayer(self, i) for i in range(len(attn))])
 
     def make_layer(self, layer_idx: int, key_states: torch.Tensor) -> LayerCache:
         B, Hkv, _, D = key_states.shape
-        extra = {"budget": int(self.budget)} if self.policy_cls.budgeted else {}
         return self.policy_cls(
             batch=B,
             n_head=self.n_head,
@@ -167,7 +161,6 @@ class PolicyCache(Cache):
             core=self.cores[layer_idx],
             backend=self.backend,
             track=self.track,
-            **extra,
             **self.options,
         )
 
