@@ -66,21 +66,22 @@ def run_dir(root: Path, run: str) -> Path:
     return root / run
 
 
-def parse_run(run: str) -> tuple[str, int]:
+def parse_run(run: str, runs: dict = RUNS) -> tuple[str, int]:
+    """``<name>_s<seed>`` -> (name, seed), name one of `runs` (this study's RUNS by default)."""
     base, _, seed = run.rpartition("_s")
-    if not base or not seed.isdigit() or base not in RUNS:
-        raise SystemExit(f"unknown run {run!r}: use <name>_s<seed> with name in {sorted(RUNS)}")
+    if not base or not seed.isdigit() or base not in runs:
+        raise SystemExit(f"unknown run {run!r}: use <name>_s<seed> with name in {sorted(runs)}")
     return base, int(seed)
 
 
-def expand(names: list[str], seeds: list[int]) -> list[str]:
-    """Run names: a name of RUNS gets every seed; a name with its seed (``dense_s2``) stays as it is."""
+def expand(names: list[str], seeds: list[int], runs: dict = RUNS) -> list[str]:
+    """Run names: a name of `runs` gets every seed; a name with its seed (``dense_s2``) stays as it is."""
     out = []
     for name in names:
-        if name in RUNS:
+        if name in runs:
             out += [f"{name}_s{s}" for s in seeds]
         else:
-            parse_run(name)  # exits with the list of names if it is neither
+            parse_run(name, runs)  # exits with the list of names if it is neither
             out.append(name)
     return out
 

@@ -52,6 +52,7 @@ from nats.attention.nats import kv_stats
 from nats.functional import TOKEN_GLOBAL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: figure3.py's helpers
+import figure3  # noqa: E402
 from figure3 import alive, launch, mean_std, print_status, read_csv_metrics, train_done  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,22 +118,12 @@ PACK_PATTERNS = [
 
 
 def parse_run(run: str) -> tuple[str, int]:
-    base, _, seed = run.rpartition("_s")
-    if not base or not seed.isdigit() or base not in RUNS:
-        raise SystemExit(f"unknown run {run!r}: use <name>_s<seed> with name in {sorted(RUNS)}")
-    return base, int(seed)
+    return figure3.parse_run(run, RUNS)
 
 
 def expand(names: list[str], seeds: list[int]) -> list[str]:
     """Run names: a name of RUNS gets every seed; a name with its seed (``dense_s1``) stays as it is."""
-    out = []
-    for name in names:
-        if name in RUNS:
-            out += [f"{name}_s{s}" for s in seeds]
-        else:
-            parse_run(name)  # exits with the list of names if it is neither
-            out.append(name)
-    return out
+    return figure3.expand(names, seeds, RUNS)
 
 
 def is_nats(run: str) -> bool:
@@ -755,6 +746,18 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
     written = []
     color = {name: f"C{i}" for i, name in enumerate(RUNS)}
+
+    def save_per_layer(fig, axes, name: str) -> None:  # x = layer index
+        for ax in axes:
+            ax.set_xlabel("layer")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out / name)
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
     with_sink = [r for r in rows if "sink_layers" in r["stats"]]
     if with_sink:
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
@@ -788,15 +791,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         axes[0].set_ylim(bottom=0)
         axes[1].set_title("mean output gate, per layer")
         axes[1].set_ylim(0, 1)
-        for ax in axes:
-            ax.set_xlabel("layer")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "gate_study_gpt2_sink.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        save_per_layer(fig, axes, "gate_study_gpt2_sink.png")
 
     nats_rows = [r for r in rows if "area_layers" in r["stats"]]
     if nats_rows:
@@ -822,15 +817,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         axes[1].set_title("global and local token fractions per layer")
         axes[2].set_title("share of the globals that are token 0")
         axes[2].set_ylim(0, 1.05)
-        for ax in axes:
-            ax.set_xlabel("layer")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "gate_study_gpt2_kv.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        save_per_layer(fig, axes, "gate_study_gpt2_kv.png")
 
     fig, ax = plt.subplots(figsize=(6.8, 4.6))
     drawn = False
