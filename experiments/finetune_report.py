@@ -14,26 +14,22 @@ Reads the run folder (``csv/metrics.csv``, ``nats_stats.json``, ``step_times.jso
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 from pathlib import Path
 
+from nats.hf.analysis import FinetuneRun, load_finetune_run
 
-def read_curves(run: Path) -> dict[str, dict[int, float]]:
-    files = sorted((run / "csv").rglob("metrics.csv"))
-    if not files:
+
+def read_run(run: Path) -> FinetuneRun:
+    """The run's curves (csv/metrics.csv as {metric: {optimizer step: value}}) and nats_stats.json."""
+    try:
+        ft = load_finetune_run(run)
+    except (ValueError, FileNotFoundError):  # neither csv/ nor nats_stats.json, or no folder
+        ft = None
+    if ft is None or not ft.curves:
         raise SystemExit(f"no csv/metrics.csv in {run}: was the run logged with logger=tensorboard_csv or csv?")
-    curves: dict[str, dict[int, float]] = {}
-    with open(files[-1], newline="") as f:
-        for row in csv.DictReader(f):
-            if not row.get("step"):
-                continue
-            step = int(row["step"]) + 1  # Lightning logs the 0-based index of the step being taken
-            for key, value in row.items():
-                if key != "step" and value not in ("", None):
-                    curves.setdefault(key, {})[step] = float(value)
-    return curves
+    return ft
 
 
 def step_seconds(run: Path) -> dict[str, float] | None:
@@ -56,8 +52,8 @@ def fmt(x: float | None, digits: int = 4) -> str:
 
 
 def report(run: Path, out: Path, name: str) -> str:
-    curves = read_curves(run)
-    stats = json.loads((run / "nats_stats.json").read_text()) if (run / "nats_stats.json").is_file() else None
+    ft = read_run(run)
+    curves, stats = ft.curves, ft.stats
     timing = step_seconds(run)
     cfg_path = run / ".hydra" / "config.yaml"
     setting = ""
