@@ -182,6 +182,16 @@ def test_resume_gives_the_uninterrupted_losses(tmp_path):
     c = train_losses(first)
     for step in c:
         assert c[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6)
+    # resumed in its own folder (nats-train resume=<run>: ckpt_path=auto), the run's metrics.csv keeps the rows
+    # of the first 3 steps (Lightning's CSVLogger deletes them) and has every step once, as the uninterrupted run
+    run(compose(RESUME + ["trainer.max_steps=6"], first))
+    d = train_losses(first)
+    assert sorted(d) == sorted(a), (d, a)
+    for step in d:
+        assert d[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (step, a, d)
+    with open(first / "csv" / "metrics.csv") as f:
+        rows = [(r["step"], r.get("train/loss")) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert len(rows) == len(set(rows)) == len(a), rows
 
 
 def test_short_run_logs_checkpoints_and_prints_ppl(tmp_path, capsys):
