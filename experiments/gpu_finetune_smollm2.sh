@@ -10,7 +10,11 @@
 #   call 1:  bash experiments/gpu_finetune_smollm2.sh stage         # carry: build/gguf1
 #   call 2:  bash experiments/gpu_finetune_smollm2.sh [overrides]   # carry: .whl (with the gguf wheel), build/gguf2,
 #                                                                   #        data/hf_longctx
+#            MAX_TIME=DD:HH:MM:SS (default 00:00:07:30): Lightning's max_time, counted over resumed calls too; the
+#            run folder (logs/finetune_smollm2_gpu) comes back as $OUT/run.tgz: unpack it into logs/ and carry
+#            it, with build/triton_cache (from $OUT/triton_cache.tgz), to resume on a fresh machine
 #   call 3:  bash experiments/gpu_finetune_smollm2.sh eval [nats-eval-hf overrides]   # same carry + build/scorers
+#            METHODS=full,nats (default: full, nats, snapkv, pyramidkv, streaming_llm)
 #            (the run's scorers.pt, back from call 2 in $OUT, copied to build/scorers/): nats-eval-hf on the test
 #            examples (built here too) with full, NAtS and the prefill-time / streaming baselines, then
 #            benchmarks/bench_hf_decode.py with those scorers; H2O is left out (its token-by-token prefill takes
@@ -32,9 +36,18 @@ case "${1:-}" in
   stage)
     mkdir -p $STAGE && cp build/gguf1/part00 $STAGE/ && ls -la $STAGE; exit 0 ;;
 esac
-[ -f $STAGE/part00 ] || { echo "no $STAGE/part00: run the stage call first (or the machine was given back)"; exit 2; }
-cat $STAGE/part00 build/gguf2/part01 > $STAGE/$GGUF
-[ "$(sha256sum $STAGE/$GGUF | cut -c1-64)" = "$(cat build/gguf2/sha256)" ] || { echo "GGUF checksum differs"; exit 2; }
+if [ ! -f $STAGE/$GGUF ]; then  # put together once per machine (later calls need not carry build/gguf2)
+  [ -f $STAGE/part00 ] || { echo "no $STAGE/part00: run the stage call first (or the machine was given back)"; exit 2; }
+  cat $STAGE/part00 build/gguf2/part01 > $STAGE/$GGUF.part
+  [ "$(sha256sum $STAGE/$GGUF.part | cut -c1-64)" = "$(cat build/gguf2/sha256)" ] || { echo "GGUF checksum differs"; exit 2; }
+  mv $STAGE/$GGUF.part $STAGE/$GGUF
+fi
+# Triton's compiled kernels and autotune choices persist in build/triton_cache: copied back to $OUT (tar) at the end
+# of a call, carried to the next machine (same GPU kind), so that a resumed run does not compile and autotune
+# again (the first step of a fresh machine took 195-283 s)
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/triton_cache} TRITON_CACHE_AUTOTUNING=1
+mkdir -p "$TRITON_CACHE_DIR"
+trap 'tar czf "$OUT/triton_cache.tgz" -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")" 2>/dev/null' EXIT
 SITE=${NATS_SITE_DIR:-/tmp/site}
 mkdir -p "$OUT" "$SITE"
 if [ ! -d "$SITE/hydra" ]; then
@@ -48,13 +61,15 @@ python3 -c "import transformers, torch; print('transformers', transformers.__ver
 PG19=$(python3 -c "import glob, json, os; fs = sorted(glob.glob('data/hf_longctx/longctx-*.jsonl'), key=os.path.getmtime)
 print(next((p for f in reversed(fs) if (p := json.loads(open(f).readline())['settings'].get('pg19_path'))), ''))")
 [ -n "$PG19" ] || { echo "no long-context examples in data/hf_longctx/: build them here and carry the folder"; exit 2; }
+# it is not read (the examples come from the carried cache) but the data module checks that it exists
+[ -e "$PG19" ] || mkdir -p "$PG19" || { echo "cannot create $PG19 (the examples' PG-19 path)"; exit 2; }
 if [ "${1:-}" = eval ]; then
   shift
   SC=${SCORERS:-build/scorers/scorers.pt}
   [ -f "$SC" ] || { echo "no $SC: copy the fine-tuning run's scorers.pt (and nats_stats.json) to build/scorers/"; exit 2; }
   t0=$(date +%s)
   python3 -m nats.hf.evaluate "hf_model.name_or_path=$STAGE/$GGUF" "scorers=$SC" "data.pg19_path=$PG19" \
-    "paths.data_dir=$PWD/data" 'methods=[full,nats,snapkv,pyramidkv,streaming_llm]' 'budgets=[0.5,0.25,0.125]' \
+    "paths.data_dir=$PWD/data" "methods=[${METHODS:-full,nats,snapkv,pyramidkv,streaming_llm}]" 'budgets=[0.5,0.25,0.125]' \
     progress=false "hydra.run.dir=$PWD/logs/eval_hf_gpu" "$@" 2>&1 | grep -v -i warn | tail -30
   echo "nats-eval-hf: $(( $(date +%s) - t0 )) s"
   for f in results.md summary.json kv_fractions.json accuracy_vs_kv.png results.jsonl; do
@@ -65,11 +80,14 @@ if [ "${1:-}" = eval ]; then
 fi
 RUN=$PWD/logs/finetune_smollm2_gpu
 t0=$(date +%s)
+# MAX_TIME: Lightning's trainer.max_time, so that one call (10 minutes at most) ends cleanly with the scorers and the
+# report written even when the steps are slower than expected (the run then stops before trainer.max_steps)
 python3 -m nats.train experiment=finetune_smollm2_nats trainer=gpu "hf_model.name_or_path=$STAGE/$GGUF" \
-  "data.pg19_path=$PG19" "paths.data_dir=$PWD/data" 'callbacks=[default,step_timer]' logger=tensorboard_csv \
-  callbacks.progress_bar.refresh_rate=50 "hydra.run.dir=$RUN" "$@" 2>&1 | grep -v -i warn | tail -25
+  "+trainer.max_time=${MAX_TIME:-00:00:07:30}" "data.pg19_path=$PG19" "paths.data_dir=$PWD/data" \
+  'callbacks=[default,step_timer]' logger=tensorboard_csv callbacks.progress_bar.refresh_rate=50 "hydra.run.dir=$RUN" "$@" 2>&1 | grep -v -i warn | tail -25
 echo "nats-train: $(( $(date +%s) - t0 )) s"
 python3 experiments/finetune_report.py "$RUN" --out "$OUT" --name finetune_smollm2
 cp "$RUN/scorers.pt" "$RUN/nats_stats.json" "$RUN/metrics.json" "$OUT/" 2>/dev/null
 f=$(find "$RUN/csv" -name metrics.csv | head -1); [ -n "$f" ] && cp "$f" "$OUT/finetune_metrics.csv"
+tar czf "$OUT/run.tgz" -C "$(dirname "$RUN")" "$(basename "$RUN")"
 exit 0
