@@ -147,6 +147,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
         step = checkpoint_step(ckpt_path)  # a truncated or corrupt file stops here, with what to do
         if trainer.is_global_zero:
             log.info(f"resuming from {ckpt_path} at step {step}")
+        for logger in trainer.loggers:  # keep the rows logged before (Lightning's CSVLogger deletes them)
+            if hasattr(logger, "resuming"):
+                logger.resuming()
     elif cfg.get("ckpt_path") == AUTO and trainer.is_global_zero:
         log.info(f"no checkpoint in {cfg.paths.output_dir}: starting fresh")
     if trainer.is_global_zero:
