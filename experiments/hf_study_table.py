@@ -1,0 +1,108 @@
+"""Issue 18 part 4: one table and plot from several `nats-eval-hf` runs on the same examples.
+
+    python experiments/hf_study_table.py <results.jsonl> [<results.jsonl> ...] --out DIR [--name hf_study]
+        [--target-kv 0.25] [--target-points 2] [--baseline-loss 5]
+
+The runs' rows (``results.jsonl``, one per method, budget and example) are put together, a later file's row
+replacing an earlier one's for the same method, budget, task and example: e.g. the baselines of one run (they do
+not depend on the NAtS scorers) with ``full`` and ``nats`` of a later run with better scorers. Every file must
+hold the same examples (the same prompts) for the methods it is taken for. Writes ``<name>.md`` (the table of
+`nats.hf.evaluate`, then the issue's target checked: NAtS at <= ``--target-kv`` of the KV cache within
+``--target-points`` of the full cache's mean accuracy, the baselines at that budget losing >= ``--baseline-loss``),
+``<name>.png`` (accuracy against KV kept and KV area) and ``<name>_kv_fractions.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from nats.hf.evaluate import _name, kv_fractions, markdown_table, plot, read_rows, row_key, summarize
+
+
+def merge(files: list[Path]) -> tuple[list[dict], list[dict], list[str], str]:
+    """Rows of every file (later files win per key), the runs in order of first appearance, the tasks, a header."""
+    rows: dict[tuple, dict] = {}
+    runs: dict[tuple, dict] = {}
+    tasks: list[str] = []
+    header = ""
+    for f in files:
+        summary_file = f.parent / f.name.replace("results.jsonl", "summary.json")
+        if summary_file.is_file():
+            header = json.loads(summary_file.read_text()).get("header", "") or header  # the last file's
+        for r in read_rows(f):
+            key = row_key(r)
+            if key in rows and rows[key]["prompt_tokens"] != r["prompt_tokens"]:
+                raise ValueError(
+                    f"{f}: {r['task']} example {r['index']} has {r['prompt_tokens']} prompt tokens, an earlier file "
+                    f"{rows[key]['prompt_tokens']}: the runs were not on the same examples"
+                )
+            rows[key] = r
+            runs.setdefault((r["method"], r["budget"]), {k: r[k] for k in ("method", "label", "policy", "budget")})
+            if r["task"] not in tasks:
+                tasks.append(r["task"])
+    return list(rows.values()), list(runs.values()), tasks, header
+
+
+def target_check(summary: list[dict], target_kv: float, points: float, loss: float) -> list[str]:
+    """The issue's target, method by method: lines of markdown."""
+    full = next((s for s in summary if s["method"] == "full"), None)
+    if full is None:
+        return ["No `full` run: the target (points from the full cache) cannot be checked."]
+    ref = 100 * full["mean_accuracy"]
+    lines = [
+        f"Target: NAtS at <= {target_kv:g} of the KV cache within {points:g} points of the full cache "
+        f"({ref:.1f}); the baselines at that budget losing >= {loss:g} points.",
+        "",
+        "| method @ budget | mean | vs full | KV kept | KV peak | KV area | holds |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in summary:
+        if s["method"] == "full":
+            continue
+        acc = 100 * s["mean_accuracy"]
+        delta = acc - ref
+        kv = s["kv_fraction"]
+        if s["method"] == "nats":
+            misses = ([f"KV kept {kv:.3f} > {target_kv:g}"] if kv > target_kv else []) + (
+                [f"{-delta:.1f} points lost"] if delta < -points else []
+            )
+            why = "no: " + ", ".join(misses) if misses else "yes"
+        elif s["budget"] is not None and abs(s["budget"] - target_kv) < 1e-9:
+            why = "yes (loses >= the margin)" if delta <= -loss else f"no: loses only {-delta:.1f} points"
+        else:
+            why = ""
+        lines.append(
+            f"| {_name(s)} | {acc:.1f} | {delta:+.1f} | {kv:.3f} | {s['peak']:.3f} | {s['area']:.3f} | {why} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", type=Path, help="results.jsonl of nats-eval-hf runs (later ones win)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--name", default="hf_study")
+    p.add_argument("--target-kv", type=float, default=0.25)
+    p.add_argument("--target-points", type=float, default=2.0)
+    p.add_argument("--baseline-loss", type=float, default=5.0)
+    args = p.parse_args(argv)
+    for f in args.results:
+        if not f.is_file():
+            raise SystemExit(f"{f} does not exist: pass the results.jsonl files of nats-eval-hf runs")
+    rows, runs, tasks, header = merge(args.results)
+    summary = summarize(rows, runs, tasks)
+    header = header or f"accuracy vs KV budget ({len(rows)} rows)"
+    text = markdown_table(summary, tasks, header)
+    text += "\n" + "\n".join(target_check(summary, args.target_kv, args.target_points, args.baseline_loss)) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.md").write_text(text)
+    (args.out / f"{args.name}_kv_fractions.json").write_text(json.dumps(kv_fractions(rows, summary)))
+    plot(summary, args.out / f"{args.name}.png", header.split(":")[0])
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
