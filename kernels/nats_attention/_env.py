@@ -66,6 +66,21 @@ def configs(cfgs: list, interpret_cfg) -> list:
     return cfgs if AUTOTUNE else cfgs[:1]
 
 
+def autotune(configs: list, key: list[str]):
+    """``triton.autotune`` whose choices are kept on disk, in Triton's cache (``TRITON_CACHE_DIR``, by default
+    ``~/.triton/cache``), keyed by the kernel's source, the GPU's architecture, the key's values and the configs:
+    a later process on the same kind of GPU skips the benchmarking (the SmolLM2 fine-tune's first step took
+    195-283 s in a fresh process, 1.1 s with the kept choices). Delete the cache folder to tune again, or set
+    NATS_KERNELS_AUTOTUNE_CACHE=0 to tune in every process (as flash-linear-attention's FLA_CACHE_RESULTS)."""
+    import inspect
+
+    extra = {}
+    keep = os.environ.get("NATS_KERNELS_AUTOTUNE_CACHE", "1") != "0"
+    if keep and not INTERPRET and "cache_results" in inspect.signature(triton.autotune).parameters:
+        extra["cache_results"] = True
+    return triton.autotune(configs=configs, key=key, **extra)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """Input precision of tl.dot on fp32 operands: exact for fp32 inputs, tf32 otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"

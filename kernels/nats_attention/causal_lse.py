@@ -45,7 +45,7 @@ def _lse_step(m_i, l_i, s):
     return m_new, l_i
 
 
-@triton.autotune(configs=_lse_configs(), key=["HEAD_DIM", "GROUP"])
+@_env.autotune(configs=_lse_configs(), key=["HEAD_DIM", "GROUP"])
 @triton.jit
 def _causal_lse_kernel(
     Q,
