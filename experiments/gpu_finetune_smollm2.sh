@@ -11,7 +11,9 @@
 #   call 2:  bash experiments/gpu_finetune_smollm2.sh [overrides]   # carry: .whl (with the gguf wheel), build/gguf2,
 #                                                                   #        data/hf_longctx
 #            MAX_TIME=DD:HH:MM:SS (default 00:00:07:30): Lightning's max_time, counted over resumed calls too; the
-#            run folder (logs/finetune_smollm2_gpu) comes back as $OUT/run.tgz: unpack it into logs/ and carry
+#            RUN_NAME=<name> (default finetune_smollm2_gpu): the run folder logs/<name>, e.g. for a second lambda
+#            (bash experiments/gpu_finetune_smollm2.sh module.sparsity_lambda=0.3 with RUN_NAME=ft_l0.3); the
+#            run folder comes back as $OUT/run.tgz: unpack it into logs/ and carry
 #            it, with build/triton_cache (from $OUT/triton_cache.tgz), to resume on a fresh machine
 #   call 3:  bash experiments/gpu_finetune_smollm2.sh eval [nats-eval-hf overrides]   # same carry + build/scorers
 #            METHODS=full,nats (default: full, nats, snapkv, pyramidkv, streaming_llm)
@@ -63,6 +65,8 @@ python3 -c "import transformers, torch; print('transformers', transformers.__ver
 PG19=$(python3 -c "import glob, json, os; fs = sorted(glob.glob('data/hf_longctx/longctx-*.jsonl'), key=os.path.getmtime)
 print(next((p for f in reversed(fs) if (p := json.loads(open(f).readline())['settings'].get('pg19_path'))), ''))")
 [ -n "$PG19" ] || { echo "no long-context examples in data/hf_longctx/: build them here and carry the folder"; exit 2; }
+RUN=$PWD/logs/${RUN_NAME:-finetune_smollm2_gpu}
+EVAL_DIR=$PWD/logs/eval_hf_gpu${RUN_NAME:+_$RUN_NAME}
 if [ "${1:-}" = eval ]; then
   shift
   SC=${SCORERS:-build/scorers/scorers.pt}
@@ -70,21 +74,21 @@ if [ "${1:-}" = eval ]; then
   t0=$(date +%s)
   python3 -m nats.hf.evaluate "hf_model.name_or_path=$STAGE/$GGUF" "scorers=$SC" "data.pg19_path=$PG19" \
     "paths.data_dir=$PWD/data" "methods=[${METHODS:-full,nats,snapkv,pyramidkv,streaming_llm}]" 'budgets=[0.5,0.25,0.125]' \
-    progress=false "hydra.run.dir=$PWD/logs/eval_hf_gpu" "$@" 2>&1 | grep -v -i warn | tail -30
+    progress=false "hydra.run.dir=$EVAL_DIR" "$@" 2>&1 | grep -v -i warn | tail -30
   echo "nats-eval-hf: $(( $(date +%s) - t0 )) s"
   for f in results.md summary.json kv_fractions.json accuracy_vs_kv.png results.jsonl; do
-    cp "logs/eval_hf_gpu/$f" "$OUT/eval_$f" 2>/dev/null
+    cp "$EVAL_DIR/$f" "$OUT/eval_$f" 2>/dev/null
   done
   python3 benchmarks/bench_hf_decode.py --model "$STAGE/$GGUF" --scorers "$SC" --prompt 7936 --out "$OUT" 2>&1 | tail -8
   exit 0
 fi
-RUN=$PWD/logs/finetune_smollm2_gpu
 t0=$(date +%s)
 # MAX_TIME: Lightning's trainer.max_time, so that one call (10 minutes at most) ends cleanly with the scorers and the
 # report written even when the steps are slower than expected (the run then stops before trainer.max_steps)
 python3 -m nats.train experiment=finetune_smollm2_nats trainer=gpu "hf_model.name_or_path=$STAGE/$GGUF" \
   "+trainer.max_time=${MAX_TIME:-00:00:07:30}" "data.pg19_path=$PG19" "paths.data_dir=$PWD/data" \
-  'callbacks=[default,step_timer]' logger=tensorboard_csv callbacks.progress_bar.refresh_rate=50 "hydra.run.dir=$RUN" "$@" 2>&1 | grep -v -i warn | tail -25
+  'callbacks=[default,step_timer]' logger=tensorboard_csv callbacks.progress_bar.refresh_rate=50 \
+  "hydra.run.dir=$RUN" "$@" 2>&1 | grep -v -i warn | tail -25
 echo "nats-train: $(( $(date +%s) - t0 )) s"
 python3 experiments/finetune_report.py "$RUN" --out "$OUT" --name finetune_smollm2
 cp "$RUN/scorers.pt" "$RUN/nats_stats.json" "$RUN/metrics.json" "$OUT/" 2>/dev/null
