@@ -8,7 +8,8 @@ replacing an earlier one's for the same method, budget, task and example: e.g. t
 not depend on the NAtS scorers) with ``full`` and ``nats`` of a later run with better scorers. Every file must
 hold the same examples (the same prompts) for the methods it is taken for. Writes ``<name>.md`` (the table of
 `nats.hf.evaluate`, then the issue's target checked: NAtS at <= ``--target-kv`` of the KV cache within
-``--target-points`` of the full cache's mean accuracy, the baselines at that budget losing >= ``--baseline-loss``),
+``--target-points`` of the full cache's mean accuracy, the baselines at that budget losing >= ``--baseline-loss``,
+with a paired bootstrap interval of each method's difference to the full cache),
 ``<name>.png`` (accuracy against KV kept and KV area) and ``<name>_kv_fractions.json``.
 """
 
@@ -45,7 +46,28 @@ def merge(files: list[Path]) -> tuple[list[dict], list[dict], list[str], str]:
     return list(rows.values()), list(runs.values()), tasks, header
 
 
-def target_check(summary: list[dict], target_kv: float, points: float, loss: float) -> list[str]:
+def paired_interval(rows: list[dict], method: dict, ref: str = "full", n: int = 2000, seed: int = 0):
+    """95% bootstrap interval of (method - ref)'s mean accuracy over tasks, in points, resampling the examples
+    of each task that both have (paired); None when they share no example."""
+    import random
+
+    def scores(m, b):
+        return {(r["task"], r["index"]): r["score"] for r in rows if r["method"] == m and r["budget"] == b}
+
+    a, r = scores(method["method"], method["budget"]), scores(ref, None)
+    by_task: dict[str, list[float]] = {}
+    for key in sorted(set(a) & set(r)):
+        by_task.setdefault(key[0], []).append(a[key] - r[key])
+    if not by_task:
+        return None
+    rng = random.Random(seed)
+    stats = sorted(
+        100 * sum(sum(rng.choices(d, k=len(d))) / len(d) for d in by_task.values()) / len(by_task) for _ in range(n)
+    )
+    return stats[int(0.025 * n)], stats[int(0.975 * n) - 1]
+
+
+def target_check(summary: list[dict], target_kv: float, points: float, loss: float, rows=()) -> list[str]:
     """The issue's target, method by method: lines of markdown."""
     full = next((s for s in summary if s["method"] == "full"), None)
     if full is None:
@@ -55,8 +77,8 @@ def target_check(summary: list[dict], target_kv: float, points: float, loss: flo
         f"Target: NAtS at <= {target_kv:g} of the KV cache within {points:g} points of the full cache "
         f"({ref:.1f}); the baselines at that budget losing >= {loss:g} points.",
         "",
-        "| method @ budget | mean | vs full | KV kept | KV peak | KV area | holds |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| method @ budget | mean | vs full | 95% interval | KV kept | KV peak | KV area | holds |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for s in summary:
         if s["method"] == "full":
@@ -73,9 +95,17 @@ def target_check(summary: list[dict], target_kv: float, points: float, loss: flo
             why = "yes (loses >= the margin)" if delta <= -loss else f"no: loses only {-delta:.1f} points"
         else:
             why = ""
+        ci = paired_interval(list(rows), s)
+        ci_text = "" if ci is None else f"{ci[0]:+.1f} .. {ci[1]:+.1f}"
         lines.append(
-            f"| {_name(s)} | {acc:.1f} | {delta:+.1f} | {kv:.3f} | {s['peak']:.3f} | {s['area']:.3f} | {why} |"
+            f"| {_name(s)} | {acc:.1f} | {delta:+.1f} | {ci_text} | {kv:.3f} | {s['peak']:.3f} | {s['area']:.3f} "
+            f"| {why} |"
         )
+    lines += [
+        "",
+        "95% interval: bootstrap (2000 resamples) of the difference to the full cache, resampling the examples of "
+        "each task that both ran (paired).",
+    ]
     return lines
 
 
@@ -95,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows, runs, tasks)
     header = header or f"accuracy vs KV budget ({len(rows)} rows)"
     text = markdown_table(summary, tasks, header)
-    text += "\n" + "\n".join(target_check(summary, args.target_kv, args.target_points, args.baseline_loss)) + "\n"
+    check = target_check(summary, args.target_kv, args.target_points, args.baseline_loss, rows)
+    text += "\n" + "\n".join(check) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.md").write_text(text)
     (args.out / f"{args.name}_kv_fractions.json").write_text(json.dumps(kv_fractions(rows, summary)))

@@ -45,10 +45,10 @@ def test_later_files_replace_rows_and_the_target_is_checked(tmp_path, capsys):
     assert hf_study_table.main([str(first), str(second), "--out", str(tmp_path / "out"), "--name", "t"]) == 0
     text = (tmp_path / "out" / "t.md").read_text()
     # NAtS from the second file (score 100 at KV 0.2): holds; SnapKV @ 0.25 loses 50 points
-    assert "| nats | 100.0 | +0.0 | 0.200 |" in text and text.split("| nats | 100.0 | +0.0")[1].split("\n")[0].endswith(
-        "| yes |"
-    )
-    assert "| snapkv @ 0.25 | 50.0 | -50.0 |" in text and "yes (loses >= the margin)" in text
+    nats_line = next(line for line in text.splitlines() if line.startswith("| nats | 100.0 | +0.0 |"))
+    assert nats_line == "| nats | 100.0 | +0.0 | +0.0 .. +0.0 | 0.200 | 0.200 | 0.200 | yes |"
+    # paired differences 0 and -100 points: the bootstrap interval spans them
+    assert "| snapkv @ 0.25 | 50.0 | -50.0 | -100.0 .. +0.0 |" in text and "yes (loses >= the margin)" in text
     assert (tmp_path / "out" / "t.png").stat().st_size > 0
     fr = json.loads((tmp_path / "out" / "t_kv_fractions.json").read_text())
     assert fr["methods"]["nats"]["area"] == [[pytest.approx(0.2), pytest.approx(0.2)]]
