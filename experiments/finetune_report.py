@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from nats.hf.analysis import FinetuneRun, load_finetune_run
+from nats.hf.analysis import FinetuneRun, load_finetune_run, plot_distillation, plot_finetune_layers
 
 
 def read_run(run: Path) -> FinetuneRun:
@@ -112,38 +112,12 @@ def report(run: Path, out: Path, name: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
-        for key, ax, label in (
-            ("train/mse", a1, "train MSE"),
-            ("val/mse", a1, "val MSE"),
-            ("train/density", a2, "train density"),
-            ("val/density", a2, "val density (argmax types)"),
-        ):
-            c = curves.get(key)
-            if c:
-                ax.plot(list(c), list(c.values()), marker="." if key.startswith("val") else None, label=label)
-        a1.set_ylabel("MSE of final hidden states (answer span)")
-        a2.set_ylabel("KV area fraction")
-        for ax in (a1, a2):
-            ax.set_xlabel("optimizer step")
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / f"{name}_loss.png", dpi=120)
-        plt.close(fig)
+        # the notebook's plots (nats.hf.analysis): the distillation curve, the learned KV per layer and KV head
+        figures = {"loss": plot_distillation(ft)}
         if stats:
-            fig, ax = plt.subplots(figsize=(7, 3.6))
-            layers = range(len(stats["per_layer"]["density"]))
-            ax.plot(layers, stats["per_layer"]["density"], marker="o", label="area (mean over KV heads)")
-            ax.plot(layers, stats["per_layer"]["peak"], marker="s", label="peak (mean over KV heads)")
-            for i, hs in enumerate(stats["per_layer_head"]["density"]):
-                ax.scatter([i] * len(hs), hs, s=8, color="gray", alpha=0.6)
-            ax.set_xlabel("layer")
-            ax.set_ylabel("KV fraction")
-            ax.grid(alpha=0.3)
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(out / f"{name}_kv_layers.png", dpi=120)
+            figures["kv_layers"] = plot_finetune_layers(ft)
+        for suffix, fig in figures.items():
+            fig.savefig(out / f"{name}_{suffix}.png", dpi=120)
             plt.close(fig)
     except ImportError as err:  # matplotlib missing: the table is enough
         print(f"no plots: {err}")
