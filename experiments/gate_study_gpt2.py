@@ -25,7 +25,9 @@ where the last one stopped:
 or ``--budget-s`` has passed; a stopped run restarts from its ``checkpoints/last.ckpt``. ``eval`` (or
 ``train --eval``, as each run finishes) starts per finished run, at most ``--max-eval`` at a time: ``nats-eval``
 on the validation and the test split (``eval_validation/``, ``eval_test/``) and ``analyse`` (``analysis.json``:
-sink, gates, NAtS types on the first ``--analysis-windows`` validation windows). Finished pieces are skipped.
+sink, gates, NAtS types on the first ``--analysis-windows`` validation windows). The dense models' ``nats-eval``
+(full-cache logits, ~70 GB at batch 128) runs alone: not beside a training or another one. Finished pieces are
+skipped.
 Processes started by this script (and only those) can be stopped with ``kill``.
 
 The process and status helpers are figure3.py's (imported from this folder).
@@ -158,6 +160,10 @@ class Job:
     cmd: list[str]
     output: Path  # exists once the job has finished
     after: Path | None = None  # must exist before the job can start (a training's metrics.json)
+    # a job that needs most of the GPU's memory (the dense models' full-cache nats-eval: batch x 1024 x 50304 fp32
+    # logits, ~70 GB at batch 128): it starts only while no training and no other heavy job runs (on one H200,
+    # two of them at once, or one beside five trainings, ran out of memory)
+    heavy: bool = False
 
     def done(self) -> bool:
         return self.output.is_file()
@@ -184,6 +190,8 @@ def schedule(jobs: list[Job], root: Path, budget_s: float, limits: dict[str, int
             if job.label in started or job.done() or job.running() or not job.ready():
                 continue
             if sum(j.running() for j in jobs if j.kind == job.kind) >= limits[job.kind]:
+                continue
+            if job.heavy and any(j.running() for j in jobs if j.kind == "train" or j.heavy):
                 continue
             resume = job.kind == "train" and (job.folder / "checkpoints" / "last.ckpt").is_file()
             print(f"{'resuming' if resume else 'starting'} {job.label}", flush=True)
@@ -254,7 +262,9 @@ def eval_jobs(run: str, root: Path, args) -> list[Job]:
             f"hydra.run.dir={folder / f'eval_{split}'}",
         ]
         out = folder / f"eval_{split}" / "results.json"
-        jobs.append(Job("eval", f"{run} eval {split}", folder, f"eval_{split}.out", cmd, out, folder / "metrics.json"))
+        jobs.append(
+            Job("eval", f"{run} eval {split}", folder, f"eval_{split}.out", cmd, out, folder / "metrics.json", not nats)
+        )
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -502,16 +512,21 @@ def run_setting(folder: Path) -> dict | None:
     }
 
 
-def collect(root: Path) -> dict:
-    """Per run folder of `root`: its model, seed, training summary, evaluations and analysis."""
+def collect(root: Path, added: dict[str, Path] | None = None) -> dict:
+    """Per run folder of `root`: its model, seed, training summary, evaluations and analysis; `added` names more
+    run folders elsewhere (run name -> folder), e.g. earlier runs of the same recipe under another seed."""
     runs = {}
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+    folders = [(p.name, p) for p in sorted(root.iterdir()) if p.is_dir()] if root.is_dir() else []
+    for name, folder in [*folders, *(added or {}).items()]:
         try:
-            base, seed = parse_run(folder.name)
+            base, seed = parse_run(name)
         except SystemExit:
             continue
+        if name in runs:
+            raise SystemExit(f"run {name} is both in {root} and added as {folder}: give the added one another seed")
         rows = read_csv_metrics(folder)
-        runs[folder.name] = {
+        runs[name] = {
+            "folder": str(folder),
             "base": base,
             "seed": seed,
             "experiment": RUNS[base][0],
@@ -656,8 +671,9 @@ def markdown(rows: list[dict], setting: str) -> str:
         rel = "-"
         if dense_test and "test_ppl" in s:
             rel = f"{100 * (s['test_ppl']['mean'] / dense_test['mean'] - 1):+.1f}%"
+        seeds = ", ".join(map(str, r["seeds"]))
         lines.append(
-            f"| {r['label']} | {len(r['seeds'])} | {pm(s.get('val_ppl'))} | {pm(s.get('test_ppl'))} | {rel} | "
+            f"| {r['label']} | {seeds} | {pm(s.get('val_ppl'))} | {pm(s.get('test_ppl'))} | {rel} | "
             f"{pm(s.get('sink'), 4)} | {pm(s.get('sink_max'), 4)} | {pm(s.get('gate'), 3)} | {pm(s.get('area'), 4)} "
             f"| {pm(s.get('peak'), 4)} | {pm(s.get('pos0_share'), 3)} | {pm(s.get('globals_per_head'), 1)} |"
         )
@@ -867,13 +883,31 @@ def cmd_report(args) -> None:
         root.mkdir(parents=True, exist_ok=True)
         with tarfile.open(packed) as tar:
             tar.extractall(root, filter="data")
-    runs = collect(root)
+    added = {}
+    for item in args.add or []:
+        name, sep, folder = item.partition("=")
+        if not sep or not Path(folder).is_dir():
+            raise SystemExit(
+                f"--add {item!r}: expected RUN=FOLDER with an existing run folder, e.g. "
+                "dense_s1=experiments/results/figure3/dense_s1"
+            )
+        added[name] = Path(folder)
+    runs = collect(root, added)
     if not runs:
         raise SystemExit(f"no run folders in {root}")
     rows = summarize(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     setting = caption(runs, args.device)
+    if added:
+        setting += (
+            " Runs added from other folders (the same recipe, another seed): "
+            + ", ".join(
+                f"{name} ({folder}{'' if (folder / 'analysis.json').is_file() else ', no analysis'})"
+                for name, folder in added.items()
+            )
+            + "."
+        )
     (out / "gate_study_gpt2.md").write_text(markdown(rows, setting))
     (out / "gate_study_gpt2.json").write_text(json.dumps({"setting": setting, "rows": rows, "runs": runs}, indent=1))
     plots(rows, out)
@@ -908,6 +942,13 @@ def main(argv: list[str] | None = None) -> None:
         if name == "pack":
             p.add_argument("--out", required=True)
         if name == "report":
+            p.add_argument(
+                "--add",
+                nargs="*",
+                default=[],
+                metavar="RUN=FOLDER",
+                help="more run folders as seeds of a model, e.g. dense_s1=experiments/results/figure3/dense_s1",
+            )
             p.add_argument("--packed", nargs="*", default=None, help="`pack` archives to extract into --root first")
             p.add_argument("--out", default=None, help="default docs/results (--smoke: <root>_report)")
             p.add_argument("--device", default=None, help="the machine, for the caption (default: cpu / cuda)")

@@ -12,6 +12,8 @@
 # RUN: dense dense_headwise dense_elementwise nats nats_headwise (default: all five); SEEDS default 0.
 # On a GPU with >= 100 GB (H200): 5 trainings and 6 evaluations at a time; else (H100, 80 GB) 3 and 3, and the
 # dense models' nats-eval batch 64 instead of 128 (its full-cache logits alone are batch x 1024 x 50304 floats).
+# The dense models' nats-eval runs alone (not beside a training or another one: ~70 GB each on the H200);
+# MAX_EVAL=N limits the evaluations at a time further.
 # The runs live in logs/gate_study_gpt2/ of the machine and go on between calls while it stays warm; repeat the
 # same call until the report has every row.
 set -uo pipefail
@@ -45,6 +47,8 @@ phase=${1:-status}; [ $# -gt 0 ] && shift
       mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
       limits=(--max-eval 3 --batch-size-dense 64); max_train=3
       [ "${mem:-0}" -ge 100000 ] && limits=(--max-eval 6 --batch-size-dense 128) && max_train=5
+      # MAX_EVAL: fewer evaluations at a time (an evaluation that starts while trainings still run can run out of memory)
+      [ -n "${MAX_EVAL:-}" ] && limits[1]=$MAX_EVAL
       python3 -m nats.prepare data=pg19_subset "$DATA" 2>&1 | tail -3  # the token cache, once per machine
       if [ "$phase" = eval ]; then
         $GS eval --root "$ROOT" --runs "${runs[@]}" --seeds "${seeds[@]}" --budget-s "$budget" "${limits[@]}" \

@@ -99,6 +99,40 @@ def test_eval_jobs():
         cmd = nats[f"nats_s1 eval {split}"].cmd
         assert "methods=[nats]" in cmd and "batch_size=16" in cmd and "data=gutenberg" in cmd
         assert "model=tiny" not in cmd and "data=pg19_subset" not in cmd
+    # the dense models' nats-eval (full-cache logits) is heavy; the NAtS models' and the analyses are not
+    assert [j.heavy for j in jobs.values()] == [True, True, False]
+    assert not any(j.heavy for j in nats.values())
+
+
+def test_schedule_runs_a_heavy_job_alone(tmp_path, monkeypatch):
+    """A heavy job waits while a training or another heavy job runs (one H200 ran out of memory with two dense
+    full-cache evaluations at once, and with one beside five trainings); light ones start beside them."""
+    running: set[str] = set()
+    started: list[str] = []
+    monkeypatch.setattr(gs, "alive", lambda pid_file: pid_file.name.removesuffix(".pid") in running)
+
+    def launch(cmd, folder, log_name):
+        started.append(log_name)
+        running.add(log_name)
+
+    monkeypatch.setattr(gs, "launch", launch)
+
+    def job(kind, name, heavy=False):
+        return gs.Job(kind, name, tmp_path, name, [], tmp_path / f"{name}.done", None, heavy)
+
+    jobs = [job("train", "train"), job("eval", "heavy1", True), job("eval", "heavy2", True), job("eval", "light")]
+    running.add("train")  # a training from an earlier call is still running
+    gs.schedule(jobs, tmp_path, budget_s=0.0, limits={"train": 5, "eval": 6})
+    assert started == ["light"]  # the heavy ones wait for the training
+    running.clear()
+    started.clear()
+    gs.schedule(jobs, tmp_path, budget_s=0.0, limits={"train": 5, "eval": 6})
+    assert started == ["train", "light"]  # the training starts again (no output yet), so the heavy ones wait
+    (tmp_path / "train.done").touch()
+    running.clear()
+    started.clear()
+    gs.schedule(jobs, tmp_path, budget_s=0.0, limits={"train": 5, "eval": 6})
+    assert started == ["heavy1", "light"]  # one heavy job at a time
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -243,11 +277,11 @@ def test_report_has_a_row_per_model_with_mean_and_std_over_seeds(tmp_path):
     text = (tmp_path / "rep" / "gate_study_gpt2.md").read_text()
     rows = {r["model"]: r for r in json.loads((tmp_path / "rep" / "gate_study_gpt2.json").read_text())["rows"]}
     assert list(rows) == MODELS
-    for model in MODELS:  # the main table: label, then the number of seeds
-        assert text.count(f"| {gs.RUNS[model][2]} | {2 if model in ('dense', 'nats') else 1} |") == 1, model
+    for model in MODELS:  # the main table: label, then the seeds
+        assert text.count(f"| {gs.RUNS[model][2]} | {'0, 1' if model in ('dense', 'nats') else '0'} |") == 1, model
     dense = rows["dense"]["stats"]
     assert dense["test_ppl"]["mean"] == pytest.approx(41.0) and dense["test_ppl"]["std"] == pytest.approx(math.sqrt(2))
-    assert "| dense | 2 | 42.00 ± 1.41 | 41.00 ± 1.41 | +0.0% | 0.3500 ± 0.0707 |" in text
+    assert "| dense | 0, 1 | 42.00 ± 1.41 | 41.00 ± 1.41 | +0.0% | 0.3500 ± 0.0707 |" in text
     assert dense["sink_layers"]["mean"] == pytest.approx([0.35, 0.35])
     assert dense["h2o N/16 rel"]["mean"] == pytest.approx((5 / 40 + 5 / 42) / 2)
     nats = rows["nats_headwise"]["stats"]
@@ -255,6 +289,25 @@ def test_report_has_a_row_per_model_with_mean_and_std_over_seeds(tmp_path):
     assert "dense + headwise gate" in text and "## Mean gate per layer" in text and "globals at position 0" in text
     for name in ("sink", "kv", "ppl_vs_area"):
         assert (tmp_path / "rep" / f"gate_study_gpt2_{name}.png").stat().st_size > 10_000
+
+
+def test_report_adds_run_folders_from_elsewhere_as_seeds(tmp_path):
+    """--add RUN=FOLDER: an earlier run of the same recipe (e.g. Figure 3's dense_s1, without an analysis) counts
+    as one more seed of its model; the measurements it lacks come from the other seeds only."""
+    root, other = tmp_path / "runs", tmp_path / "figure3"
+    _fake_run(root, "dense", 0, ppl=40.0, sink=0.30)
+    _fake_run(other, "dense", 0, ppl=42.0, sink=0.99)
+    (other / "dense_s0" / "analysis.json").unlink()
+    (other / "dense_s0").rename(other / "dense_l0_s7")  # the folder's own name does not matter
+    out = tmp_path / "rep"
+    gs.main(["report", "--root", str(root), "--out", str(out), "--add", f"dense_s7={other / 'dense_l0_s7'}"])
+    text = (out / "gate_study_gpt2.md").read_text()
+    assert "| dense | 0, 7 | 42.00 ± 1.41 | 41.00 ± 1.41 | +0.0% | 0.3000 |" in text
+    assert f"dense_s7 ({other / 'dense_l0_s7'}, no analysis)" in text
+    with pytest.raises(SystemExit, match="RUN=FOLDER"):
+        gs.main(["report", "--root", str(root), "--out", str(out), "--add", f"dense_s7={other / 'missing'}"])
+    with pytest.raises(SystemExit, match="both in"):
+        gs.main(["report", "--root", str(root), "--out", str(out), "--add", f"dense_s0={other / 'dense_l0_s7'}"])
 
 
 def test_train_skips_finished_runs_and_starts_the_others(tmp_path, monkeypatch, capsys):
