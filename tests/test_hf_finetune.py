@@ -156,8 +156,10 @@ def test_scorers_file_and_stats_json(full_run, pretrained):
 
 def test_logs_and_lr_schedule(full_run):
     run_dir = full_run["dir"]
-    for key in ("train/loss", "train/mse", "train/density", "train/grad_norm", "val/loss", "val/mse", "val/density"):
+    keys = ("train/loss", "train/mse", "train/density", "train/density_argmax", "train/grad_norm", "val/loss")
+    for key in (*keys, "val/mse", "val/density"):
         assert logged(run_dir, key), key
+    assert all(0 < v <= 1 for v in logged(run_dir, "train/density_argmax").values())
     lr = logged(run_dir, "lr")
     # 4 steps: warm-up and cool-down of round(0.2 * 4) = 1 step each
     assert [lr[s] for s in range(STEPS)] == pytest.approx([2e-4, 2e-3, 2e-3, 2e-4], rel=1e-6)

@@ -170,6 +170,27 @@ def test_only_scorers_get_gradients_and_density_is_differentiable(arch):
     assert all(gi.abs().sum() > 0 for gi in g)
 
 
+def test_argmax_density_in_training_is_the_inference_density():
+    """nats_density(model, argmax=True) after a training forward is the density of the argmax types: layer 0 (whose
+    input does not depend on the sampled types of earlier layers) equals an eval forward's density; the sampled
+    density differs; in eval both are the same."""
+    model = tiny_model("llama")
+    attach_nats(model, window=4, init_std=0.05)  # small logits: unsure scorers, samples far from the argmax
+    x = ids(n=64, b=4)
+    model.eval()
+    model(x)
+    eval_layer0 = scorers(model)[0].last_density.clone()
+    assert torch.equal(nats_density(model, argmax=True), nats_density(model))
+    model.train()
+    torch.manual_seed(0)
+    model(x)
+    first = scorers(model)[0]
+    assert not first.last_density_argmax.requires_grad and first.last_density.requires_grad
+    torch.testing.assert_close(first.last_density_argmax, eval_layer0)
+    assert not torch.allclose(first.last_density.detach(), eval_layer0)
+    assert float(nats_density(model, argmax=True)) != float(nats_density(model).detach())
+
+
 def test_unsupported_architecture_is_refused():
     cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
     model = transformers.GPT2LMHeadModel(cfg)

@@ -103,10 +103,13 @@ class NAtSAttention(AttentionCore):
             t = hard + (y - y.detach())  # exactly one-hot in value (y - y.detach() == 0)
         else:
             t = F.one_hot(z.argmax(-1), 3).to(z.dtype)
-        # token 0 is global, without gradient
-        first = torch.zeros_like(t[..., :1, :])
-        first[..., 0] = 1.0
-        return torch.cat([first, t[..., 1:, :]], dim=-2)
+        return _token0_global(t)
+
+    @staticmethod
+    def argmax_weights(z: torch.Tensor) -> torch.Tensor:
+        """Logits [B, H, N, 3] -> the one-hot weights of the inference types (argmax, token 0 global), in training
+        too (no noise, no gradient)."""
+        return _token0_global(F.one_hot(z.detach().argmax(-1), 3).to(z.dtype))
 
     def hard_types(self, x: torch.Tensor) -> torch.Tensor:
         """The inference types of x [B, N, C]: [B, Hkv, N] int64 (argmax, token 0 global)."""
@@ -143,6 +146,13 @@ class NAtSAttention(AttentionCore):
             self.last_types = t.detach().argmax(-1)  # [B, Hkv, N]
         stats = {name: values[..., i].mean() for i, name in enumerate(ops.KV_STAT_NAMES)}
         return aux, stats
+
+
+def _token0_global(t: torch.Tensor) -> torch.Tensor:
+    """Type weights [..., N, 3] with token 0 global, without gradient."""
+    first = torch.zeros_like(t[..., :1, :])
+    first[..., 0] = 1.0
+    return torch.cat([first, t[..., 1:, :]], dim=-2)
 
 
 @torch.no_grad()

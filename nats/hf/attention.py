@@ -95,7 +95,8 @@ def nats_attention_forward(
     _check_mask(attention_mask, N, Nk)
 
     if N == Nk:  # prefill / training forward
-        t = core.type_weights(core.type_logits(hidden))  # [B, Hkv, N, 3]
+        z = core.type_logits(hidden)
+        t = core.type_weights(z)  # [B, Hkv, N, 3]
         if core.force_type is not None:
             t = _forced(t, core.force_type)
         y = NF.nats_attention(
@@ -110,6 +111,13 @@ def nats_attention_forward(
         density, values = ops.density_and_stats(t, core.window)  # [B, Hkv] (differentiable), [B, Hkv, 5]
         core.last_density = density
         core.last_stats = {name: values[..., i].detach() for i, name in enumerate(ops.KV_STAT_NAMES)}
+        # in training, also the density of the argmax types (what inference will keep; the sampled types of the
+        # loss can be much sparser when the scorers are unsure: the locals then outlive fewer globals)
+        if core.training and core.force_type is None:
+            with torch.no_grad():
+                core.last_density_argmax = ops.density_and_stats(core.argmax_weights(z), core.window)[0]
+        else:
+            core.last_density_argmax = density.detach()
         core.past_types = None if core.training else t.detach().argmax(-1)  # [B, Hkv, N]
         return y.transpose(1, 2).contiguous(), None
 

@@ -237,6 +237,8 @@ class LitNAtSDistill(L.LightningModule):
         if logs_written_now(self._trainer):  # the rest only on the steps whose logs are written
             self.log("train/mse", mse)
             self.log("train/density", density)
+            # the density of the argmax types of the same batch (inference's; the sampled ones' is train/density)
+            self.log("train/density_argmax", nats_density(self.model, argmax=True))
             self.log("lr", self.optimizers().param_groups[0]["lr"])
         return loss
 

@@ -34,6 +34,7 @@ class HFNAtSScorer(NAtSAttention):
         super().__init__(dims, **kwargs)
         self.force_type: int | None = None
         self.last_density: torch.Tensor | None = None
+        self.last_density_argmax: torch.Tensor | None = None  # [B, Hkv], no gradient
         self.last_stats: dict[str, torch.Tensor] = {}
         self.past_types: torch.Tensor | None = None
 
@@ -174,11 +175,15 @@ def set_force_type(model: nn.Module, force_type: int | None) -> None:
         s.force_type = None if force_type is None else int(force_type)
 
 
-def nats_density(model: nn.Module) -> torch.Tensor:
+def nats_density(model: nn.Module, argmax: bool = False) -> torch.Tensor:
     """The mean density (spec section 4) over layers, KV heads and the batch of the last forward: a scalar,
     differentiable in the scorer weights after a training-mode forward. The sparsity term of the paper's loss is
-    ``lambda * nats_density(model)``."""
-    values = [s.last_density for s in scorers(model)]
+    ``lambda * nats_density(model)``.
+
+    ``argmax=True``: the density of the argmax types of the same forward (no gradient), what inference keeps. After
+    a training-mode forward it can differ from the sampled types' density that the loss sees; in eval the two are
+    equal."""
+    values = [s.last_density_argmax if argmax else s.last_density for s in scorers(model)]
     if any(v is None for v in values):
         raise RuntimeError("nats.hf.nats_density: run a forward (prefill) through the model first")
     return torch.stack([v.float().mean() for v in values]).mean()
