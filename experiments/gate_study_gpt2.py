@@ -263,7 +263,16 @@ def eval_jobs(run: str, root: Path, args) -> list[Job]:
         ]
         out = folder / f"eval_{split}" / "results.json"
         jobs.append(
-            Job("eval", f"{run} eval {split}", folder, f"eval_{split}.out", cmd, out, folder / "metrics.json", not nats)
+            Job(
+                "eval",
+                f"{run} eval {split}",
+                folder,
+                f"eval_{split}.out",
+                cmd,
+                out,
+                after=folder / "metrics.json",
+                heavy=not nats,
+            )
         )
     cmd = [
         sys.executable,

@@ -18,7 +18,6 @@ that same forward (`nats_density(model, argmax=True)`, logged as ``train/density
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nats.hf import attach_nats, load_nats_state_dict, nats_density, nats_stats  # noqa: E402
+from nats.hf.data import read_examples_file  # noqa: E402
 from nats.hf.evaluate import read_scorers, run_window  # noqa: E402
 from nats.hf.pretrained import SMOLLM2, load_pretrained  # noqa: E402
 
@@ -36,16 +36,15 @@ FRACTIONS = ("frac_global", "frac_local", "frac_sliding")
 
 def read_examples(path: Path, per_task: int, tokens: int) -> list[dict]:
     """The first `per_task` examples of each task of a `nats.hf.data` cache file, prompts cut to `tokens`."""
-    lines = path.read_text().splitlines()
-    if not lines or "settings" not in json.loads(lines[0]):
+    header, examples = read_examples_file(path)
+    if "settings" not in header:
         raise SystemExit(f"{path} is not a long-context examples file (nats.hf.data: a settings line first)")
     seen: dict[str, int] = {}
     out = []
-    for line in lines[1:]:
-        ex = json.loads(line)
-        if seen.get(ex["task"], 0) < per_task:
-            seen[ex["task"]] = seen.get(ex["task"], 0) + 1
-            out.append({"task": ex["task"], "ids": ex["prompt_ids"][:tokens]})
+    for ex in examples:
+        if seen.get(ex.task, 0) < per_task:
+            seen[ex.task] = seen.get(ex.task, 0) + 1
+            out.append({"task": ex.task, "ids": ex.prompt_ids[:tokens]})
     return out
 
 

@@ -101,9 +101,8 @@ class NAtSAttention(AttentionCore):
             y = F.softmax((z + gumbel) / self.tau_buf, dim=-1)
             hard = F.one_hot(y.argmax(-1), 3).to(y.dtype)
             t = hard + (y - y.detach())  # exactly one-hot in value (y - y.detach() == 0)
-        else:
-            t = F.one_hot(z.argmax(-1), 3).to(z.dtype)
-        return _token0_global(t)
+            return _token0_global(t)
+        return self.argmax_weights(z)
 
     @staticmethod
     def argmax_weights(z: torch.Tensor) -> torch.Tensor:

@@ -111,13 +111,9 @@ def nats_attention_forward(
         density, values = ops.density_and_stats(t, core.window)  # [B, Hkv] (differentiable), [B, Hkv, 5]
         core.last_density = density
         core.last_stats = {name: values[..., i].detach() for i, name in enumerate(ops.KV_STAT_NAMES)}
-        # in training, also the density of the argmax types (what inference will keep; the sampled types of the
-        # loss can be much sparser when the scorers are unsure: the locals then outlive fewer globals)
-        if core.training and core.force_type is None:
-            with torch.no_grad():
-                core.last_density_argmax = ops.density_and_stats(core.argmax_weights(z), core.window)[0]
-        else:
-            core.last_density_argmax = density.detach()
+        # in training, the logits too: the density of their argmax types (what inference will keep) is computed
+        # from them only when asked for (HFNAtSScorer.last_density_argmax), not on every training forward
+        core.last_type_logits = z.detach() if core.training and core.force_type is None else None
         core.past_types = None if core.training else t.detach().argmax(-1)  # [B, Hkv, N]
         return y.transpose(1, 2).contiguous(), None
 

@@ -499,6 +499,14 @@ _BUILD_DEFAULTS = {k: p.default for k, p in inspect.signature(build_examples).pa
 _LATER_SETTINGS = ("haystack", "cwe_common", "fwe_alpha")
 
 
+def read_examples_file(path: str | Path) -> tuple[dict[str, Any], list[LongContextExample]]:
+    """``(first line, examples)`` of a cache file written by :func:`load_or_build_examples`; the first line holds
+    ``settings`` and ``count``."""
+    with open(path, encoding="utf-8") as f:
+        header = json.loads(f.readline())
+        return header, [LongContextExample(**json.loads(line)) for line in f if line.strip()]
+
+
 def load_or_build_examples(
     tokenizer: Any, cache_dir: str | Path = "data/hf_longctx", rebuild: bool = False, **kwargs: Any
 ) -> tuple[list[LongContextExample], Path]:
@@ -523,11 +531,10 @@ def load_or_build_examples(
     settings = _settings(tokenizer=tokenizer_fingerprint(tokenizer), **keyed)
     path = cache_path(cache_dir, settings)
     if path.is_file() and not rebuild:
-        with open(path, encoding="utf-8") as f:
-            header = json.loads(f.readline())
-            if header.get("settings") != settings:
-                raise ValueError(f"{path}: the cache's settings differ from the requested ones (a hash clash?)")
-            return [LongContextExample(**json.loads(line)) for line in f if line.strip()], path
+        header, examples = read_examples_file(path)
+        if header.get("settings") != settings:
+            raise ValueError(f"{path}: the cache's settings differ from the requested ones (a hash clash?)")
+        return examples, path
     examples = build_examples(tokenizer, **options)
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps({"settings": settings, "count": len(examples)}) + "\n")

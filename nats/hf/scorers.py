@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nats import ops
 from nats.attention.nats import NAtSAttention
 from nats.attention.registry import AttentionDims
 from nats.hf import attention as _attention
@@ -34,9 +35,19 @@ class HFNAtSScorer(NAtSAttention):
         super().__init__(dims, **kwargs)
         self.force_type: int | None = None
         self.last_density: torch.Tensor | None = None
-        self.last_density_argmax: torch.Tensor | None = None  # [B, Hkv], no gradient
+        self.last_type_logits: torch.Tensor | None = None  # [B, Hkv, N, 3] of the last training forward
         self.last_stats: dict[str, torch.Tensor] = {}
         self.past_types: torch.Tensor | None = None
+
+    @property
+    def last_density_argmax(self) -> torch.Tensor | None:
+        """``[B, Hkv]``, no gradient: the density of the argmax (inference) types of the last forward. After a
+        training forward it is computed here from the stored logits (the sampled types' ``last_density`` can be
+        much sparser); after an eval forward, or with ``force_type``, it is ``last_density``."""
+        if self.last_type_logits is None:
+            return None if self.last_density is None else self.last_density.detach()
+        with torch.no_grad():
+            return ops.density_and_stats(self.argmax_weights(self.last_type_logits), self.window)[0]
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
