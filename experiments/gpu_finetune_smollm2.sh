@@ -10,13 +10,20 @@
 #   call 1:  bash experiments/gpu_finetune_smollm2.sh stage         # carry: build/gguf1
 #   call 2:  bash experiments/gpu_finetune_smollm2.sh [overrides]   # carry: .whl (with the gguf wheel), build/gguf2,
 #                                                                   #        data/hf_longctx
+#            CALLBACKS=default,step_timer,noise_schedule: the callbacks group list (default: default,step_timer)
 #            MAX_TIME=DD:HH:MM:SS (default 00:00:07:30): Lightning's max_time, counted over resumed calls too; the
 #            RUN_NAME=<name> (default finetune_smollm2_gpu): the run folder logs/<name>, e.g. for a second lambda
 #            (bash experiments/gpu_finetune_smollm2.sh module.sparsity_lambda=0.3 with RUN_NAME=ft_l0.3); the
 #            run folder comes back as $OUT/run.tgz: unpack it into logs/ and carry
 #            it, with build/triton_cache (from $OUT/triton_cache.tgz), to resume on a fresh machine
+#   or, several fine-tunes at once on one GPU (each runs on between calls while the machine stays warm):
+#            RUN_NAME=<a> bash experiments/gpu_finetune_smollm2.sh start [overrides]    # background; log logs/<a>.log
+#            WAIT_S=540 bash experiments/gpu_finetune_smollm2.sh collect <a> <b> ...   # wait, print progress;
+#            a finished run's outputs (what call 2 writes to $OUT, but run.tgz) come back in $OUT/<a>/
 #   call 3:  bash experiments/gpu_finetune_smollm2.sh eval [nats-eval-hf overrides]   # same carry + build/scorers
-#            METHODS=full,nats (default: full, nats, snapkv, pyramidkv, streaming_llm)
+#            METHODS=full,nats (default: full, nats, snapkv, pyramidkv, streaming_llm); SCORERS=<file> (default
+#            build/scorers/scorers.pt; e.g. logs/<a>/scorers.pt of a run on this machine); DECODE_BENCH=0: no decode
+#            benchmark
 #            (the run's scorers.pt, back from call 2 in $OUT, copied to build/scorers/): nats-eval-hf on the test
 #            examples (built here too) with full, NAtS and the prefill-time / streaming baselines, then
 #            benchmarks/bench_hf_decode.py with those scorers. H2O is left out: its exact rule runs position by
@@ -79,15 +86,54 @@ if [ "${1:-}" = eval ]; then
   for f in results.md summary.json kv_fractions.json accuracy_vs_kv.png results.jsonl; do
     cp "$EVAL_DIR/$f" "$OUT/eval_$f" 2>/dev/null
   done
+  [ "${DECODE_BENCH:-1}" = 0 ] && exit 0
   python3 benchmarks/bench_hf_decode.py --model "$STAGE/$GGUF" --scorers "$SC" --prompt 7936 --out "$OUT" 2>&1 | tail -8
   exit 0
+fi
+if [ "${1:-}" = start ]; then  # this script's training call, in the background, its $OUT in logs/<name>_out/
+  shift
+  name=${RUN_NAME:-finetune_smollm2_gpu}
+  mkdir -p logs && rm -rf "logs/${name}_out" "logs/${name}.rc"
+  OUT=$PWD/logs/${name}_out nohup bash -c 'bash "$0" "$@"; echo $? > "logs/'"$name"'.rc"' "$0" "$@" \
+    > "logs/$name.log" 2>&1 < /dev/null &
+  echo "started $name (pid $!): logs/$name.log"; exit 0
+fi
+if [ "${1:-}" = collect ]; then  # wait for background runs (start), at most WAIT_S seconds; bring back the finished
+  shift
+  end=$(( $(date +%s) + ${WAIT_S:-540} ))
+  while :; do
+    left=0
+    for name in "$@"; do
+      [ -f "logs/$name.rc" ] || left=$((left + 1))
+      python3 - "$name" <<'PY'
+import csv, glob, sys
+name = sys.argv[1]
+files = glob.glob(f"logs/{name}/csv/**/metrics.csv", recursive=True)
+rows = list(csv.DictReader(open(files[0]))) if files else []
+keys = ("train/loss", "train/density", "train/density_argmax", "nats/noise_scale", "val/density", "val/mse")
+last = {k: r[k] for r in rows for k in keys if r.get(k)}
+step = rows[-1]["step"] if rows else "-"
+print(f"  {name}: step {step} " + " ".join(f"{k}={float(v):.4g}" for k, v in last.items()), flush=True)
+PY
+    done
+    [ $left -eq 0 ] && break
+    [ "$(date +%s)" -ge $end ] && { echo "$left run(s) still going"; break; }
+    sleep 60; date +%T
+  done
+  for name in "$@"; do
+    if [ -f "logs/$name.rc" ]; then
+      echo "$name: exit $(cat "logs/$name.rc")"; tail -12 "logs/$name.log"
+      mkdir -p "$OUT/$name" && find "logs/${name}_out" -maxdepth 1 -type f ! -name '*.tgz' -exec cp {} "$OUT/$name/" \;
+    fi
+  done
+  trap - EXIT; exit 0
 fi
 t0=$(date +%s)
 # MAX_TIME: Lightning's trainer.max_time, so that one call (10 minutes at most) ends cleanly with the scorers and the
 # report written even when the steps are slower than expected (the run then stops before trainer.max_steps)
 python3 -m nats.train experiment=finetune_smollm2_nats trainer=gpu "hf_model.name_or_path=$STAGE/$GGUF" \
   "+trainer.max_time=${MAX_TIME:-00:00:07:30}" "data.pg19_path=$PG19" "paths.data_dir=$PWD/data" \
-  'callbacks=[default,step_timer]' logger=tensorboard_csv callbacks.progress_bar.refresh_rate=50 \
+  "callbacks=[${CALLBACKS:-default,step_timer}]" logger=tensorboard_csv callbacks.progress_bar.refresh_rate=50 \
   "hydra.run.dir=$RUN" "$@" 2>&1 | grep -v -i warn | tail -25
 echo "nats-train: $(( $(date +%s) - t0 )) s"
 python3 experiments/finetune_report.py "$RUN" --out "$OUT" --name finetune_smollm2

@@ -169,6 +169,34 @@ def test_logs_and_lr_schedule(full_run):
         assert loss[step] == pytest.approx(mse[step] + 0.1 * dens[step], rel=1e-5)
 
 
+def test_noise_schedule_trains_on_the_argmax_types_at_its_end(full_run, pretrained, tmp_path):
+    """'callbacks=[default,noise_schedule]' composes with the fine-tune experiment; the logged noise scale follows
+    the schedule (1 -> 0 over 2 steps); once it is 0 the sampled density the loss sees equals the argmax density
+    (train/density == train/density_argmax), while with noise (full_run) the two differ."""
+    out = tmp_path / "noise"
+    run(
+        compose_config(
+            overrides(
+                pretrained,
+                out,
+                full_run["data_dir"],
+                "trainer.max_steps=4",
+                "final_validation=false",
+                "callbacks=[default,noise_schedule]",
+                "callbacks.noise_schedule.steps=2",
+                "callbacks.progress_bar=null",
+                "callbacks.throughput=null",
+            )
+        )
+    )
+    assert logged(out, "nats/noise_scale") == pytest.approx({0: 1.0, 1: 0.5, 2: 0.0, 3: 0.0})
+    sampled, argmax = logged(out, "train/density"), logged(out, "train/density_argmax")
+    for step in (2, 3):
+        assert sampled[step] == pytest.approx(argmax[step], rel=1e-6)
+    noisy = (logged(full_run["dir"], k) for k in ("train/density", "train/density_argmax"))
+    assert any(abs(a - b) > 1e-4 for a, b in zip(*(d.values() for d in noisy)))
+
+
 def test_lr_schedule_values():
     kw = dict(lr=2e-3, min_lr=2e-4, max_steps=300, warmup_frac=0.2, cooldown_frac=0.2)
     lrs = [finetune_lr_at(s, **kw) for s in range(300)]

@@ -191,6 +191,32 @@ def test_argmax_density_in_training_is_the_inference_density():
     assert float(nats_density(model, argmax=True)) != float(nats_density(model).detach())
 
 
+def test_noise_scale_zero_trains_on_the_inference_types():
+    """noise_scale = 0 (NoiseSchedule's end): a training forward takes the argmax types, so the density the loss
+    sees is the inference density of every layer, and it still has a (straight-through) gradient in the scorers;
+    noise_scale is passed through attach_nats and set on every scorer."""
+    model = tiny_model("llama")
+    attach_nats(model, window=4, init_std=0.05, noise_scale=0.0)
+    assert [s.noise_scale for s in scorers(model)] == [0.0, 0.0]
+    x = ids(n=64, b=4)
+    model.eval()
+    model(x)
+    eval_density = [s.last_density.clone() for s in scorers(model)]
+    model.train()
+    torch.manual_seed(0)
+    model(x)
+    for s, ev in zip(scorers(model), eval_density):
+        assert s.last_density.requires_grad
+        torch.testing.assert_close(s.last_density.detach(), ev)
+    g = torch.autograd.grad(nats_density(model), [s.scorer.weight for s in scorers(model)])
+    assert all(gi.abs().sum() > 0 for gi in g)
+    for s in scorers(model):
+        s.noise_scale = 1.0  # the spec's noise again: the same seed now samples other types
+    torch.manual_seed(0)
+    model(x)
+    assert not torch.allclose(scorers(model)[0].last_density.detach(), eval_density[0])
+
+
 def test_unsupported_architecture_is_refused():
     cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
     model = transformers.GPT2LMHeadModel(cfg)

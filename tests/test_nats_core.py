@@ -60,6 +60,33 @@ def test_training_types_are_noisy_straight_through():
     assert z.grad[..., 0, :].abs().sum() == 0  # token 0 is forced global without gradient
 
 
+def test_noise_scale_scales_the_gumbel_noise():
+    """type_weights samples argmax(z + s G): s = 1 is the spec's formula with the same draws, s = 0 the argmax
+    types (with the straight-through gradient of softmax(z / tau)); s is checked and settable in place."""
+    model = tiny_nats().train()
+    core: NAtSAttention = model.blocks[0].attn.core
+    assert core.noise_scale == 1.0
+    z = torch.randn(2, 2, 30, 3, requires_grad=True)
+    torch.manual_seed(3)
+    t1 = core.type_weights(z)
+    torch.manual_seed(3)
+    gumbel = -torch.empty_like(z).exponential_().log()
+    expect = torch.nn.functional.one_hot((z + gumbel).argmax(-1), 3).float()
+    assert torch.equal(t1.detach()[..., 1:, :], expect[..., 1:, :])
+    core.noise_scale = 0.0
+    assert core.noise_buf.item() == 0.0
+    t0 = core.type_weights(z)
+    assert torch.equal(t0.detach(), core.argmax_weights(z))
+    assert not torch.equal(t0.detach(), t1.detach())
+    (t0 * torch.randn_like(t0)).sum().backward()
+    assert z.grad[..., 1:, :].abs().sum() > 0  # straight-through, no noise
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match="noise_scale must be >= 0"):
+            core.noise_scale = bad
+        with pytest.raises(ValueError, match="noise_scale must be >= 0"):
+            tiny_nats(noise_scale=bad)
+
+
 def test_future_tokens_do_not_change_the_past():
     model = tiny_nats().eval()
     x = torch.randint(0, 97, (2, 40))

@@ -7,8 +7,8 @@
   when it changes.
 * A compiled run (``compile=aot_eager``: Dynamo's guards are what is tested, not inductor's code) compiles the
   training graph once and the evaluation graph once: no recompile after the first step, through validation, the
-  tau schedule and a final ``trainer.validate``, with a NAtS model on the Triton backend whose kernel cache is
-  empty when the run starts (the `_TRITON_BACKEND` guard of the issue).
+  tau and noise schedules and a final ``trainer.validate``, with a NAtS model on the Triton backend whose kernel
+  cache is empty when the run starts (the `_TRITON_BACKEND` guard of the issue).
 """
 
 from __future__ import annotations
@@ -143,6 +143,39 @@ def test_tau_schedule_finds_nats_cores_by_type():
     assert module.logged == {"nats/tau": 0.5}
 
 
+def test_noise_schedule_values_and_cores():
+    """NoiseSchedule: linear from start to end over `steps`, then end; set on the NAtS cores of the module (in
+    place, the buffer the forward reads) and logged as nats/noise_scale; bad arguments are refused."""
+    from types import SimpleNamespace
+
+    from nats.callbacks import NoiseSchedule
+    from nats.models.gpt import GPT, GPTConfig
+
+    schedule = NoiseSchedule(start=1.0, end=0.0, steps=4)
+    assert [schedule.value_at(s) for s in range(6)] == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            cfg = GPTConfig(
+                vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=8, attention={"name": "nats", "window": 2}
+            )
+            self.gpt = GPT(cfg)
+            self.logged = {}
+
+        def log(self, name, value):
+            self.logged[name] = value
+
+    module = Module()
+    buffers = [b.attn.core.noise_buf for b in module.gpt.blocks]
+    schedule.on_train_batch_start(SimpleNamespace(global_step=2, fast_dev_run=True), module, None, 0)
+    assert [b.attn.core.noise_scale for b in module.gpt.blocks] == [0.5, 0.5]
+    assert [b.attn.core.noise_buf for b in module.gpt.blocks] == buffers and buffers[0].item() == 0.5
+    assert module.logged == {"nats/noise_scale": 0.5}
+    with pytest.raises(ValueError, match="NoiseSchedule needs"):
+        NoiseSchedule(start=1.0, end=-0.1, steps=4)
+
+
 def test_compiled_run_never_recompiles(tmp_path):
     """compile=aot_eager, NAtS on the Triton backend (interpreted on the CPU): after the first training step
     and the first validation, nothing compiles again (fail_on_recompile), and each compiled function holds one
@@ -161,7 +194,7 @@ def test_compiled_run_never_recompiles(tmp_path):
             if trainer.global_step >= 3:  # after step 1 and the validation at step 2
                 torch.compiler.set_stance("fail_on_recompile")
 
-    overrides = [o for o in BASE if not o.startswith("model.attention.backend")]
+    overrides = [o for o in BASE if not o.startswith(("model.attention.backend", "callbacks=["))]
     cfg = compose(
         overrides
         + [
@@ -171,6 +204,8 @@ def test_compiled_run_never_recompiles(tmp_path):
             "trainer.max_steps=5",
             "eval_every=2",
             "callbacks.tau_schedule.steps=5",
+            "callbacks=[default,tau_schedule,noise_schedule]",  # the Gumbel noise's scale changes every step too
+            "callbacks.noise_schedule.steps=5",
         ],
         tmp_path,
     )

@@ -2,9 +2,11 @@
 
 A scorer per layer maps the block's normalised input x_j to type logits z_j = x_j W_s
 (W_s: d_model x 3*n_kv_head, no bias; x detached by default). Training draws straight-through
-Gumbel-softmax one-hots t_j = onehot(argmax y_j) + y_j - stopgrad(y_j), y_j = softmax((z_j + G_j) / tau)
-(their gradient from the attention by the estimator `mask_grad` of spec section 3a, "dense" by default);
-evaluation takes onehot(argmax z_j) without noise. Token 0 is forced global (the attention sink), without
+Gumbel-softmax one-hots t_j = onehot(argmax y_j) + y_j - stopgrad(y_j), y_j = softmax((z_j + s G_j) / tau),
+with s = ``noise_scale`` = 1 as in the spec (an option outside it: s < 1, down to 0 = the argmax types of
+inference with a straight-through gradient; callbacks/noise_schedule.yaml anneals it; docs/hf_finetune.md).
+Their gradient from the attention is the estimator `mask_grad` of spec section 3a ("dense" by default).
+Evaluation takes onehot(argmax z_j) without noise. Token 0 is forced global (the attention sink), without
 gradient. Attention is `nats.functional.nats_attention` with window W; the auxiliary loss is
 lambda * density / n_layer, so that the model's summed auxiliary loss is lambda * mean-over-layers density.
 """
@@ -43,6 +45,7 @@ class NAtSAttention(AttentionCore):
         detach_scorer_input: bool = True,
         backend: str = "auto",
         mask_grad: str = "dense",
+        noise_scale: float = 1.0,
     ):
         super().__init__(dims)
         if not isinstance(window, int) or window < 1:
@@ -51,6 +54,7 @@ class NAtSAttention(AttentionCore):
             raise ValueError(f"nats attention: tau must be > 0, got {tau}")
         if sparsity_lambda < 0:
             raise ValueError(f"nats attention: sparsity_lambda must be >= 0, got {sparsity_lambda}")
+        _check_noise_scale(noise_scale)
         if backend not in NF.BACKENDS:
             raise ValueError(f"nats attention: backend must be one of {NF.BACKENDS}, got {backend!r}")
         if mask_grad not in NF.MASK_GRADS:
@@ -65,6 +69,9 @@ class NAtSAttention(AttentionCore):
         # Python float read in the forward would (torch.compile guards on it).
         self.register_buffer("tau_buf", torch.tensor(float(tau)), persistent=False)
         self._tau = float(tau)
+        # the scale of the Gumbel noise, in a buffer for the same reason (nats.callbacks.NoiseSchedule)
+        self.register_buffer("noise_buf", torch.tensor(float(noise_scale)), persistent=False)
+        self._noise_scale = float(noise_scale)
         self.detach_scorer_input = detach_scorer_input
         self.backend = backend
         if backend == "triton" or (backend == "auto" and torch.cuda.is_available()):
@@ -87,6 +94,18 @@ class NAtSAttention(AttentionCore):
         self._tau = float(value)
         self.tau_buf.fill_(self._tau)  # in place: no new tensor, no graph change
 
+    @property
+    def noise_scale(self) -> float:
+        """The scale s of the Gumbel noise in training, argmax(z + s G): 1 is the spec's straight-through
+        Gumbel-softmax; 0 trains on the argmax types of inference (no sampling, straight-through gradient)."""
+        return self._noise_scale
+
+    @noise_scale.setter
+    def noise_scale(self, value: float) -> None:
+        _check_noise_scale(value)
+        self._noise_scale = float(value)
+        self.noise_buf.fill_(self._noise_scale)
+
     def type_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, N, C] -> z [B, Hkv, N, 3] (float32)."""
         B, N, _ = x.shape
@@ -98,7 +117,7 @@ class NAtSAttention(AttentionCore):
         """Logits [B, H, N, 3] -> one-hot type weights (straight-through Gumbel-softmax in training)."""
         if self.training:
             gumbel = -torch.empty_like(z).exponential_().log()
-            y = F.softmax((z + gumbel) / self.tau_buf, dim=-1)
+            y = F.softmax((z + self.noise_buf * gumbel) / self.tau_buf, dim=-1)
             hard = F.one_hot(y.argmax(-1), 3).to(y.dtype)
             t = hard + (y - y.detach())  # exactly one-hot in value (y - y.detach() == 0)
             return _token0_global(t)
@@ -145,6 +164,13 @@ class NAtSAttention(AttentionCore):
             self.last_types = t.detach().argmax(-1)  # [B, Hkv, N]
         stats = {name: values[..., i].mean() for i, name in enumerate(ops.KV_STAT_NAMES)}
         return aux, stats
+
+
+def _check_noise_scale(value: float) -> None:
+    if not value >= 0:  # also rejects NaN
+        raise ValueError(
+            f"nats attention: noise_scale must be >= 0 (1 = the spec's Gumbel noise, 0 = none), got {value}"
+        )
 
 
 def _token0_global(t: torch.Tensor) -> torch.Tensor:

@@ -126,7 +126,8 @@ class LitNAtSDistill(L.LightningModule):
         optim: conf/optim/nats_finetune.yaml (`finetune_optim_config`).
         window: the NAtS sliding window W.
         sparsity_lambda: lambda, the weight of the density in the loss.
-        tau, init_std, backend, mask_grad: passed to `nats.hf.attach_nats`.
+        tau, noise_scale, init_std, backend, mask_grad: passed to `nats.hf.attach_nats` (noise_scale: the
+            Gumbel noise's scale s, 1 = the spec; callbacks/noise_schedule.yaml anneals it).
         teacher_attn_implementation: the dense attention of the teacher forward ("sdpa" or "eager").
         seed: the Gumbel noise of a training batch is drawn from ``(seed, its sample numbers)``, so a resumed run
             draws what the uninterrupted one did.
@@ -146,6 +147,7 @@ class LitNAtSDistill(L.LightningModule):
         init_std: float | None = None,
         backend: str = "auto",
         mask_grad: str = "dense",
+        noise_scale: float = 1.0,
         teacher_attn_implementation: str = "sdpa",
         seed: int = 0,
         compile: bool | str = False,
@@ -174,7 +176,14 @@ class LitNAtSDistill(L.LightningModule):
         # .train() at fit start): in eval mode the scorers take argmax types, which have no gradient
         hf.train()
         self.model = attach_nats(
-            hf, window=int(window), tau=tau, backend=backend, mask_grad=mask_grad, init_std=init_std, freeze=True
+            hf,
+            window=int(window),
+            tau=tau,
+            noise_scale=noise_scale,
+            backend=backend,
+            mask_grad=mask_grad,
+            init_std=init_std,
+            freeze=True,
         )
         # the attention modules whose pre-hook stashes the scorer input (cleared after each teacher forward)
         self._attn_modules = [m for m in self.model.modules() if hasattr(m, "_nats_hidden")]

@@ -106,6 +106,7 @@ def attach_nats(
     mask_grad: str = "dense",
     init_std: float | None = None,
     freeze: bool = True,
+    noise_scale: float = 1.0,
 ) -> nn.Module:
     """Add NAtS type scorers to a Llama / Mistral / Qwen2 transformers model and run its attention with NAtS.
 
@@ -114,6 +115,7 @@ def attach_nats(
             ``SUPPORTED_MODEL_TYPES``.
         window: the sliding window W of NAtS (spec section 2).
         tau: the Gumbel-softmax temperature in training.
+        noise_scale: the scale s of the Gumbel noise in training, argmax(z + s G); 1 = the spec, 0 = the argmax types.
         backend / mask_grad: passed to `nats.functional.nats_attention` ("auto": Triton on CUDA, else reference).
         init_std: if given, the scorer weights are drawn from N(0, init_std^2); else nn.Linear's default init.
         freeze: set ``requires_grad=False`` on every parameter but the scorers (the paper trains the scorers only).
@@ -142,7 +144,9 @@ def attach_nats(
             layer_idx=i,
             n_layer=len(layers),
         )
-        scorer = HFNAtSScorer(dims, window=int(window), tau=tau, backend=backend, mask_grad=mask_grad)
+        scorer = HFNAtSScorer(
+            dims, window=int(window), tau=tau, backend=backend, mask_grad=mask_grad, noise_scale=noise_scale
+        )
         if init_std is not None:
             nn.init.normal_(scorer.scorer.weight, std=init_std)
         scorer.train(model.training)  # a new module is in training mode (Gumbel noise): follow the model's mode
