@@ -94,7 +94,9 @@ if [ "${1:-}" = start ]; then  # this script's training call, in the background,
   shift
   name=${RUN_NAME:-finetune_smollm2_gpu}
   mkdir -p logs && rm -rf "logs/${name}_out" "logs/${name}.rc"
-  OUT=$PWD/logs/${name}_out nohup bash -c 'bash "$0" "$@"; echo $? > "logs/'"$name"'.rc"' "$0" "$@" \
+  # setsid: a new process session, which the device machine does not end when the call returns (it ends every
+  # other process a call leaves running: session 11 lost two runs started without it)
+  OUT=$PWD/logs/${name}_out setsid nohup bash -c 'bash "$0" "$@"; echo $? > "logs/'"$name"'.rc"' "$0" "$@" \
     > "logs/$name.log" 2>&1 < /dev/null &
   echo "started $name (pid $!): logs/$name.log"; exit 0
 fi

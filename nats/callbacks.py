@@ -139,7 +139,8 @@ class TemperatureSchedule(_CoreSchedule):
         frac = min(step, self.steps) / self.steps
         return self.start * (self.end / self.start) ** frac
 
-    value_at = tau_at
+    def value_at(self, step: int) -> float:
+        return self.tau_at(step)
 
 
 class NoiseSchedule(_CoreSchedule):
