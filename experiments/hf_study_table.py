@@ -1,7 +1,7 @@
 """Issue 18 part 4: one table and plot from several `nats-eval-hf` runs on the same examples.
 
     python experiments/hf_study_table.py <results.jsonl> [<results.jsonl> ...] --out DIR [--name hf_study]
-        [--target-kv 0.25] [--target-points 2] [--baseline-loss 5]
+        [--target-kv 0.25] [--target-points 2] [--baseline-loss 5] [--nats LABEL=<results.jsonl> ...]
 
 The runs' rows (``results.jsonl``, one per method, budget and example) are put together, a later file's row
 replacing an earlier one's for the same method, budget, task and example: e.g. the baselines of one run (they do
@@ -11,6 +11,10 @@ hold the same examples (the same prompts) for the methods it is taken for. Write
 ``--target-points`` of the full cache's mean accuracy, the baselines at that budget losing >= ``--baseline-loss``,
 with a paired bootstrap interval of each method's difference to the full cache),
 ``<name>.png`` (accuracy against KV kept and KV area) and ``<name>_kv_fractions.json``.
+
+``--nats LABEL=FILE`` (repeatable) compares several NAtS scorers on the same examples: the NAtS rows of FILE
+become a method of their own named LABEL (each is checked against the target), and the NAtS rows of the
+positional files are left out.
 """
 
 from __future__ import annotations
@@ -22,17 +26,24 @@ from pathlib import Path
 from nats.hf.evaluate import _name, kv_fractions, markdown_table, plot, read_rows, row_key, summarize
 
 
-def merge(files: list[Path]) -> tuple[list[dict], list[dict], list[str], str]:
-    """Rows of every file (later files win per key), the runs in order of first appearance, the tasks, a header."""
+def merge(files: list[Path], nats: list[tuple[str, Path]] = ()) -> tuple[list[dict], list[dict], list[str], str]:
+    """Rows of every file (later files win per key), the runs in order of first appearance, the tasks, a header.
+    ``nats``: (label, file) pairs whose NAtS rows are taken as the method ``label``; with any, the NAtS rows of
+    ``files`` are left out."""
     rows: dict[tuple, dict] = {}
     runs: dict[tuple, dict] = {}
     tasks: list[str] = []
     header = ""
-    for f in files:
+    sources = [(f, None) for f in files] + [(f, label) for label, f in nats]
+    for f, label in sources:
         summary_file = f.parent / f.name.replace("results.jsonl", "summary.json")
-        if summary_file.is_file():
+        if summary_file.is_file() and label is None:
             header = json.loads(summary_file.read_text()).get("header", "") or header  # the last file's
         for r in read_rows(f):
+            if nats and (r["policy"] == "nats") == (label is None):
+                continue  # positional files: all but NAtS; --nats files: NAtS only
+            if label is not None:
+                r = {**r, "method": label, "label": label}
             key = row_key(r)
             if key in rows and rows[key]["prompt_tokens"] != r["prompt_tokens"]:
                 raise ValueError(
@@ -86,7 +97,7 @@ def target_check(summary: list[dict], target_kv: float, points: float, loss: flo
         acc = 100 * s["mean_accuracy"]
         delta = acc - ref
         kv = s["kv_fraction"]
-        if s["method"] == "nats":
+        if s["policy"] == "nats":
             misses = ([f"KV kept {kv:.3f} > {target_kv:g}"] if kv > target_kv else []) + (
                 [f"{-delta:.1f} points lost"] if delta < -points else []
             )
@@ -117,11 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-kv", type=float, default=0.25)
     p.add_argument("--target-points", type=float, default=2.0)
     p.add_argument("--baseline-loss", type=float, default=5.0)
+    p.add_argument(
+        "--nats",
+        nargs="*",
+        default=[],
+        metavar="LABEL=FILE",
+        help="the NAtS rows of FILE as the method LABEL (several scorers in one table)",
+    )
     args = p.parse_args(argv)
-    for f in args.results:
+    nats = []
+    for item in args.nats:
+        label, sep, file = item.partition("=")
+        if not sep or not label or not file:
+            raise SystemExit(f"--nats {item!r}: expected LABEL=FILE, e.g. 'lambda 0.3=<run>/results.jsonl'")
+        nats.append((label, Path(file)))
+    for f in [*args.results, *(f for _, f in nats)]:
         if not f.is_file():
             raise SystemExit(f"{f} does not exist: pass the results.jsonl files of nats-eval-hf runs")
-    rows, runs, tasks, header = merge(args.results)
+    rows, runs, tasks, header = merge(args.results, nats)
     summary = summarize(rows, runs, tasks)
     header = header or f"accuracy vs KV budget ({len(rows)} rows)"
     text = markdown_table(summary, tasks, header)

@@ -57,6 +57,34 @@ def test_later_files_replace_rows_and_the_target_is_checked(tmp_path, capsys):
     assert "no: KV kept 0.600 > 0.25, 100.0 points lost" in (tmp_path / "out1" / "t.md").read_text()
 
 
+def test_several_nats_scorers_as_methods(tmp_path):
+    """--nats LABEL=FILE: each file's NAtS rows become the method LABEL, checked against the target on its own;
+    the positional files' NAtS rows are left out, their other rows kept."""
+    base = write(
+        tmp_path / "a" / "results.jsonl",
+        [row("full", None, i, 1.0, 1.0) for i in range(2)]
+        + [row("nats", None, i, 0.0, 0.6) for i in range(2)]
+        + [row("snapkv", 0.25, i, 0.0, 0.25) for i in range(2)],
+    )
+    dense_ = write(tmp_path / "b" / "results.jsonl", [row("nats", None, i, 1.0, 0.4) for i in range(2)])
+    sparse = write(tmp_path / "c" / "results.jsonl", [row("nats", None, i, 1.0, 0.2) for i in range(2)])
+    out = tmp_path / "out"
+    args = [str(base), "--out", str(out), "--name", "t", "--nats", f"lam 0.3={dense_}", f"lam 0.6={sparse}"]
+    assert hf_study_table.main(args) == 0
+    text = (out / "t.md").read_text()
+    assert "| lam 0.3 | 100.0 | +0.0 | +0.0 .. +0.0 | 0.400 | 0.400 | 0.400 | no: KV kept 0.400 > 0.25 |" in text
+    assert "| lam 0.6 | 100.0 | +0.0 | +0.0 .. +0.0 | 0.200 | 0.200 | 0.200 | yes |" in text
+    assert "| nats |" not in text and "| snapkv @ 0.25 | 0.0 | -100.0 |" in text
+    assert set(json.loads((out / "t_kv_fractions.json").read_text())["methods"]) == {
+        "full",
+        "lam 0.3",
+        "lam 0.6",
+        "snapkv @ 0.25",
+    }
+    with pytest.raises(SystemExit, match="expected LABEL=FILE"):
+        hf_study_table.main([str(base), "--out", str(out), "--nats", str(sparse)])
+
+
 def test_runs_on_other_examples_are_refused(tmp_path):
     a = write(tmp_path / "a" / "results.jsonl", [row("full", None, 0, 1.0, 1.0, prompt=100)])
     b = write(tmp_path / "b" / "results.jsonl", [row("full", None, 0, 1.0, 1.0, prompt=120)])
