@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     nats = []
     for item in args.nats:
-        label, sep, file = item.partition("=")
+        label, sep, file = item.rpartition("=")  # the last "=": a label may hold one (s=1)
         if not sep or not label or not file:
             raise SystemExit(f"--nats {item!r}: expected LABEL=FILE, e.g. 'lambda 0.3=<run>/results.jsonl'")
         nats.append((label, Path(file)))
@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, runs, tasks, header = merge(args.results, nats)
     summary = summarize(rows, runs, tasks)
     header = header or f"accuracy vs KV budget ({len(rows)} rows)"
+    if nats:  # the header names the positional run's scorers, which are not in the table
+        header = header.split(", NAtS scorers ")[0] + ", NAtS: one row per scorer set (--nats)"
     text = markdown_table(summary, tasks, header)
     check = target_check(summary, args.target_kv, args.target_points, args.baseline_loss, rows)
     text += "\n" + "\n".join(check) + "\n"

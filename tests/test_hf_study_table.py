@@ -66,18 +66,20 @@ def test_several_nats_scorers_as_methods(tmp_path):
         + [row("nats", None, i, 0.0, 0.6) for i in range(2)]
         + [row("snapkv", 0.25, i, 0.0, 0.25) for i in range(2)],
     )
+    (tmp_path / "a" / "summary.json").write_text(json.dumps({"header": "m: 2 examples, NAtS scorers x.pt (W = 4)"}))
     dense_ = write(tmp_path / "b" / "results.jsonl", [row("nats", None, i, 1.0, 0.4) for i in range(2)])
     sparse = write(tmp_path / "c" / "results.jsonl", [row("nats", None, i, 1.0, 0.2) for i in range(2)])
     out = tmp_path / "out"
-    args = [str(base), "--out", str(out), "--name", "t", "--nats", f"lam 0.3={dense_}", f"lam 0.6={sparse}"]
+    args = [str(base), "--out", str(out), "--name", "t", "--nats", f"lam=0.3={dense_}", f"lam 0.6={sparse}"]
     assert hf_study_table.main(args) == 0
     text = (out / "t.md").read_text()
-    assert "| lam 0.3 | 100.0 | +0.0 | +0.0 .. +0.0 | 0.400 | 0.400 | 0.400 | no: KV kept 0.400 > 0.25 |" in text
+    assert "| lam=0.3 | 100.0 | +0.0 | +0.0 .. +0.0 | 0.400 | 0.400 | 0.400 | no: KV kept 0.400 > 0.25 |" in text
     assert "| lam 0.6 | 100.0 | +0.0 | +0.0 .. +0.0 | 0.200 | 0.200 | 0.200 | yes |" in text
     assert "| nats |" not in text and "| snapkv @ 0.25 | 0.0 | -100.0 |" in text
+    assert "NAtS scorers" not in text  # the positional run's scorers are not in the table
     assert set(json.loads((out / "t_kv_fractions.json").read_text())["methods"]) == {
         "full",
-        "lam 0.3",
+        "lam=0.3",
         "lam 0.6",
         "snapkv @ 0.25",
     }
