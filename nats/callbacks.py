@@ -135,12 +135,9 @@ class TemperatureSchedule(_CoreSchedule):
             raise ValueError(f"TemperatureSchedule needs start, end > 0 and steps >= 1 (got {start}, {end}, {steps})")
         self.start, self.end, self.steps = start, end, steps
 
-    def tau_at(self, step: int) -> float:
+    def value_at(self, step: int) -> float:
         frac = min(step, self.steps) / self.steps
         return self.start * (self.end / self.start) ** frac
-
-    def value_at(self, step: int) -> float:
-        return self.tau_at(step)
 
 
 class NoiseSchedule(_CoreSchedule):
