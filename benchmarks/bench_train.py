@@ -36,7 +36,11 @@ def peak_flops() -> float:
 
 
 KERNEL_GROUPS = [  # (group, substrings of CUDA kernel names), first match wins
-    ("attention (nats triton)", ["_nats_", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_type_grad_kernel", "_plan_kernel"]),
+    (
+        "attention (nats triton)",
+        ["_nats_", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_type_grad_kernel", "_plan_kernel", "_causal_lse_kernel"],
+    ),
+    ("nats density (triton)", ["_density_kernel"]),
     ("attention (sdpa)", ["flash", "fmha", "cudnn", "sdpa"]),
     ("matmul", ["gemm", "sm90_xmma", "cutlass", "nvjet", "matmul"]),
     ("inductor fused", ["triton_"]),
@@ -57,10 +61,16 @@ def profile_table(step, n_steps: int = 3) -> str:
         for _ in range(n_steps):
             step()
         torch.cuda.synchronize()
+    return kernel_table(prof.key_averages(), n_steps)
+
+
+def kernel_table(events, n_steps: int, top: int = 60) -> str:
+    """Markdown: CUDA time per kernel group and the top kernels, per step, from profiler key averages."""
+    cuda = torch.autograd.DeviceType.CUDA  # the kernels themselves, not the CPU ops that launched them
     rows = [
-        (e.key, e.device_time_total / 1e3 / n_steps, e.count // n_steps)
-        for e in prof.key_averages()
-        if e.device_time_total > 0
+        (e.key, e.self_device_time_total / 1e3 / n_steps, e.count / n_steps)
+        for e in events
+        if e.device_type == cuda and e.self_device_time_total > 0
     ]
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
@@ -70,7 +80,7 @@ def profile_table(step, n_steps: int = 3) -> str:
     lines = [f"CUDA time per step: {total:.2f} ms", "", "| group | ms/step | share |", "|---|---|---|"]
     lines += [f"| {g} | {ms:.2f} | {100 * ms / total:.1f}% |" for g, ms in sorted(groups.items(), key=lambda x: -x[1])]
     lines += ["", "| kernel | group | ms/step | calls/step |", "|---|---|---|---|"]
-    lines += [f"| {name[:100]} | {group_of(name)} | {ms:.3f} | {calls} |" for name, ms, calls in rows[:60]]
+    lines += [f"| {name[:100]} | {group_of(name)} | {ms:.3f} | {calls:g} |" for name, ms, calls in rows[:top]]
     return "\n".join(lines)
 
 

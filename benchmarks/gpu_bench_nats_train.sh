@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call of benchmarks/bench_nats_train.py (issue 16): nats-train (fig3_dense, fig3_nats) beside the
 # isolated step. Run from the repo root on a lent GPU machine, with the wheels in .whl/ and the PG-19 subset
-# archives in data/pg19-subset-src/ carried (as experiments/gpu_figure3.sh); the subset is tokenised first
+# archives in ${PG19:-data/pg19-subset-src}/ carried (as experiments/gpu_figure3.sh); the subset is tokenised first
 # (nats-prepare), outside the timed runs.
 #   bash benchmarks/gpu_bench_nats_train.sh                 # everything (~8-10 min cold)
 #   bash benchmarks/gpu_bench_nats_train.sh train           # the two nats-train runs only
@@ -26,11 +26,11 @@ case "${1:-}" in all|train|report) phase=$1; shift ;; esac
 # includes it (a no-op when the cache data/pg19-subset-<hash>-gpt2/ is there)
 if [ "$phase" != report ]; then
   t0=$(date +%s)
-  python3 -m nats.prepare data=pg19_subset "data.path=$PWD/data/pg19-subset-src" 2>&1 | tail -3
+  python3 -m nats.prepare data=pg19_subset "data.path=$PWD/${PG19:-data/pg19-subset-src}" 2>&1 | tail -3
   echo "prepare: $(( $(date +%s) - t0 )) s"
 fi
 WORK=$PWD/logs/bench_nats_train_runs   # ignored by git, kept on a warm machine between calls
-DATA="data.path=$PWD/data/pg19-subset-src"
+DATA="data.path=$PWD/${PG19:-data/pg19-subset-src}"
 B="python3 benchmarks/bench_nats_train.py --out $OUT --workdir $WORK"
 case $phase in
   all)    $B --extra "$DATA" "$@" 2>&1 | tail -40 ;;

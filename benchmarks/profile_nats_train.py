@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -81,7 +82,11 @@ class ProfileSteps(Callback):
             return
         n = self.stop - self.start
         events = self.prof.key_averages()
-        kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernel_us = sum(
+            e.self_device_time_total
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        )
         print(
             f"profiled steps {self.start}..{self.stop}: wall {self.wall_ms / n:.2f} ms/step, "
             f"GPU kernels {kernel_us / 1e3 / n:.2f} ms/step (busy {kernel_us / 1e3 / self.wall_ms:.1%})"
@@ -90,9 +95,70 @@ class ProfileSteps(Callback):
             print(f"\n## host-device synchronisations in steps {self.start}..{self.stop} (count: where)")
             for key, count in sorted(self.syncs.items(), key=lambda kv: -kv[1]):
                 print(f"{count:5d}  {key}")
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_train import kernel_table
+
+        print(f"\n## GPU kernels by group, per optimizer step (steps {self.start}..{self.stop})\n")
+        print(kernel_table(events, n, top=40))
+        print(f"\n## GPU idle gaps per optimizer step (steps {self.start}..{self.stop}), by the kernel after the gap\n")
+        print(idle_table(self.prof.events(), n))
         for key, title in (("self_cuda_time_total", "self CUDA"), ("self_cpu_time_total", "self CPU")):
             print(f"\n## top ops by {title} time (totals over {n} steps)")
             print(events.table(sort_by=key, row_limit=25, max_name_column_width=70))
+
+
+def idle_table(events, n_steps: int, min_gap_us: float = 5.0, top: int = 25) -> str:
+    """Markdown: the GPU's idle time between consecutive kernels (gaps >= min_gap_us), per optimizer step, summed
+    by the name of the kernel that ends each gap: where the GPU waits for the host (launch overhead, Python,
+    synchronisations) rather than computing."""
+    cuda = torch.autograd.DeviceType.CUDA
+    # a kernel's id is its CUDA correlation id, shared with the runtime call (cudaLaunchKernel, cudaMemcpyAsync...)
+    # on the host that issued it; that call's cpu_parent chain is the op that launched it and its callers
+    runtime = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")}
+    ks = sorted(
+        (e.time_range.start, e.time_range.end, e.name, e.id)
+        for e in events
+        if e.device_type == cuda
+        and not getattr(e, "is_user_annotation", False)
+        and e.time_range.end > e.time_range.start
+    )
+    if not ks:
+        return "(no GPU kernels)"
+    by_next: dict[str, list[float]] = {}
+    by_host: dict[str, list[float]] = {}  # the host op (and its callers) that launched the kernel after a gap
+    busy_end = ks[0][1]
+    idle = 0.0
+    for start, end, name, corr in ks[1:]:
+        gap = start - busy_end
+        if gap >= min_gap_us:
+            idle += gap
+            acc = by_next.setdefault(name, [0.0, 0])
+            acc[0] += gap
+            acc[1] += 1
+            chain, op = [], runtime.get(corr)
+            while op is not None and len(chain) < 6:
+                chain.append(op.name[:40])
+                op = op.cpu_parent
+            acc = by_host.setdefault(" < ".join(chain) or "?", [0.0, 0])
+            acc[0] += gap
+            acc[1] += 1
+        busy_end = max(busy_end, end)
+    span = busy_end - ks[0][0]
+    lines = [
+        f"kernel span {span / 1e3 / n_steps:.2f} ms/step, idle in gaps >= {min_gap_us:g} us: "
+        f"{idle / 1e3 / n_steps:.2f} ms/step ({idle / span:.1%})",
+        "",
+        "| kernel after the gap | idle ms/step | gaps/step |",
+        "|---|---|---|",
+    ]
+    for name, (us, cnt) in sorted(by_next.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {name[:100]} | {us / 1e3 / n_steps:.3f} | {cnt / n_steps:g} |")
+    lines += ["", "| host op that launched it < its callers | idle ms/step | gaps/step |", "|---|---|---|"]
+    for name, (us, cnt) in sorted(by_host.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {name} | {us / 1e3 / n_steps:.3f} | {cnt / n_steps:g} |")
+    return "\n".join(lines)
 
 
 def main() -> None:

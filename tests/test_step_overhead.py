@@ -103,12 +103,48 @@ def test_statistics_and_tau_only_where_needed(tmp_path, monkeypatch):
     run(compose(BASE, tmp_path))
     train = [(step, written) for split, step, written in calls if split == "train"]
     assert train and all(written for _, written in train), train
-    assert sorted({s for s, _ in train}) == [1, 3, 5]
-    assert len(train) == 3 * 2  # both micro-batches of each written step (Lightning writes the last one's)
+    # both micro-batches of each written step 1, 3, 5 (Lightning writes the last one's); they are logged in
+    # on_train_batch_end, where the last micro-batch's optimizer step has already counted (global_step s + 1)
+    assert [s for s, _ in train] == [1, 2, 3, 4, 5, 6], train
     assert any(split == "val" for split, _, _ in calls)
     n_cores = 2
     # tau(0) = start = the core's initial tau (not set); steps 1..5 change it once each
     assert len(sets) == 5 * n_cores, sets
+
+
+def test_training_metrics_logged_after_the_backward_with_the_steps_lr(tmp_path, monkeypatch):
+    """The per-layer statistics are logged once the batch's backward is queued (on_train_batch_end: ~65
+    `self.log` calls of host Python there keep the GPU busy instead of idle), and the lr written is the one the
+    optimizer used at that step (the scheduler has already stepped by on_train_batch_end)."""
+    events: list[tuple[str, int]] = []
+    log_stats, after_backward = nats.lit.LitGPT._log_stats, nats.lit.LitGPT.on_after_backward
+
+    def spy_stats(self, split, stats, batch_size=None):
+        events.append((f"log_{split}", self.trainer.global_step))
+        return log_stats(self, split, stats, batch_size)
+
+    def spy_backward(self):
+        events.append(("backward", self.trainer.global_step))
+        return after_backward(self)
+
+    monkeypatch.setattr(nats.lit.LitGPT, "_log_stats", spy_stats)
+    monkeypatch.setattr(nats.lit.LitGPT, "on_after_backward", spy_backward)
+    cfg = compose(BASE, tmp_path)
+    run(cfg)
+    train = [i for i, (name, _) in enumerate(events) if name == "log_train"]
+    assert len(train) == 6, events  # two micro-batches on each of steps 1, 3, 5
+    for i in train:  # each right after its micro-batch's backward, nothing in between
+        assert events[i - 1][0] == "backward", events[max(0, i - 3) : i + 1]
+    o = cfg.optim
+    rows = logged_rows(tmp_path)
+
+    def lr(step):
+        return nats.lit.lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, max_steps=6)
+
+    for step in (1, 3, 5):
+        assert rows[step]["lr"] == pytest.approx(lr(step), rel=1e-6), (step, rows[step]["lr"], lr(step))
+        if step >= o.warmup_steps:  # (the cosine part) the next step's lr, read after the scheduler, differs
+            assert lr(step + 1) != pytest.approx(rows[step]["lr"], rel=1e-6)
 
 
 def test_tau_schedule_finds_nats_cores_by_type():
