@@ -99,9 +99,9 @@ class _CoreSchedule(Callback):
     """Set an attribute of every NAtS core (`nats.attention.nats.NAtSAttention`, found by type; other cores lack
     it) to ``value_at(trainer.global_step)`` before each training batch, where it differs (so once per optimizer
     step: the micro-batches of one step share it; the core's setter fills a buffer in place, so a compiled model
-    does not recompile), and log it as ``nats/<attr>`` on the steps whose logs are written (a Python float logged
-    is a blocking host-to-device copy). The value is a function of the step alone, so a resumed run continues
-    the schedule where it stopped."""
+    does not recompile), and log it as ``nats/<attr>`` on the steps whose logs are written, as a CPU tensor
+    (``nats.lit.host_scalar``: a Python float logged would be a blocking host-to-device copy). The value is a
+    function of the step alone, so a resumed run continues the schedule where it stopped."""
 
     attr = ""
 
@@ -110,7 +110,7 @@ class _CoreSchedule(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         from nats.attention.nats import NAtSAttention
-        from nats.lit import logs_written_now
+        from nats.lit import host_scalar, logs_written_now
 
         value = self.value_at(trainer.global_step)
         if getattr(self, "_cores_of", None) is not pl_module:  # the cores are found once per module
@@ -120,7 +120,7 @@ class _CoreSchedule(Callback):
             if getattr(module, self.attr) != value:
                 setattr(module, self.attr, value)
         if logs_written_now(trainer):
-            pl_module.log(f"nats/{self.attr}", value)
+            pl_module.log(f"nats/{self.attr}", host_scalar(value))  # a float would sync the device
 
 
 class TemperatureSchedule(_CoreSchedule):

@@ -139,6 +139,15 @@ def logs_written_now(trainer) -> bool:
     return bool(connector.should_update_logs)
 
 
+def host_scalar(value: float) -> torch.Tensor:
+    """A Python number for ``self.log`` without a device synchronisation (issue 16). Lightning turns a float into a
+    tensor on the module's device: a blocking host-to-device copy from pageable memory, which waits for every
+    kernel queued before it, so the GPU then idles while the host queues the next work. A CPU tensor stays on the
+    CPU (Lightning's metric follows its value's device) and is written as it is; float64, so that the number
+    written is the float itself."""
+    return torch.tensor(float(value), dtype=torch.float64)
+
+
 def _compile_backend(compile: bool | str) -> str | None:
     """`compile`: False/None/"false" (eager), True/"true" (inductor) or a torch.compile backend name
     ("aot_eager", used by the CPU tests)."""
@@ -383,7 +392,7 @@ class LitGPT(L.LightningModule):
         aux_loss, stats, lr = pending
         if aux_loss is not None:
             self.log("train/aux_loss", aux_loss.detach())
-        self.log("lr", lr)
+        self.log("lr", host_scalar(lr))
         self._log_stats("train", stats)
 
     def _flops(self, x: torch.Tensor) -> float:

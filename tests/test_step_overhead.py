@@ -147,6 +147,34 @@ def test_training_metrics_logged_after_the_backward_with_the_steps_lr(tmp_path, 
             assert lr(step + 1) != pytest.approx(rows[step]["lr"], rel=1e-6)
 
 
+def test_training_logs_no_python_numbers(tmp_path, monkeypatch):
+    """Nothing logged during training is a Python number (on a GPU, Lightning would make it a device tensor with a
+    blocking host-to-device copy, a sync on every written step): the lr, tau and noise scale are CPU tensors
+    (`host_scalar`), with the values of before."""
+    from lightning.pytorch import LightningModule
+
+    seen: dict[str, object] = {}
+    original = LightningModule.log
+
+    def spy(self, name, value, *args, **kwargs):
+        if self.trainer.training:
+            seen[name] = value
+        return original(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(LightningModule, "log", spy)
+    run(
+        compose(
+            [*BASE, "callbacks=[default,tau_schedule,noise_schedule]", "callbacks.noise_schedule.steps=6"], tmp_path
+        )
+    )
+    assert {"lr", "nats/tau", "nats/noise_scale", "train/loss", "train/density"} <= seen.keys(), seen.keys()
+    numbers = {k: v for k, v in seen.items() if not isinstance(v, torch.Tensor)}
+    assert not numbers, numbers
+    for key in ("lr", "nats/tau", "nats/noise_scale"):
+        assert seen[key].device.type == "cpu" and seen[key].dtype == torch.float64, (key, seen[key])
+    assert nats.lit.host_scalar(0.1).item() == 0.1  # the float itself is written
+
+
 def test_tau_schedule_finds_nats_cores_by_type():
     """TemperatureSchedule sets tau on the NAtS cores (by class), not on any module that has `tau` and `scorer`."""
     from types import SimpleNamespace

@@ -37,7 +37,7 @@ from torch import nn
 
 from nats.hf.datamodule import pretrained_kwargs
 from nats.hf.scorers import SCORER_NAME, attach_nats, nats_density, nats_state_dict, nats_stats
-from nats.lit import logs_written_now, optimizer_partial
+from nats.lit import host_scalar, logs_written_now, optimizer_partial
 from nats.utils import atomic_write
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ class LitNAtSDistill(L.LightningModule):
             self.log("train/density", density)
             # the density of the argmax types of the same batch (inference's; the sampled ones' is train/density)
             self.log("train/density_argmax", nats_density(self.model, argmax=True))
-            self.log("lr", self.optimizers().param_groups[0]["lr"])
+            self.log("lr", host_scalar(self.optimizers().param_groups[0]["lr"]))  # no device sync
         return loss
 
     def on_validation_epoch_start(self) -> None:
