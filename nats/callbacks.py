@@ -244,10 +244,13 @@ class StepProgressBar(TQDMProgressBar):
     ``max_steps=300`` is reached. A resumed run starts the bar at its step, so the rate and the time left count
     only the steps this process ran. ``refresh_rate`` is in optimizer steps.
 
-    The training loss and the learning rate are read here, when the bar refreshes (``train/loss`` from the
-    callback metrics, the lr from the optimizer), rather than logged with ``prog_bar=True``: Lightning converts
-    every progress-bar metric to a Python number after every batch, a host-device synchronisation per
-    micro-batch that stalls the GPU pipeline (issue 16)."""
+    The training loss and the learning rate are read here (``train/loss`` from the callback metrics, the lr from
+    the optimizer), rather than logged with ``prog_bar=True``: Lightning converts every progress-bar metric to a
+    Python number after every batch, a host-device synchronisation per micro-batch that stalls the GPU pipeline
+    (issue 16). They are read only on the optimizer steps whose logs are written (and the last step), where the
+    device is synchronised anyway (the throughput monitor, Lightning's loggers): reading the loss is a
+    synchronisation too, which at another step (refresh_rate 10, log_every_n_steps 25) would drain the GPU's
+    queue once more. Between them the bar shows the last values read."""
 
     def get_metrics(self, trainer, pl_module) -> dict:
         metrics = super().get_metrics(trainer, pl_module)
@@ -281,8 +284,11 @@ class StepProgressBar(TQDMProgressBar):
         bar = self.train_progress_bar
         if bar is None or bar.disable:
             return
+        from nats.lit import logs_written_now
+
         step = trainer.global_step
+        if step != bar.n and (logs_written_now(trainer) or step == bar.total):
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
         if step != bar.n and (step % self.refresh_rate == 0 or step == bar.total):
             bar.n = step
-            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
             bar.refresh()

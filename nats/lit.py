@@ -232,7 +232,7 @@ class LitGPT(L.LightningModule):
             self._forward = torch.compile(self.model.forward, backend=backend, **opts)
             self._forward_eval = torch.compile(_eval_forward(self.model), backend=backend, **opts)
         self._eval_shape: torch.Size | None = None
-        self._pending_logs: tuple | None = None  # training_step's metrics, logged in on_train_batch_end
+        self._pending_logs: tuple | None = None  # training_step's metrics, logged in on_after_backward
         self._compiled = backend is not None
         # CUDA graphs (reduce-overhead) reuse their output memory at the next replay: every call starts a new
         # "step" (the outputs a step keeps, e.g. logged values, are cloned by Lightning's self.log)
@@ -376,15 +376,17 @@ class LitGPT(L.LightningModule):
         # The rest is written to the loggers only every trainer.log_every_n_steps optimizer steps: log it only
         # then (the values written are the same). Every `self.log` costs host time, and a Python float (the lr)
         # becomes a device tensor through a blocking host-to-device copy, a device sync per step (issue 16).
-        # It is logged in on_train_batch_end, once this batch's backward (and optimizer step) is queued: NAtS'
-        # per-layer statistics are ~65 `self.log` calls, ~20 ms of host Python, which here, between the forward
-        # and the backward, left the GPU idle (3-4.5 ms per step on average at log_every_n_steps=10, H100).
+        # It is logged in on_after_backward, once this batch's backward is queued: NAtS' per-layer statistics are
+        # ~65 `self.log` calls, ~20 ms of host Python, which the GPU's backward then hides. Not here, between the
+        # forward and the backward, and not in on_train_batch_end, which runs after the throughput monitor has
+        # synchronised the device on these steps: there the GPU would wait for the Python (H100: ~40 ms per
+        # written step).
         self._pending_logs = None
-        if self._grad_norms_logged_now():  # the lr read now: the scheduler steps before on_train_batch_end
+        if self._grad_norms_logged_now():
             self._pending_logs = (out.aux_loss, out.stats, self.optimizers().param_groups[0]["lr"])
         return loss
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+    def on_after_backward(self) -> None:
         """The metrics that training_step kept for this batch (same step, same values; see there)."""
         pending, self._pending_logs = self._pending_logs, None
         if pending is None:

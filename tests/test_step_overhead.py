@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 import nats.lit
+import nats.train
 from conftest import compose
 from nats.attention.nats import NAtSAttention
 from nats.train import build, run
@@ -103,9 +105,8 @@ def test_statistics_and_tau_only_where_needed(tmp_path, monkeypatch):
     run(compose(BASE, tmp_path))
     train = [(step, written) for split, step, written in calls if split == "train"]
     assert train and all(written for _, written in train), train
-    # both micro-batches of each written step 1, 3, 5 (Lightning writes the last one's); they are logged in
-    # on_train_batch_end, where the last micro-batch's optimizer step has already counted (global_step s + 1)
-    assert [s for s, _ in train] == [1, 2, 3, 4, 5, 6], train
+    assert sorted({s for s, _ in train}) == [1, 3, 5]
+    assert len(train) == 3 * 2  # both micro-batches of each written step (Lightning writes the last one's)
     assert any(split == "val" for split, _, _ in calls)
     n_cores = 2
     # tau(0) = start = the core's initial tau (not set); steps 1..5 change it once each
@@ -113,9 +114,9 @@ def test_statistics_and_tau_only_where_needed(tmp_path, monkeypatch):
 
 
 def test_training_metrics_logged_after_the_backward_with_the_steps_lr(tmp_path, monkeypatch):
-    """The per-layer statistics are logged once the batch's backward is queued (on_train_batch_end: ~65
-    `self.log` calls of host Python there keep the GPU busy instead of idle), and the lr written is the one the
-    optimizer used at that step (the scheduler has already stepped by on_train_batch_end)."""
+    """The per-layer statistics are logged once the batch's backward is queued and before anything synchronises
+    the device at the end of a written step (~65 `self.log` calls of host Python then overlap the GPU's work),
+    and the lr written is the one the optimizer used at that step."""
     events: list[tuple[str, int]] = []
     log_stats, after_backward = nats.lit.LitGPT._log_stats, nats.lit.LitGPT.on_after_backward
 
@@ -127,14 +128,27 @@ def test_training_metrics_logged_after_the_backward_with_the_steps_lr(tmp_path, 
         events.append(("backward", self.trainer.global_step))
         return after_backward(self)
 
+    class BatchEnd(Callback):  # the callbacks' on_train_batch_end, where the throughput monitor synchronises
+        def on_train_batch_end(self, trainer, *args):
+            events.append(("batch_end", trainer.global_step))
+
     monkeypatch.setattr(nats.lit.LitGPT, "_log_stats", spy_stats)
     monkeypatch.setattr(nats.lit.LitGPT, "on_after_backward", spy_backward)
+    build_ = nats.train.build
+
+    def build_with_spy(cfg):
+        datamodule, module, trainer = build_(cfg)
+        trainer.callbacks.append(BatchEnd())
+        return datamodule, module, trainer
+
+    monkeypatch.setattr(nats.train, "build", build_with_spy)
     cfg = compose(BASE, tmp_path)
     run(cfg)
     train = [i for i, (name, _) in enumerate(events) if name == "log_train"]
     assert len(train) == 6, events  # two micro-batches on each of steps 1, 3, 5
-    for i in train:  # each right after its micro-batch's backward, nothing in between
+    for i in train:  # each right after its micro-batch's backward, before the batch ends
         assert events[i - 1][0] == "backward", events[max(0, i - 3) : i + 1]
+        assert events[i + 1][0] == "batch_end", events[i - 1 : i + 2]
     o = cfg.optim
     rows = logged_rows(tmp_path)
 
@@ -173,6 +187,31 @@ def test_training_logs_no_python_numbers(tmp_path, monkeypatch):
     for key in ("lr", "nats/tau", "nats/noise_scale"):
         assert seen[key].device.type == "cpu" and seen[key].dtype == torch.float64, (key, seen[key])
     assert nats.lit.host_scalar(0.1).item() == 0.1  # the float itself is written
+
+
+def test_progress_bar_reads_the_loss_only_on_written_steps(tmp_path, monkeypatch):
+    """The bar reads train/loss (a device sync) on the steps whose logs are written, where the device is synchronised
+    anyway, and at the last step, not at every refresh."""
+    from nats.callbacks import StepProgressBar
+
+    reads: list[tuple[int, bool]] = []
+    original = StepProgressBar.get_metrics
+
+    def spy(self, trainer, pl_module):
+        if trainer.training:
+            reads.append((trainer.global_step, nats.lit.logs_written_now(trainer)))
+        return original(self, trainer, pl_module)
+
+    monkeypatch.setattr(StepProgressBar, "get_metrics", spy)
+    overrides = [o for o in BASE if o != "callbacks.progress_bar=null"]
+    cfg = compose([*overrides, "trainer.max_steps=7", "callbacks.progress_bar.refresh_rate=1"], tmp_path)
+    datamodule, module, trainer = build(cfg)
+    trainer.fit(module, datamodule=datamodule)
+    (bar,) = [c for c in trainer.callbacks if isinstance(c, StepProgressBar)]
+    # written steps 1, 3, 5 end at global_step 2, 4, 6; 7 is the last (the refresh rate alone would read at 1..7)
+    assert sorted({step for step, _ in reads}) == [2, 4, 6, 7], reads
+    assert all(written or step == 7 for step, written in reads), reads
+    assert bar.train_progress_bar.n == 7 and "train/loss=" in str(bar.train_progress_bar.postfix)
 
 
 def test_tau_schedule_finds_nats_cores_by_type():
