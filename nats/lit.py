@@ -233,6 +233,7 @@ class LitGPT(L.LightningModule):
             self._forward_eval = torch.compile(_eval_forward(self.model), backend=backend, **opts)
         self._eval_shape: torch.Size | None = None
         self._pending_logs: tuple | None = None  # training_step's metrics, logged in on_after_backward
+        self._staged_stats: list[tuple] = []  # (step, names, host values, copy event): see _log_stats
         self._compiled = backend is not None
         # CUDA graphs (reduce-overhead) reuse their output memory at the next replay: every call starts a new
         # "step" (the outputs a step keeps, e.g. logged values, are cloned by Lightning's self.log)
@@ -387,7 +388,9 @@ class LitGPT(L.LightningModule):
         return loss
 
     def on_after_backward(self) -> None:
-        """The metrics that training_step kept for this batch (same step, same values; see there)."""
+        """The metrics that training_step kept for this batch (same step, same values; see there), and the
+        per-layer statistics of an earlier written step whose copy to the host has completed."""
+        self._write_layer_stats()
         pending, self._pending_logs = self._pending_logs, None
         if pending is None:
             return
@@ -434,15 +437,57 @@ class LitGPT(L.LightningModule):
             self.log("test/ppl", torch.exp(loss.float()))
 
     def _log_stats(self, split: str, stats: Mapping[str, torch.Tensor], batch_size: int | None = None) -> None:
-        """Per-layer stats ("layer3/density") and their mean over layers ("density")."""
+        """Per-layer stats ("layer3/density") and their mean over layers ("density").
+
+        In training, the per-layer values (12 layers x 5 statistics for GPT-2-small) do not go through
+        ``self.log``: Lightning would turn each into a Python number, and write it, after the device
+        synchronisation that ends a written step, while the GPU waits. They are copied to the host without
+        blocking and written to the loggers, at their own step, once the copy has completed (at a later batch's
+        backward, at the latest when training ends): the same values and steps in the logs (issue 16)."""
         if not stats:
             return
         per_name: dict[str, list[torch.Tensor]] = {}
         for key, value in stats.items():
-            self.log(f"{split}_layers/{key}", value, batch_size=batch_size, sync_dist=split != "train")
+            if split != "train":
+                self.log(f"{split}_layers/{key}", value, batch_size=batch_size, sync_dist=True)
             per_name.setdefault(key.split("/", 1)[1], []).append(value)
+        if split == "train":
+            self._stage_layer_stats({f"train_layers/{k}": v for k, v in stats.items()})
         for name, values in per_name.items():
             self.log(f"{split}/{name}", torch.stack(values).mean(), batch_size=batch_size, sync_dist=split != "train")
+
+    def _stage_layer_stats(self, stats: Mapping[str, torch.Tensor]) -> None:
+        """Start copying ``stats`` (scalars) to the host, for `_write_layer_stats` at Lightning's logging step."""
+        trainer = self._trainer
+        step = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        step = getattr(step, "_batches_that_stepped", self.global_step)  # the step Lightning's own logs carry
+        values = torch.stack([v.detach().float().reshape(()) for v in stats.values()])
+        event = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            values = host
+        # a later micro-batch of the same step replaces it: Lightning writes a step's last value too
+        self._staged_stats = [e for e in self._staged_stats if e[0] != step] + [(step, list(stats), values, event)]
+
+    def _write_layer_stats(self, wait: bool = False) -> None:
+        """Write the staged statistics whose host copy has completed (all of them with ``wait``) to the loggers."""
+        keep = []
+        for step, names, values, event in self._staged_stats:
+            if event is not None and not event.query():
+                if not wait:
+                    keep.append((step, names, values, event))
+                    continue
+                event.synchronize()
+            metrics = dict(zip(names, values.tolist()))
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=step)
+        self._staged_stats = keep
+
+    def on_train_end(self) -> None:
+        self._write_layer_stats(wait=True)
 
     # ------------------------------------------------------------------ exact resume
     def on_save_checkpoint(self, checkpoint: dict) -> None:
