@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call of benchmarks/bench_nats_train.py (issue 16): nats-train (fig3_dense, fig3_nats) beside the
 # isolated step. Run from the repo root on a lent GPU machine, with the wheels in .whl/ and the PG-19 subset
-# archives in ${PG19:-data/pg19-subset-src}/ carried (as experiments/gpu_figure3.sh); the subset is tokenised first
-# (nats-prepare), outside the timed runs.
+# archives in data/pg19-subset-src/ (or the folder $PG19) carried (as experiments/gpu_figure3.sh); the subset is
+# tokenised first (nats-prepare), outside the timed runs.
 #   bash benchmarks/gpu_bench_nats_train.sh                 # everything (~8-10 min cold)
 #   bash benchmarks/gpu_bench_nats_train.sh train           # the two nats-train runs only
 #   bash benchmarks/gpu_bench_nats_train.sh report          # then: the isolated steps + the table (--reuse)
