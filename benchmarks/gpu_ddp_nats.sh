@@ -8,13 +8,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # leave NVLink multicast off
 OUT=${OUT:-/tmp/out}
-SITE=${NATS_SITE_DIR:-/tmp/site}
-mkdir -p "$OUT" "$SITE"
-if [ ! -d "$SITE/hydra" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
-fi
-python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-export PYTHONPATH=$SITE:$PWD
+source benchmarks/gpu_site.sh  # $OUT, the wheels of .whl/ into $SITE, nats from the checkout, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 t0=$(date +%s)
 python3 -m nats.prepare data=pg19_subset "data.path=$PWD/data/pg19-subset-src" 2>&1 | tail -2

@@ -10,13 +10,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
 OUT=${OUT:-/tmp/out}
-SITE=${NATS_SITE_DIR:-/tmp/site}
-mkdir -p "$OUT" "$SITE"
-if [ ! -d "$SITE/hydra" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
-fi
-python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-export PYTHONPATH=$SITE:$PWD
+source benchmarks/gpu_site.sh  # $OUT, the wheels of .whl/ into $SITE, nats from the checkout, PYTHONPATH
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE '[A-Z][0-9]{2,4}' | head -1 | tr A-Z a-z)
 python3 -m nats.prepare data=pg19_subset "data.path=$PWD/${PG19:-data/pg19-subset-src}" 2>&1 | tail -1
 exps=("$@")

@@ -11,14 +11,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
 OUT=${OUT:-/tmp/out}
-# scratch, outside the checkout (see benchmarks/README.md): the wheels of .whl/ are installed into $SITE
-SITE=${NATS_SITE_DIR:-/tmp/site}
-mkdir -p "$OUT" "$SITE"
-if [ ! -d "$SITE/hydra" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
-fi
-python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1  # nats, nats_kernels
-export PYTHONPATH=$SITE:$PWD
+source benchmarks/gpu_site.sh  # $OUT, the wheels of .whl/ into $SITE, nats from the checkout, PYTHONPATH
 F3="python3 experiments/figure3.py"
 DATA="data.path=$PWD/data/pg19-subset-src"
 phase=$1; shift

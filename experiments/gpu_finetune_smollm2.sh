@@ -59,13 +59,7 @@ fi
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/triton_cache} TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
 trap 'tar czf "$OUT/triton_cache.tgz" -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")" 2>/dev/null' EXIT
-SITE=${NATS_SITE_DIR:-/tmp/site}
-mkdir -p "$OUT" "$SITE"
-if [ ! -d "$SITE/hydra" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
-fi
-python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-export PYTHONPATH=$SITE:$PWD
+source benchmarks/gpu_site.sh  # $OUT, the wheels of .whl/ into $SITE, nats from the checkout, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)"
 # the PG-19 path the carried examples were built from: part of their cache key (not read when the cache is there)
