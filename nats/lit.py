@@ -375,13 +375,10 @@ class LitGPT(L.LightningModule):
         # train/loss and the lr itself, only when it refreshes (issue 16).
         self.log("train/loss", out.loss)
         # The rest is written to the loggers only every trainer.log_every_n_steps optimizer steps: log it only
-        # then (the values written are the same). Every `self.log` costs host time, and a Python float (the lr)
-        # becomes a device tensor through a blocking host-to-device copy, a device sync per step (issue 16).
-        # It is logged in on_after_backward, once this batch's backward is queued: NAtS' per-layer statistics are
-        # ~65 `self.log` calls, ~20 ms of host Python, which the GPU's backward then hides. Not here, between the
-        # forward and the backward, and not in on_train_batch_end, which runs after the throughput monitor has
-        # synchronised the device on these steps: there the GPU would wait for the Python (H100: ~40 ms per
-        # written step).
+        # then (the values written are the same; every `self.log` costs host time). It is logged in
+        # on_after_backward, where the GPU's queued backward hides that host time: not here, between the forward
+        # and the backward, and not in on_train_batch_end, which on these steps runs after the throughput monitor
+        # has synchronised the device, so that the GPU would wait for the Python (issue 16; `_log_stats`).
         self._pending_logs = None
         if self._grad_norms_logged_now():
             self._pending_logs = (out.aux_loss, out.stats, self.optimizers().param_groups[0]["lr"])
@@ -458,9 +455,8 @@ class LitGPT(L.LightningModule):
 
     def _stage_layer_stats(self, stats: Mapping[str, torch.Tensor]) -> None:
         """Start copying ``stats`` (scalars) to the host, for `_write_layer_stats` at Lightning's logging step."""
-        trainer = self._trainer
-        step = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        step = getattr(step, "_batches_that_stepped", self.global_step)  # the step Lightning's own logs carry
+        epoch_loop = getattr(getattr(self._trainer, "fit_loop", None), "epoch_loop", None)
+        step = getattr(epoch_loop, "_batches_that_stepped", self.global_step)  # the step Lightning's logs carry
         values = torch.stack([v.detach().float().reshape(()) for v in stats.values()])
         event = None
         if values.is_cuda:
