@@ -173,7 +173,7 @@ def nats_attention(
     mask_grad = _ref.check_mask_grad(mask_grad)
     window = _ref.check_attention_inputs(q, k, v, type_weights, window)
     if backend == "reference":
-        return _ref.nats_attention_reference(q, k, v, type_weights, window, mask_grad)
+        return _reference_attention(q, k, v, type_weights, window, mask_grad)
     if backend == "triton":
         fn, reason = _load_triton_backend()
         if fn is None:
@@ -188,6 +188,16 @@ def nats_attention(
         fn, _ = _load_triton_backend()
         if fn is not None:
             return fn(q, k, v, type_weights, window, mask_grad)
+    return _reference_attention(q, k, v, type_weights, window, mask_grad)
+
+
+def _reference_attention(q, k, v, type_weights, window: int, mask_grad: str) -> Tensor:
+    """The PyTorch backend: ``nats_attention_reference``, or, where no gradient is asked for and the weights are
+    one-hot (evaluation, generation), the same attention as one SDPA call under the hard mask
+    (``reference.nats_attention_hard``). Not while compiling: the one-hot test reads the weights."""
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, type_weights))
+    if not wants_grad and not torch.compiler.is_compiling() and _ref.is_one_hot(type_weights):
+        return _ref.nats_attention_hard(q, k, v, type_weights.argmax(-1), window)
     return _ref.nats_attention_reference(q, k, v, type_weights, window, mask_grad)
 
 

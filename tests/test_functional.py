@@ -230,6 +230,31 @@ def test_attention_matches_loop_reference(B, Hq, Hkv, N, D, W, mask_grad):
     assert N == 1 or got[3].abs().sum() > 0
 
 
+@pytest.mark.parametrize("B,Hq,Hkv,N,D,W", ATTN_CASES)
+def test_inference_attention_takes_the_hard_mask_path(B, Hq, Hkv, N, D, W, monkeypatch):
+    """Without gradients and at one-hot weights the PyTorch backend runs SDPA under the hard mask
+    (``reference.nats_attention_hard``): the loop reference's values; with gradients, or at weights that are not
+    one-hot, it stays on the differentiable reference."""
+    gen = torch.Generator().manual_seed(N * 7 + Hq)
+    types = rand_types((B, Hkv, N), gen)
+    q, k, v = qkv(B, Hq, Hkv, N, D, gen, scale=1.5)
+    w = F.one_hot(types, 3).to(F64)
+    want = loop_attention(q.detach(), k.detach(), v.detach(), w, W, "dense")
+    calls = []
+    hard = R.nats_attention_hard
+    monkeypatch.setattr(R, "nats_attention_hard", lambda *a: calls.append(1) or hard(*a))
+    with torch.no_grad():
+        got = NF.nats_attention(q, k, v, w, W, backend="reference")
+    assert calls and got.dtype == F64
+    torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+    calls.clear()
+    NF.nats_attention(q, k, v, w, W, backend="reference")  # q, k, v require grad
+    soft = w * 0.9 + 0.1 / 3
+    with torch.no_grad():
+        NF.nats_attention(q, k, v, soft, W, backend="reference")
+    assert not calls
+
+
 @pytest.mark.parametrize("mask_grad", ["dense", "exact"])
 @pytest.mark.parametrize("N,W,Hq,Hkv", [(24, 4, 2, 1), (17, 1, 1, 1), (12, 30, 2, 2)])
 def test_type_gradients_match_spec_formulas(N, W, Hq, Hkv, mask_grad):
