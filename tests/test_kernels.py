@@ -225,6 +225,28 @@ def test_training_kernel_matches_reference(N, W, D, dtype, mix, B, HQ, HKV):
     check_all(got, want, tol)
 
 
+@pytest.mark.parametrize("order", ["heads", "blocks"])
+def test_training_kernel_grid_orders(order, monkeypatch):
+    """Both grid orders of the block kernels (``_env.blocks_first``) decode their program ids right: several
+    query and key blocks, batches and GQA heads, each order against the reference."""
+    monkeypatch.setenv("NATS_KERNELS_GRID", order)
+    q, k, v, do, types = make_inputs(2, 4, 2, 77, 32, torch.float32, "sparse", seed=3)
+    got, want = run_both(q, k, v, do, types, 9)
+    check_all(got, want, 1e-4)
+
+
+def test_block_grid_orders_and_limits(monkeypatch):
+    assert _env.block_grid(6, 100, 32, True) == (4, 6)
+    assert _env.block_grid(6, 100, 32, False) == (6, 4)
+    with pytest.raises(ValueError, match="NATS_KERNELS_GRID=heads"):
+        _env.block_grid(_env.MAX_GRID_Y + 1, 100, 32, True)
+    with pytest.raises(ValueError, match="chunked prefill"):
+        _env.block_grid(6, 64 * (_env.MAX_GRID_Y + 1), 64, False)
+    monkeypatch.setenv("NATS_KERNELS_GRID", "rows")
+    with pytest.raises(ValueError, match="'blocks' or 'heads'"):
+        _env.blocks_first()
+
+
 def type_grad_gap(q, k, v, do, types, window) -> float:
     """Relative RMS difference of the reference's "dense" and "exact" type gradients on these inputs."""
     grads = []

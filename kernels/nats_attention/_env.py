@@ -86,18 +86,43 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis (query or key blocks of one head)
+MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis
 
 
-def grid_blocks(n: int, block: int) -> int:
-    """Blocks of `block` rows over n (the second grid axis of the query- and key-block kernels)."""
+def blocks_first() -> bool:
+    """Grid order of the block kernels (forward, causal LSE, dQ, dK/dV), read at every launch.
+
+    ``NATS_KERNELS_GRID=heads`` (the default, the order every timing so far was taken with): axis 0, the one the
+    GPU starts fastest, holds batch x heads, so the programs running side by side belong to different heads.
+    ``blocks``: axis 0 holds the query (or key) blocks of one head, as in FlashAttention and Triton's attention
+    tutorial, so a head's programs run side by side and can read its K/V (Q/dO for dK/dV) from L2 instead of
+    each from memory. Which is faster at GPT-2's training shape is measured by ``benchmarks/gpu_kernel_grid.sh``
+    (not yet run: no GPU was lent in session 13); the default changes only on its numbers.
+    """
+    order = os.environ.get("NATS_KERNELS_GRID", "heads")
+    if order not in ("blocks", "heads"):
+        raise ValueError(f"NATS_KERNELS_GRID must be 'blocks' or 'heads', got {order!r}")
+    return order == "blocks"
+
+
+def block_grid(heads: int, n: int, block: int, first: bool) -> tuple[int, int]:
+    """Grid of a block kernel: (blocks of `block` rows over n, heads) when `first` (see ``blocks_first``), else
+    (heads, blocks). The second axis may hold at most MAX_GRID_Y."""
     nb = cdiv(n, block)
+    if first:
+        if heads > MAX_GRID_Y:
+            raise ValueError(
+                f"{heads} (batch x heads) programs per block exceed the {MAX_GRID_Y} a CUDA grid axis allows; "
+                "split the batch or set NATS_KERNELS_GRID=heads"
+            )
+        return nb, heads
     if nb > MAX_GRID_Y:
         raise ValueError(
             f"sequence length {n} needs {nb} blocks of {block} rows, more than the {MAX_GRID_Y} "
-            "a CUDA grid axis allows; split the sequence (chunked prefill) or use larger blocks"
+            "a CUDA grid axis allows; split the sequence (chunked prefill), use larger blocks or "
+            "NATS_KERNELS_GRID=blocks"
         )
-    return nb
+    return heads, nb
 
 
 def clamp_window(window: int, n: int) -> int:

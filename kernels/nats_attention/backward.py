@@ -192,9 +192,12 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    BLOCKS_FIRST: tl.constexpr,
     DENSE: tl.constexpr,
 ):
-    pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
+    pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(
+        N, H_Q, GROUP, BLOCK_M, HEAD_DIM, BLOCKS_FIRST
+    )
     q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, row_ok)
     do = load_rows(DO + b * sdob + h * sdoh, offs_m, offs_d, sdon, row_ok)
     o = load_rows(O + b * sob + h * soh, offs_m, offs_d, son, row_ok)
@@ -451,10 +454,17 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    BLOCKS_FIRST: tl.constexpr,
     DENSE: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)  # b * H_KV + hk
-    pid_n = tl.program_id(1)  # key blocks start first to last: the early ones see the most queries
+    # key blocks start first to last (the early ones see the most queries); under BLOCKS_FIRST the key blocks of
+    # one head run side by side and share its Q and dO rows in L2
+    if BLOCKS_FIRST:
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)  # b * H_KV + hk
+    else:
+        pid_bh = tl.program_id(0)
+        pid_n = tl.program_id(1)
     H_KV = H_Q // GROUP
     b = (pid_bh // H_KV).to(tl.int64)
     hk = pid_bh % H_KV
@@ -698,7 +708,8 @@ def nats_backward(
         raise ValueError(f"mask_grad must be 'dense' or 'exact', got {mask_grad!r}")
     lsec = causal_lse(q, k, sm_scale) if dense else lse  # (unused by the kernels under "exact")
 
-    grid_q = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))
+    bf = _env.blocks_first()
+    grid_q = lambda meta: _env.block_grid(B * HQ, N, meta["BLOCK_M"], bf)
     _bwd_dq_kernel[grid_q](
         q,
         k,
@@ -740,8 +751,9 @@ def nats_backward(
         HEAD_DIM=D,
         DOT_PREC=prec,
         DENSE=dense,
+        BLOCKS_FIRST=bf,
     )
-    grid_k = lambda meta: (B * HKV, _env.grid_blocks(N, meta["BLOCK_N"]))
+    grid_k = lambda meta: _env.block_grid(B * HKV, N, meta["BLOCK_N"], bf)
     _bwd_dkdv_kernel[grid_k](
         q,
         k,
@@ -782,6 +794,7 @@ def nats_backward(
         HEAD_DIM=D,
         DOT_PREC=prec,
         DENSE=dense,
+        BLOCKS_FIRST=bf,
     )
     ch = 64 if INTERPRET else min(1024, max(64, triton.next_power_of_2(N)))
     _type_grad_kernel[(B * HKV,)](types, cols, rd, dd, dtw, N, group, *dtw.stride(), HKV, CH=ch, num_warps=4)

@@ -65,8 +65,11 @@ def _causal_lse_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    BLOCKS_FIRST: tl.constexpr,
 ):
-    pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
+    pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(
+        N, H_Q, GROUP, BLOCK_M, HEAD_DIM, BLOCKS_FIRST
+    )
     q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, row_ok)
     k_base = K + b * skb + hk * skh
     q_hi = tl.minimum(m0 + BLOCK_M, N) - 1
@@ -99,7 +102,8 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, sm_scale: float | None = None) 
     if sm_scale is None:
         sm_scale = D**-0.5
     lsec = _env.empty((B, HQ, N), torch.float32, q.device)
-    grid = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))
+    bf = _env.blocks_first()
+    grid = lambda meta: _env.block_grid(B * HQ, N, meta["BLOCK_M"], bf)
     _causal_lse_kernel[grid](
         q,
         k,
@@ -116,5 +120,6 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, sm_scale: float | None = None) 
         HQ // HKV,
         HEAD_DIM=D,
         DOT_PREC=dot_precision(q.dtype),
+        BLOCKS_FIRST=bf,
     )
     return lsec

@@ -38,16 +38,22 @@ def key_limit(ty, e, offs_n, W, N):
 
 
 @triton.jit
-def query_program(N, H_Q, GROUP, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Who a program of a query-block kernel (grid: batch*query heads x query blocks) is.
+def query_program(N, H_Q, GROUP, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCKS_FIRST: tl.constexpr):
+    """Who a program of a query-block kernel (grid ``_env.block_grid``: query blocks x batch*query heads under
+    BLOCKS_FIRST, else the transpose) is.
 
     Returns its ids, batch b, query head h, KV head hk (GQA), ``head`` = the (batch, KV head) row of the
     per-head O(N) arrays, its first query m0, query rows offs_m, offs_d and the row mask.
     Query blocks run last first: under a causal mask the late blocks have the most keys, and the GPU starts
-    programs in grid order (axis 0 fastest), so the long programs start first and the short ones fill the tail.
+    programs in grid order (axis 0 fastest), so the long programs (of a head, under BLOCKS_FIRST) start first
+    and the short ones fill the tail.
     """
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    if BLOCKS_FIRST:
+        pid_bh = tl.program_id(1)
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_bh = tl.program_id(0)
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = (pid_bh // H_Q).to(tl.int64)  # int64: batch offsets can exceed 2**31
     h = pid_bh % H_Q
     hk = h // GROUP
@@ -218,9 +224,12 @@ def _nats_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    BLOCKS_FIRST: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
-    pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(N, H_Q, GROUP, BLOCK_M, HEAD_DIM)
+    pid_m, pid_bh, b, h, hk, head, m0, offs_m, offs_d, row_ok = query_program(
+        N, H_Q, GROUP, BLOCK_M, HEAD_DIM, BLOCKS_FIRST
+    )
     q = load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, row_ok)
     q_hi = tl.minimum(m0 + BLOCK_M, N) - 1  # last real query of the block
     g_hi, b_lo, b_hi, c_lo, c_hi, ordp, limp, b_ord, b_lim = compact_ranges(PLAN, head, N, W, m0, q_hi)
@@ -320,7 +329,8 @@ def nats_forward(q, k, v, plan, window: int, sm_scale: float | None = None, stor
     W = _env.clamp_window(window, N)
     o = _env.empty_bnhd(q.shape, q.dtype, q.device)
     lse = _env.empty((B, HQ, N), torch.float32, q.device) if store_lse else o
-    grid = lambda meta: (B * HQ, _env.grid_blocks(N, meta["BLOCK_M"]))
+    bf = _env.blocks_first()
+    grid = lambda meta: _env.block_grid(B * HQ, N, meta["BLOCK_M"], bf)
     _nats_fwd_kernel[grid](
         q,
         k,
@@ -347,6 +357,7 @@ def nats_forward(q, k, v, plan, window: int, sm_scale: float | None = None, stor
         HQ // HKV,
         HEAD_DIM=D,
         DOT_PREC=dot_precision(q.dtype),
+        BLOCKS_FIRST=bf,
         STORE_LSE=store_lse,
     )
     return o, (lse if store_lse else None)
