@@ -266,6 +266,24 @@ def test_errors(pretrained, tmp_path, count_generate, overrides, error, match):
     assert not count_generate and not (tmp_path / E.RESULTS).exists()
 
 
+def test_type_bias_is_applied_recorded_and_checked(pretrained, tmp_path):
+    """type_bias reaches the scorers (a large sliding offset leaves only token 0 global and keeps ~W tokens), is
+    written to run.json and the header, must match on resume, and needs scorers."""
+    out = tmp_path / "biased"
+    E.run(eval_cfg(pretrained, out, "methods=[nats]", "budgets=[]", "type_bias=[0,0,50]"))
+    rows = [json.loads(x) for x in lines(out)]
+    for r in rows:
+        types = torch.tensor(r["per_head"]["type_fractions"])  # [layer][kv_head][g, l, s]
+        assert (types[..., 2] > 0.99).all()
+        assert r["kept"] <= WINDOW + 1  # per layer and KV head: the window and token 0
+    assert json.loads((out / E.SETTINGS).read_text())["type_bias"] == [0.0, 0.0, 50.0]
+    assert "type bias (g, l, s) = (0.0, 0.0, 50.0)" in (out / E.TABLE).read_text()
+    with pytest.raises(ValueError, match="type_bias"):
+        E.run(eval_cfg(pretrained, out, "methods=[nats]", "budgets=[]"))  # resume without it
+    with pytest.raises(ValueError, match="pass scorers=<run>/scorers.pt or drop type_bias"):
+        E.run(eval_cfg(pretrained, tmp_path / "none", "scorers=null", "methods=[full]", "type_bias=[-1,0,0]"))
+
+
 def test_window_must_be_known(pretrained, tmp_path):
     lone = tmp_path / "scorers.pt"
     lone.write_bytes((pretrained / "finetune_run" / "scorers.pt").read_bytes())

@@ -299,3 +299,47 @@ def test_scaling_other_than_inverse_sqrt_head_dim():
     with torch.no_grad():
         ref = model(x).logits
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_type_bias_moves_the_inference_types_only():
+    """`set_type_bias` offsets the logits before the argmax of eval mode: a global offset turns tokens global in the
+    prefill and the decode steps alike (greedy generate still equals the parallel forward), a large sliding one
+    makes every token but token 0 sliding; training types and the saved scorers are untouched."""
+    from nats.attention.nats import set_type_bias
+
+    model = attach_nats(tiny_model("llama"), window=3, init_std=0.5)
+    x = ids(n=16, b=1)
+
+    def globals_now():
+        with torch.no_grad():
+            model(x)
+        return sum(int((s.past_types == NF.TOKEN_GLOBAL).sum()) for s in scorers(model))
+
+    base = globals_now()
+    assert set_type_bias(model, [1.0, 0.0, 0.0]) == 2  # one core per layer
+    more = globals_now()
+    assert more > base
+    set_type_bias(model, [0.0, 0.0, 100.0])
+    globals_now()
+    for s in scorers(model):
+        assert (s.past_types[..., 1:] == NF.TOKEN_SLIDING).all() and (s.past_types[..., 0] == NF.TOKEN_GLOBAL).all()
+    set_type_bias(model, [0.7, 0.0, 0.0])
+    with torch.no_grad():
+        gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        decoded = [s.past_types.clone() for s in scorers(model)]
+        full = model(gen).logits
+    for s, t in zip(scorers(model), decoded):
+        assert torch.equal(t, s.past_types[..., : t.shape[-1]])
+    assert torch.equal(full[:, x.shape[1] - 1 : -1].argmax(-1), gen[:, x.shape[1] :])
+    s0 = scorers(model)[0]
+    z = torch.randn(1, 16, TINY["hidden_size"])
+    s0.train()
+    assert torch.equal(s0.type_logits(z), s0.scorer(z).float().view(1, 16, 2, 3).transpose(1, 2))
+    s0.eval()
+    assert not torch.equal(s0.type_logits(z), s0.scorer(z).float().view(1, 16, 2, 3).transpose(1, 2))
+    assert not any("type_bias" in k for k in nats_state_dict(model))
+    set_type_bias(model, None)
+    assert globals_now() == base
+    for bad in ([1.0, 2.0], [float("nan"), 0, 0]):
+        with pytest.raises(ValueError, match="3 finite numbers"):
+            set_type_bias(model, bad)

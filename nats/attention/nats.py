@@ -13,6 +13,8 @@ lambda * density / n_layer, so that the model's summed auxiliary loss is lambda 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +35,20 @@ def kv_stats(types: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
 
 
 @register_attention("nats")
+def set_type_bias(model: nn.Module, bias) -> int:
+    """Set the inference offsets of the type logits, ``bias = (global, local, sliding)`` (None: zeros), of every NAtS
+    core in ``model``; returns how many. In eval mode the types are ``argmax(z + bias)``, in the parallel forward
+    and in decoding alike; training is unaffected. Not part of the method (NATS_SPEC.md): a post-hoc knob that
+    moves a trained model along its KV budget, e.g. a negative global offset keeps fewer tokens for good."""
+    values = [0.0, 0.0, 0.0] if bias is None else [float(b) for b in bias]
+    if len(values) != 3 or not all(math.isfinite(b) for b in values):
+        raise ValueError(f"type_bias must be 3 finite numbers (global, local, sliding) or null, got {bias!r}")
+    cores = [m for m in model.modules() if isinstance(m, NAtSAttention)]
+    for core in cores:
+        core.type_bias.copy_(torch.tensor(values))
+    return len(cores)
+
+
 class NAtSAttention(AttentionCore):
     decode_policy = "nats"  # the NAtS KV cache with the scorer's types reproduces the eval forward
 
@@ -79,6 +95,9 @@ class NAtSAttention(AttentionCore):
             # a trace with the backend cache still empty guards on it and recompiles once it is filled
             NF.triton_available()
         self.scorer = nn.Linear(dims.n_embd, 3 * dims.n_kv_head, bias=False)
+        # offsets added to the (global, local, sliding) logits in eval mode only, before the argmax: a KV-budget knob
+        # for a trained model (set_type_bias); zeros = the learned types
+        self.register_buffer("type_bias", torch.zeros(3), persistent=False)
         self.record_types = False  # set by analysis code: keep the last hard types in `last_types`
         self.last_types: torch.Tensor | None = None
 
@@ -110,8 +129,8 @@ class NAtSAttention(AttentionCore):
         """x [B, N, C] -> z [B, Hkv, N, 3] (float32)."""
         B, N, _ = x.shape
         xs = x.detach() if self.detach_scorer_input else x
-        z = self.scorer(xs).float().view(B, N, self.dims.n_kv_head, 3)
-        return z.transpose(1, 2)
+        z = self.scorer(xs).float().view(B, N, self.dims.n_kv_head, 3).transpose(1, 2)
+        return z if self.training else z + self.type_bias
 
     def type_weights(self, z: torch.Tensor) -> torch.Tensor:
         """Logits [B, H, N, 3] -> one-hot type weights (straight-through Gumbel-softmax in training)."""

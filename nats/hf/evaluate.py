@@ -68,7 +68,16 @@ TABLE, SUMMARY, PLOT, KV_FRACTIONS = "results.md", "summary.json", "accuracy_vs_
 #: the `hf_model` keys that `load_pretrained` takes
 PRETRAINED_KEYS = ("name_or_path", "gguf_file", "dtype", "local_files_only")
 #: the settings a resumed run must share with the rows already in its folder
-RESUME_KEYS = ("model", "scorers", "window", "examples", "longbench", "answer_margin", "continuation_tokens")
+RESUME_KEYS = (
+    "model",
+    "scorers",
+    "window",
+    "type_bias",
+    "examples",
+    "longbench",
+    "answer_margin",
+    "continuation_tokens",
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -235,9 +244,12 @@ def run_window(path: Path) -> int | None:
 def prepare_model(cfg: DictConfig, model: Any) -> int | None:
     """Attach NAtS and load the scorer weights (``scorers`` given), else route attention through the policy caches;
     returns the NAtS window W (None without scorers)."""
+    from nats.attention.nats import set_type_bias
     from nats.hf import attach_nats, load_nats_state_dict, use_policy_caches
 
     if not cfg.get("scorers"):
+        if type_bias_of(cfg):
+            raise ValueError("type_bias offsets NAtS scorers' logits: pass scorers=<run>/scorers.pt or drop type_bias")
         use_policy_caches(model)
         return None
     path = Path(cfg.scorers)
@@ -253,8 +265,18 @@ def prepare_model(cfg: DictConfig, model: Any) -> int | None:
         load_nats_state_dict(model, state)
     except KeyError as err:
         raise ValueError(f"scorers={path} does not fit hf_model={cfg.hf_model.name_or_path}: {err}") from None
+    if cfg.get("type_bias") is not None:
+        set_type_bias(model, list(cfg.type_bias))
     model.eval()
     return int(window)
+
+
+def type_bias_of(cfg: DictConfig) -> list[float] | None:
+    """The NAtS inference type-logit offsets of the run (``type_bias``), None if unset or all zero."""
+    bias = cfg.get("type_bias")
+    if bias is None or not any(float(b) for b in bias):
+        return None
+    return [float(b) for b in bias]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -562,6 +584,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "model": {k: cfg.hf_model.get(k) for k in PRETRAINED_KEYS},
         "scorers": str(Path(cfg.scorers).resolve()) if cfg.get("scorers") else None,
         "window": window,
+        "type_bias": type_bias_of(cfg) if window else None,
         "examples": examples_path.name,
         "longbench": longbench,
         "data": data,
@@ -575,6 +598,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         f"{cfg.hf_model.name_or_path}: accuracy vs KV budget, {len(examples)} examples ({', '.join(tasks)}; "
         f"{data['min_length']}-{data['max_length']} tokens, seed {data['seed']}, PG-19 split {data['split']})"
         + (f", NAtS scorers {cfg.scorers} (W = {window})" if window else "")
+        + (f", type bias (g, l, s) = {tuple(settings['type_bias'])}" if settings["type_bias"] else "")
     )
 
     results = out / RESULTS
