@@ -148,7 +148,7 @@ def _dq_range(
     return dq, rd, dd
 
 
-@_env.autotune(configs=_dq_configs(), key=["HEAD_DIM", "GROUP", "DENSE"])
+@_env.autotune(configs=_dq_configs(), key=["HEAD_DIM", "GROUP", "DENSE", "BLOCKS_FIRST"])
 @triton.jit
 def _bwd_dq_kernel(
     Q,
@@ -411,7 +411,7 @@ def _dkdv_step(
     return dk, dv, col_all, col_l, col_s, col_l2
 
 
-@_env.autotune(configs=_dkdv_configs(), key=["HEAD_DIM", "GROUP", "DENSE"])
+@_env.autotune(configs=_dkdv_configs(), key=["HEAD_DIM", "GROUP", "DENSE", "BLOCKS_FIRST"])
 @triton.jit
 def _bwd_dkdv_kernel(
     Q,

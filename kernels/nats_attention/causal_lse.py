@@ -45,7 +45,7 @@ def _lse_step(m_i, l_i, s):
     return m_new, l_i
 
 
-@_env.autotune(configs=_lse_configs(), key=["HEAD_DIM", "GROUP"])
+@_env.autotune(configs=_lse_configs(), key=["HEAD_DIM", "GROUP", "BLOCKS_FIRST"])
 @triton.jit
 def _causal_lse_kernel(
     Q,

@@ -194,7 +194,7 @@ def _fwd_range(
     return acc, m_i, l_i
 
 
-@_env.autotune(configs=_fwd_configs(), key=["HEAD_DIM", "GROUP", "STORE_LSE"])
+@_env.autotune(configs=_fwd_configs(), key=["HEAD_DIM", "GROUP", "STORE_LSE", "BLOCKS_FIRST"])
 @triton.jit
 def _nats_fwd_kernel(
     Q,
