@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--nats",
         nargs="*",
+        action="extend",  # repeatable: --nats A --nats B (plain nargs="*" kept only the last one)
         default=[],
         metavar="LABEL=FILE",
         help="the NAtS rows of FILE as the method LABEL (several scorers in one table)",

@@ -70,7 +70,7 @@ def test_several_nats_scorers_as_methods(tmp_path):
     dense_ = write(tmp_path / "b" / "results.jsonl", [row("nats", None, i, 1.0, 0.4) for i in range(2)])
     sparse = write(tmp_path / "c" / "results.jsonl", [row("nats", None, i, 1.0, 0.2) for i in range(2)])
     out = tmp_path / "out"
-    args = [str(base), "--out", str(out), "--name", "t", "--nats", f"lam=0.3={dense_}", f"lam 0.6={sparse}"]
+    args = [str(base), "--out", str(out), "--name", "t", "--nats", f"lam=0.3={dense_}", "--nats", f"lam 0.6={sparse}"]
     assert hf_study_table.main(args) == 0
     text = (out / "t.md").read_text()
     assert "| lam=0.3 | 100.0 | +0.0 | +0.0 .. +0.0 | 0.400 | 0.400 | 0.400 | no: KV kept 0.400 > 0.25 |" in text
