@@ -35,20 +35,6 @@ def kv_stats(types: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
 
 
 @register_attention("nats")
-def set_type_bias(model: nn.Module, bias) -> int:
-    """Set the inference offsets of the type logits, ``bias = (global, local, sliding)`` (None: zeros), of every NAtS
-    core in ``model``; returns how many. In eval mode the types are ``argmax(z + bias)``, in the parallel forward
-    and in decoding alike; training is unaffected. Not part of the method (NATS_SPEC.md): a post-hoc knob that
-    moves a trained model along its KV budget, e.g. a negative global offset keeps fewer tokens for good."""
-    values = [0.0, 0.0, 0.0] if bias is None else [float(b) for b in bias]
-    if len(values) != 3 or not all(math.isfinite(b) for b in values):
-        raise ValueError(f"type_bias must be 3 finite numbers (global, local, sliding) or null, got {bias!r}")
-    cores = [m for m in model.modules() if isinstance(m, NAtSAttention)]
-    for core in cores:
-        core.type_bias.copy_(torch.tensor(values))
-    return len(cores)
-
-
 class NAtSAttention(AttentionCore):
     decode_policy = "nats"  # the NAtS KV cache with the scorer's types reproduces the eval forward
 
@@ -234,3 +220,18 @@ def kv_report(model: nn.Module, idx: torch.Tensor) -> dict[str, torch.Tensor]:
     report = {name: torch.stack(values) for name, values in rows.items()}
     report["layers"] = torch.tensor(sorted(types))
     return report
+
+
+def set_type_bias(model: nn.Module, bias) -> int:
+    """Set the inference offsets of the type logits, ``bias = (global, local, sliding)`` (None: zeros), of every NAtS
+    core in ``model``; returns how many. In eval mode the types are ``argmax(z + bias)``, in the parallel forward
+    and in decoding alike; training is unaffected. Not part of the method (NATS_SPEC.md): a post-hoc knob that
+    moves a trained model along its KV budget without retraining (docs/hf_eval.md measures it: the scorers' logits
+    lie close to the decision boundary, so offsets of 0.1 already move many types)."""
+    values = [0.0, 0.0, 0.0] if bias is None else [float(b) for b in bias]
+    if len(values) != 3 or not all(math.isfinite(b) for b in values):
+        raise ValueError(f"type_bias must be 3 finite numbers (global, local, sliding) or null, got {bias!r}")
+    cores = [m for m in model.modules() if isinstance(m, NAtSAttention)]
+    for core in cores:
+        core.type_bias.copy_(torch.tensor(values))
+    return len(cores)
