@@ -280,6 +280,8 @@ def test_type_bias_is_applied_recorded_and_checked(pretrained, tmp_path):
     assert "type bias (g, l, s) = (0.0, 0.0, 50.0)" in (out / E.TABLE).read_text()
     with pytest.raises(ValueError, match="type_bias"):
         E.run(eval_cfg(pretrained, out, "methods=[nats]", "budgets=[]"))  # resume without it
+    with pytest.raises(ValueError, match=r"3 finite numbers .* e.g. type_bias=\[0,0.1,0\]"):
+        E.run(eval_cfg(pretrained, tmp_path / "scalar", "methods=[nats]", "type_bias=0.1"))
     with pytest.raises(ValueError, match="pass scorers=<run>/scorers.pt or drop type_bias"):
         E.run(eval_cfg(pretrained, tmp_path / "none", "scorers=null", "methods=[full]", "type_bias=[-1,0,0]"))
 

@@ -228,10 +228,24 @@ def set_type_bias(model: nn.Module, bias) -> int:
     and in decoding alike; training is unaffected. Not part of the method (NATS_SPEC.md): a post-hoc knob that
     moves a trained model along its KV budget without retraining (docs/hf_eval.md measures it: the scorers' logits
     lie close to the decision boundary, so offsets of 0.1 already move many types)."""
-    values = [0.0, 0.0, 0.0] if bias is None else [float(b) for b in bias]
-    if len(values) != 3 or not all(math.isfinite(b) for b in values):
-        raise ValueError(f"type_bias must be 3 finite numbers (global, local, sliding) or null, got {bias!r}")
+    values = check_type_bias(bias)
     cores = [m for m in model.modules() if isinstance(m, NAtSAttention)]
     for core in cores:
         core.type_bias.copy_(torch.tensor(values))
     return len(cores)
+
+
+def check_type_bias(bias) -> list[float]:
+    """``bias`` as 3 floats (global, local, sliding); None gives zeros. Raises a ValueError naming the fix otherwise."""
+    if bias is None:
+        return [0.0, 0.0, 0.0]
+    try:
+        values = [float(b) for b in bias]
+    except (TypeError, ValueError):
+        values = []
+    if len(values) != 3 or not all(math.isfinite(b) for b in values):
+        raise ValueError(
+            f"type_bias must be 3 finite numbers (global, local, sliding) or null, got {bias!r}: "
+            "e.g. type_bias=[0,0.1,0]"
+        )
+    return values

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from nats.attention.nats import check_type_bias, set_type_bias
 from nats.cache.registry import get_cache_class
 from nats.hf.data import LongContextExample, load_or_build_examples
 from nats.hf.longbench import fingerprint, load_longbench, score_longbench
@@ -244,7 +245,6 @@ def run_window(path: Path) -> int | None:
 def prepare_model(cfg: DictConfig, model: Any) -> int | None:
     """Attach NAtS and load the scorer weights (``scorers`` given), else route attention through the policy caches;
     returns the NAtS window W (None without scorers)."""
-    from nats.attention.nats import set_type_bias
     from nats.hf import attach_nats, load_nats_state_dict, use_policy_caches
 
     if not cfg.get("scorers"):
@@ -265,18 +265,15 @@ def prepare_model(cfg: DictConfig, model: Any) -> int | None:
         load_nats_state_dict(model, state)
     except KeyError as err:
         raise ValueError(f"scorers={path} does not fit hf_model={cfg.hf_model.name_or_path}: {err}") from None
-    if cfg.get("type_bias") is not None:
-        set_type_bias(model, list(cfg.type_bias))
+    set_type_bias(model, type_bias_of(cfg))
     model.eval()
     return int(window)
 
 
 def type_bias_of(cfg: DictConfig) -> list[float] | None:
     """The NAtS inference type-logit offsets of the run (``type_bias``), None if unset or all zero."""
-    bias = cfg.get("type_bias")
-    if bias is None or not any(float(b) for b in bias):
-        return None
-    return [float(b) for b in bias]
+    bias = check_type_bias(cfg.get("type_bias"))
+    return bias if any(bias) else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
