@@ -2,8 +2,8 @@
 # One GPU call: the NAtS kernels' GPU times under both grid orders (NATS_KERNELS_GRID=heads | blocks, see
 # kernels/nats_attention/_env.py), at fig3's training shape (B=32, W=16; micro-batch 32 of GPT-2-small) and at the
 # kernel benchmark's shape (B=16, W=64), for the type mix fig3_nats learns and the benchmark's mixes.
-# Autotuned afresh in every process (NATS_KERNELS_AUTOTUNE_CACHE=0): a choice kept on disk for one order must not
-# decide for the other. Tables: $OUT/kernel_breakdown_B{B}_W{W}_{order}.md.
+# Autotuned afresh in every process (NATS_KERNELS_AUTOTUNE_CACHE=0; the grid order is in the autotune keys anyway),
+# so each table holds what its own run chose. Tables: $OUT/kernel_breakdown_B{B}_W{W}_{order}.md.
 # Usage: bash benchmarks/gpu_kernel_grid.sh        (from the repository root; needs .whl/, about 5 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
