@@ -242,6 +242,13 @@ def test_block_grid_orders_and_limits(monkeypatch):
         _env.block_grid(_env.MAX_GRID_Y + 1, 100, 32, True)
     with pytest.raises(ValueError, match="chunked prefill"):
         _env.block_grid(6, 64 * (_env.MAX_GRID_Y + 1), 64, False)
+    monkeypatch.delenv("NATS_KERNELS_GRID", raising=False)  # the default: blocks, heads where blocks cannot launch
+    assert _env.blocks_first(6) and _env.blocks_first(_env.MAX_GRID_Y)
+    assert not _env.blocks_first(_env.MAX_GRID_Y + 1)
+    monkeypatch.setenv("NATS_KERNELS_GRID", "blocks")
+    assert _env.blocks_first(_env.MAX_GRID_Y + 1)  # explicit: block_grid then names the limit (above)
+    monkeypatch.setenv("NATS_KERNELS_GRID", "heads")
+    assert not _env.blocks_first(6)
     monkeypatch.setenv("NATS_KERNELS_GRID", "rows")
     with pytest.raises(ValueError, match="'blocks' or 'heads'"):
         _env.blocks_first()

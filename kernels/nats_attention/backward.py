@@ -708,7 +708,7 @@ def nats_backward(
         raise ValueError(f"mask_grad must be 'dense' or 'exact', got {mask_grad!r}")
     lsec = causal_lse(q, k, sm_scale) if dense else lse  # (unused by the kernels under "exact")
 
-    bf = _env.blocks_first()
+    bf = _env.blocks_first(B * HQ)
     grid_q = lambda meta: _env.block_grid(B * HQ, N, meta["BLOCK_M"], bf)
     _bwd_dq_kernel[grid_q](
         q,

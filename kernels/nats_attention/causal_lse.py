@@ -102,7 +102,7 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, sm_scale: float | None = None) 
     if sm_scale is None:
         sm_scale = D**-0.5
     lsec = _env.empty((B, HQ, N), torch.float32, q.device)
-    bf = _env.blocks_first()
+    bf = _env.blocks_first(B * HQ)
     grid = lambda meta: _env.block_grid(B * HQ, N, meta["BLOCK_M"], bf)
     _causal_lse_kernel[grid](
         q,

@@ -329,7 +329,7 @@ def nats_forward(q, k, v, plan, window: int, sm_scale: float | None = None, stor
     W = _env.clamp_window(window, N)
     o = _env.empty_bnhd(q.shape, q.dtype, q.device)
     lse = _env.empty((B, HQ, N), torch.float32, q.device) if store_lse else o
-    bf = _env.blocks_first()
+    bf = _env.blocks_first(B * HQ)
     grid = lambda meta: _env.block_grid(B * HQ, N, meta["BLOCK_M"], bf)
     _nats_fwd_kernel[grid](
         q,
