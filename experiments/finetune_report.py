@@ -62,9 +62,13 @@ def report(run: Path, out: Path, name: str) -> str:
 
         cfg = yaml.safe_load(cfg_path.read_text())
         m, d = cfg.get("module", {}), cfg.get("data", {})
+        max_steps = cfg.get("trainer", {}).get("max_steps")
+        ran = timing["steps"] if timing else None
+        # a run stopped early (trainer.max_time, an interruption) says how far it got
+        steps = f"{max_steps}" if ran is None or ran >= (max_steps or 0) else f"{ran} (of max_steps {max_steps})"
         setting = (
             f"model `{cfg.get('hf_model', {}).get('name_or_path')}`, W = {m.get('window')}, lambda = "
-            f"{m.get('sparsity_lambda')}, {cfg.get('trainer', {}).get('max_steps')} optimizer steps of "
+            f"{m.get('sparsity_lambda')}, {steps} optimizer steps of "
             f"{cfg.get('global_batch_size')} examples, tasks {d.get('tasks')}, lengths "
             f"{d.get('min_length') or d.get('max_length', 0) // 2}-{d.get('max_length')} tokens, precision "
             f"{cfg.get('trainer', {}).get('precision')}"

@@ -373,3 +373,30 @@ def test_finetune_report(full_run, tmp_path):
     assert f"{mse[min(mse)]:.4f}" in text  # the curve's first logged train MSE
     assert (tmp_path / "ft.md").is_file() and (tmp_path / "ft_loss.png").is_file()
     assert (tmp_path / "ft_kv_layers.png").is_file()
+
+
+def test_finetune_report_says_when_a_run_stopped_early(full_run, tmp_path):
+    """A run stopped by trainer.max_time names the steps it ran against max_steps, not max_steps alone."""
+    import importlib.util
+    import shutil
+
+    import yaml
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("finetune_report", REPO / "experiments" / "finetune_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    run = tmp_path / "run"
+    shutil.copytree(full_run["dir"], run)
+    max_steps = 4
+    (run / ".hydra").mkdir(exist_ok=True)  # the settings line is read from Hydra's config of the run
+    cfg = {"module": {"window": 64, "sparsity_lambda": 0.3}, "trainer": {"max_steps": max_steps}, "data": {}}
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    ran = max_steps - 1
+    times = {"train_start": 0.0, "step_end": [float(i + 1) for i in range(ran)], "val": []}
+    (run / "step_times.json").write_text(json.dumps(times))
+    assert f"{ran} (of max_steps {max_steps}) optimizer steps" in mod.report(run, tmp_path, "early")
+    times["step_end"].append(float(max_steps))
+    (run / "step_times.json").write_text(json.dumps(times))
+    assert f", {max_steps} optimizer steps" in mod.report(run, tmp_path, "whole")
