@@ -6,8 +6,9 @@
 # the tracked tree included: 21 MB at session 14), so it travels in three pieces of 33 MB, in three calls to the same
 # warm machine (each within the machine's idle time, 30 s at session 14; a call may do other work as well):
 #   here:    bash experiments/gpu_finetune_smollm2.sh split         # -> build/gguf{1,2,3}/part0{0,1,2} (+ sha256)
-#            (the long-context examples are built here too, data/hf_longctx/, by one nats-train run's setup or
-#            experiments/finetune_report.py's docs; carry that folder)
+#            python experiments/build_hf_examples.py finetune [the run's data overrides]   # -> data/hf_longctx/
+#            python experiments/build_hf_examples.py eval data.split=validation data.num_examples=16 data.seed=20241123
+#            (the long-context examples of the fine-tune and of each evaluation, built here: carry data/hf_longctx)
 #   call 1:  bash experiments/gpu_finetune_smollm2.sh stage         # carry: build/gguf1
 #   call 2:  bash experiments/gpu_finetune_smollm2.sh stage         # carry: build/gguf2
 #   call 3:  bash experiments/gpu_finetune_smollm2.sh [overrides]   # carry: .whl (with the gguf wheel), build/gguf3,

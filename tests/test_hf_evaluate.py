@@ -313,3 +313,30 @@ def test_ruler_tasks_are_scored_by_their_answers():
     qa = LongContextExample("qa_squad", [1], [2], {"answers": ["Denver Broncos", "the Broncos"], "match": "any"})
     assert score(qa, [], "Answer: the Broncos won.", 0)[0] == 1.0
     assert score(qa, [], "Answer: Carolina Panthers", 0)[0] == 0.0
+
+
+def test_build_script_makes_the_file_the_evaluation_reads(pretrained, tmp_path, monkeypatch):
+    """experiments/build_hf_examples.py eval <overrides> writes the example file that nats-eval-hf with the same
+    overrides then reads as it is (carried to a machine without PG-19 or tokenizer set-up)."""
+    import importlib.util
+    import sys
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("build_hf_examples", REPO / "experiments" / "build_hf_examples.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    data_dir = tmp_path / "data"
+    cfg = eval_cfg(pretrained, tmp_path / "out", f"paths.data_dir={data_dir}", "methods=[full]")
+    overrides = [f"{k}={v}" for k, v in [("paths.data_dir", data_dir), ("hf_model.name_or_path", pretrained)]]
+    overrides += ["hf_model.max_context=512", "data.tasks=[passkey,niah,variable_tracking]", "data.num_examples=1"]
+    overrides += ["data.max_length=320", "data.min_length=300", "data.pg19_path=null"]
+    monkeypatch.setattr(sys, "argv", ["build_hf_examples.py", "eval", *overrides])
+    mod.main()
+    built = list((data_dir / "hf_longctx").glob("longctx-*.jsonl"))
+    assert len(built) == 1 and len(built[0].read_text().splitlines()) == 1 + 3  # settings line + 3 examples
+    stamp = built[0].stat().st_mtime_ns
+    E.run(cfg)
+    settings = json.loads((tmp_path / "out" / E.SETTINGS).read_text())
+    assert settings["examples"] == built[0].name and built[0].stat().st_mtime_ns == stamp  # read, not rebuilt
+    assert list((data_dir / "hf_longctx").glob("longctx-*.jsonl")) == built
