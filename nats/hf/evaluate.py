@@ -496,6 +496,7 @@ def markdown_table(summary: list[dict[str, Any]], tasks: list[str], header: str)
 
 def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's inline one) stays
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
     fig = Figure(figsize=(10, 4))
     axes = fig.subplots(1, 2, sharey=True)
@@ -509,13 +510,21 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
             xs, ys = [s[key] for s in points], [100 * s["mean_accuracy"] for s in points]
             ax.plot(xs, ys, label=label, linestyle="-" if len(points) > 1 else "none", **style)
         ax.set_xscale("log")
+        # plain fractions at powers of two (budgets are 1/2, 1/4, ...): log-scale minor labels overlap
+        ax.xaxis.set_major_locator(FixedLocator([1 / 2**k for k in range(7)]))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_ylim(-2, 102)
         ax.set_xlabel({"kv_fraction": "KV kept at the end / tokens seen", "area": "KV area fraction"}[key])
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("mean accuracy (%)")
-    axes[1].legend()
+    # the legend below both panels, where it hides no point (several NAtS rows make it long)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), frameon=False)
+    rows = -(-len(labels) // 3)
+    fig.set_size_inches(10, 4 + 0.3 * rows)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.3 * rows / (4 + 0.3 * rows) + 0.02, 1, 1))
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, format="png")
 
