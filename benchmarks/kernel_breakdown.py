@@ -104,7 +104,7 @@ def main() -> None:
     flash_fb = dense["sdpa flash (FA2)"][1]
     from nats_kernels.nats_attention import _env
 
-    order = "blocks first" if _env.blocks_first() else "heads first"
+    order = "blocks first" if _env.blocks_first(B * H) else "heads first"  # as the launches chose
     lines = [
         f"GPU: {torch.cuda.get_device_name()}; B={B} H={H} N={N} D={D} W={W} bf16; grid: {order} "
         "(NATS_KERNELS_GRID); GPU times (CUDA graphs)",

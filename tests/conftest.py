@@ -44,6 +44,18 @@ def compose(overrides: list[str], tmp_path: Path, config_name: str = "train"):
     )
 
 
+def load_script(path: str):
+    """A script of the repository that is not a package module (``experiments/<name>.py``, ``benchmarks/...``),
+    imported from its file."""
+    import importlib.util
+
+    file = REPO / path
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture
 def one_thread():
     """Decode loops run many tiny ops: one thread avoids OpenMP spin overhead on shared cores.

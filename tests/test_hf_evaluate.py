@@ -318,14 +318,11 @@ def test_ruler_tasks_are_scored_by_their_answers():
 def test_build_script_makes_the_file_the_evaluation_reads(pretrained, tmp_path, monkeypatch):
     """experiments/build_hf_examples.py eval <overrides> writes the example file that nats-eval-hf with the same
     overrides then reads as it is (carried to a machine without PG-19 or tokenizer set-up)."""
-    import importlib.util
     import sys
 
-    from conftest import REPO
+    from conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("build_hf_examples", REPO / "experiments" / "build_hf_examples.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("experiments/build_hf_examples.py")
     data_dir = tmp_path / "data"
     cfg = eval_cfg(pretrained, tmp_path / "out", f"paths.data_dir={data_dir}", "methods=[full]")
     overrides = [f"{k}={v}" for k, v in [("paths.data_dir", data_dir), ("hf_model.name_or_path", pretrained)]]

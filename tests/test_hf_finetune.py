@@ -356,13 +356,9 @@ def test_the_experiment_config_and_its_errors(tmp_path, pretrained):
 
 def test_finetune_report(full_run, tmp_path):
     """experiments/finetune_report.py turns a run folder into the table and plots of issue 17 part 5."""
-    import importlib.util
+    from conftest import load_script
 
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("finetune_report", REPO / "experiments" / "finetune_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("experiments/finetune_report.py")
     text = mod.report(full_run["dir"], tmp_path, "ft")
     stats = json.loads((full_run["dir"] / "nats_stats.json").read_text())
     n_layer = len(stats["per_layer"]["density"])
@@ -377,16 +373,13 @@ def test_finetune_report(full_run, tmp_path):
 
 def test_finetune_report_says_when_a_run_stopped_early(full_run, tmp_path):
     """A run stopped by trainer.max_time names the steps it ran against max_steps, not max_steps alone."""
-    import importlib.util
     import shutil
 
     import yaml
 
-    from conftest import REPO
+    from conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("finetune_report", REPO / "experiments" / "finetune_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("experiments/finetune_report.py")
     run = tmp_path / "run"
     shutil.copytree(full_run["dir"], run)
     max_steps = 4

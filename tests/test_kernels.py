@@ -251,7 +251,7 @@ def test_block_grid_orders_and_limits(monkeypatch):
     assert not _env.blocks_first(6)
     monkeypatch.setenv("NATS_KERNELS_GRID", "rows")
     with pytest.raises(ValueError, match="'blocks' or 'heads'"):
-        _env.blocks_first()
+        _env.blocks_first(6)
 
 
 def type_grad_gap(q, k, v, do, types, window) -> float:

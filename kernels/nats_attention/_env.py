@@ -89,7 +89,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis
 
 
-def blocks_first(heads: int = 0) -> bool:
+def blocks_first(heads: int) -> bool:
     """Grid order of the block kernels (forward, causal LSE, dQ, dK/dV), read at every launch; `heads` is the
     launch's batch x query heads.
 

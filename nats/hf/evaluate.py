@@ -498,11 +498,14 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's inline one) stays
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
-    fig = Figure(figsize=(10, 4))
-    axes = fig.subplots(1, 2, sharey=True)
     by_label: dict[str, list[dict]] = {}
     for s in summary:
         by_label.setdefault(s["label"], []).append(s)
+    # the legend goes below both panels, where it hides no point (several NAtS rows make it long): 0.3 inch a row
+    legend_rows = -(-len(by_label) // 3)
+    height = 4 + 0.3 * legend_rows
+    fig = Figure(figsize=(10, height))
+    axes = fig.subplots(1, 2, sharey=True)
     for ax, key in zip(axes, ("kv_fraction", "area")):
         for label, points in by_label.items():
             points = sorted(points, key=lambda s: s[key])
@@ -518,13 +521,10 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xlabel({"kv_fraction": "KV kept at the end / tokens seen", "area": "KV area fraction"}[key])
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("mean accuracy (%)")
-    # the legend below both panels, where it hides no point (several NAtS rows make it long)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), frameon=False)
-    rows = -(-len(labels) // 3)
-    fig.set_size_inches(10, 4 + 0.3 * rows)
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.3 * rows / (4 + 0.3 * rows) + 0.02, 1, 1))
+    fig.tight_layout(rect=(0, 0.3 * legend_rows / height + 0.02, 1, 1))
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, format="png")
 
