@@ -74,6 +74,7 @@ def run_method(model, method: str, prompt: torch.Tensor, args, device) -> dict:
     from transformers import DynamicCache
 
     from nats.hf import PolicyCache
+    from nats.hf.compat import cache_kwargs
 
     n_new = args.new
     max_len = prompt.shape[1] + n_new
@@ -90,7 +91,7 @@ def run_method(model, method: str, prompt: torch.Tensor, args, device) -> dict:
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
         )
 
     impl = model.config._attn_implementation

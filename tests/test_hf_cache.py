@@ -15,12 +15,13 @@ transformers = pytest.importorskip("transformers")
 from test_hf_nats import ids, tiny_model  # noqa: E402
 
 from nats.hf import PolicyCache, attach_nats, detach_nats, use_policy_caches  # noqa: E402
+from nats.hf.compat import cache_kwargs  # noqa: E402
 
 PROMPT, NEW = 40, 12
 
 
 def greedy(model, prompt, cache=None, n=NEW):
-    kw = {} if cache is None else {"past_key_values": cache}
+    kw = {} if cache is None else cache_kwargs(model, cache)
     with torch.no_grad():
         return model.generate(
             prompt,
@@ -107,7 +108,7 @@ def test_misuse_is_refused():
     with pytest.raises(NotImplementedError, match="beam"):
         greedy_beams = PolicyCache(model, "nats", max_len=PROMPT + NEW, backend="torch")
         with torch.no_grad():
-            model.generate(ids(n=8, b=1), max_new_tokens=4, num_beams=2, past_key_values=greedy_beams)
+            model.generate(ids(n=8, b=1), max_new_tokens=4, num_beams=2, **cache_kwargs(model, greedy_beams))
 
 
 def test_decode_benchmark_smoke(tmp_path):

@@ -58,6 +58,7 @@ from tqdm.auto import tqdm
 
 from nats.attention.nats import check_type_bias, set_type_bias
 from nats.cache.registry import get_cache_class
+from nats.hf.compat import cache_kwargs
 from nats.hf.data import LongContextExample, load_or_build_examples
 from nats.hf.longbench import fingerprint, load_longbench, score_longbench
 from nats.utils import CONF_DIR, atomic_path, atomic_write
@@ -298,8 +299,8 @@ def generate_one(model: Any, prompt: list[int], n_new: int, cache: Any) -> list[
             attention_mask=torch.ones_like(ids),
             max_new_tokens=n_new,
             do_sample=False,
-            past_key_values=cache,
             pad_token_id=eos[0] if isinstance(eos, list) else eos,
+            **cache_kwargs(model, cache),
         )
     return out[0, len(prompt) :].tolist()
 
@@ -310,9 +311,9 @@ def continue_one(model: Any, prompt: list[int], reference: list[int], cache: Any
     ids = torch.tensor([prompt + reference[:-1]], device=model.device)
     P = len(prompt)
     with torch.no_grad():
-        logits = model(ids[:, :P], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(ids[:, :P], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits
         if len(reference) > 1:
-            rest = model(ids[:, P:], past_key_values=cache, use_cache=True).logits
+            rest = model(ids[:, P:], use_cache=True, **cache_kwargs(model, cache)).logits
             logits = torch.cat([logits, rest], dim=1)
     logits = logits[0].float()
     nll = F.cross_entropy(logits, torch.tensor(reference, device=logits.device))

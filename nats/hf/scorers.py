@@ -17,6 +17,7 @@ from nats import ops
 from nats.attention.nats import NAtSAttention
 from nats.attention.registry import AttentionDims
 from nats.hf import attention as _attention
+from nats.hf.compat import cache_from_kwargs
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SCORER_NAME = "nats_scorer"
@@ -62,7 +63,7 @@ def _stash_hidden(module: nn.Module, args, kwargs):
     """Forward pre-hook of an attention module: its input hidden states (the scorer's input) and the cache it is
     given (a `nats.hf.cache.PolicyCache` runs its policy in the attention function)."""
     module._nats_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    module._nats_cache = kwargs.get("past_key_values")
+    module._nats_cache = cache_from_kwargs(kwargs)
 
 
 def is_attached(model: nn.Module) -> bool:

@@ -1,0 +1,39 @@
+"""What differs between the transformers releases that ``pyproject.toml``'s ``hf`` extra admits (5.0 up to 6).
+
+One place for it, so that the rest of `nats.hf` is written once:
+
+* **The cache argument's name.** transformers 5.24 renamed ``past_key_values`` to ``cache`` in the models'
+  ``forward`` (and ``generate``); the attention modules receive it under the new name, and passing the old one
+  warns. `cache_kwargs(model, cache)` gives ``{name: cache}`` for the model at hand, and `cache_from_kwargs`
+  reads the cache an attention module was given under either name.
+* **Cache layer updates.** Up to 5.22 ``Cache.update`` received ``cache_kwargs`` (with ``cache_position``); from
+  5.23 on nothing, or ``kwargs=``: the project's cache layers take ``*args, **kwargs`` and use none of them.
+
+The tested range is stated once, in ``TESTED`` (and quoted by docs/hf.md); ``tests/test_hf_compat.py`` runs on
+whatever a fresh install resolves, so a release that breaks the integration fails the default test suite.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+TESTED = "transformers 5.17 (GPU image), 5.23 and 5.24 (CPU)"
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which ``model.forward`` / ``model.generate`` take a cache: ``cache`` (5.24+) or
+    ``past_key_values``."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """``{"cache": cache}`` or ``{"past_key_values": cache}``, whichever ``model`` takes."""
+    return {cache_argument(model): cache}
+
+
+def cache_from_kwargs(kwargs: dict[str, Any]) -> Any:
+    """The cache an attention module's forward was called with (under either name), or None."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache

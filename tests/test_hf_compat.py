@@ -1,0 +1,57 @@
+"""The transformers integration against the release a fresh install resolves (``nats.hf.compat``).
+
+transformers 5.24 renamed the cache argument (``past_key_values`` -> ``cache``): the attention modules then saw no
+cache, and NAtS decoding silently fell back to the uncached path. These tests fail the day such a rename lands:
+every layer's policy must see the prompt, and the project's ``generate`` path must not use a deprecated argument.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_nats import ARCHS, ids, tiny_model  # noqa: E402
+
+from nats.hf import PolicyCache, attach_nats, use_policy_caches  # noqa: E402
+from nats.hf.compat import cache_argument, cache_from_kwargs, cache_kwargs  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_layer_policy_sees_the_prompt(arch):
+    model = use_policy_caches(tiny_model(arch))
+    cache = PolicyCache(model, "full", max_len=32, backend="torch")
+    with torch.no_grad():
+        model(ids(n=10, b=1), use_cache=True, **cache_kwargs(model, cache))
+    assert [layer.policy is not None and layer.policy.t for layer in cache.layers] == [10] * len(cache.layers)
+
+
+def test_cache_argument_matches_the_installed_release():
+    model = tiny_model("llama")
+    name = cache_argument(model)
+    attn_params = type(model.model.layers[0].self_attn).forward
+    import inspect
+
+    assert (name == "cache") == ("cache" in inspect.signature(attn_params).parameters)
+    assert cache_from_kwargs({name: "c"}) == "c" and cache_from_kwargs({}) is None
+
+
+def test_generate_path_uses_no_deprecated_argument():
+    model = attach_nats(tiny_model("llama"), window=4, init_std=0.5)
+    prompt = ids(n=12, b=1)
+    cache = PolicyCache(model, "nats", max_len=20, backend="torch")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=4,
+            do_sample=False,
+            **cache_kwargs(model, cache),
+        )
+    deprecated = [str(w.message) for w in caught if "deprecat" in str(w.message).lower()]
+    assert deprecated == []
+    assert cache.layers[0].policy.t == 12 + 3  # the prompt and every new token but the last went through the cache
