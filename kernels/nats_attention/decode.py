@@ -3,13 +3,14 @@ the fused per-step update of the NAtS KV cache. The exact PyTorch reference is `
 (``torch_pool_attention``); ``nats.cache.attention.pool_attention`` picks one of the two (tests/test_cache.py
 compares them).
 
-Grid ``(R * G, SPLITS)``: program (r*G + g, s) takes query head g of KV row r and the s-th of SPLITS equal
-chunks of the row's segment ``[start[r], start[r] + length[r])`` (chunk = ceil(length / SPLITS) rounded up to
-BLOCK_N; ``start``/``length`` are read on the device, so launches need no host synchronisation and can be
-captured in CUDA graphs). Split 0 also takes the ring slots (NAtS' sliding tokens) whose valid flag is set.
-Each program keeps an online softmax (max, sum, weighted V) in float32 and writes it to a partial buffer; a
-second kernel combines the SPLITS partials of every (r, g). Scores use elementwise products and row sums
-(no tensor cores: one query row per program), which is memory-bound like decoding itself.
+Grid ``(R, SPLITS)``: program (r, s) takes the G query heads of KV row r (GQA: the heads sharing that KV head)
+and the s-th of SPLITS equal chunks of the row's segment ``[start[r], start[r] + length[r])`` (chunk =
+ceil(length / SPLITS) rounded up to BLOCK_N; ``start``/``length`` are read on the device, so launches need no
+host synchronisation and can be captured in CUDA graphs). Each key and value block is read once for the whole
+group: scores ``[G, BLOCK_N]`` and the weighted values are two small ``tl.dot`` (the G heads padded to 16
+rows). Split 0 also takes the ring slots (NAtS' sliding tokens) whose valid flag is set. Each program keeps an
+online softmax per head (max, sum, weighted V) in float32 and writes it to a partial buffer; a second kernel
+combines the SPLITS partials of every (r, g).
 
 Without a CUDA GPU the kernels run in Triton's CPU interpreter (chosen in one place for every kernel, before
 triton is imported: ``_env.py``): slow, for tests only.
@@ -22,26 +23,34 @@ import math
 import torch
 
 # chooses Triton's CPU interpreter when there is no GPU (before any @triton.jit runs)
-from nats_kernels.nats_attention._env import tl, triton
+from nats_kernels.nats_attention._env import INTERPRET, tl, triton
 
 BLOCK_N = 64
 MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split count); the combine reads up to 64
 
 
 @triton.jit
-def _attend_rows(acc, m_i, l_i, q, KB, VB, rows, ok, offs_d, dmask, D, qk_scale):
-    """Online-softmax update (natural base; m_i may still be -inf) with the K/V rows ``rows`` where ``ok``."""
+def _attend_block(acc, m_i, l_i, q, KB, VB, rows, ok, offs_d, dmask, D, qk_scale, IEEE: tl.constexpr):
+    """Online-softmax update of the G query heads ``q [BLOCK_G, BLOCK_D]`` of one KV row (natural base; m_i may
+    still be -inf) with the K/V rows ``rows`` where ``ok``: each key and value is read once for the whole group."""
     kv_mask = ok[:, None] & dmask[None, :]
-    k = tl.load(KB + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-    s = tl.sum(k * q[None, :], axis=1) * qk_scale
-    s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    k = tl.load(KB + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N], float32
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe)
-    v = tl.load(VB + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-    l_i = l_i * alpha + tl.sum(p, axis=0)
+    p = tl.exp(s - m_safe[:, None])
+    v = tl.load(VB + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     return acc, m_new, l_i
 
 
@@ -62,43 +71,49 @@ def _pool_decode_kernel(
     SPLITS,
     G: tl.constexpr,
     D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_RING: tl.constexpr,
     W: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    r = tl.program_id(0)
     split = tl.program_id(1)
-    r = pid // G
+    offs_g = tl.arange(0, BLOCK_G)
+    gmask = offs_g < G
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    q = tl.load(Q + pid * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    heads = r * G + offs_g  # the query heads of KV row r
+    q = tl.load(Q + heads[:, None] * D + offs_d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
     start = tl.load(START + r).to(tl.int64)  # pool offsets in int64; positions inside a segment in int32
     length = tl.load(LEN + r).to(tl.int32)
     per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per
     hi = tl.minimum(lo + per, length)
 
-    m_i = tl.zeros([1], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = offs_n < hi
         rows = start + offs_n.to(tl.int64)
-        acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, KP, VP, rows, ok, offs_d, dmask, D, qk_scale)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, KP, VP, rows, ok, offs_d, dmask, D, qk_scale, IEEE)
     if HAS_RING:
         if split == 0:
             offs_w = tl.arange(0, BLOCK_W)
             okw = offs_w < W
             valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
             rrows = r.to(tl.int64) * W + offs_w
-            acc, m_i, l_i = _attend_rows(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale)
-    out = pid * SPLITS + split
-    tl.store(M_OUT + out, tl.max(m_i, axis=0))  # [1] -> scalar
-    tl.store(L_OUT + out, tl.sum(l_i, axis=0))
-    tl.store(ACC_OUT + out * D + offs_d, acc, mask=dmask)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale, IEEE)
+    out = heads * SPLITS + split
+    tl.store(M_OUT + out, m_i, mask=gmask)
+    tl.store(L_OUT + out, l_i, mask=gmask)
+    tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -150,8 +165,8 @@ def triton_pool_attention(
         rvalid = rvalid.view(torch.int8) if rvalid.dtype == torch.bool else rvalid
     else:
         W, rk, rv, rvalid = 1, k_pool, v_pool, start  # unused placeholders
-    block_d = triton.next_power_of_2(D)
-    _pool_decode_kernel[(R * G, splits)](
+    block_d = max(16, triton.next_power_of_2(D))
+    _pool_decode_kernel[(R, splits)](
         q,
         k_pool,
         v_pool,
@@ -167,11 +182,13 @@ def triton_pool_attention(
         splits,
         G=G,
         D=D,
+        BLOCK_G=max(16, triton.next_power_of_2(G)),  # tl.dot's smallest tile; rows beyond G are masked
         BLOCK_D=block_d,
         BLOCK_N=BLOCK_N,
         HAS_RING=has_ring,
         W=W,
-        BLOCK_W=triton.next_power_of_2(W),
+        BLOCK_W=max(16, triton.next_power_of_2(W)),
+        IEEE=INTERPRET or q.dtype in (torch.float32, torch.float64),  # the interpreter has no bf16 dot
     )
     _combine_kernel[(R * G,)](m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS)
     return out
