@@ -1,31 +1,38 @@
-"""Decode speed and KV memory of a transformers model through `generate` with the NAtS cache against the full
-cache (issue 18 part 5).
+"""Generation speed and KV memory through transformers' ``model.generate``: NAtS' fixed-capacity cache against
+transformers' own caches, in one run.
 
-    python benchmarks/bench_hf_decode.py --out $OUT                      # SmolLM2-135M's shape, random weights, GPU
-    python benchmarks/bench_hf_decode.py --scorers <run>/scorers.pt ...  # the fine-tuned scorers' types
-    python benchmarks/bench_hf_decode.py --smoke                         # a tiny model on the CPU (tests the script)
+    python benchmarks/bench_hf_decode.py --out logs/bench/hf_decode              # SmolLM2-135M's shape, GPU
+    python benchmarks/bench_hf_decode.py --prompt 32768 --batch 1 8 --kept 0.25 0.1
+    python benchmarks/bench_hf_decode.py --equal-memory-gib 2 --kept 0.25 0.1    # the largest batch each cache fits
+    python benchmarks/bench_hf_decode.py --smoke                                 # a tiny model on the CPU
 
 The model has SmolLM2-135M-Instruct's architecture (Llama: 30 layers, hidden 576, 9 query / 3 KV heads, vocab
-49152) with random weights, or a real one (``--model``: a folder or a GGUF file): the speed does not depend on the
-weights, but the NAtS cache's size depends on the types, so ``--scorers`` loads fine-tuned scorers and
-``--sliding-bias`` shifts random scorers towards sliding tokens (a controlled KV fraction). A synthetic prompt of
-``--prompt`` tokens (default 8192) is prefilled, then ``--new`` tokens (default 256) are decoded greedily, each
-method through ``model.generate``:
+49152) with random weights (``--model``: a folder or GGUF file instead); RoPE's context is raised to the prompt
+(``max_position_embeddings``; speed does not depend on the weights). With random weights the NAtS scorers' types
+are random, so each scorer's global-type offset is calibrated on the prompt to keep a share ``--kept`` of the
+tokens (``--scorers``: a fine-tuned scorer file, whose types are then used as they are). A random prompt of
+``--prompt`` tokens is prefilled and ``--new`` tokens are decoded greedily, by every method through
+``model.generate``:
 
-* ``dynamic``: transformers' own ``DynamicCache`` with SDPA attention (the model as shipped);
-* ``full``: `nats.hf.PolicyCache` with the full policy (every key kept; the same decode path as NAtS);
-* ``nats``: `PolicyCache` with the evicting NAtS cache (spec section 5).
+* ``dynamic``: transformers' ``DynamicCache`` (SDPA, eager: what ``generate`` does by default);
+* ``static``: transformers' ``StaticCache`` (SDPA; ``generate`` compiles the decode step, CUDA graphs);
+* ``full``, ``nats``, ``streaming_llm``: `nats.hf.StaticPolicyCache` (fixed-capacity buffers; ``generate``
+  compiles the decode step the same way); ``streaming_llm`` at the same kept share as NAtS;
+* ``policy_nats``: the older `nats.hf.PolicyCache` (per-layer Python per token; not compiled), for reference.
 
-Reported per method: prefill seconds (the first token's latency), decode tokens/s (the new tokens after the first,
-per sequence), the KV memory the cache has allocated at the end (`PolicyCache.nbytes`, or the DynamicCache's
-tensors) and the tokens it holds as a fraction of those seen, and the GPU's peak memory. Writes
-``bench_hf_decode.{md,json}`` into ``--out``.
+Per row: prefill seconds (the first token's latency), decode tokens/s over all sequences (the tokens after the
+first), the KV bytes the cache holds at the end (the buffers allocated), the tokens it keeps as a share of those
+seen, the compiled graphs added by the timed run after a warm-up (0 = no recompilation), the ratio to
+``static``'s tokens/s and prefill, and the GPU's peak memory. ``--equal-memory-gib M`` also runs each cache at the
+largest batch whose KV buffers fit M GiB. Writes ``bench_hf_decode.{md,json}`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
+import sys
 import time
 from pathlib import Path
 
@@ -38,12 +45,12 @@ SMOLLM2 = dict(
     num_hidden_layers=30,
     num_attention_heads=9,
     num_key_value_heads=3,
-    max_position_embeddings=8192 + 1024,
     rms_norm_eps=1e-5,
     rope_theta=100000.0,
     tie_word_embeddings=True,
 )
 TINY = dict(SMOLLM2, vocab_size=256, hidden_size=72, intermediate_size=128, num_hidden_layers=2)
+COMPILED = ("static", "full", "nats", "streaming_llm")
 
 
 def build_model(args, device, dtype):
@@ -56,12 +63,40 @@ def build_model(args, device, dtype):
     else:
         torch.manual_seed(0)
         cfg = transformers.LlamaConfig(**(TINY if args.smoke else SMOLLM2))
-        cfg._attn_implementation = "sdpa"
+        cfg.max_position_embeddings = max(args.prompt) + args.new + 64
         model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
     return model.eval()
 
 
-def kv_bytes_dynamic(cache) -> int:
+def calibrate(model, prompt: torch.Tensor, kept: float) -> None:
+    """Per layer, the global-type offset under which a share `kept` of the prompt's tokens is global (locals off,
+    the rest sliding): random scorers then keep about that share of the KV cache."""
+    from nats.hf import scorers
+
+    cores = scorers(model)
+    margins: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, core in enumerate(cores):
+
+        def hook(mod, args, out, i=i):
+            z = out.float().reshape(-1, 3)
+            margins[i] = (z[:, 2] - z[:, 0]).flatten()
+
+        hooks.append(core.scorer.register_forward_hook(hook))
+    with torch.no_grad():
+        for core in cores:
+            core.type_bias.zero_()
+        model(prompt[:1, : min(prompt.shape[1], 4096)])
+    for h in hooks:
+        h.remove()
+    for i, core in enumerate(cores):
+        g = torch.quantile(margins[i].float(), kept).item()  # global where g > z_s - z_g: a share `kept`
+        core.type_bias.copy_(torch.tensor([g, -1e4, 0.0]))
+
+
+def kv_bytes(cache) -> int:
+    if hasattr(cache, "kv_nbytes"):
+        return cache.kv_nbytes()
     total = 0
     for layer in getattr(cache, "layers", []):
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
@@ -70,19 +105,32 @@ def kv_bytes_dynamic(cache) -> int:
     return total
 
 
-def run_method(model, method: str, prompt: torch.Tensor, args, device) -> dict:
-    from transformers import DynamicCache
+def graphs() -> int:
+    from torch._dynamo.utils import counters
 
-    from nats.hf import PolicyCache
+    return int(counters["stats"]["unique_graphs"])
+
+
+def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | None) -> dict:
+    from transformers import DynamicCache, StaticCache
+
+    from nats.hf import PolicyCache, StaticPolicyCache
     from nats.hf.compat import cache_kwargs
 
-    n_new = args.new
-    max_len = prompt.shape[1] + n_new
+    B, P = prompt.shape
+    n_new = args.new if method != "dynamic" and method != "policy_nats" else min(args.new, args.slow_new)
+    budget = None if kept is None else max(8, int(kept * P))
 
     def make_cache():
         if method == "dynamic":
             return DynamicCache(config=model.config)
-        return PolicyCache(model, method, max_len=max_len)
+        if method == "static":
+            return StaticCache(config=model.config, max_cache_len=P + n_new)
+        if method == "policy_nats":
+            return PolicyCache(model, "nats", max_len=P + n_new, track=False)
+        if method == "streaming_llm":
+            return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new, budget=budget)
+        return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new)
 
     def gen(cache, n):
         return model.generate(
@@ -94,98 +142,164 @@ def run_method(model, method: str, prompt: torch.Tensor, args, device) -> dict:
             **cache_kwargs(model, cache),
         )
 
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     impl = model.config._attn_implementation
-    if method == "dynamic":
+    if method in ("dynamic", "static"):
         model.config._attn_implementation = "sdpa"
     try:
         with torch.no_grad():
-            gen(make_cache(), 2)  # warm-up: kernels compiled / autotuned, allocator primed
+            gen(make_cache(), min(n_new, 8))  # warm-up: compiled, autotuned, CUDA graphs recorded
+            gen(make_cache(), min(n_new, 8))
+            sync()
             if device.type == "cuda":
-                torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            g0 = graphs()
             t0 = time.perf_counter()
-            first = make_cache()
-            gen(first, 1)  # prefill + one token: the first token's latency
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            gen(make_cache(), 1)  # prefill + one token: the first token's latency
+            sync()
             t1 = time.perf_counter()
             cache = make_cache()
             out = gen(cache, n_new)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync()
             t2 = time.perf_counter()
+            new_graphs = graphs() - g0
     finally:
         model.config._attn_implementation = impl
     prefill_s = t1 - t0
-    decode_s = max(1e-9, (t2 - t1) - prefill_s)  # the n_new - 1 tokens after the first
-    seen = prompt.shape[1] + n_new - 1
-    if method == "dynamic":
-        nbytes, kept_frac = kv_bytes_dynamic(cache), 1.0
-    else:
-        nbytes = cache.nbytes()
-        kept_frac = float(cache.kept().double().mean()) / seen
+    decode_s = max(1e-9, (t2 - t1) - prefill_s)
+    seen = P + n_new - 1
+    share = 1.0
+    if isinstance(cache, (StaticPolicyCache, PolicyCache)):
+        share = float(cache.kept().double().mean()) / seen
     return {
         "method": method,
+        "prompt": P,
+        "batch": B,
+        "kept_target": kept,
+        "new_tokens": n_new,
         "prefill_s": prefill_s,
-        "decode_tokens_per_s": (n_new - 1) / decode_s,
-        "kv_mib": nbytes / 2**20,
-        "kept_fraction": kept_frac,
+        "tokens_per_s": B * (n_new - 1) / decode_s,
+        "kv_mib": kv_bytes(cache) / 2**20,
+        "kept_share": share,
+        "new_graphs": new_graphs,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "generated": out.shape[1] - prompt.shape[1],
+        "generated": out.shape[1] - P,
     }
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| prompt | batch | method | kept (target) | prefill s | tokens/s | x static tok/s | x static prefill | "
+        "KV MiB | kept / seen | new graphs | peak GiB |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        peak = "" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.1f}"
+        tgt = "" if r["kept_target"] is None else f"{r['kept_target']:.2f}"
+        xs = "" if r.get("x_static") is None else f"{r['x_static']:.2f}"
+        xp = "" if r.get("x_static_prefill") is None else f"{r['x_static_prefill']:.2f}"
+        lines.append(
+            f"| {r['prompt']} | {r['batch']} | {r['method']} | {tgt} | {r['prefill_s']:.3f} | "
+            f"{r['tokens_per_s']:.1f} | {xs} | {xp} | {r['kv_mib']:.1f} | {r['kept_share']:.3f} | "
+            f"{r['new_graphs']} | {peak} |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: random SmolLM2-shape)")
-    ap.add_argument("--scorers", default=None, help="a scorers.pt of a fine-tuning run (nats_state_dict)")
-    ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--sliding-bias", type=float, default=0.0, help="added to random scorers' sliding logit")
-    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--out", default="logs/bench/hf_decode")
+    ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: random SmolLM2 shape)")
+    ap.add_argument("--scorers", default=None, help="fine-tuned scorers (nats_state_dict file); else calibrated")
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--prompt", type=int, nargs="+", default=[8192])
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--methods", nargs="+", default=["dynamic", "full", "nats"])
+    ap.add_argument("--slow-new", type=int, default=32, help="new tokens for the uncompiled methods")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--kept", type=float, nargs="+", default=[0.25, 0.1], help="NAtS kept shares (calibrated)")
+    ap.add_argument("--methods", nargs="+", default=["static", "full", "nats", "streaming_llm"])
+    ap.add_argument("--equal-memory-gib", type=float, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--smoke", action="store_true", help="tiny model, short prompt, CPU: tests the script")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.prompt, args.new, args.window = min(args.prompt, 96), min(args.new, 8), min(args.window, 8)
+        args.prompt, args.new, args.window, args.batch = [96], 8, 8, [1, 2]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = getattr(torch, "float32" if device.type == "cpu" else args.dtype)
-    from nats.hf import attach_nats, load_nats_state_dict, scorers
+    torch._dynamo.config.cache_size_limit = 64
+    from nats.hf import attach_nats, load_nats_state_dict
 
     model = build_model(args, device, dtype)
     attach_nats(model, window=args.window)
     model.eval()
     if args.scorers:
         load_nats_state_dict(model, torch.load(args.scorers, map_location=device, weights_only=True))
-    elif args.sliding_bias:
-        for s in scorers(model):  # no bias term: shift the sliding row's weights along a fixed direction
-            with torch.no_grad():
-                s.scorer.weight.view(-1, 3, s.scorer.weight.shape[-1])[:, 2] += args.sliding_bias / 10
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), generator=gen).to(device)
-    rows = []
-    for method in args.methods:
-        r = run_method(model, method, prompt, args, device)
+        args.kept = [None]
+    rows: list[dict] = []
+
+    def record(r):
         rows.append(r)
         print(json.dumps(r), flush=True)
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
-    lines = [
-        f"# Decode through `generate`: NAtS cache vs full cache ({name}, {args.prompt}-token prompt, "
-        f"{args.new} new tokens, batch {args.batch}, {dtype}, W = {args.window})",
-        "",
-        "| method | prefill s | decode tokens/s | KV memory MiB | kept / seen | peak GPU GiB |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        peak = "" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.2f}"
-        lines.append(
-            f"| {r['method']} | {r['prefill_s']:.3f} | {r['decode_tokens_per_s']:.1f} | {r['kv_mib']:.2f} | "
-            f"{r['kept_fraction']:.3f} | {peak} |"
-        )
-    text = "\n".join(lines) + "\n"
+
+    gen = torch.Generator().manual_seed(0)
+    for P in args.prompt:
+        base = torch.randint(0, model.config.vocab_size, (max(args.batch), P), generator=gen).to(device)
+        for B in args.batch:
+            prompt = base[:B]
+            static = None
+            for method in args.methods:
+                shares = args.kept if method in ("nats", "streaming_llm", "policy_nats") else [None]
+                for kept in shares:
+                    if method in ("nats", "policy_nats") and kept is not None:
+                        calibrate(model, prompt, kept)
+                    r = run(model, method, prompt, args, device, kept)
+                    if method == "static":
+                        static = r
+                    if static is not None:
+                        r["x_static"] = r["tokens_per_s"] / static["tokens_per_s"]
+                        r["x_static_prefill"] = r["prefill_s"] / static["prefill_s"]
+                    record(r)
+        if args.equal_memory_gib:
+            budget = args.equal_memory_gib * 2**30
+            per_seq = {}
+            for r in rows:
+                if r["prompt"] == P and r["batch"] == min(args.batch):
+                    per_seq[(r["method"], r["kept_target"])] = r["kv_mib"] * 2**20 / r["batch"]
+            static = None
+            for (method, kept), nbytes in per_seq.items():
+                if method not in ("static", "nats"):
+                    continue
+                B = max(1, int(budget // nbytes))
+                prompt = torch.randint(0, model.config.vocab_size, (B, P), generator=gen).to(device)
+                if method == "nats":
+                    calibrate(model, prompt, kept)
+                r = run(model, method, prompt, args, device, kept)
+                r["equal_memory_gib"] = args.equal_memory_gib
+                if method == "static":
+                    static = r
+                if static is not None:
+                    r["x_static"] = r["tokens_per_s"] / static["tokens_per_s"]
+                    r["x_static_prefill"] = r["prefill_s"] / static["prefill_s"]
+                record(r)
+    import transformers
+
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({platform.processor() or 'x86_64'})"
+    head = (
+        f"# `model.generate` with NAtS' fixed-capacity cache and transformers' caches\n\n"
+        f"{name}, torch {torch.__version__}, transformers {transformers.__version__}, {dtype}; SmolLM2-135M shape "
+        f"(random weights{', fine-tuned scorers' if args.scorers else ', scorers calibrated to the kept share'}), "
+        f"W = {args.window}, {args.new} new tokens (greedy); tokens/s over all sequences of the batch.\n"
+        f"Command: `python benchmarks/bench_hf_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n"
+    )
+    main_rows = [r for r in rows if "equal_memory_gib" not in r]
+    eq_rows = [r for r in rows if "equal_memory_gib" in r]
+    text = head + "\n" + "\n".join(table(main_rows)) + "\n"
+    if eq_rows:
+        text += f"\n## Equal KV memory ({args.equal_memory_gib} GiB): the largest batch each cache fits\n\n"
+        text += "\n".join(table(eq_rows)) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_hf_decode.md").write_text(text)

@@ -212,7 +212,9 @@ def _nats_append_kernel(
     VP,
     START,
     LENGTH,
+    CAP,
     HAS_LOGITS: tl.constexpr,
+    HAS_CAP: tl.constexpr,
     W: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -228,6 +230,8 @@ def _nats_append_kernel(
         t = tl.where(pos == 0, 0, t).to(tl.int64)
     else:
         t = tl.load(TIN + r).to(tl.int64)
+    if HAS_CAP:  # a full segment keeps the token as a sliding one (fixed-capacity caches)
+        t = tl.where((t != 2) & (tl.load(LENGTH + r) >= tl.load(CAP + r)), 2, t)
     tl.store(TOUT + r, t)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -270,8 +274,11 @@ def _nats_evict_kernel(
     tl.store(RVALID + r.to(tl.int64) * W + ((pos + 1) % W).to(tl.int64), (t * 0).to(tl.int8))
 
 
-def nats_append(z, types, pos, t_out, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length):
-    """Type (argmax of z [R, 3], or the given types [R]), ring write and segment append for one token."""
+def nats_append(
+    z, types, pos, t_out, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, cap=None
+):
+    """Type (argmax of z [R, 3], or the given types [R]), ring write and segment append for one token; with
+    ``cap`` ([R]) a row whose segment is full keeps the token as a sliding one."""
     R, W, D = ring_k.shape
     has_logits = z is not None
     _nats_append_kernel[(R,)](
@@ -288,7 +295,9 @@ def nats_append(z, types, pos, t_out, k_new, v_new, ring_k, ring_v, ring_valid, 
         v_pool,
         start,
         length,
+        cap if cap is not None else length,
         HAS_LOGITS=has_logits,
+        HAS_CAP=cap is not None,
         W=W,
         D=D,
         BLOCK_D=triton.next_power_of_2(D),

@@ -25,12 +25,14 @@ from nats.hf.scorers import (
     scorers,
     set_force_type,
 )
+from nats.hf.static_cache import StaticPolicyCache
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "SUPPORTED_MODEL_TYPES",
     "HFNAtSScorer",
     "PolicyCache",
+    "StaticPolicyCache",
     "attach_nats",
     "detach_nats",
     "is_attached",

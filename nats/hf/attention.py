@@ -68,8 +68,9 @@ def nats_attention_forward(
         )
     module._nats_hidden = module._nats_cache = None  # used once; do not keep the activations alive
     from nats.hf.cache import PolicyCache  # noqa: PLC0415
+    from nats.hf.static_cache import StaticPolicyCache  # noqa: PLC0415
 
-    policy_cache = isinstance(cache, PolicyCache)
+    policy_cache = isinstance(cache, (PolicyCache, StaticPolicyCache))
     if core is None and not policy_cache:  # use_policy_caches on a model without scorers, no PolicyCache: plain
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
@@ -81,6 +82,9 @@ def nats_attention_forward(
     B, Hq, N, D = query.shape
     if scaling is not None and not math.isclose(scaling, D**-0.5, rel_tol=1e-6):
         query = query * (scaling * math.sqrt(D))  # nats_attention and the policies scale by 1/sqrt(D)
+    if isinstance(cache, StaticPolicyCache):  # fixed buffers; a compiled decode step (left padding allowed)
+        y = cache.attend(module.layer_idx, query, hidden, attention_mask if N > 1 else None)
+        return y.transpose(1, 2).contiguous(), None
     if policy_cache:  # the cache's policy attends over what it keeps (spec section 5)
         _check_mask(attention_mask, N, cache.layers[module.layer_idx].seen)
         y = cache.attend(module.layer_idx, query, hidden)

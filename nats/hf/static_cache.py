@@ -1,0 +1,433 @@
+"""`StaticPolicyCache`: a transformers cache of fixed-capacity buffers that ``generate`` compiles and replays as a
+CUDA graph, for NAtS and the baselines users compare it with.
+
+``model.generate(ids, attention_mask=mask, max_new_tokens=n, cache=StaticPolicyCache(model, "nats",
+max_new_tokens=n))`` (``past_key_values=`` before transformers 5.24; `nats.hf.compat.cache_kwargs` picks the name).
+
+How a sequence goes through it (one decoder layer; row ``r = b * Hkv + h`` is sequence b, KV head h):
+
+* **Prefill** (the prompt, eager): the layer's attention over the prompt under the policy's rule (NAtS: the
+  fused Triton kernel with the scorer's types; ``full`` / ``snapkv`` / ``pyramidkv``: causal SDPA;
+  ``streaming_llm``: its mask), then the tokens the policy keeps are written, per row, into one flat pool
+  ``[P, D]`` (keys and values) in which row r owns the segment ``[start[r], start[r] + cap[r])``. The capacity
+  is planned here, per row: ``cap[r] = kept after the prompt + max_new_tokens`` (``streaming_llm``: its
+  budget), so a segment never overflows while at most ``max_new_tokens`` tokens are generated; NAtS' sliding
+  tokens live in a ring of W slots per row besides. Memory is therefore the kept tokens plus the new ones, per
+  KV head, not the longest row times the rows. Left-padded prompts (``attention_mask`` with zeros on the left,
+  ``tokenizer.padding_side = "left"``) are prefilled row by row over their real tokens: padding is never kept
+  nor counted, and a row's first real token is its position 0 (NAtS: global).
+* **Decode** (one token per row, compiled): device tensors only, fixed shapes, no host synchronisation: the
+  new token is admitted (NAtS: its type from the scorer, ring write, segment append, ``nats::nats_append``), the
+  query attends over exactly what the row keeps (``nats::pool_attention``: the Triton split-K kernel reading
+  each KV head once for its GQA group), then NAtS evicts (``nats::nats_evict``: the locals of a row whose token
+  was global; the expired ring slot). ``full`` / ``snapkv`` / ``pyramidkv`` append, ``streaming_llm`` overwrites
+  the oldest non-sink slot of its ring.
+* **Overflow** (more new tokens than planned): NAtS keeps a global or local token of a full segment as a sliding
+  one (visible for W steps); the appending policies stop admitting the row's new tokens (they are attended to
+  in their own step only). `overflowed` says whether it happened. Plan ``max_new_tokens`` as for ``generate``.
+
+Limits: greedy or sampled decoding (beam search and ``num_return_sequences > 1`` are refused: a row's cache
+cannot be duplicated or reordered); one ``generate`` call per cache (make a new one per batch); H2O is not
+offered (its eviction reads each step's attention probabilities: use `nats.hf.PolicyCache(model, "h2o")`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from nats import functional as NF
+from nats.cache import get_cache_class
+from nats.cache import static_ops as ops
+
+POLICIES = ("full", "nats", "streaming_llm", "snapkv", "pyramidkv")
+_RULE = {"full": "append", "snapkv": "append", "pyramidkv": "append", "streaming_llm": "ring", "nats": "nats"}
+_ROUND = 1024  # pool sizes are rounded up to a multiple of this many slots (fewer distinct shapes to compile)
+
+
+def _mark_static(*tensors: Tensor) -> None:
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+class StaticPolicyLayer(CacheLayerMixin):
+    """One decoder layer's buffers (allocated by the prefill, when the kept tokens are known)."""
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, owner: StaticPolicyCache, layer_idx: int):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.max_cache_len = owner.max_len
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)  # tokens per row so far, padding included
+        self.pending: tuple[Tensor, Tensor] | None = None
+        self.ready = False  # prefilled
+
+    # ------------------------------------------------------------------ transformers' layer interface
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.batch_size, self.n_kv_head = key_states.shape[:2]
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        _mark_static(self.cumulative_length)
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pending = (key_states, value_states)
+        self.cumulative_length.add_(key_states.shape[-2])
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self):
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        raise NotImplementedError("StaticPolicyCache: make a new cache per generate call")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("StaticPolicyCache does not support beam search (num_beams=1 only)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("StaticPolicyCache does not support num_return_sequences > 1 or beam search")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        raise NotImplementedError("StaticPolicyCache does not support contrastive search or batch selection")
+
+    # ------------------------------------------------------------------ storage
+    def allocate(self, keep: Tensor, k: Tensor, v: Tensor, per_row_cap: Tensor, splits: int) -> None:
+        """Lay out the pool: row r keeps the positions where ``keep[r]`` (``[R, N]``, in order) and gets
+        ``per_row_cap[r]`` slots; k, v ``[R, N, D]``."""
+        R, N, D = k.shape
+        dev = k.device
+        length = keep.sum(1)
+        cap = torch.maximum(per_row_cap, length)
+        start = torch.zeros_like(cap)
+        start[1:] = cap.cumsum(0)[:-1]
+        P = int(cap.sum())
+        P = (P + 1 + _ROUND - 1) // _ROUND * _ROUND  # + the scratch slot (the last one) where skipped writes go
+        self.k_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)
+        self.v_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)
+        rows, j = keep.nonzero(as_tuple=True)  # row-major: positions ascending within a row
+        first = torch.cumsum(length, 0) - length
+        dest = start[rows] + torch.arange(rows.numel(), device=dev) - first[rows]
+        self.k_pool[dest] = k[rows, j]
+        self.v_pool[dest] = v[rows, j]
+        self.start, self.length, self.cap = start, length.clone(), cap
+        self.splits = splits
+        self.area = torch.zeros(R, dtype=torch.float64, device=dev)
+        self.peak = torch.zeros(R, dtype=torch.long, device=dev)
+        _mark_static(self.k_pool, self.v_pool, self.start, self.length, self.cap, self.area, self.peak)
+        self.ready = True
+
+    def tensors(self) -> list[Tensor]:
+        names = ("k_pool", "v_pool", "start", "length", "cap", "ring_k", "ring_v", "ring_valid", "n_global", "t")
+        return [getattr(self, n) for n in names if getattr(self, n, None) is not None]
+
+    def kv_nbytes(self) -> int:
+        ts = [getattr(self, n, None) for n in ("k_pool", "v_pool", "ring_k", "ring_v")]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class StaticPolicyCache(Cache):
+    """A compileable transformers cache running a KV-cache policy in fixed-capacity buffers (module docstring).
+
+    Args:
+        model: a supported transformers model with NAtS attached (`nats.hf.attach_nats`) for ``"nats"``, or
+            `nats.hf.use_policy_caches(model)` called for the baselines.
+        policy: ``"nats"``, ``"full"``, ``"streaming_llm"``, ``"snapkv"`` or ``"pyramidkv"``.
+        max_new_tokens: the most tokens ``generate`` will add (the capacity planned per row on top of what the
+            prompt leaves; pass the same number to ``generate``).
+        budget: budgeted policies: tokens per row and KV head (an int), or a fraction of each row's prompt (a
+            float in (0, 1)).
+        max_len: the longest sequence (prompt + new tokens); the size of the attention mask ``generate`` builds
+            (default ``config.max_position_embeddings``).
+        **options: the policy's options (``sinks=`` for streaming_llm; ``window=``, ``kernel=``, ``pooling=`` for
+            snapkv / pyramidkv; NAtS' window comes from its scorers).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: str = "nats",
+        *,
+        max_new_tokens: int,
+        budget: int | float | None = None,
+        max_len: int | None = None,
+        **options: Any,
+    ):
+        from nats.hf.scorers import SCORER_NAME, _decoder_layers  # noqa: PLC0415
+
+        if policy not in POLICIES:
+            raise ValueError(
+                f"StaticPolicyCache: policy {policy!r} has no fixed-capacity form; choose one of {', '.join(POLICIES)}"
+                " (other policies, H2O included: nats.hf.PolicyCache)"
+            )
+        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+            raise ValueError(f"StaticPolicyCache: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        config = model.config
+        attn = [layer.self_attn for layer in _decoder_layers(model)]
+        if not all(hasattr(a, "_nats_cache") for a in attn) or config._attn_implementation != "nats":
+            raise ValueError(
+                "StaticPolicyCache: the model does not route its attention through nats (call "
+                "nats.hf.attach_nats(model) for NAtS, or nats.hf.use_policy_caches(model) for the other policies)"
+            )
+        self.cores = [getattr(a, SCORER_NAME, None) for a in attn]
+        if policy == "nats" and any(c is None for c in self.cores):
+            raise ValueError("StaticPolicyCache: policy 'nats' needs NAtS scorers: call nats.hf.attach_nats(model)")
+        self.policy, self.rule = policy, _RULE[policy]
+        self.policy_cls = get_cache_class(policy)
+        if self.policy_cls.budgeted and budget is None:
+            raise ValueError(f"StaticPolicyCache: policy {policy!r} needs a budget (tokens, or a fraction in (0, 1))")
+        if budget is not None and not (budget >= 1 or 0 < budget < 1):
+            raise ValueError(f"StaticPolicyCache: budget must be >= 1 tokens or a fraction in (0, 1), got {budget!r}")
+        self.budget, self.options = budget, dict(options)
+        self.max_new_tokens = int(max_new_tokens)
+        self.n_head, self.n_layer = config.num_attention_heads, len(attn)
+        self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
+        if self.max_len < 1:
+            raise ValueError("StaticPolicyCache: pass max_len (the model config has no max_position_embeddings)")
+        self.prompt_lengths: Tensor | None = None  # real tokens per sequence, set by the prefill
+        super().__init__(layers=[StaticPolicyLayer(self, i) for i in range(len(attn))])
+
+    # ------------------------------------------------------------------ the attention function's entry point
+    def attend(self, layer_idx: int, query: Tensor, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """The layer's attention output ``[B, Hq, N, D]`` for its new queries (after RoPE, scaled for
+        1/sqrt(D)); prefill on the first call, then one decode step per token."""
+        layer = self.layers[layer_idx]
+        k, v = layer.pending
+        layer.pending = None
+        if not layer.ready:
+            return self._prefill(layer, query, k, v, hidden, attention_mask)
+        if query.shape[-2] == 1:
+            return self._decode(layer, query, k, v, hidden)
+        outs = [
+            self._decode(layer, query[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], hidden[:, i : i + 1])
+            for i in range(query.shape[-2])
+        ]
+        return torch.cat(outs, dim=2)
+
+    # ------------------------------------------------------------------ prefill
+    def _row_budget(self, n: Tensor) -> Tensor:
+        b = self.budget
+        if b is None:
+            return n
+        return (n.to(torch.float64) * b).round().clamp(min=1).long() if b < 1 else torch.full_like(n, int(b))
+
+    def _prefill(self, layer, q, k, v, hidden, attention_mask) -> Tensor:
+        B, Hq, N, D = q.shape
+        Hkv = k.shape[1]
+        pads = _left_padding(attention_mask, B, N, q.device)
+        if self.prompt_lengths is None:
+            self.prompt_lengths = N - pads
+        core = self.cores[layer.layer_idx]
+        y = torch.zeros_like(q)
+        keep = torch.zeros(B, Hkv, N, dtype=torch.bool, device=q.device)
+        types = torch.full((B, Hkv, N), -1, dtype=torch.long, device=q.device) if self.rule == "nats" else None
+        area = torch.zeros(B, Hkv, dtype=torch.float64, device=q.device)
+        peak = torch.zeros(B, Hkv, dtype=torch.long, device=q.device)
+        if bool((pads == 0).all()):
+            groups = [(slice(None), 0)]
+        else:  # left padding: row by row over the real tokens
+            groups = [(slice(b, b + 1), int(pads[b])) for b in range(B)]
+        budgets = self._row_budget(N - pads)
+        for rows, p in groups:
+            budget = budgets[rows]
+            yb, kb, tb, sizes = self._prefill_rows(layer, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
+                                                   hidden[rows, p:], budget)  # fmt: skip
+            area[rows] = sizes.sum(-1).double()
+            peak[rows] = sizes.amax(-1)
+            y[rows, :, p:] = yb
+            keep[rows, :, p:] = kb
+            if types is not None:
+                types[rows, :, p:] = tb
+        R = B * Hkv
+        kr, vr = k.reshape(R, N, D), v.reshape(R, N, D)
+        n_keep = keep.reshape(R, N)
+        if self.rule == "nats":
+            tr = types.reshape(R, N)
+            cap = n_keep.sum(1) + self.max_new_tokens
+        elif self.rule == "ring":
+            cap = budgets.repeat_interleave(Hkv)
+        else:
+            cap = n_keep.sum(1) + self.max_new_tokens
+        maxcap = int(cap.max()) + (core.window if self.rule == "nats" else 0)
+        splits = max(1, min(64, math.ceil(2 * _num_sms(q.device) / R), math.ceil(maxcap / 64)))
+        layer.allocate(n_keep, kr, vr, cap, splits)
+        if self.rule == "nats":
+            self._load_nats(layer, core, kr, vr, tr, N)
+        elif self.rule == "ring":
+            layer.count = (N - pads).repeat_interleave(Hkv)
+            layer.sinks = int(self.options.get("sinks", 4))
+            _mark_static(layer.count)
+        layer.area.copy_(area.reshape(R))
+        layer.peak.copy_(peak.reshape(R))
+        layer.real = (N - pads).repeat_interleave(Hkv)  # [R] real prompt tokens
+        layer.prompt_width = N
+        return y
+
+    def _prefill_rows(self, layer, core, q, k, v, hidden, budget):
+        """Attention output, keep mask ``[b, Hkv, n]``, (NAtS) types and the cache sizes c_i (spec section 6) of
+        unpadded rows."""
+        b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
+        Hkv = k.shape[1]
+        gqa = Hq != Hkv
+        i1 = torch.arange(1, n + 1, device=q.device).expand(b_, Hkv, n)
+        if self.rule == "nats":
+            types = core.hard_types(hidden)  # [b, Hkv, n], token 0 global
+            w = NF.types_to_weights(types, torch.float64 if q.dtype == torch.float64 else torch.float32)
+            y = NF.nats_attention(q, k, v, w, core.window, backend=getattr(core, "backend", "auto"))
+            pos = torch.arange(n, device=q.device)
+            isg = types == NF.TOKEN_GLOBAL
+            last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(-1, keepdim=True)
+            keep = isg | ((types == NF.TOKEN_LOCAL) & (pos > last_g))
+            return y, keep, types, NF.kv_cache_sizes(types, core.window)
+        if self.rule == "ring":
+            sinks = int(self.options.get("sinks", 4))
+            b = int(budget.max())
+            if b <= sinks:
+                raise ValueError(f"StaticPolicyCache: streaming_llm budget {b} must exceed sinks={sinks}")
+            from nats.cache.policies.streaming_llm import streaming_mask  # noqa: PLC0415
+
+            mask = streaming_mask(n, b, sinks, device=q.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            pos = torch.arange(n, device=q.device)
+            keep = ((pos < sinks) | (pos > n - 1 - (b - sinks))).expand(b_, Hkv, n)
+            return y, keep, None, i1.clamp(max=b)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        everything = torch.ones(b_, Hkv, n, dtype=torch.bool, device=q.device)
+        if self.policy == "full":
+            return y, everything, None, i1
+        b = int(budget.max())
+        opts = {key: val for key, val in self.options.items() if key in ("window", "kernel", "pooling", "beta")}
+        if self.policy_cls.needs_n_layer:
+            opts["n_layer"] = self.n_layer
+        if b >= n:
+            return y, everything, None, i1
+        selector = self.policy_cls(
+            batch=q.shape[0], n_head=Hq, n_kv_head=Hkv, head_dim=q.shape[-1], max_len=n, device=q.device,
+            dtype=q.dtype, layer_idx=layer.layer_idx, budget=b, backend="torch", track=False, **opts,
+        )  # fmt: skip
+        return y, selector.keep_mask(q, k), None, i1  # the prefill reads every prompt key
+
+    def _load_nats(self, layer, core, kr, vr, tr, N):
+        R, _, D = kr.shape
+        W = core.window
+        dev = kr.device
+        layer.ring_k = torch.zeros(R, W, D, device=dev, dtype=kr.dtype)
+        layer.ring_v = torch.zeros(R, W, D, device=dev, dtype=kr.dtype)
+        layer.ring_valid = torch.zeros(R, W, device=dev, dtype=torch.bool)
+        lo = max(0, N - W + 1)
+        ring_pos = torch.arange(lo, N, device=dev)
+        slots = ring_pos % W
+        layer.ring_k[:, slots] = kr[:, ring_pos]
+        layer.ring_v[:, slots] = vr[:, ring_pos]
+        layer.ring_valid[:, slots] = tr[:, ring_pos] == NF.TOKEN_SLIDING
+        layer.n_global = (tr == NF.TOKEN_GLOBAL).sum(1)
+        layer.t = torch.zeros(R, dtype=torch.long, device=dev)
+        layer.window = W
+        _mark_static(layer.ring_k, layer.ring_v, layer.ring_valid, layer.n_global, layer.t)
+
+    # ------------------------------------------------------------------ decode (compiled by generate)
+    def _decode(self, layer, q, k, v, hidden) -> Tensor:
+        B, Hq, _, D = q.shape
+        R = layer.start.shape[0]
+        G = Hq // (R // B)
+        kr, vr = k.reshape(R, D), v.reshape(R, D)
+        qr = q.reshape(R, G, D)
+        pos = (layer.cumulative_length - 1).reshape(1)  # the new token's position (padding included)
+        if self.rule == "nats":
+            core = self.cores[layer.layer_idx]
+            z = core.type_logits(hidden).reshape(R, 3).contiguous()
+            ops.nats_append(z, pos, layer.t, kr, vr, layer.ring_k, layer.ring_v, layer.ring_valid, layer.k_pool,
+                            layer.v_pool, layer.start, layer.length, layer.cap)  # fmt: skip
+            size = layer.length + layer.ring_valid.sum(1)
+            y = ops.pool_attention(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
+                                   layer.ring_v, layer.ring_valid, layer.splits)  # fmt: skip
+            ops.nats_evict(layer.t, pos, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.n_global,
+                           layer.ring_valid)  # fmt: skip
+        else:
+            scratch = layer.k_pool.shape[0] - 1
+            if self.rule == "ring":
+                c = layer.count
+                ring = layer.cap - layer.sinks
+                slot = torch.where(c < layer.cap, c, layer.sinks + (c - layer.sinks) % ring)
+                dest = layer.start + slot
+                layer.count.add_(1)
+                layer.length.copy_(torch.minimum(layer.count, layer.cap))
+            else:
+                full = layer.length >= layer.cap
+                dest = torch.where(full, torch.full_like(layer.start, scratch), layer.start + layer.length)
+                layer.length.add_((~full).to(layer.length.dtype))
+            layer.k_pool.index_copy_(0, dest, kr)
+            layer.v_pool.index_copy_(0, dest, vr)
+            size = layer.length
+            y = ops.pool_attention(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None,
+                                   layer.splits)  # fmt: skip
+        layer.area.add_(size.to(torch.float64))
+        torch.maximum(layer.peak, size, out=layer.peak)
+        return y.reshape(B, Hq, 1, D)
+
+    # ------------------------------------------------------------------ measurements
+    def kept(self) -> Tensor:
+        """Tokens held now per layer, sequence and KV head, ``[n_layer, B, Hkv]``."""
+        out = []
+        for layer in self.layers:
+            n = layer.length + (layer.ring_valid.sum(1) if self.rule == "nats" else 0)
+            out.append(n.view(layer.batch_size, layer.n_kv_head))
+        return torch.stack(out)
+
+    def fractions(self) -> dict[str, Tensor]:
+        """Area and peak fractions (spec section 6) over each row's real tokens so far, ``[n_layer, B, Hkv]``."""
+        area, peak = [], []
+        for layer in self.layers:
+            n = (layer.real + (int(layer.cumulative_length) - layer.prompt_width)).double()
+            area.append((layer.area / (n * (n + 1) / 2)).view(layer.batch_size, layer.n_kv_head))
+            peak.append((layer.peak.double() / n).view(layer.batch_size, layer.n_kv_head))
+        return {"area": torch.stack(area), "peak": torch.stack(peak)}
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the key/value buffers (pools and rings) allocated now."""
+        return sum(layer.kv_nbytes() for layer in self.layers if layer.ready)
+
+    def overflowed(self) -> bool:
+        """True if more tokens were decoded than ``max_new_tokens`` planned (see Overflow in the module docstring)."""
+        layer = self.layers[0]
+        return layer.ready and int(layer.cumulative_length) - layer.prompt_width > self.max_new_tokens
+
+
+def _left_padding(attention_mask: Tensor | None, B: int, N: int, device) -> Tensor:
+    """Padding tokens per row, LongTensor ``[B]``, from the 4-D mask transformers built for the prompt (None or
+    plain causal: none). Only left padding is accepted."""
+    if attention_mask is None:
+        return torch.zeros(B, dtype=torch.long, device=device)
+    m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    valid = m[:, 0, -1, :N]  # the last query (a real token under left padding) sees every real key
+    pads = N - valid.sum(-1)
+    pos = torch.arange(N, device=valid.device)
+    if not torch.equal(valid, pos[None, :] >= pads[:, None]) or bool((pads >= N).any()):
+        raise ValueError(
+            "StaticPolicyCache: the prompt batch is not left-padded (padding must come first in every row, and "
+            "every row needs a real token): set tokenizer.padding_side = 'left'"
+        )
+    return pads.to(device)

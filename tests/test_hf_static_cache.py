@@ -1,0 +1,153 @@
+"""nats.hf.StaticPolicyCache: fixed-capacity buffers that ``generate`` compiles (one graph, no recompiles), whose
+decoding equals the eager path, the older PolicyCache and (NAtS) the parallel forward; left-padded batches equal
+each prompt alone; misuse is refused with a message. The GPU test runs the Triton kernels and CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_nats import ids, tiny_model  # noqa: E402
+
+from nats.hf import PolicyCache, StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
+from nats.hf.compat import cache_kwargs  # noqa: E402
+
+PROMPT, NEW = 40, 12
+
+
+def greedy(model, prompt, cache, mask=None, n=NEW, compile_config=None, **kw):
+    with torch.no_grad():
+        return model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt) if mask is None else mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=kw.pop("do_sample", False),
+            compile_config=compile_config,
+            disable_compile=compile_config is None,
+            **kw,
+            **cache_kwargs(model, cache),
+        )
+
+
+def nats_model(arch="llama"):
+    return attach_nats(tiny_model(arch), window=4, init_std=0.5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_nats_equals_policy_cache_and_parallel_forward(arch):
+    model = nats_model(arch)
+    prompt = ids(n=PROMPT, b=2)
+    cache = StaticPolicyCache(model, "nats", max_new_tokens=NEW, max_len=PROMPT + NEW)
+    out = greedy(model, prompt, cache)
+    ref = greedy(model, prompt, PolicyCache(model, "nats", max_len=PROMPT + NEW, backend="torch"))
+    assert torch.equal(out, ref)
+    with torch.no_grad():
+        full = model(out).logits
+    assert torch.equal(full[:, PROMPT - 1 : -1].argmax(-1), out[:, PROMPT:])
+    kept = cache.kept()
+    assert kept.shape == (2, 2, 2) and int(kept.max()) < PROMPT + NEW - 1  # it evicted
+    area = cache.fractions()["area"]
+    assert bool(((area > 0) & (area < 1)).all())
+
+
+@pytest.mark.parametrize(
+    "policy,kw",
+    [("full", {}), ("streaming_llm", {"budget": 16}), ("snapkv", {"budget": 20, "window": 4}),
+     ("pyramidkv", {"budget": 20, "window": 4})],
+)  # fmt: skip
+def test_baselines_equal_policy_cache(policy, kw):
+    model = use_policy_caches(tiny_model("llama"))
+    prompt = ids(n=PROMPT, b=2)
+    ref = greedy(model, prompt, PolicyCache(model, policy, max_len=PROMPT + NEW, backend="torch", **kw))
+    cache = StaticPolicyCache(model, policy, max_new_tokens=NEW, max_len=PROMPT + NEW, **kw)
+    assert torch.equal(greedy(model, prompt, cache), ref)
+    if policy == "streaming_llm":
+        assert int(cache.kept().max()) == 16
+
+
+@pytest.mark.parametrize("policy,kw", [("nats", {}), ("full", {}), ("streaming_llm", {"budget": 12})])
+def test_left_padded_batch_equals_each_prompt_alone(policy, kw):
+    model = nats_model()
+    p1, p2 = ids(n=26, b=1, seed=3), ids(n=40, b=1, seed=4)
+    alone = [greedy(model, p, StaticPolicyCache(model, policy, max_new_tokens=NEW, max_len=64, **kw)) for p in (p1, p2)]
+    pad = torch.zeros(1, 14, dtype=torch.long)
+    batch = torch.cat([torch.cat([pad, p1], 1), p2])
+    mask = torch.cat([torch.cat([pad, torch.ones_like(p1)], 1), torch.ones_like(p2)])
+    cache = StaticPolicyCache(model, policy, max_new_tokens=NEW, max_len=64, **kw)
+    out = greedy(model, batch, cache, mask=mask)
+    assert torch.equal(out[0, 40:], alone[0][0, 26:]) and torch.equal(out[1, 40:], alone[1][0, 40:])
+    kept = cache.kept()[:, 0]  # the padded row keeps none of its padding
+    assert int(kept.max()) <= 26 + NEW - 1
+
+
+def test_sampled_decoding_runs_and_right_padding_is_refused():
+    model = nats_model()
+    prompt = ids(n=PROMPT, b=2)
+    torch.manual_seed(0)
+    out = greedy(model, prompt, StaticPolicyCache(model, "nats", max_new_tokens=NEW), do_sample=True, top_k=5)
+    assert out.shape == (2, PROMPT + NEW)
+    mask = torch.ones_like(prompt)
+    mask[0, -3:] = 0
+    with pytest.raises(ValueError, match="left-padded"):
+        greedy(model, prompt, StaticPolicyCache(model, "nats", max_new_tokens=NEW), mask=mask)
+
+
+def test_compiled_decoding_one_graph_no_recompiles_equals_eager():
+    from torch._dynamo.utils import counters
+
+    model = nats_model()
+    cc = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    cc._compile_all_devices = True  # generate compiles on CUDA only otherwise
+    prompt = ids(n=PROMPT, b=2)
+    eager = greedy(model, prompt, StaticPolicyCache(model, "nats", max_new_tokens=NEW))
+    torch._dynamo.reset()
+    counters.clear()
+    out = greedy(model, prompt, StaticPolicyCache(model, "nats", max_new_tokens=NEW), compile_config=cc)
+    assert torch.equal(out, eager)
+    assert counters["stats"]["unique_graphs"] == 1
+    for seed, n in ((5, PROMPT), (6, 33)):  # a new cache, another prompt: the same graph
+        greedy(model, ids(n=n, b=2, seed=seed), StaticPolicyCache(model, "nats", max_new_tokens=NEW), compile_config=cc)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_errors():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="use_policy_caches"):
+        StaticPolicyCache(model, "full", max_new_tokens=4)
+    model = use_policy_caches(model)
+    with pytest.raises(ValueError, match="needs NAtS scorers"):
+        StaticPolicyCache(model, "nats", max_new_tokens=4)
+    with pytest.raises(ValueError, match="H2O included"):
+        StaticPolicyCache(model, "h2o", max_new_tokens=4, budget=8)
+    with pytest.raises(ValueError, match="needs a budget"):
+        StaticPolicyCache(model, "streaming_llm", max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        StaticPolicyCache(model, "full", max_new_tokens=0)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        greedy(model, ids(n=8, b=1), StaticPolicyCache(model, "full", max_new_tokens=4), n=4, num_beams=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_cuda_graph_decoding_equals_eager():
+    """The Triton kernels under generate's own compilation (reduce-overhead: CUDA graphs) on a GPU."""
+    from torch._dynamo.utils import counters
+
+    model = nats_model().cuda().to(torch.bfloat16)
+    prompt = ids(n=200, b=3).cuda()
+    for policy, kw in (("nats", {}), ("full", {}), ("streaming_llm", {"budget": 64})):
+        if policy != "nats":
+            model = use_policy_caches(model)
+        eager = greedy(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=24, **kw), n=24)
+        torch._dynamo.reset()
+        counters.clear()
+        cc = transformers.CompileConfig()  # generate's default: reduce-overhead
+        compiled = [
+            greedy(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=24, **kw), n=24, compile_config=cc)
+            for _ in range(3)
+        ]
+        assert all(torch.equal(c, eager) for c in compiled), policy
+        assert counters["stats"]["unique_graphs"] == 1, policy
