@@ -129,8 +129,8 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
         if method == "policy_nats":
             return PolicyCache(model, "nats", max_len=P + n_new, track=False)
         if method == "streaming_llm":
-            return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new, budget=budget)
-        return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new)
+            return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new, budget=budget, track=False)
+        return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new, track=False)
 
     def gen(cache, n):
         return model.generate(
@@ -151,8 +151,8 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
         model.config._attn_implementation = "sdpa"
     try:
         with torch.no_grad():
-            gen(make_cache(), min(n_new, 8))  # warm-up: compiled, autotuned, CUDA graphs recorded
-            gen(make_cache(), min(n_new, 8))
+            gen(make_cache(), min(n_new, 4))  # warm-up: compiled, autotuned, CUDA graphs recorded
+            gen(make_cache(), min(n_new, 4))
             sync()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()

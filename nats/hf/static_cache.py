@@ -162,6 +162,7 @@ class StaticPolicyCache(Cache):
             float in (0, 1)).
         max_len: the longest sequence (prompt + new tokens); the size of the attention mask ``generate`` builds
             (default ``config.max_position_embeddings``).
+        track: record each decode step's cache size for `fractions` (two small device ops per layer and step).
         **options: the policy's options (``sinks=`` for streaming_llm; ``window=``, ``kernel=``, ``pooling=`` for
             snapkv / pyramidkv; NAtS' window comes from its scorers).
     """
@@ -174,6 +175,7 @@ class StaticPolicyCache(Cache):
         max_new_tokens: int,
         budget: int | float | None = None,
         max_len: int | None = None,
+        track: bool = True,
         **options: Any,
     ):
         from nats.hf.scorers import SCORER_NAME, _decoder_layers  # noqa: PLC0415
@@ -203,6 +205,7 @@ class StaticPolicyCache(Cache):
             raise ValueError(f"StaticPolicyCache: budget must be >= 1 tokens or a fraction in (0, 1), got {budget!r}")
         self.budget, self.options = budget, dict(options)
         self.max_new_tokens = int(max_new_tokens)
+        self.track = track
         self.n_head, self.n_layer = config.num_attention_heads, len(attn)
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         if self.max_len < 1:
@@ -384,8 +387,9 @@ class StaticPolicyCache(Cache):
             size = layer.length
             y = ops.pool_attention(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None,
                                    layer.splits)  # fmt: skip
-        layer.area.add_(size.to(torch.float64))
-        torch.maximum(layer.peak, size, out=layer.peak)
+        if self.track:
+            layer.area.add_(size.to(torch.float64))
+            torch.maximum(layer.peak, size, out=layer.peak)
         return y.reshape(B, Hq, 1, D)
 
     # ------------------------------------------------------------------ measurements
@@ -399,6 +403,8 @@ class StaticPolicyCache(Cache):
 
     def fractions(self) -> dict[str, Tensor]:
         """Area and peak fractions (spec section 6) over each row's real tokens so far, ``[n_layer, B, Hkv]``."""
+        if not self.track:
+            raise RuntimeError("StaticPolicyCache: made with track=False, it has no area / peak record")
         area, peak = [], []
         for layer in self.layers:
             n = (layer.real + (int(layer.cumulative_length) - layer.prompt_width)).double()
