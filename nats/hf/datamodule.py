@@ -1,6 +1,6 @@
 """Long-context examples as Lightning batches, for fine-tuning the NAtS scorers of a pretrained model (issue 17).
 
-`LongContextDataModule` builds (or reads from its cache) the examples of `nats.hf.data.load_or_build_examples`
+`LongContextDataModule` builds (or reads from its cache) the examples of `nats.data.longctx.load_or_build_examples`
 with the model's own tokenizer, found from the same ``hf_model`` config node as the model (`load_tokenizer`).
 
 * **Train / validation**: two sets built with different seeds (validation: ``val_seed``, default ``seed + 1``), and
@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from nats.data.datamodule import ResumableSampler, StridedSampler
-from nats.hf.data import TASKS, LongContextExample, load_or_build_examples
+from nats.data.longctx import TASKS, LongContextExample, load_or_build_examples
 
 log = logging.getLogger(__name__)
 
@@ -139,19 +139,19 @@ class _ResumableDataLoader(DataLoader):
 
 
 class LongContextDataModule(L.LightningDataModule):
-    """Training and validation examples of `nats.hf.data` for NAtS distillation (module docstring).
+    """Training and validation examples of `nats.data.longctx` for NAtS distillation (module docstring).
 
     Args:
         hf_model: the ``hf_model`` config node (conf/hf_model/*.yaml): the tokenizer comes from its
             ``name_or_path`` / ``gguf_file``; ``max_context`` (if set) bounds ``max_length``.
-        tasks: `nats.hf.data.TASKS` to draw from (``pg19_continuation`` needs ``pg19_path``).
+        tasks: `nats.data.longctx.TASKS` to draw from (``pg19_continuation`` needs ``pg19_path``).
         num_examples / num_val_examples: examples per task, training / validation.
         max_length / min_length: example lengths (prompt + answer), drawn in ``[min_length or max_length // 2,
             max_length]``.
         seed / val_seed: the example seeds (``val_seed`` None: ``seed + 1``) and, ``seed``, the training order.
         pg19_path, train_split, val_split, max_books, answer_tokens: as in `load_or_build_examples` (``None``
             path: no PG-19; the splits are read from ``pg19_path`` for the training / validation examples).
-        cache_dir: where the example files are cached (``nats.hf.data.cache_path``).
+        cache_dir: where the example files are cached (``nats.data.longctx.cache_path``).
         micro_batch_size: examples per batch; > 1 only when all examples have one length (NAtS takes no padding).
         num_workers: DataLoader workers.
         tokenizer: a tokenizer object to use instead of loading the model's (tests, notebooks).
@@ -199,8 +199,8 @@ class LongContextDataModule(L.LightningDataModule):
                 "the task pg19_continuation needs data.pg19_path (the PG-19 subset); set it, or drop the task: "
                 "data.tasks=[passkey,niah,variable_tracking]"
             )
-        # read only when the examples are built (nats.hf.data._read_pg19 says what is missing): a cached example
-        # file needs no PG-19 copy (e.g. examples built on one machine and carried to another)
+        # read only when the examples are built (nats.data.longctx.tasks._read_pg19 says what is missing): a cached
+        # example file needs no PG-19 copy (e.g. examples built on one machine and carried to another)
         self.pg19_path = pg19_path
         self.num_examples, self.num_val_examples = int(num_examples), int(num_val_examples)
         self.max_length, self.min_length = int(max_length), min_length

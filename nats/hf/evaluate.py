@@ -7,7 +7,7 @@
 
 The pretrained model (``hf_model``, `nats.hf.pretrained.load_pretrained`), with NAtS attached and its fine-tuned
 scorer weights loaded when ``scorers`` is given (else `use_policy_caches`), answers the long-context examples of
-`nats.hf.data` (built with the model's tokenizer, from an evaluation seed and PG-19 split). Every method of
+`nats.data.longctx` (built with the model's tokenizer, from an evaluation seed and PG-19 split). Every method of
 ``methods`` (an entry of ``policies``, conf/cache/*.yaml) runs once, a budgeted one at every fraction of
 ``budgets`` (B = round(fraction x the example's prompt length)): greedy ``model.generate`` with batch 1 and a
 fresh `nats.hf.PolicyCache` per example, so NAtS and the baselines share one decode path.
@@ -17,7 +17,7 @@ Scoring (per example a score in [0, 1]; RULER's ``string_match_all`` for the syn
 * ``passkey``, ``niah``, ``variable_tracking``: the fraction of the expected strings (the pass key; the needle's
   value; the chain's variable names) found in the decoded new text, case-insensitive, as whole words (not inside a
   longer number or name). ``correct``: all of them found.
-* ``longbench/<dataset>`` (``longbench.path`` set; `nats.hf.longbench`): LongBench's own metric of the dataset
+* ``longbench/<dataset>`` (``longbench.path`` set; `nats.data.longctx.longbench`): LongBench's own metric of the dataset
   (QA F1, ROUGE-L, classification, retrieval, count, code similarity), ``max_new`` = its generation length.
 * ``pg19_continuation``: teacher-forced greedy next-token accuracy over the book's next ``continuation_tokens``
   tokens: the prompt, then those tokens, are fed through the cache, and each argmax prediction is compared with the
@@ -58,8 +58,8 @@ from tqdm.auto import tqdm
 
 from nats.attention.nats import check_type_bias, set_type_bias
 from nats.cache.registry import get_cache_class
-from nats.hf.data import LongContextExample, load_or_build_examples
-from nats.hf.longbench import fingerprint, load_longbench, score_longbench
+from nats.data.longctx import LongContextExample, load_or_build_examples
+from nats.data.longctx.longbench import fingerprint, load_longbench, score_longbench
 from nats.utils import CONF_DIR, atomic_path, atomic_write
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ RESUME_KEYS = (
 # ----------------------------------------------------------------------------------------------------------------
 def references(example: LongContextExample) -> list[str]:
     """The strings a correct answer contains: the pass key, the needle's value, the chain's variable names, the
-    answers a RULER task (`nats.hf.ruler`) lists in ``meta["answers"]``."""
+    answers a RULER task (`nats.data.longctx.ruler`) lists in ``meta["answers"]``."""
     meta = example.meta
     if "answers" in meta:
         return [str(a) for a in meta["answers"]]

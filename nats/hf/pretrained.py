@@ -158,7 +158,7 @@ def load_pretrained(
 def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str] | None = None) -> Path:
     """Write a tiny model in the transformers layout into `folder`, offline: a random Llama (hidden 64, 4 heads /
     2 KV heads, vocabulary 1024, 512 positions, seed 0) and a byte-level BPE tokenizer (vocabulary ~1000) trained
-    on `texts` (default: the long-context generators' filler and source, ``nats.hf.data``). For tests and demos;
+    on `texts` (default: the long-context generators' filler and source, ``nats.data.longctx``). For tests and demos;
     returns `folder`."""
     import inspect
 
@@ -166,7 +166,7 @@ def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str
     import torch
     import transformers
 
-    from nats.hf import data as D
+    from nats.data.longctx import tasks as D
 
     folder = Path(folder)
     texts = [D.FILLER] * 20 + [inspect.getsource(D)] if texts is None else texts
