@@ -22,7 +22,6 @@ docs/hf_finetune.md.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import io
 import json
 import logging
@@ -35,9 +34,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from nats.hf.datamodule import pretrained_kwargs
-from nats.hf.scorers import SCORER_NAME, attach_nats, nats_density, nats_state_dict, nats_stats
-from nats.lit import host_scalar, logs_written_now, optimizer_partial
+from nats.hf.hooks import SCORER_NAME
+from nats.hf.scorers import attach_nats, nats_density, nats_state_dict, nats_stats
+from nats.lit import check_optim_keys, host_scalar, logs_written_now, optimizer_node, optimizer_partial
 from nats.utils import atomic_write
 
 log = logging.getLogger(__name__)
@@ -55,16 +54,7 @@ def finetune_optim_config(optim: Mapping[str, Any]) -> dict[str, Any]:
     """`optim` checked: known keys only, an optimizer partial config whose lr is ``optim.lr``, a schedule whose
     warm-up and cool-down fit in the run."""
     optim = dict(optim)
-    unknown = sorted(set(optim) - set(OPTIM_KEYS))
-    if unknown:
-        hints = [
-            f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, OPTIM_KEYS, n=1)) else k
-            for k in unknown
-        ]
-        raise ValueError(
-            f"unknown optim keys: {', '.join(hints)}; the valid keys: {', '.join(OPTIM_KEYS)} (the optimizer's "
-            "own arguments go under optim.optimizer, e.g. optim.optimizer.weight_decay)"
-        )
+    check_optim_keys(optim, OPTIM_KEYS)
     for key in ("optimizer", "lr"):
         if optim.get(key) is None:
             raise ValueError(f"optim.{key} is required (conf/optim/nats_finetune.yaml)")
@@ -76,19 +66,7 @@ def finetune_optim_config(optim: Mapping[str, Any]) -> dict[str, Any]:
     w, c = optim["warmup_frac"], optim["cooldown_frac"]
     if w < 0 or c < 0 or w + c > 1:
         raise ValueError(f"need optim.warmup_frac, optim.cooldown_frac >= 0 with a sum <= 1, got {w} and {c}")
-    node = optim["optimizer"]
-    if not isinstance(node, Mapping) or "_target_" not in node:
-        raise ValueError(
-            f"optim.optimizer must be a config with a _target_ (e.g. torch.optim.AdamW) and _partial_: true, got "
-            f"{node!r}; instantiate the module with _recursive_=False (conf/train.yaml's module node does)"
-        )
-    node = dict(node)
-    if node.setdefault("lr", optim["lr"]) != optim["lr"]:
-        raise ValueError(
-            f"optim.optimizer.lr={node['lr']} differs from optim.lr={optim['lr']}, the schedule's peak: set optim.lr"
-        )
-    optimizer_partial(node)  # a mistyped class or argument fails now
-    optim["optimizer"] = node
+    optim["optimizer"] = optimizer_node(optim["optimizer"], optim["lr"])
     return optim
 
 
@@ -169,7 +147,7 @@ class LitNAtSDistill(L.LightningModule):
         self.sparsity_lambda = float(sparsity_lambda)
         self.teacher_attn_implementation = teacher_attn_implementation
         self.seed = int(seed)
-        from nats.hf.pretrained import load_pretrained
+        from nats.hf.pretrained import load_pretrained, pretrained_kwargs
 
         hf, _ = load_pretrained(**pretrained_kwargs(model))
         # load_pretrained returns the model in eval mode, and Lightning keeps submodules' modes (it does not call

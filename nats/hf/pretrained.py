@@ -20,10 +20,14 @@ tokenizer from the vocabulary stored in the file; nothing is downloaded (``local
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "PRETRAINED_KEYS",
+    "pretrained_kwargs",
+    "load_tokenizer",
     "SMOLLM2",
     "SMOLLM2_INSTALL",
     "PretrainedNotFoundError",
@@ -153,6 +157,33 @@ def load_pretrained(
         model = model.to(device)
     model.eval()
     return model, tokenizer
+
+
+#: the keys of an ``hf_model`` config node (conf/hf_model/*.yaml) that `nats.hf.pretrained.load_pretrained` takes
+PRETRAINED_KEYS = ("name_or_path", "gguf_file", "dtype", "local_files_only")
+
+
+def pretrained_kwargs(hf_model: Mapping[str, Any]) -> dict[str, Any]:
+    """The `load_pretrained` arguments of an ``hf_model`` node (``max_context`` and other keys are not its)."""
+    node = dict(hf_model)
+    if not node.get("name_or_path"):
+        raise ValueError(
+            "hf_model.name_or_path is not set: pick a model config (hf_model=smollm2_135m) or set "
+            "hf_model.name_or_path=<folder, .gguf file or hub name>"
+        )
+    return {k: node[k] for k in PRETRAINED_KEYS if k in node}
+
+
+def load_tokenizer(
+    name_or_path: str | Path, gguf_file: str | None = None, local_files_only: bool = True, **_: Any
+) -> Any:
+    """The model's tokenizer alone (no weights), resolved as :func:`load_pretrained` resolves the
+    model (``"smollm2-135m"``, a ``.gguf`` file, a folder, a hub name)."""
+    from transformers import AutoTokenizer
+
+    where, gguf = resolve_pretrained(name_or_path, gguf_file)
+    extra = {"gguf_file": gguf} if gguf is not None else {}
+    return AutoTokenizer.from_pretrained(where, local_files_only=local_files_only, **extra)
 
 
 def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str] | None = None) -> Path:
