@@ -534,9 +534,6 @@ class ResumableDataLoader(DataLoader):
         pass
 
 
-_ResumableDataLoader = ResumableDataLoader  # its former name
-
-
 class ResumableDataModule(L.LightningDataModule):
     """The training stream of a datamodule that resumes exactly: global sample ``s`` goes to rank ``s % world``,
     and the stream starts at the samples already consumed (`consumed_samples`, from ``trainer.global_step``), so
