@@ -29,8 +29,8 @@ def main() -> None:
     parser.add_argument("kind", choices=["finetune", "eval"], help="whose examples: nats-train's or nats-eval-hf's")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of that run")
     args = parser.parse_args()
-    from nats.hf.data import load_or_build_examples
-    from nats.hf.datamodule import load_tokenizer, pretrained_kwargs
+    from nats.data.longctx import load_or_build_examples
+    from nats.hf.pretrained import load_tokenizer, pretrained_kwargs
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         if args.kind == "finetune":

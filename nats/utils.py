@@ -80,6 +80,19 @@ def world_size_of(trainer_cfg) -> int:
     return n * nodes
 
 
+def resolve_device(name: str):
+    """The ``torch.device`` of a ``device=`` setting: ``auto`` is CUDA when available, else the CPU; a CUDA device
+    on a machine without CUDA is an error that says what to set instead."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available: use device=cpu (or auto)")
+    return dev
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, fsync: bool = False) -> Iterator[Path]:
     """Write a file atomically: yields a temporary path ``.<name>.<random>.tmp`` in the same folder (created if

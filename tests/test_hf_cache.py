@@ -112,19 +112,21 @@ def test_misuse_is_refused():
 
 
 def test_decode_benchmark_smoke(tmp_path):
-    """benchmarks/bench_hf_decode.py end to end on a tiny model: dynamic, full and NAtS through generate."""
-    import importlib.util
+    """benchmarks/bench_hf_decode.py end to end on a tiny model: transformers' caches and the fixed-capacity ones
+    through generate, at two batch sizes, the kept share calibrated, and the equal-memory mode."""
     import json
 
-    from conftest import REPO
+    from conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("bench_hf_decode", REPO / "benchmarks" / "bench_hf_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
-    rows = {r["method"]: r for r in json.loads((tmp_path / "bench_hf_decode.json").read_text())["rows"]}
-    assert set(rows) == {"dynamic", "full", "nats"}
-    assert all(r["generated"] == 8 and r["decode_tokens_per_s"] > 0 for r in rows.values())
-    assert rows["full"]["kept_fraction"] == 1.0 and rows["nats"]["kept_fraction"] < 1.0
-    assert rows["nats"]["kv_mib"] < rows["full"]["kv_mib"]
-    assert (tmp_path / "bench_hf_decode.md").read_text().count("\n| ") == 4  # header + 3 methods
+    bench = load_script("benchmarks/bench_hf_decode.py")
+    argv = ["--smoke", "--out", str(tmp_path), "--methods", "dynamic", "static", "full", "nats", "--kept", "0.5"]
+    assert bench.main([*argv, "--equal-memory-gib", "0.002"]) == 0
+    rows = json.loads((tmp_path / "bench_hf_decode.json").read_text())["rows"]
+    main = {(r["method"], r["batch"]): r for r in rows if "equal_memory_gib" not in r}
+    assert set(main) == {(m, b) for m in ("dynamic", "static", "full", "nats") for b in (1, 2)}
+    assert all(r["generated"] == r["new_tokens"] and r["tokens_per_s"] > 0 for r in rows)
+    assert main[("full", 1)]["kept_share"] == 1.0 and main[("nats", 1)]["kept_share"] < 1.0
+    assert main[("static", 2)]["x_static"] == 1.0 and main[("nats", 2)]["x_static"] > 0
+    eq = {r["method"]: r for r in rows if "equal_memory_gib" in r}
+    assert set(eq) == {"static", "nats"} and all(r["batch"] >= 1 for r in eq.values())
+    assert "Equal KV memory" in (tmp_path / "bench_hf_decode.md").read_text()

@@ -1,4 +1,4 @@
-"""nats.hf.data: long-context examples (PG-19 continuation, passkey, needle-in-a-haystack, variable tracking),
+"""nats.data.longctx: long-context examples (PG-19 continuation, passkey, needle-in-a-haystack, variable tracking),
 deterministic, within the length limit, answers where they belong, and cached on disk. The tokenizer is GPT-2
 (tiktoken, offline) through TiktokenAdapter: fast, and not the GGUF one."""
 
@@ -10,8 +10,8 @@ import tarfile
 
 import pytest
 
+from nats.data.longctx import tasks as D
 from nats.data.tokenizer import get_tokenizer
-from nats.hf import data as D
 
 SYNTHETIC = ["passkey", "niah", "variable_tracking"]
 

@@ -18,9 +18,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from nats.data.longctx import LongContextExample  # noqa: E402
 from nats.hf import attach_nats, nats_state_dict  # noqa: E402
 from nats.hf import evaluate as E  # noqa: E402
-from nats.hf.data import LongContextExample  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 from nats.train import compose_config  # noqa: E402
 
@@ -303,8 +303,8 @@ def test_resume_argv(tmp_path):
 
 
 def test_ruler_tasks_are_scored_by_their_answers():
-    """nats.hf.ruler's tasks list their answers in meta: all of them for the word tasks, any one for QA."""
-    from nats.hf.data import LongContextExample
+    """nats.data.longctx.ruler's tasks list their answers in meta: all of them for the word tasks, any one for QA."""
+    from nats.data.longctx import LongContextExample
     from nats.hf.evaluate import score
 
     words = LongContextExample("common_words", [1], [2], {"answers": ["apple", "pear", "plum"], "match": "all"})

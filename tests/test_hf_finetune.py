@@ -12,6 +12,7 @@ schedule; scorers.pt; the datamodule's split, order and micro-batch rule.
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 from pathlib import Path
 
@@ -163,7 +164,7 @@ def test_logs_and_lr_schedule(full_run):
     lr = logged(run_dir, "lr")
     # 4 steps: warm-up and cool-down of round(0.2 * 4) = 1 step each
     assert [lr[s] for s in range(STEPS)] == pytest.approx([2e-4, 2e-3, 2e-3, 2e-4], rel=1e-6)
-    # train/loss = train/mse + lambda * train/density, lambda = 0.1 (the experiment's default)
+    # train/loss = train/mse + lambda * train/density, lambda = 0.1 (the experiment's value)
     loss, mse, dens = (logged(run_dir, k) for k in ("train/loss", "train/mse", "train/density"))
     for step in loss:
         assert loss[step] == pytest.approx(mse[step] + 0.1 * dens[step], rel=1e-5)
@@ -246,6 +247,9 @@ def test_loss_is_the_answer_span_mse_plus_lambda_density(module_and_batch, pretr
     everywhere = (student - teacher).pow(2).mean()
     assert 0 < density < 1 and span > 0
     assert float(loss) == pytest.approx(float(span) + 0.1 * density, rel=1e-4)
+    # the sparsity term is the native model's (nats.attention.nats.sparsity_loss summed over the layers): lambda
+    # times the mean density over sequences, layers and KV heads
+    assert float(module.sparsity()) == pytest.approx(module.sparsity_lambda * density, rel=1e-5)
     assert abs(float(everywhere) - float(span)) > 1e-3 * float(span)  # the span matters to the check
     module.teacher_hidden(input_ids)  # dense attention: the pre-hook's stashed inputs must not be left behind
     assert module._attn_modules and all(m._nats_hidden is None for m in module._attn_modules)
@@ -348,10 +352,13 @@ def test_the_experiment_config_and_its_errors(tmp_path, pretrained):
     assert cfg.module.window == 256 and cfg.trainer.max_steps == 300 and cfg.data.max_length == 4096
     assert cfg.compile is False and cfg.task_name == "finetune_smollm2_nats"
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    lam = cfg.module.sparsity_lambda
     with pytest.raises(ValueError, match="compile=false"):
-        LitNAtSDistill({"name_or_path": str(pretrained)}, optim, compile=True)
+        LitNAtSDistill({"name_or_path": str(pretrained)}, optim, sparsity_lambda=lam, compile=True)
     with pytest.raises(ValueError, match="did you mean warmup_frac"):
-        LitNAtSDistill({"name_or_path": str(pretrained)}, {**optim, "warmup_fraction": 0.1})
+        LitNAtSDistill({"name_or_path": str(pretrained)}, {**optim, "warmup_fraction": 0.1}, sparsity_lambda=lam)
+    # lambda's default is documented in one place, the config: the module has none of its own
+    assert inspect.signature(LitNAtSDistill).parameters["sparsity_lambda"].default is inspect.Parameter.empty
 
 
 def test_finetune_report(full_run, tmp_path):

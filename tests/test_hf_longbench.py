@@ -1,8 +1,7 @@
-"""LongBench from the user's files (issue 18 part 1; nats.hf.longbench): tiny fake LongBench JSONL files in the real
-format, read with a byte-level BPE tokenizer trained offline; prompts, middle truncation, the chat-template rule,
-the errors, every metric against hand-computed values, and one nats-eval-hf run with longbench.path set on a tiny
-random Llama.
-"""
+"""LongBench from the user's files (issue 18 part 1; nats.data.longctx.longbench): tiny fake LongBench JSONL files in
+the real format, read with a byte-level BPE tokenizer trained offline; prompts, middle truncation, the chat-template
+rule, the errors, every metric against hand-computed values, and one nats-eval-hf run with longbench.path set on a tiny
+random Llama."""
 
 from __future__ import annotations
 
@@ -15,10 +14,10 @@ import pytest
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from nats.hf import data as D  # noqa: E402
+from nats.data.longctx import LongContextExample  # noqa: E402
+from nats.data.longctx import longbench as L  # noqa: E402
+from nats.data.longctx import tasks as D  # noqa: E402
 from nats.hf import evaluate as E  # noqa: E402
-from nats.hf import longbench as L  # noqa: E402
-from nats.hf.data import LongContextExample  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 from nats.train import compose_config  # noqa: E402
 

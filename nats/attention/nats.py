@@ -8,7 +8,8 @@ inference with a straight-through gradient; callbacks/noise_schedule.yaml anneal
 Their gradient from the attention is the estimator `mask_grad` of spec section 3a ("dense" by default).
 Evaluation takes onehot(argmax z_j) without noise. Token 0 is forced global (the attention sink), without
 gradient. Attention is `nats.functional.nats_attention` with window W; the auxiliary loss is
-lambda * density / n_layer, so that the model's summed auxiliary loss is lambda * mean-over-layers density.
+`sparsity_loss`, lambda * density / n_layer, so that the model's summed auxiliary loss is lambda * mean(rho) over
+sequences, layers and KV heads (spec section 4).
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ from nats import ops
 from nats.attention.registry import AttentionCore, AttentionDims, AttentionOutput, register_attention
 
 
+def sparsity_loss(density: torch.Tensor, sparsity_lambda: float, n_layer: int) -> torch.Tensor:
+    """One layer's share of the sparsity term lambda * mean(rho) of NATS_SPEC.md section 4: ``density`` is the
+    layer's rho per (sequence, KV head), ``[B, Hkv]``. Summed over the model's ``n_layer`` layers it is lambda times
+    the mean of rho over sequences, layers and KV heads. This is what ``sparsity_lambda`` means everywhere: in the
+    native model (`NAtSAttention`'s auxiliary loss, which the GPT sums and `nats.lit.LitGPT` adds to the
+    cross-entropy) and in the distillation of a pretrained model's scorers (`nats.hf.lit.LitNAtSDistill`, which
+    adds it to the MSE). Its default is the config's, ``conf/model/attention/nats.yaml``."""
+    return sparsity_lambda * density.mean() / n_layer
+
+
 def kv_stats(types: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
     """Per-(sequence, head) KV statistics of hard types [B, H, N] (spec section 6).
 
@@ -36,6 +47,11 @@ def kv_stats(types: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
 
 @register_attention("nats")
 class NAtSAttention(AttentionCore):
+    """The NAtS core (module docstring). ``sparsity_lambda`` is lambda of `sparsity_loss`; the constructor's 0.0
+    means no sparsity term: the core as a plain layer (e.g. the scorers of `nats.hf`, whose LightningModule adds
+    the term itself). Training runs take lambda from the config, ``conf/model/attention/nats.yaml``, the one place
+    that documents its default."""
+
     decode_policy = "nats"  # the NAtS KV cache with the scorer's types reproduces the eval forward
 
     def __init__(
@@ -160,11 +176,11 @@ class NAtSAttention(AttentionCore):
     # The O(N) scans behind the density and the statistics run as custom ops (nats/ops.py): opaque nodes
     # of a compiled graph, so torch.compile sees the whole layer without a graph break.
     def _sparsity_and_stats(self, t: torch.Tensor):
-        """Auxiliary loss lambda * density / n_layer (training) and the layer's KV statistics."""
+        """Auxiliary loss `sparsity_loss` (training, lambda > 0) and the layer's KV statistics."""
         density, values = ops.density_and_stats(t, self.window)  # [B, Hkv] differentiable in t; [B, Hkv, 5]
         aux = None
         if self.training and self.sparsity_lambda > 0:
-            aux = self.sparsity_lambda * density.mean() / self.dims.n_layer
+            aux = sparsity_loss(density, self.sparsity_lambda, self.dims.n_layer)
         if self.record_types:
             self.last_types = t.detach().argmax(-1)  # [B, Hkv, N]
         stats = {name: values[..., i].mean() for i, name in enumerate(ops.KV_STAT_NAMES)}

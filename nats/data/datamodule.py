@@ -72,6 +72,8 @@ __all__ = [
     "ResumableSampler",
     "EvalWindows",
     "StridedSampler",
+    "ResumableDataLoader",
+    "ResumableDataModule",
     "TokenDataModule",
 ]
 
@@ -521,7 +523,7 @@ class StridedSampler(Sampler[int]):
         return self.used // self.world_size
 
 
-class _ResumableDataLoader(DataLoader):
+class ResumableDataLoader(DataLoader):
     """A DataLoader Lightning treats as resumable (``state_dict``/``load_state_dict``): its position is derived
     from ``trainer.global_step`` by :class:`ResumableSampler`, so there is no state to save."""
 
@@ -532,12 +534,69 @@ class _ResumableDataLoader(DataLoader):
         pass
 
 
+class ResumableDataModule(L.LightningDataModule):
+    """The training stream of a datamodule that resumes exactly: global sample ``s`` goes to rank ``s % world``,
+    and the stream starts at the samples already consumed (`consumed_samples`, from ``trainer.global_step``), so
+    a run resumed from a checkpoint reads what the uninterrupted one would have, with no loader state to save
+    (`ResumableSampler`, `ResumableDataLoader`). Evaluation reads every item once (`StridedSampler`).
+
+    Subclasses set ``micro_batch_size`` and give `_one_pass_batches`; `TokenDataModule`,
+    `nats.data.tasks.TaskDataModule` and `nats.hf.datamodule.LongContextDataModule` are written on it.
+    """
+
+    micro_batch_size: int
+
+    def _rank_world(self) -> tuple[int, int]:
+        t = getattr(self, "trainer", None)
+        return (int(t.global_rank), int(t.world_size)) if t is not None else (0, 1)
+
+    def _accumulation(self) -> int:
+        t = getattr(self, "trainer", None)
+        return int(getattr(t, "accumulate_grad_batches", 1)) if t is not None else 1
+
+    def consumed_samples(self) -> int:
+        """Training samples already consumed by all ranks: ``global_step * accumulate * micro_batch * world``
+        when attached to a trainer, else 0."""
+        t = getattr(self, "trainer", None)
+        if t is None:
+            return 0
+        return int(t.global_step) * self._accumulation() * self.micro_batch_size * int(t.world_size)
+
+    def _one_pass_batches(self, world: int) -> int:  # pragma: no cover - each subclass gives its own
+        """Micro-batches per rank of about one pass over the training data (before whole optimizer steps)."""
+        raise NotImplementedError
+
+    def _train_samples_per_rank(self) -> int:
+        """Nominal samples per rank per epoch: all of ``trainer.max_steps`` when set, else about one pass over the
+        training data (`_one_pass_batches`); a whole number of optimizer steps either way."""
+        t = getattr(self, "trainer", None)
+        _, world = self._rank_world()
+        accum = self._accumulation()
+        max_steps = getattr(t, "max_steps", None) if t is not None else None
+        if max_steps is not None and max_steps > 0:
+            batches = int(max_steps) * accum
+        else:
+            batches = max(1, self._one_pass_batches(world))
+            batches = math.ceil(batches / accum) * accum
+        return batches * self.micro_batch_size
+
+    def resumable_sampler(self) -> ResumableSampler:
+        """This rank's sampler of the training stream (`_train_samples_per_rank` samples from the consumed ones)."""
+        rank, world = self._rank_world()
+        return ResumableSampler(self._train_samples_per_rank(), rank, world, start=self.consumed_samples)
+
+    def strided_sampler(self, length: int) -> StridedSampler:
+        """This rank's share of ``length`` evaluation items."""
+        rank, world = self._rank_world()
+        return StridedSampler(length, rank, world)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # the datamodule
 # --------------------------------------------------------------------------------------------------------------
 
 
-class TokenDataModule(L.LightningDataModule):
+class TokenDataModule(ResumableDataModule):
     """Language-modelling batches from a tokenised text source.
 
     Args:
@@ -679,31 +738,8 @@ class TokenDataModule(L.LightningDataModule):
             self.setup()
         return self._files[split]
 
-    def _rank_world(self) -> tuple[int, int]:
-        t = self.trainer
-        return (int(t.global_rank), int(t.world_size)) if t is not None else (0, 1)
-
-    def consumed_samples(self) -> int:
-        """Training samples already consumed by all ranks: ``global_step * accumulate * micro_batch * world``
-        when attached to a trainer, else 0."""
-        t = self.trainer
-        if t is None:
-            return 0
-        return int(t.global_step) * int(t.accumulate_grad_batches) * self.micro_batch_size * int(t.world_size)
-
-    def _train_samples_per_rank(self) -> int:
-        """Nominal samples per rank per epoch: all of ``max_steps`` when set, else ~one pass over the train
-        tokens; a whole number of optimizer steps either way."""
-        t = self.trainer
-        _, world = self._rank_world()
-        accum = int(t.accumulate_grad_batches) if t is not None else 1
-        if t is not None and t.max_steps is not None and t.max_steps > 0:
-            batches = int(t.max_steps) * accum
-        else:
-            per_batch = self.block_size * self.micro_batch_size * world
-            batches = max(1, self._file("train").num_tokens // per_batch)
-            batches = math.ceil(batches / accum) * accum
-        return batches * self.micro_batch_size
+    def _one_pass_batches(self, world: int) -> int:
+        return self._file("train").num_tokens // (self.block_size * self.micro_batch_size * world)
 
     def _loader(self, dataset: Dataset, sampler: Sampler[int], batch_size: int, cls: type = DataLoader) -> DataLoader:
         return cls(
@@ -717,11 +753,10 @@ class TokenDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        rank, world = self._rank_world()
-        n = self._train_samples_per_rank()
-        dataset = TrainWindows(self._file("train"), self.block_size, self.seed, length=n * world)
-        sampler = ResumableSampler(n, rank, world, start=self.consumed_samples)
-        return self._loader(dataset, sampler, self.micro_batch_size, cls=_ResumableDataLoader)
+        sampler = self.resumable_sampler()
+        length = len(sampler) * sampler.world_size
+        dataset = TrainWindows(self._file("train"), self.block_size, self.seed, length=length)
+        return self._loader(dataset, sampler, self.micro_batch_size, cls=ResumableDataLoader)
 
     def eval_dataset(self, split: str = "validation") -> EvalWindows:
         """The windows of a held-out split (capped by ``max_eval_windows``)."""
@@ -730,9 +765,8 @@ class TokenDataModule(L.LightningDataModule):
         return EvalWindows(self._file(split), self.block_size, self.max_eval_windows)
 
     def _eval_loader(self, split: str) -> DataLoader:
-        rank, world = self._rank_world()
         dataset = self.eval_dataset(split)
-        return self._loader(dataset, StridedSampler(len(dataset), rank, world), self.eval_batch_size)
+        return self._loader(dataset, self.strided_sampler(len(dataset)), self.eval_batch_size)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("validation")

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-# the token datamodule's samplers and resumable loader (one copy of the stream and rank logic)
-from nats.data.datamodule import ResumableSampler, StridedSampler, _ResumableDataLoader
+# the resumable training stream, rank split and loader of the token datamodule (written once there)
+from nats.data.datamodule import ResumableDataLoader, ResumableDataModule
 
 __all__ = [
     "match2", "match2_positive_rate", "khop_induction", "TaskDataModule", "Match2DataModule",
@@ -138,7 +137,7 @@ class _Gather:
         return self.x[i], self.y[i]
 
 
-class TaskDataModule(L.LightningDataModule):
+class TaskDataModule(ResumableDataModule):
     """A fixed training set of `n_train` samples and validation and test sets of `n_test` samples.
 
     Training reads a stream of samples: pass e over the training set is a permutation drawn from (seed, e),
@@ -184,43 +183,21 @@ class TaskDataModule(L.LightningDataModule):
         for name in SPLITS:
             self.split(name)
 
-    def _rank_world(self) -> tuple[int, int]:
-        t = getattr(self, "trainer", None)
-        return (int(t.global_rank), int(t.world_size)) if t is not None else (0, 1)
-
-    def consumed_samples(self) -> int:
-        """Training samples consumed by all ranks so far (0 without a trainer)."""
-        t = getattr(self, "trainer", None)
-        if t is None:
-            return 0
-        return int(t.global_step) * int(getattr(t, "accumulate_grad_batches", 1)) * self.micro_batch_size * int(t.world_size)
-
-    def _train_samples_per_rank(self) -> int:
-        t = getattr(self, "trainer", None)
-        _, world = self._rank_world()
-        accum = int(getattr(t, "accumulate_grad_batches", 1)) if t is not None else 1
-        max_steps = getattr(t, "max_steps", None) if t is not None else None
-        if max_steps is not None and max_steps > 0:
-            batches = int(max_steps) * accum
-        else:  # about one pass over the training set, whole optimizer steps
-            batches = max(1, self.n_train // (self.micro_batch_size * world))
-            batches = -(-batches // accum) * accum
-        return batches * self.micro_batch_size
+    def _one_pass_batches(self, world: int) -> int:
+        return self.n_train // (self.micro_batch_size * world)
 
     def train_dataloader(self) -> DataLoader:
         x, y = self.split("train")
-        rank, world = self._rank_world()
-        n = self._train_samples_per_rank()
-        return _ResumableDataLoader(
-            _TrainStream(len(x), self.seed, length=n * world), batch_size=self.micro_batch_size,
-            sampler=ResumableSampler(n, rank, world, start=self.consumed_samples), collate_fn=_Gather(x, y),
+        sampler = self.resumable_sampler()
+        return ResumableDataLoader(
+            _TrainStream(len(x), self.seed, length=len(sampler) * sampler.world_size), batch_size=self.micro_batch_size,
+            sampler=sampler, collate_fn=_Gather(x, y),
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
         )
 
     def _eval_loader(self, name: str) -> DataLoader:
         x, y = self.split(name)
-        rank, world = self._rank_world()
-        return DataLoader(_Indices(len(x)), batch_size=self.micro_batch_size, sampler=StridedSampler(len(x), rank, world),
+        return DataLoader(_Indices(len(x)), batch_size=self.micro_batch_size, sampler=self.strided_sampler(len(x)),
                           collate_fn=_Gather(x, y), num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
 

@@ -10,10 +10,11 @@ Needs the ``hf`` extra (``pip install nats-attention[hf]``: transformers)::
     loss = distillation_loss + lam * nats_density(model)     # the density is differentiable in the scorers
 """
 
+from nats.hf import attention as _attention
 from nats.hf.attention import ATTN_IMPLEMENTATION, nats_attention_forward
 from nats.hf.cache import PolicyCache, use_policy_caches
+from nats.hf.hooks import SUPPORTED_MODEL_TYPES
 from nats.hf.scorers import (
-    SUPPORTED_MODEL_TYPES,
     HFNAtSScorer,
     attach_nats,
     detach_nats,
@@ -45,3 +46,7 @@ __all__ = [
     "set_force_type",
     "use_policy_caches",
 ]
+
+# "nats" in transformers' attention registry, before any model is routed to it (nats.hf.hooks.attach_hooks: the
+# hooks live apart from the attention function, which imports the cache, which uses them)
+_attention.register()

@@ -119,7 +119,7 @@ class PolicyCache(Cache):
         track: bool = True,
         **options: Any,
     ):
-        from nats.hf.scorers import SCORER_NAME, _decoder_layers  # noqa: PLC0415
+        from nats.hf.hooks import SCORER_NAME, _decoder_layers  # noqa: PLC0415
 
         if policy not in available_caches():
             raise ValueError(
@@ -201,6 +201,6 @@ def use_policy_caches(model: nn.Module) -> nn.Module:
     """Route a supported model's attention through nats so that `PolicyCache` can run any policy on it (without
     NAtS scorers; `attach_nats` does this too). Without a `PolicyCache` the model then computes ordinary causal
     attention (the ``full`` policy's prefill). Undo with `nats.hf.detach_nats`."""
-    from nats.hf.scorers import attach_hooks  # noqa: PLC0415
+    from nats.hf.hooks import attach_hooks  # noqa: PLC0415
 
     return attach_hooks(model)

@@ -1,6 +1,6 @@
 """Long-context examples as Lightning batches, for fine-tuning the NAtS scorers of a pretrained model (issue 17).
 
-`LongContextDataModule` builds (or reads from its cache) the examples of `nats.hf.data.load_or_build_examples`
+`LongContextDataModule` builds (or reads from its cache) the examples of `nats.data.longctx.load_or_build_examples`
 with the model's own tokenizer, found from the same ``hf_model`` config node as the model (`load_tokenizer`).
 
 * **Train / validation**: two sets built with different seeds (validation: ``val_seed``, default ``seed + 1``), and
@@ -24,48 +24,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nats.data.datamodule import ResumableSampler, StridedSampler
-from nats.hf.data import TASKS, LongContextExample, load_or_build_examples
+from nats.data.datamodule import ResumableDataLoader, ResumableDataModule
+from nats.data.longctx import TASKS, LongContextExample, load_or_build_examples
+from nats.hf.pretrained import load_tokenizer, pretrained_kwargs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PRETRAINED_KEYS", "pretrained_kwargs", "load_tokenizer", "LongContextDataModule"]
-
-#: the keys of an ``hf_model`` config node (conf/hf_model/*.yaml) that `nats.hf.pretrained.load_pretrained` takes
-PRETRAINED_KEYS = ("name_or_path", "gguf_file", "dtype", "local_files_only")
-
-
-def pretrained_kwargs(hf_model: Mapping[str, Any]) -> dict[str, Any]:
-    """The `load_pretrained` arguments of an ``hf_model`` node (``max_context`` and other keys are not its)."""
-    node = dict(hf_model)
-    if not node.get("name_or_path"):
-        raise ValueError(
-            "hf_model.name_or_path is not set: pick a model config (hf_model=smollm2_135m) or set "
-            "hf_model.name_or_path=<folder, .gguf file or hub name>"
-        )
-    return {k: node[k] for k in PRETRAINED_KEYS if k in node}
-
-
-def load_tokenizer(
-    name_or_path: str | Path, gguf_file: str | None = None, local_files_only: bool = True, **_: Any
-) -> Any:
-    """The model's tokenizer alone (no weights), resolved as `nats.hf.pretrained.load_pretrained` resolves the
-    model (``"smollm2-135m"``, a ``.gguf`` file, a folder, a hub name)."""
-    from transformers import AutoTokenizer
-
-    from nats.hf.pretrained import resolve_pretrained
-
-    where, gguf = resolve_pretrained(name_or_path, gguf_file)
-    extra = {"gguf_file": gguf} if gguf is not None else {}
-    return AutoTokenizer.from_pretrained(where, local_files_only=local_files_only, **extra)
+__all__ = ["LongContextDataModule", "answer_mask", "collate"]
 
 
 def answer_mask(example: LongContextExample) -> torch.Tensor:
@@ -127,31 +98,20 @@ def collate(items: list[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[torch.
     return torch.stack([x for x, _, _ in items]), torch.stack([m for _, m, _ in items]), [s for _, _, s in items]
 
 
-class _ResumableDataLoader(DataLoader):
-    """A DataLoader that Lightning treats as resumable: its position comes from `ResumableSampler`'s start (the
-    consumed samples), so there is no state to save."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
-
-
-class LongContextDataModule(L.LightningDataModule):
-    """Training and validation examples of `nats.hf.data` for NAtS distillation (module docstring).
+class LongContextDataModule(ResumableDataModule):
+    """Training and validation examples of `nats.data.longctx` for NAtS distillation (module docstring).
 
     Args:
         hf_model: the ``hf_model`` config node (conf/hf_model/*.yaml): the tokenizer comes from its
             ``name_or_path`` / ``gguf_file``; ``max_context`` (if set) bounds ``max_length``.
-        tasks: `nats.hf.data.TASKS` to draw from (``pg19_continuation`` needs ``pg19_path``).
+        tasks: `nats.data.longctx.TASKS` to draw from (``pg19_continuation`` needs ``pg19_path``).
         num_examples / num_val_examples: examples per task, training / validation.
         max_length / min_length: example lengths (prompt + answer), drawn in ``[min_length or max_length // 2,
             max_length]``.
         seed / val_seed: the example seeds (``val_seed`` None: ``seed + 1``) and, ``seed``, the training order.
         pg19_path, train_split, val_split, max_books, answer_tokens: as in `load_or_build_examples` (``None``
             path: no PG-19; the splits are read from ``pg19_path`` for the training / validation examples).
-        cache_dir: where the example files are cached (``nats.hf.data.cache_path``).
+        cache_dir: where the example files are cached (``nats.data.longctx.cache_path``).
         micro_batch_size: examples per batch; > 1 only when all examples have one length (NAtS takes no padding).
         num_workers: DataLoader workers.
         tokenizer: a tokenizer object to use instead of loading the model's (tests, notebooks).
@@ -199,8 +159,8 @@ class LongContextDataModule(L.LightningDataModule):
                 "the task pg19_continuation needs data.pg19_path (the PG-19 subset); set it, or drop the task: "
                 "data.tasks=[passkey,niah,variable_tracking]"
             )
-        # read only when the examples are built (nats.hf.data._read_pg19 says what is missing): a cached example
-        # file needs no PG-19 copy (e.g. examples built on one machine and carried to another)
+        # read only when the examples are built (nats.data.longctx.tasks._read_pg19 says what is missing): a cached
+        # example file needs no PG-19 copy (e.g. examples built on one machine and carried to another)
         self.pg19_path = pg19_path
         self.num_examples, self.num_val_examples = int(num_examples), int(num_val_examples)
         self.max_length, self.min_length = int(max_length), min_length
@@ -258,16 +218,9 @@ class LongContextDataModule(L.LightningDataModule):
                 )
 
     # -- loaders ---------------------------------------------------------------------------------------------
-    def _rank_world(self) -> tuple[int, int]:
-        t = self.trainer
-        return (int(t.global_rank), int(t.world_size)) if t is not None else (0, 1)
-
-    def consumed_samples(self) -> int:
-        """Training samples already consumed by all ranks (``global_step x accumulation x micro_batch x world``)."""
-        t = self.trainer
-        if t is None:
-            return 0
-        return int(t.global_step) * int(t.accumulate_grad_batches) * self.micro_batch_size * int(t.world_size)
+    def _one_pass_batches(self, world: int) -> int:
+        """Every training example once (the last micro-batch of the pass may wrap into the next)."""
+        return -(-len(self.examples["train"]) // (self.micro_batch_size * world))
 
     def _loader(self, dataset: Dataset, sampler, cls: type = DataLoader) -> DataLoader:
         return cls(
@@ -283,21 +236,12 @@ class LongContextDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if "train" not in self.examples:
             self.setup("fit")
-        rank, world = self._rank_world()
-        t = self.trainer
-        accum = int(t.accumulate_grad_batches) if t is not None else 1
-        if t is not None and t.max_steps is not None and t.max_steps > 0:
-            per_rank = int(t.max_steps) * accum * self.micro_batch_size
-        else:  # one pass over the examples, in whole optimizer steps
-            per_step = accum * self.micro_batch_size * world
-            per_rank = max(1, -(-len(self.examples["train"]) // per_step)) * accum * self.micro_batch_size
-        dataset = _TrainSamples(self.examples["train"], self.seed, length=per_rank * world)
-        sampler = ResumableSampler(per_rank, rank, world, start=self.consumed_samples)
-        return self._loader(dataset, sampler, cls=_ResumableDataLoader)
+        sampler = self.resumable_sampler()
+        dataset = _TrainSamples(self.examples["train"], self.seed, length=len(sampler) * sampler.world_size)
+        return self._loader(dataset, sampler, cls=ResumableDataLoader)
 
     def val_dataloader(self) -> DataLoader:
         if "validation" not in self.examples:
             self.setup("validate")
-        rank, world = self._rank_world()
         dataset = _Examples(self.examples["validation"])
-        return self._loader(dataset, StridedSampler(len(dataset), rank, world))
+        return self._loader(dataset, self.strided_sampler(len(dataset)))

@@ -7,7 +7,7 @@
 
 The pretrained model (``hf_model``, `nats.hf.pretrained.load_pretrained`), with NAtS attached and its fine-tuned
 scorer weights loaded when ``scorers`` is given (else `use_policy_caches`), answers the long-context examples of
-`nats.hf.data` (built with the model's tokenizer, from an evaluation seed and PG-19 split). Every method of
+`nats.data.longctx` (built with the model's tokenizer, from an evaluation seed and PG-19 split). Every method of
 ``methods`` (an entry of ``policies``, conf/cache/*.yaml) runs once, a budgeted one at every fraction of
 ``budgets`` (B = round(fraction x the example's prompt length)): greedy ``model.generate`` with batch 1 and a
 fresh `nats.hf.PolicyCache` per example, so NAtS and the baselines share one decode path.
@@ -17,7 +17,7 @@ Scoring (per example a score in [0, 1]; RULER's ``string_match_all`` for the syn
 * ``passkey``, ``niah``, ``variable_tracking``: the fraction of the expected strings (the pass key; the needle's
   value; the chain's variable names) found in the decoded new text, case-insensitive, as whole words (not inside a
   longer number or name). ``correct``: all of them found.
-* ``longbench/<dataset>`` (``longbench.path`` set; `nats.hf.longbench`): LongBench's own metric of the dataset
+* ``longbench/<dataset>`` (``longbench.path`` set; `nats.data.longctx.longbench`): LongBench's own metric of the dataset
   (QA F1, ROUGE-L, classification, retrieval, count, code similarity), ``max_new`` = its generation length.
 * ``pg19_continuation``: teacher-forced greedy next-token accuracy over the book's next ``continuation_tokens``
   tokens: the prompt, then those tokens, are fed through the cache, and each argmax prediction is compared with the
@@ -58,17 +58,17 @@ from tqdm.auto import tqdm
 
 from nats.attention.nats import check_type_bias, set_type_bias
 from nats.cache.registry import get_cache_class
+from nats.data.longctx import LongContextExample, load_or_build_examples
+from nats.data.longctx.longbench import fingerprint, load_longbench, score_longbench
+from nats.eval import configured_methods
 from nats.hf.compat import cache_kwargs
-from nats.hf.data import LongContextExample, load_or_build_examples
-from nats.hf.longbench import fingerprint, load_longbench, score_longbench
-from nats.utils import CONF_DIR, atomic_path, atomic_write
+from nats.hf.pretrained import PRETRAINED_KEYS
+from nats.utils import CONF_DIR, atomic_path, atomic_write, resolve_device
 
 log = logging.getLogger(__name__)
 
 RESULTS, SETTINGS = "results.jsonl", "run.json"
 TABLE, SUMMARY, PLOT, KV_FRACTIONS = "results.md", "summary.json", "accuracy_vs_kv.png", "kv_fractions.json"
-#: the `hf_model` keys that `load_pretrained` takes
-PRETRAINED_KEYS = ("name_or_path", "gguf_file", "dtype", "local_files_only")
 #: the settings a resumed run must share with the rows already in its folder
 RESUME_KEYS = (
     "model",
@@ -87,7 +87,7 @@ RESUME_KEYS = (
 # ----------------------------------------------------------------------------------------------------------------
 def references(example: LongContextExample) -> list[str]:
     """The strings a correct answer contains: the pass key, the needle's value, the chain's variable names, the
-    answers a RULER task (`nats.hf.ruler`) lists in ``meta["answers"]``."""
+    answers a RULER task (`nats.data.longctx.ruler`) lists in ``meta["answers"]``."""
     meta = example.meta
     if "answers" in meta:
         return [str(a) for a in meta["answers"]]
@@ -140,19 +140,8 @@ def new_tokens(example: LongContextExample, margin: int, k: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
     """The (method, budget fraction) runs; raises on unknown methods, `nats` without scorers and bad budgets."""
-    policies = cfg.get("policies") or {}
-    methods = list(cfg.get("methods") or [])
-    if not methods:
-        raise ValueError(f"methods is empty: list some of {', '.join(policies)}, e.g. methods=[full,nats,snapkv]")
     runs = []
-    for method in dict.fromkeys(methods):
-        if method not in policies:
-            raise ValueError(
-                f"unknown method {method!r}; available: {', '.join(policies)} (conf/cache/*.yaml, composed into "
-                "`policies` by conf/eval_hf.yaml)"
-            )
-        pcfg = policies[method]
-        cls = get_cache_class(pcfg.name)
+    for method, pcfg, cls, options in configured_methods(cfg):
         if not cls.decodable:
             raise ValueError(f"method {method!r} (policy {pcfg.name!r}) is evaluation-only and cannot decode")
         if cls.requires_core == "nats" and not has_scorers:
@@ -160,8 +149,6 @@ def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
                 f"method {method!r} needs scorers: pass scorers=<fine-tuning run>/scorers.pt (written by "
                 "nats-train experiment=finetune_smollm2_nats), or drop it from methods"
             )
-        opts = pcfg.get("options")
-        options = OmegaConf.to_container(opts, resolve=True) if opts else {}
         budgets: list[float | None] = [None]
         if cls.budgeted:
             if not cfg.get("budgets"):
@@ -205,12 +192,9 @@ def check_budgets(runs: list[dict[str, Any]], examples: list[LongContextExample]
 # ----------------------------------------------------------------------------------------------------------------
 def load_model(hf_model: DictConfig, device: torch.device) -> tuple[Any, Any]:
     """The pretrained model (eval mode, on `device`) and its tokenizer (`nats.hf.pretrained.load_pretrained`)."""
-    from nats.hf.pretrained import load_pretrained
+    from nats.hf.pretrained import load_pretrained, pretrained_kwargs  # transformers, imported when needed
 
-    node = dict(hf_model)
-    if not node.get("name_or_path"):
-        raise ValueError("hf_model.name_or_path is not set: pick a model config (hf_model=smollm2_135m)")
-    return load_pretrained(**{k: node[k] for k in PRETRAINED_KEYS if k in node}, device=device)
+    return load_pretrained(**pretrained_kwargs(hf_model), device=device)
 
 
 def read_scorers(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int | None]:
@@ -280,15 +264,6 @@ def type_bias_of(cfg: DictConfig) -> list[float] | None:
 # ----------------------------------------------------------------------------------------------------------------
 # one example
 # ----------------------------------------------------------------------------------------------------------------
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name} but CUDA is not available: use device=cpu (or auto)")
-    return dev
-
-
 def generate_one(model: Any, prompt: list[int], n_new: int, cache: Any) -> list[int]:
     """Greedy decoding of up to `n_new` tokens (fewer when the model ends with EOS) through `cache`."""
     ids = torch.tensor([prompt], device=model.device)
@@ -571,7 +546,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             f"data.max_length + answer_margin = {longest} exceeds hf_model.max_context={max_context}: "
             "use a smaller data.max_length"
         )
-    device = _device(str(cfg.device))
+    device = resolve_device(str(cfg.device))
     model, tokenizer = load_model(cfg.hf_model, device)
     window = prepare_model(cfg, model)
     examples, examples_path = load_or_build_examples(tokenizer, **data)

@@ -4,13 +4,17 @@
 config node), attaches NAtS scorers (`nats.hf.attach_nats`: the backbone frozen, the scorers trainable) and trains
 them so that the NAtS model (the student) reproduces the same model with dense attention (the teacher):
 
-    loss = MSE(student final hidden states, teacher final hidden states; answer span) + lambda * density
+    loss = MSE(student final hidden states, teacher final hidden states; answer span) + lambda * mean(rho)
 
 The hidden states are the decoder's output after its final norm (``model.model(...).last_hidden_state``, not the
 logits); the answer span is the positions that predict the answer tokens (`nats.hf.datamodule.answer_mask`); the
-density is `nats.hf.nats_density` (the KV area fraction, differentiable in the scorers). The teacher is the same
-backbone run with ``config._attn_implementation`` set to ``teacher_attn_implementation`` ("sdpa": the original
-model's dense attention, exact and cheaper than NAtS with every token forced global) under ``torch.no_grad``.
+sparsity term is the native model's, `nats.attention.nats.sparsity_loss` summed over the layers: lambda times the
+mean KV density rho (the area fraction, differentiable in the scorers) over sequences, layers and KV heads, which is
+`nats.hf.nats_density` (logged as ``train/density``). ``sparsity_lambda`` has no default here: the experiment config
+sets it (conf/experiment/finetune_smollm2_nats.yaml; the default of lambda is documented once, in
+conf/model/attention/nats.yaml). The teacher is the same backbone run with ``config._attn_implementation`` set to
+``teacher_attn_implementation`` ("sdpa": the original model's dense attention, exact and cheaper than NAtS with
+every token forced global) under ``torch.no_grad``.
 
 The optimiser (conf/optim/nats_finetune.yaml) is AdamW over the scorer weights only with the paper's schedule
 (`finetune_lr_at`): a linear warm-up from ``min_lr`` to ``lr`` over the first ``warmup_frac`` of the steps, ``lr``,
@@ -22,7 +26,6 @@ docs/hf_finetune.md.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import io
 import json
 import logging
@@ -35,9 +38,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from nats.hf.datamodule import pretrained_kwargs
-from nats.hf.scorers import SCORER_NAME, attach_nats, nats_density, nats_state_dict, nats_stats
-from nats.lit import host_scalar, logs_written_now, optimizer_partial
+from nats.attention.nats import sparsity_loss
+from nats.hf.hooks import SCORER_NAME
+from nats.hf.scorers import attach_nats, nats_density, nats_state_dict, nats_stats, scorers
+from nats.lit import check_optim_keys, host_scalar, logs_written_now, optimizer_node, optimizer_partial
 from nats.utils import atomic_write
 
 log = logging.getLogger(__name__)
@@ -55,16 +59,7 @@ def finetune_optim_config(optim: Mapping[str, Any]) -> dict[str, Any]:
     """`optim` checked: known keys only, an optimizer partial config whose lr is ``optim.lr``, a schedule whose
     warm-up and cool-down fit in the run."""
     optim = dict(optim)
-    unknown = sorted(set(optim) - set(OPTIM_KEYS))
-    if unknown:
-        hints = [
-            f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, OPTIM_KEYS, n=1)) else k
-            for k in unknown
-        ]
-        raise ValueError(
-            f"unknown optim keys: {', '.join(hints)}; the valid keys: {', '.join(OPTIM_KEYS)} (the optimizer's "
-            "own arguments go under optim.optimizer, e.g. optim.optimizer.weight_decay)"
-        )
+    check_optim_keys(optim, OPTIM_KEYS)
     for key in ("optimizer", "lr"):
         if optim.get(key) is None:
             raise ValueError(f"optim.{key} is required (conf/optim/nats_finetune.yaml)")
@@ -76,19 +71,7 @@ def finetune_optim_config(optim: Mapping[str, Any]) -> dict[str, Any]:
     w, c = optim["warmup_frac"], optim["cooldown_frac"]
     if w < 0 or c < 0 or w + c > 1:
         raise ValueError(f"need optim.warmup_frac, optim.cooldown_frac >= 0 with a sum <= 1, got {w} and {c}")
-    node = optim["optimizer"]
-    if not isinstance(node, Mapping) or "_target_" not in node:
-        raise ValueError(
-            f"optim.optimizer must be a config with a _target_ (e.g. torch.optim.AdamW) and _partial_: true, got "
-            f"{node!r}; instantiate the module with _recursive_=False (conf/train.yaml's module node does)"
-        )
-    node = dict(node)
-    if node.setdefault("lr", optim["lr"]) != optim["lr"]:
-        raise ValueError(
-            f"optim.optimizer.lr={node['lr']} differs from optim.lr={optim['lr']}, the schedule's peak: set optim.lr"
-        )
-    optimizer_partial(node)  # a mistyped class or argument fails now
-    optim["optimizer"] = node
+    optim["optimizer"] = optimizer_node(optim["optimizer"], optim["lr"])
     return optim
 
 
@@ -125,7 +108,7 @@ class LitNAtSDistill(L.LightningModule):
         model: the ``hf_model`` node (conf/hf_model/*.yaml: name_or_path, gguf_file, dtype, local_files_only).
         optim: conf/optim/nats_finetune.yaml (`finetune_optim_config`).
         window: the NAtS sliding window W.
-        sparsity_lambda: lambda, the weight of the density in the loss.
+        sparsity_lambda: lambda of `nats.attention.nats.sparsity_loss` (required; the experiment config sets it).
         tau, noise_scale, init_std, backend, mask_grad: passed to `nats.hf.attach_nats` (noise_scale: the
             Gumbel noise's scale s, 1 = the spec; callbacks/noise_schedule.yaml anneals it).
         teacher_attn_implementation: the dense attention of the teacher forward ("sdpa" or "eager").
@@ -142,7 +125,8 @@ class LitNAtSDistill(L.LightningModule):
         model: Mapping[str, Any],
         optim: Mapping[str, Any],
         window: int = 256,
-        sparsity_lambda: float = 0.1,
+        *,
+        sparsity_lambda: float,
         tau: float = 1.0,
         init_std: float | None = None,
         backend: str = "auto",
@@ -169,7 +153,7 @@ class LitNAtSDistill(L.LightningModule):
         self.sparsity_lambda = float(sparsity_lambda)
         self.teacher_attn_implementation = teacher_attn_implementation
         self.seed = int(seed)
-        from nats.hf.pretrained import load_pretrained
+        from nats.hf.pretrained import load_pretrained, pretrained_kwargs
 
         hf, _ = load_pretrained(**pretrained_kwargs(model))
         # load_pretrained returns the model in eval mode, and Lightning keeps submodules' modes (it does not call
@@ -235,12 +219,18 @@ class LitNAtSDistill(L.LightningModule):
         student = self.student_hidden(input_ids)
         return masked_mse(student, teacher, mask), nats_density(self.model)
 
+    def sparsity(self) -> torch.Tensor:
+        """lambda * mean(rho) of the last student forward: `nats.attention.nats.sparsity_loss` of every layer,
+        summed, as the native model's auxiliary loss (the same value as ``lambda * nats_density(model)``)."""
+        layers = scorers(self.model)
+        return sum(sparsity_loss(s.last_density.float(), self.sparsity_lambda, len(layers)) for s in layers)
+
     # ------------------------------------------------------------------ steps
     def training_step(self, batch, batch_idx):
         input_ids, mask, samples = batch
         with self._gumbel_noise_of(samples):
             mse, density = self.distill(input_ids, mask)
-        loss = mse + self.sparsity_lambda * density
+        loss = mse + self.sparsity()
         # not prog_bar (a host sync per micro-batch): nats.callbacks.StepProgressBar reads train/loss itself
         self.log("train/loss", loss)
         if logs_written_now(self._trainer):  # the rest only on the steps whose logs are written
@@ -257,7 +247,7 @@ class LitNAtSDistill(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         input_ids, mask, _ = batch
         mse, density = self.distill(input_ids, mask)  # eval mode: argmax types, the inference KV area
-        loss = mse + self.sparsity_lambda * density
+        loss = mse + self.sparsity()
         b = input_ids.size(0)
         self.log("val/loss", loss, batch_size=b, prog_bar=True, sync_dist=True)
         self.log("val/mse", mse, batch_size=b, sync_dist=True)

@@ -20,10 +20,14 @@ tokenizer from the vocabulary stored in the file; nothing is downloaded (``local
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "PRETRAINED_KEYS",
+    "pretrained_kwargs",
+    "load_tokenizer",
     "SMOLLM2",
     "SMOLLM2_INSTALL",
     "PretrainedNotFoundError",
@@ -155,10 +159,37 @@ def load_pretrained(
     return model, tokenizer
 
 
+#: the keys of an ``hf_model`` config node (conf/hf_model/*.yaml) that `nats.hf.pretrained.load_pretrained` takes
+PRETRAINED_KEYS = ("name_or_path", "gguf_file", "dtype", "local_files_only")
+
+
+def pretrained_kwargs(hf_model: Mapping[str, Any]) -> dict[str, Any]:
+    """The `load_pretrained` arguments of an ``hf_model`` node (``max_context`` and other keys are not its)."""
+    node = dict(hf_model)
+    if not node.get("name_or_path"):
+        raise ValueError(
+            "hf_model.name_or_path is not set: pick a model config (hf_model=smollm2_135m) or set "
+            "hf_model.name_or_path=<folder, .gguf file or hub name>"
+        )
+    return {k: node[k] for k in PRETRAINED_KEYS if k in node}
+
+
+def load_tokenizer(
+    name_or_path: str | Path, gguf_file: str | None = None, local_files_only: bool = True, **_: Any
+) -> Any:
+    """The model's tokenizer alone (no weights), resolved as :func:`load_pretrained` resolves the
+    model (``"smollm2-135m"``, a ``.gguf`` file, a folder, a hub name)."""
+    from transformers import AutoTokenizer
+
+    where, gguf = resolve_pretrained(name_or_path, gguf_file)
+    extra = {"gguf_file": gguf} if gguf is not None else {}
+    return AutoTokenizer.from_pretrained(where, local_files_only=local_files_only, **extra)
+
+
 def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str] | None = None) -> Path:
     """Write a tiny model in the transformers layout into `folder`, offline: a random Llama (hidden 64, 4 heads /
     2 KV heads, vocabulary 1024, 512 positions, seed 0) and a byte-level BPE tokenizer (vocabulary ~1000) trained
-    on `texts` (default: the long-context generators' filler and source, ``nats.hf.data``). For tests and demos;
+    on `texts` (default: the long-context generators' filler and source, ``nats.data.longctx``). For tests and demos;
     returns `folder`."""
     import inspect
 
@@ -166,7 +197,7 @@ def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str
     import torch
     import transformers
 
-    from nats.hf import data as D
+    from nats.data.longctx import tasks as D
 
     folder = Path(folder)
     texts = [D.FILLER] * 20 + [inspect.getsource(D)] if texts is None else texts

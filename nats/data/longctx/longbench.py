@@ -35,7 +35,7 @@ from difflib import SequenceMatcher
 from pathlib import Path
 from typing import Any
 
-from nats.hf.data import LongContextExample, encode_fn
+from nats.data.longctx.examples import LongContextExample, encode_fn
 
 __all__ = [
     "DATASETS",

@@ -1,0 +1,62 @@
+"""How a transformers model is routed through the ``"nats"`` attention function, without the function itself.
+
+The pieces that `nats.hf.scorers` (the scorers), `nats.hf.cache` (the policy cache) and `nats.hf.attention` (the
+attention function) share: the supported architectures, the name of the scorer submodule, the decoder layers of a
+model, and the forward pre-hooks that stash each attention module's input hidden states and cache for the attention
+function (`attach_hooks`). This module imports none of the three, so the attention function may import the cache
+(it dispatches to a `PolicyCache`) without an import cycle; the package (``nats/hf/__init__.py``) registers the
+attention function in transformers' registry when it is imported, before any model can be routed to it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nats.hf.compat import cache_from_kwargs
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: the attribute of a layer's attention module that holds its NAtS scorer
+SCORER_NAME = "nats_scorer"
+#: the name under which `nats.hf.attention.register` registers the attention function (its ATTN_IMPLEMENTATION)
+ATTN_IMPLEMENTATION = "nats"
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"nats.hf: cannot find the decoder layers of {type(model).__name__} (expected .model.layers)")
+    return layers
+
+
+def _stash_hidden(module: nn.Module, args, kwargs):
+    """Forward pre-hook of an attention module: its input hidden states (the scorer's input) and the cache it is
+    given (a `nats.hf.cache.PolicyCache` runs its policy in the attention function)."""
+    module._nats_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    module._nats_cache = cache_from_kwargs(kwargs)
+
+
+def _check_supported(model: nn.Module, what: str) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"nats.hf.{what}: unsupported architecture {model_type!r} ({type(model).__name__}); "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def attach_hooks(model: nn.Module) -> nn.Module:
+    """Route the model's attention through the ``"nats"`` attention function (registered when `nats.hf` is
+    imported): add the pre-hooks that stash each attention module's input and cache, select it in the config.
+    Idempotent; `nats.hf.attach_nats` and `nats.hf.cache.use_policy_caches` call it."""
+    _check_supported(model, "use_policy_caches")
+    if getattr(model, "_nats_hf", None) is not None:
+        return model
+    hooks = []
+    for layer in _decoder_layers(model):
+        attn = layer.self_attn
+        attn._nats_hidden = attn._nats_cache = None
+        hooks.append(attn.register_forward_pre_hook(_stash_hidden, with_kwargs=True))
+    model._nats_hf = {"hooks": hooks, "attn_implementation": model.config._attn_implementation, "window": None}
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    return model
