@@ -61,7 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", type=int, nargs=4, default=[16, 12, 1024, 64], metavar=("B", "H", "N", "D"))
     ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
+    ap.add_argument("--out", default="experiments/results")
     ap.add_argument("--retune", action="store_true", help="autotune afresh for every mix")
     ap.add_argument("--mixes", nargs="+", choices=list(MIXES), default=DEFAULT_MIXES, help="type mixes, in order")
     ap.add_argument("--name", default="kernel_breakdown", help="output file stem in --out")
