@@ -1,7 +1,7 @@
 """Decode speed and KV memory of a transformers model through `generate` with the NAtS cache against the full
-cache (issue 18 part 5).
+cache.
 
-    python benchmarks/bench_hf_decode.py --out $OUT                      # SmolLM2-135M's shape, random weights, GPU
+    python benchmarks/bench_hf_decode.py --out logs/bench                # SmolLM2-135M's shape, random weights, GPU
     python benchmarks/bench_hf_decode.py --scorers <run>/scorers.pt ...  # the fine-tuned scorers' types
     python benchmarks/bench_hf_decode.py --smoke                         # a tiny model on the CPU (tests the script)
 

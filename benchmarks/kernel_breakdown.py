@@ -1,6 +1,6 @@
 """Where the time of the NAtS training kernels goes, per kernel and type mix, against torch SDPA, on a GPU.
 
-At the benchmark shape of issue 4 (B=16, H=12, N=1024, D=64, bf16) for three type mixes: the fwd+bwd
+At the kernel benchmark's shape (B=16, H=12, N=1024, D=64, bf16) for three type mixes: the fwd+bwd
 total and its split into the plan, forward, dQ, dK/dV and type-gradient kernels, with the configs the
 autotuner chose. Tile sizes are autotuned (keyed on the head dim, never on N), once for all mixes as in
 training (the first mix decides), or afresh for each mix with ``--retune`` (what each mix would choose
@@ -15,7 +15,6 @@ Python launch overhead), and the per-kernel split comes from torch.profiler.
 from __future__ import annotations
 
 import argparse
-import os
 from collections import defaultdict
 from pathlib import Path
 

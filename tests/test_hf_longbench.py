@@ -1,4 +1,4 @@
-"""LongBench from the user's files (issue 18 part 1; nats.hf.longbench): tiny fake LongBench JSONL files in the real
+"""LongBench from the user's files (nats.hf.longbench): tiny fake LongBench JSONL files in the real
 format, read with a byte-level BPE tokenizer trained offline; prompts, middle truncation, the chat-template rule,
 the errors, every metric against hand-computed values, and one nats-eval-hf run with longbench.path set on a tiny
 random Llama.

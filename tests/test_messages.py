@@ -1,4 +1,4 @@
-"""Issue 14 parts 3, 6 and 8: what a user types or feeds in that is wrong gets a message naming the problem and the
+"""What a user types or feeds in that is wrong gets a message naming the problem and the
 fix, and the documented way to add the temperature schedule composes and instantiates."""
 
 from __future__ import annotations

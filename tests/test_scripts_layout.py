@@ -1,5 +1,5 @@
 """experiments/ (studies) and benchmarks/ (speed): scripts that do not lean on tests/, and docs whose script paths
-exist (issue 15 part 5)."""
+exist."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Lightning step's per-step overhead (issue 16, parts 2-3), on the CPU.
+"""The Lightning step's per-step overhead, on the CPU.
 
 * The per-layer statistics, the auxiliary loss, the learning rate and the temperature are logged only on the
   optimizer steps whose logs Lightning writes (``trainer.log_every_n_steps``), and what is written is the same as
