@@ -8,7 +8,7 @@
 * A compiled run (``compile=aot_eager``: Dynamo's guards are what is tested, not inductor's code) compiles the
   training graph once and the evaluation graph once: no recompile after the first step, through validation, the
   tau and noise schedules and a final ``trainer.validate``, with a NAtS model on the Triton backend whose kernel
-  cache is empty when the run starts (the `_TRITON_BACKEND` guard of the issue).
+  cache is empty when the run starts (the `_TRITON_BACKEND` guard).
 """
 
 from __future__ import annotations
