@@ -107,3 +107,10 @@ def test_results_are_small_and_raw_outputs_untracked():
     raw = _tracked("experiments/results")
     if raw is not None:
         assert [p.relative_to(REPO).as_posix() for p in raw] == ["experiments/results/README.md"]
+
+
+def test_readme_links_every_doc():
+    """Every page of docs/ is reachable from the README (its "Documentation" table), as CONTRIBUTING.md asks."""
+    readme = (REPO / "README.md").read_text()
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert f"(docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
