@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import traceback
@@ -483,7 +482,7 @@ def bench_prefill(args, out, device_name):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
+    ap.add_argument("--out", default="experiments/results")
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip what remains after this many seconds")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["train", "prefill"])

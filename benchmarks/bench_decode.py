@@ -23,7 +23,8 @@ same Python step. Memory: bytes the caches have allocated (keys, values and meta
 values of the tokens they hold, and the ratio. Speed: ms per decode step (batch `--batch`), tokens/s, and the
 time relative to the faster of the two `full` rows at the same L. A quick correctness check on a tiny model runs
 first (decoding with the Triton kernel and with CUDA graphs equals the parallel forward). Writes
-`bench_decode.md` and `bench_decode.json` to `--out` (default $OUT, else experiments/results) and prints the
+`bench_decode.md` and `bench_decode.json` to `--out` (default: the environment variable OUT, else
+benchmarks/results) and prints the
 table last.
 """
 

@@ -1,5 +1,5 @@
-"""Host (CPU) time per call of the NAtS custom ops, at shapes so small that the GPU is never the bottleneck
-(issue 16): what a training step pays in Python and launch overhead per layer, whatever the GPU's speed.
+"""Host (CPU) time per call of the NAtS custom ops, at shapes so small that the GPU is never the bottleneck:
+what a training step pays in Python and launch overhead per layer, whatever the GPU's speed.
 
     python benchmarks/bench_host_overhead.py              # on a GPU machine
     python benchmarks/bench_host_overhead.py --cprofile   # and the top Python functions of attention_bwd

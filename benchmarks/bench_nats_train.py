@@ -1,4 +1,4 @@
-"""Training throughput of the path users run, `nats-train`, next to the isolated step (issue 16, part 1).
+"""Training throughput of the path users run, `nats-train`, next to the isolated step.
 
     python benchmarks/bench_nats_train.py --extra data.path=$PWD/data/pg19-subset-src     # one GPU
     python benchmarks/bench_nats_train.py --smoke --out /tmp/bench                          # CPU, tiny, minutes
@@ -276,7 +276,7 @@ def report(results: list[dict], args, machine: str, device: str) -> str:
         lines += ["", "Recompiles (TORCH_LOGS=recompiles):", ""] + [f"* {e}: {why}" for e, why in recomp]
     lines += [
         "",
-        "Issue 16 targets (one H100): dense nats-train / isolated >= 0.97; NAtS / dense via nats-train "
+        "Targets (one H100): dense nats-train / isolated >= 0.97; NAtS / dense via nats-train "
         ">= 0.90 (moonshot 0.95); no recompiles.",
     ]
     return "\n".join(lines) + "\n"

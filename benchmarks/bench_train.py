@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -231,7 +230,7 @@ def main() -> None:
         action="store_true",
         help="also profile 3 steps: CUDA time per kernel group and the top kernels (profile_*.md)",
     )
-    ap.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
+    ap.add_argument("--out", default="experiments/results")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True

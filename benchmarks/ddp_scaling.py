@@ -1,13 +1,10 @@
 r"""4-GPU DDP against 1 GPU, the paper's pre-training step (GPT-2-small, context 1024, global batch 480).
 
-    python3 benchmarks/ddp_scaling.py --out $OUT                     # NAtS (falls back to dense if it fails)
-    python3 benchmarks/ddp_scaling.py --out $OUT --experiment pg19_gpt2_dense --compile
+    python3 benchmarks/ddp_scaling.py --out logs/bench/ddp            # NAtS (falls back to dense if it fails)
+    python3 benchmarks/ddp_scaling.py --out logs/bench/ddp --experiment pg19_gpt2_dense --compile
 
-On a machine with torch but without the Hydra stack (from the repository root, with data/ and the wheels in .whl/
-there, see benchmarks/README.md; /tmp/site is a scratch folder outside the checkout):
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
-      export PYTHONPATH=/tmp/site:$PWD && python3 benchmarks/ddp_scaling.py --out $OUT
+On a machine without a package index, install the Hydra stack from a folder of wheels first (as
+benchmarks/gpu_site.sh does with WHEELS=<folder>).
 
 Runs ``python3 -m nats.train experiment=<exp> data=gutenberg`` twice, through the real Hydra/Lightning stack:
 
@@ -320,7 +317,7 @@ def report(results: dict, args: argparse.Namespace, notes: list[str], out: Path)
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", str(REPO / "experiments" / "results" / "ddp_scaling")))
+    ap.add_argument("--out", default=str(REPO / "experiments" / "results" / "ddp_scaling"))
     ap.add_argument("--experiment", default="pg19_gpt2_nats")
     ap.add_argument("--micro", type=int, default=40, help="micro-batch per GPU (40 fits an H100/H200 easily)")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps of the multi-GPU run")

@@ -1,11 +1,19 @@
-# Sourced (`source benchmarks/gpu_site.sh`) by the one-call GPU scripts, from the repository root, once $OUT is set:
-# creates $OUT, installs the wheels of .whl/ into $SITE (scratch outside the checkout, see benchmarks/README.md;
-# once per machine), nats and nats_kernels from the checkout (editable), and exports PYTHONPATH. Exits the calling
-# script if an install fails.
-SITE=${NATS_SITE_DIR:-/tmp/site}
-mkdir -p "$OUT" "$SITE"
-if [ ! -d "$SITE/hydra" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
+# Sourced by the benchmarks/gpu_*.sh and experiments/gpu_*.sh scripts from the repository root, after they set
+# DEST (their first argument; default logs/bench/<date>):
+#   - creates DEST;
+#   - WHEELS=<folder> (optional): a folder of wheels for a machine without a package index; they are installed
+#     (no index, no dependencies) into NATS_SITE_DIR (default build/site) when hydra is not importable, and put on
+#     PYTHONPATH;
+#   - installs nats and nats_kernels from the checkout (editable, no dependencies) when they are not importable.
+# Exits the calling script if an install fails.
+export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
+mkdir -p "$DEST"
+if [ -n "${WHEELS:-}" ] && ! python3 -c "import hydra" 2>/dev/null; then
+  SITE=${NATS_SITE_DIR:-$PWD/build/site}
+  mkdir -p "$SITE"
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-export PYTHONPATH=$SITE:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"

@@ -1,6 +1,6 @@
 """Where the time of the NAtS training kernels goes, per kernel and type mix, against torch SDPA, on a GPU.
 
-At the benchmark shape of issue 4 (B=16, H=12, N=1024, D=64, bf16) for three type mixes: the fwd+bwd
+At the kernel benchmark's shape (B=16, H=12, N=1024, D=64, bf16) for three type mixes: the fwd+bwd
 total and its split into the plan, forward, dQ, dK/dV and type-gradient kernels, with the configs the
 autotuner chose. Tile sizes are autotuned (keyed on the head dim, never on N), once for all mixes as in
 training (the first mix decides), or afresh for each mix with ``--retune`` (what each mix would choose
@@ -15,7 +15,6 @@ Python launch overhead), and the per-kernel split comes from torch.profiler.
 from __future__ import annotations
 
 import argparse
-import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -61,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", type=int, nargs=4, default=[16, 12, 1024, 64], metavar=("B", "H", "N", "D"))
     ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
+    ap.add_argument("--out", default="experiments/results")
     ap.add_argument("--retune", action="store_true", help="autotune afresh for every mix")
     ap.add_argument("--mixes", nargs="+", choices=list(MIXES), default=DEFAULT_MIXES, help="type mixes, in order")
     ap.add_argument("--name", default="kernel_breakdown", help="output file stem in --out")

@@ -1,5 +1,5 @@
 """Profile optimizer steps of the real `nats-train` path (Lightning, real data, default callbacks) with
-torch.profiler: where the time of a step goes, beside the GPU's busy time (issue 16).
+torch.profiler: where the time of a step goes, beside the GPU's busy time.
 
     python benchmarks/profile_nats_train.py experiment=fig3_nats trainer=gpu compile=true data=pg19_subset
     python benchmarks/profile_nats_train.py --steps 60 --profile 50 55 experiment=fig3_dense ...

@@ -1,7 +1,8 @@
 """Build the long-context example files (data/hf_longctx/longctx-<hash>.jsonl) that a fine-tune or an evaluation
-reads, here, without loading the model: the tokenizer alone, from the same configs and overrides as the run.
+reads, without loading the model: the tokenizer alone, from the same configs and overrides as the run.
 
-A lent GPU machine has no PG-19 subset, so the files are built here and carried (docs/hf_finetune.md):
+Build them on a machine that has the PG-19 subset and copy `data/hf_longctx/` to one that has not, e.g. a GPU
+machine (docs/hf_finetune.md):
 
     python experiments/build_hf_examples.py finetune                         # experiment=finetune_smollm2_nats
     python experiments/build_hf_examples.py eval data.split=validation data.num_examples=16 data.seed=20241123

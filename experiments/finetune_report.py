@@ -1,4 +1,4 @@
-"""Report of a NAtS scorer fine-tuning run (`nats-train experiment=finetune_smollm2_nats`; issue 17 part 5).
+"""Report of a NAtS scorer fine-tuning run (`nats-train experiment=finetune_smollm2_nats`).
 
     python experiments/finetune_report.py <run folder> [--out DIR] [--name finetune_smollm2]
 

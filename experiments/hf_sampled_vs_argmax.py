@@ -1,4 +1,4 @@
-"""KV area of fine-tuned NAtS scorers with the types training samples against the types inference takes (issue 18).
+"""KV area of fine-tuned NAtS scorers with the types training samples against the types inference takes.
 
 Training's loss sees the straight-through Gumbel sample of each token's type, argmax(z + G) (NATS_SPEC section 3;
 tau changes the gradient, not the sample); inference takes argmax(z). The KV area is not a per-token average of

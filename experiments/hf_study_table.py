@@ -1,4 +1,4 @@
-"""Issue 18 part 4: one table and plot from several `nats-eval-hf` runs on the same examples.
+"""One table and plot from several `nats-eval-hf` runs on the same examples.
 
     python experiments/hf_study_table.py <results.jsonl> [<results.jsonl> ...] --out DIR [--name hf_study]
         [--target-kv 0.25] [--target-points 2] [--baseline-loss 5] [--nats LABEL=<results.jsonl> ...]
@@ -7,7 +7,7 @@ The runs' rows (``results.jsonl``, one per method, budget and example) are put t
 replacing an earlier one's for the same method, budget, task and example: e.g. the baselines of one run (they do
 not depend on the NAtS scorers) with ``full`` and ``nats`` of a later run with better scorers. Every file must
 hold the same examples (the same prompts) for the methods it is taken for. Writes ``<name>.md`` (the table of
-`nats.hf.evaluate`, then the issue's target checked: NAtS at <= ``--target-kv`` of the KV cache within
+`nats.hf.evaluate`, then the KV target checked: NAtS at <= ``--target-kv`` of the KV cache within
 ``--target-points`` of the full cache's mean accuracy, the baselines at that budget losing >= ``--baseline-loss``,
 with a paired bootstrap interval of each method's difference to the full cache),
 ``<name>.png`` (accuracy against KV kept and KV area) and ``<name>_kv_fractions.json``.
@@ -79,7 +79,7 @@ def paired_interval(rows: list[dict], method: dict, ref: str = "full", n: int = 
 
 
 def target_check(summary: list[dict], target_kv: float, points: float, loss: float, rows=()) -> list[str]:
-    """The issue's target, method by method: lines of markdown."""
+    """The KV target, method by method: lines of markdown."""
     full = next((s for s in summary if s["method"] == "full"), None)
     if full is None:
         return ["No `full` run: the target (points from the full cache) cannot be checked."]

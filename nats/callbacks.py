@@ -22,7 +22,7 @@ class TokenThroughput(ThroughputMonitor):
     ("items_per_sec") and MFU (from `LitGPT.flops_per_batch` and the device's peak FLOP/s).
 
     Lightning's monitor synchronises the device after every training batch to time it, which stops the host
-    from queueing the next step while the device works (issue 16). Here, by default (``sync_every_batch=False``),
+    from queueing the next step while the device works. Here, by default (``sync_every_batch=False``),
     training batches are only counted on the host, and the device is synchronised and timed on the steps whose
     logs are written (every ``trainer.log_every_n_steps``), at the start of training and before each validation:
     the rates are exact over those intervals. ``window_size`` then counts these timing points, so the default
@@ -166,7 +166,7 @@ class NoiseSchedule(_CoreSchedule):
 
 class StepTimer(Callback):
     """Host wall-clock times of a fit, written as JSON to ``path`` (default: ``<trainer.default_root_dir>/
-    step_times.json``, the run folder) when the fit ends (conf/callbacks/step_timer.yaml; issue 16).
+    step_times.json``, the run folder) when the fit ends (conf/callbacks/step_timer.yaml).
 
     Recorded, in seconds since ``on_fit_start`` (``fit_start_unix`` is its ``time.time()``): ``train_start``, the
     end of every optimizer step (``step_end``, one entry per ``trainer.global_step`` reached, with ``steps``
@@ -246,8 +246,8 @@ class StepProgressBar(TQDMProgressBar):
 
     The training loss and the learning rate are read here (``train/loss`` from the callback metrics, the lr from
     the optimizer), rather than logged with ``prog_bar=True``: Lightning converts every progress-bar metric to a
-    Python number after every batch, a host-device synchronisation per micro-batch that stalls the GPU pipeline
-    (issue 16). They are read only on the optimizer steps whose logs are written (and the last step), where the
+    Python number after every batch, a host-device synchronisation per micro-batch that stalls the GPU pipeline.
+    They are read only on the optimizer steps whose logs are written (and the last step), where the
     device is synchronised anyway (the throughput monitor, Lightning's loggers): reading the loss is a
     synchronisation too, which at another step (refresh_rate 10, log_every_n_steps 25) would drain the GPU's
     queue once more. Between them the bar shows the last values read."""

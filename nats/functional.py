@@ -118,7 +118,7 @@ def _load_triton_backend():
     Cached in a plain module dict (not ``functools.lru_cache``) so that torch.compile traces it cleanly.
     Load it before compiling (``triton_available()``; `nats.attention.nats.NAtSAttention` does so when it is
     built): a graph traced while the dict is still empty guards on it being empty, and the first call fills it,
-    so the second call would recompile (issue 16).
+    so the second call would recompile.
     """
     if not _TRITON_BACKEND:
         try:

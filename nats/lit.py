@@ -152,7 +152,7 @@ def logs_written_now(trainer) -> bool:
 
 
 def host_scalar(value: float) -> torch.Tensor:
-    """A Python number for ``self.log`` without a device synchronisation (issue 16). Lightning turns a float into a
+    """A Python number for ``self.log`` without a device synchronisation. Lightning turns a float into a
     tensor on the module's device: a blocking host-to-device copy from pageable memory, which waits for every
     kernel queued before it, so the GPU then idles while the host queues the next work. A CPU tensor stays on the
     CPU (Lightning's metric follows its value's device) and is written as it is; float64, so that the number
@@ -228,14 +228,14 @@ class LitGPT(L.LightningModule):
         # Compiled callables, not submodules: checkpoints keep the plain `model.*` keys. Training and evaluation
         # (model.eval(), under no_grad/inference_mode) are two different graphs; compiled as one function the
         # first validation would recompile it (guards on grad_mode and the modules' `training`), so evaluation
-        # gets its own compiled function, compiled once at its first call (issue 16). A batch of another shape
+        # gets its own compiled function, compiled once at its first call. A batch of another shape
         # than the first evaluation batch (a smaller last batch) runs eagerly rather than compile a third graph.
         backend = _compile_backend(compile)
         if backend is None:
             self._forward = self._forward_eval = self.model.forward
         else:
             # compile_mode: torch.compile's mode; "reduce-overhead" replays CUDA graphs, which takes the host's
-            # per-kernel launch cost (the NAtS step is host-bound without it: issue 16) off the step time
+            # per-kernel launch cost (the NAtS step is host-bound without it) off the step time
             opts = {"mode": compile_mode} if compile_mode else {}
             # Under DDP, dynamo by default splits the compiled graph at every gradient bucket (DDPOptimizer) so that
             # all-reduces overlap the backward. That split cost NAtS 20% of its per-GPU speed on 2 H200s, while the
@@ -384,13 +384,13 @@ class LitGPT(L.LightningModule):
         loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
         # Not prog_bar: Lightning turns every progress-bar metric into a Python number after every batch (a
         # host-device sync per micro-batch, stale values included); nats.callbacks.StepProgressBar reads
-        # train/loss and the lr itself, only when it refreshes (issue 16).
+        # train/loss and the lr itself, only when it refreshes.
         self.log("train/loss", out.loss)
         # The rest is written to the loggers only every trainer.log_every_n_steps optimizer steps: log it only
         # then (the values written are the same; every `self.log` costs host time). It is logged in
         # on_after_backward, where the GPU's queued backward hides that host time: not here, between the forward
         # and the backward, and not in on_train_batch_end, which on these steps runs after the throughput monitor
-        # has synchronised the device, so that the GPU would wait for the Python (issue 16; `_log_stats`).
+        # has synchronised the device, so that the GPU would wait for the Python (`_log_stats`).
         self._pending_logs = None
         if self._grad_norms_logged_now():
             self._pending_logs = (out.aux_loss, out.stats, self.optimizers().param_groups[0]["lr"])
@@ -452,7 +452,7 @@ class LitGPT(L.LightningModule):
         ``self.log``: Lightning would turn each into a Python number, and write it, after the device
         synchronisation that ends a written step, while the GPU waits. They are copied to the host without
         blocking and written to the loggers, at their own step, once the copy has completed (at a later batch's
-        backward, at the latest when training ends): the same values and steps in the logs (issue 16)."""
+        backward, at the latest when training ends): the same values and steps in the logs."""
         if not stats:
             return
         per_name: dict[str, list[torch.Tensor]] = {}

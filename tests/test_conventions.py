@@ -1,4 +1,4 @@
-"""Issue 15 part 6, conventions researchers expect: nats.__version__, the W&B logger config, datasets as an optional
+"""Conventions researchers expect: nats.__version__, the W&B logger config, datasets as an optional
 extra, one atomic-write helper, LICENSE and CITATION.cff."""
 
 from __future__ import annotations

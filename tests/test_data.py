@@ -1,8 +1,8 @@
 """The data layer: sources, the .bin token cache, the samplers and TokenDataModule.
 
-The Gutenberg corpus is downloaded (pip, ~5 MB) and tokenised (~2 s) at most once: the session fixture
-prepares it into the repository's ``data/`` folder (the same cache `nats-train` uses, gitignored; set
-``NATS_TEST_DATA_DIR`` to use another folder), and later sessions reuse it. Everything else runs on tiny
+The Gutenberg corpus is downloaded (pip, ~5 MB) and tokenised (~2 s) at most once: a fixture shared by the whole
+test run prepares it into the repository's ``data/`` folder (the same cache `nats-train` uses, gitignored; set
+``NATS_TEST_DATA_DIR`` to use another folder), and later test runs reuse it. Everything else runs on tiny
 folders under pytest's tmp_path. No Hugging Face hub access.
 """
 

@@ -1,4 +1,4 @@
-"""experiments/gate_study_gpt2.py (issue 19): the models compose to the intended configs, the evaluation jobs,
+"""experiments/gate_study_gpt2.py: the models compose to the intended configs, the evaluation jobs,
 the measurements against hand-made examples (first-token share, globals at position 0) and a direct softmax,
 the report (a row per model, mean ± sample std over seeds), resuming skips finished work, and (slow) the whole
 study end to end with --smoke on the CPU."""

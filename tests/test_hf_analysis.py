@@ -1,4 +1,4 @@
-"""nats.hf.analysis (issue 18 part 3's notebook): a synthetic nats-eval-hf run folder, written by the runner's own
+"""nats.hf.analysis: a synthetic nats-eval-hf run folder, written by the runner's own
 summary writer (`nats.hf.evaluate.write_summary`) from rows with known per layer x KV head fractions, and a
 synthetic fine-tuning run (csv/metrics.csv, nats_stats.json), read back into tables, arrays and figures; the errors
 for folders that are not such runs; notebooks/hf_kv_budgets.ipynb executed headless on its own offline demo."""

@@ -1,4 +1,4 @@
-"""nats.hf.cache.PolicyCache: the project's KV-cache policies inside transformers' `generate` (issue 17 part 1).
+"""nats.hf.cache.PolicyCache: the project's KV-cache policies inside transformers' `generate`.
 
 The evicting NAtS cache decodes token for token what the parallel NAtS forward predicts, while holding fewer keys
 than it has seen; the full policy equals transformers' own decoding; a baseline (StreamingLLM) runs on a model

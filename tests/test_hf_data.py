@@ -131,7 +131,7 @@ def test_cached_examples_need_no_pg19_copy(tok, pg19, tmp_path):
     shutil.copytree(pg19, copy)
     kw = dict(tasks=["pg19_continuation"], num_examples=2, max_length=300, seed=0, pg19_path=copy, split="validation")
     first, path = D.load_or_build_examples(tok, cache_dir=tmp_path / "cache", **kw)
-    shutil.rmtree(copy)  # e.g. the cache carried to a machine without the books
+    shutil.rmtree(copy)  # e.g. the cache copied to a machine without the books
     again, path2 = D.load_or_build_examples(tok, cache_dir=tmp_path / "cache", **kw)
     assert path2 == path and [e.input_ids for e in again] == [e.input_ids for e in first]
     with pytest.raises(FileNotFoundError, match="data.pg19_path=.* does not exist"):

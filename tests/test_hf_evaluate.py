@@ -1,4 +1,4 @@
-"""nats-eval-hf (issue 18 part 3): the real config composed and run in-process on a tiny random Llama saved with
+"""nats-eval-hf: the real config composed and run in-process on a tiny random Llama saved with
 save_pretrained, a byte-level BPE tokenizer trained offline, and 3 short examples (passkey, niah, variable
 tracking), with `full`, `nats` (random scorer weights saved to a file) and `streaming_llm` at one budget.
 
@@ -317,7 +317,7 @@ def test_ruler_tasks_are_scored_by_their_answers():
 
 def test_build_script_makes_the_file_the_evaluation_reads(pretrained, tmp_path, monkeypatch):
     """experiments/build_hf_examples.py eval <overrides> writes the example file that nats-eval-hf with the same
-    overrides then reads as it is (carried to a machine without PG-19 or tokenizer set-up)."""
+    overrides then reads as it is (copied to a machine without PG-19 or tokenizer set-up)."""
     import sys
 
     from conftest import load_script

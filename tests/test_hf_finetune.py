@@ -1,4 +1,4 @@
-"""nats-train experiment=finetune_smollm2_nats on a tiny random Llama (issue 17 part 3): the real config, composed
+"""nats-train experiment=finetune_smollm2_nats on a tiny random Llama: the real config, composed
 and run through nats.train, with hf_model pointing at a 2-layer model and a small byte-level BPE tokenizer saved
 offline in a temporary folder.
 
@@ -362,7 +362,7 @@ def test_the_experiment_config_and_its_errors(tmp_path, pretrained):
 
 
 def test_finetune_report(full_run, tmp_path):
-    """experiments/finetune_report.py turns a run folder into the table and plots of issue 17 part 5."""
+    """experiments/finetune_report.py turns a run folder into the report's table and plots."""
     from conftest import load_script
 
     mod = load_script("experiments/finetune_report.py")

@@ -1,7 +1,8 @@
-"""LongBench from the user's files (issue 18 part 1; nats.data.longctx.longbench): tiny fake LongBench JSONL files in
-the real format, read with a byte-level BPE tokenizer trained offline; prompts, middle truncation, the chat-template
-rule, the errors, every metric against hand-computed values, and one nats-eval-hf run with longbench.path set on a tiny
-random Llama."""
+"""LongBench from the user's files (nats.data.longctx.longbench): tiny fake LongBench JSONL files in the real
+format, read with a byte-level BPE tokenizer trained offline; prompts, middle truncation, the chat-template rule,
+the errors, every metric against hand-computed values, and one nats-eval-hf run with longbench.path set on a tiny
+random Llama.
+"""
 
 from __future__ import annotations
 

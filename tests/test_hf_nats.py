@@ -1,4 +1,4 @@
-"""nats.hf: NAtS attached to tiny random transformers Llama / Mistral / Qwen2 models (issue 17 parts 1 and 6).
+"""nats.hf: NAtS attached to tiny random transformers Llama / Mistral / Qwen2 models.
 
 (a) all tokens global == the original model; (b) local/sliding types == a dense masked softmax over
 nats.functional.nats_mask of the recorded types; (c) only scorers get gradients, the density is differentiable in

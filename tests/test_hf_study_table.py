@@ -1,4 +1,4 @@
-"""experiments/hf_study_table.py: several nats-eval-hf runs put together, and the issue's target checked."""
+"""experiments/hf_study_table.py: several nats-eval-hf runs put together, and the KV target checked."""
 
 import json
 import sys

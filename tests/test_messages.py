@@ -1,4 +1,4 @@
-"""Issue 14 parts 3, 6 and 8: what a user types or feeds in that is wrong gets a message naming the problem and the
+"""What a user types or feeds in that is wrong gets a message naming the problem and the
 fix, and the documented way to add the temperature schedule composes and instantiates."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from nats.data import datamodule as D
 from nats.models.gpt import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------------------------------
-# part 3: the temperature schedule, in the one form the docs give
+# the temperature schedule, in the one form the docs give
 # ----------------------------------------------------------------------------------------------------
 TAU_OVERRIDE = "callbacks=[default,tau_schedule]"
 
@@ -44,7 +44,7 @@ def test_every_documented_tau_schedule_form_is_the_working_one():
 
 
 # ----------------------------------------------------------------------------------------------------
-# part 6: token cache checks
+# token cache checks
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("size", [0, 7, 8, D.HEADER_SIZE - 1])
 def test_truncated_header_says_truncated_not_bad_magic(tmp_path, size):
@@ -155,7 +155,7 @@ def test_model_vocabulary_smaller_than_the_data_stops_a_real_fit(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# part 8: model and eval messages
+# model and eval messages
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key", ["n_head", "n_kv_head", "n_layer", "n_embd", "block_size"])
 @pytest.mark.parametrize("value", [0, -2])

@@ -1,4 +1,4 @@
-"""NAtS trains like the dense model: an end-to-end guard against scorer-gradient starvation (issue 13).
+"""NAtS trains like the dense model: an end-to-end guard against scorer-gradient starvation.
 
 A NAtS GPT-2-small once passed every gradient unit test and still diverged: with the `exact` type-gradient
 estimator the scorers' gradient grew to 1e6, made up nearly all of the global gradient norm, and clipping that

@@ -1,4 +1,4 @@
-"""The run folder as a user meets it through `nats-train` (issue 14): one folder per run whatever the launch timing,
+"""The run folder as a user meets it through `nats-train`: one folder per run whatever the launch timing,
 `resume=<run folder>` / `resume=latest` continuing an interrupted run in its folder, a corrupt checkpoint stopping
 with the project's own message and a `failed.json`, the run's log in `train.log`, the progress bar counting
 optimizer steps, and a mistyped option naming the valid ones."""

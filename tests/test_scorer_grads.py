@@ -1,4 +1,4 @@
-"""Gradient clipping and gradient-norm logging with the type scorers apart (issue 13, docs/scorer_gradients.md).
+"""Gradient clipping and gradient-norm logging with the type scorers apart (docs/scorer_gradients.md).
 
 `optim.clip_mode=separate` clips the attention's type scorers and the backbone as two groups, so that a huge
 scorer gradient cannot scale the backbone's update down; `global` is one norm over everything (the behaviour

@@ -1,4 +1,4 @@
-"""The Lightning step's per-step overhead (issue 16, parts 2-3), on the CPU.
+"""The Lightning step's per-step overhead, on the CPU.
 
 * The per-layer statistics, the auxiliary loss, the learning rate and the temperature are logged only on the
   optimizer steps whose logs Lightning writes (``trainer.log_every_n_steps``), and what is written is the same as
@@ -8,7 +8,7 @@
 * A compiled run (``compile=aot_eager``: Dynamo's guards are what is tested, not inductor's code) compiles the
   training graph once and the evaluation graph once: no recompile after the first step, through validation, the
   tau and noise schedules and a final ``trainer.validate``, with a NAtS model on the Triton backend whose kernel
-  cache is empty when the run starts (the `_TRITON_BACKEND` guard of the issue).
+  cache is empty when the run starts (the `_TRITON_BACKEND` guard).
 """
 
 from __future__ import annotations

@@ -93,10 +93,10 @@ def blocks_first(heads: int) -> bool:
     """Grid order of the block kernels (forward, causal LSE, dQ, dK/dV), read at every launch; `heads` is the
     launch's batch x query heads.
 
-    ``blocks`` (the default since session 14): axis 0 holds the query (or key) blocks of one head, as in
+    ``blocks`` (the default): axis 0 holds the query (or key) blocks of one head, as in
     FlashAttention and Triton's attention tutorial, so a head's programs run side by side and read its K/V (Q/dO
-    for dK/dV) from L2 instead of each from memory. ``heads`` (``NATS_KERNELS_GRID=heads``, the default until
-    session 13): axis 0 holds batch x heads. Measured by ``benchmarks/gpu_kernel_grid.sh`` on one H100
+    for dK/dV) from L2 instead of each from memory. ``heads`` (``NATS_KERNELS_GRID=heads``, the former
+    default): axis 0 holds batch x heads. Measured by ``benchmarks/gpu_kernel_grid.sh`` on one H100
     (docs/results/kernel_breakdown_grid_h100.md): at GPT-2's training shape (B=32, W=16) the dK/dV pass took 0.57
     ms against 0.71 and the whole forward + backward 1.13 against 1.27; at B=16, W=64 0.61 against 0.64.
     Unset, a launch with more than MAX_GRID_Y (65535) batch x heads, which the second grid axis cannot hold, takes

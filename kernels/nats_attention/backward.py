@@ -645,7 +645,7 @@ def _type_grad_kernel(T, COLS, RD, DD, DTW, N, GROUP, stb, sth, stn, stc, H_KV, 
         # a new segment starts after every global (and at position 0)
         flag = ((ty_prev == 0) | (offs == 0)).to(tl.int32)
         za, zb, zt, started = tl.associative_scan((xa, xb, xt, flag), 0, _seg_add)
-        fresh = started == 0  # still in the segment carried over from the previous chunk
+        fresh = started == 0  # still in the segment that continues from the previous chunk
         za = tl.where(fresh, za + ca, za)
         zb = tl.where(fresh, zb + cb, zb)
         zt = tl.where(fresh, zt + ct, zt)

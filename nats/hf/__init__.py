@@ -1,4 +1,4 @@
-"""NAtS for Hugging Face transformers Llama-family models (issue 17; docs/hf.md).
+"""NAtS for Hugging Face transformers Llama-family models (docs/hf.md).
 
 Needs the ``hf`` extra (``pip install nats-attention[hf]``: transformers)::
 

@@ -1,4 +1,4 @@
-"""Read and plot a `nats-eval-hf` run folder and a NAtS fine-tuning run (issue 18 part 3; the notebook
+"""Read and plot a `nats-eval-hf` run folder and a NAtS fine-tuning run (the notebook
 ``notebooks/hf_kv_budgets.ipynb``).
 
     from nats.hf import analysis as A

@@ -1,4 +1,4 @@
-"""The NAtS attention function registered in transformers' attention registry (issue 17 part 1).
+"""The NAtS attention function registered in transformers' attention registry.
 
 `nats_attention_forward` has the signature of transformers' ``eager_attention_forward``: it receives the attention
 module, query ``[B, Hq, N, D]`` and key/value ``[B, Hkv, Nk, D]`` after RoPE (and after the KV cache update),

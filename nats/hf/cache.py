@@ -1,4 +1,4 @@
-"""A transformers `Cache` whose layers are the project's KV-cache policies (issue 17 part 1, spec section 5).
+"""A transformers `Cache` whose layers are the project's KV-cache policies (spec section 5).
 
 ``model.generate(ids, past_key_values=PolicyCache(model, "nats"))`` decodes a NAtS model (`nats.hf.attach_nats`) with
 the evicting NAtS cache of `nats.cache.policies.nats`: per KV head, globals stay, locals go once a later global

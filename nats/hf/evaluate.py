@@ -1,4 +1,4 @@
-"""`nats-eval-hf`: long-context accuracy against KV budget of a Hugging Face model (issue 18 part 3; docs/hf_eval.md).
+"""`nats-eval-hf`: long-context accuracy against KV budget of a Hugging Face model (docs/hf_eval.md).
 
     nats-eval-hf scorers=logs/finetune_smollm2_nats/runs/<run>/scorers.pt
     nats-eval-hf hf_model=smollm2_135m scorers=<run>/scorers.pt methods=[full,nats,snapkv,h2o,streaming_llm] \

@@ -1,4 +1,4 @@
-"""Fine-tune the NAtS type scorers of a pretrained Hugging Face model by distillation (issue 17 part 3).
+"""Fine-tune the NAtS type scorers of a pretrained Hugging Face model by distillation.
 
 `LitNAtSDistill` loads a pretrained Llama-family model (`nats.hf.pretrained.load_pretrained`, from an ``hf_model``
 config node), attaches NAtS scorers (`nats.hf.attach_nats`: the backbone frozen, the scorers trainable) and trains

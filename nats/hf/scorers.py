@@ -1,4 +1,4 @@
-"""Attach NAtS type scorers to a Hugging Face Llama-family model (issue 17 part 1).
+"""Attach NAtS type scorers to a Hugging Face Llama-family model.
 
 `attach_nats(model)` adds one scorer per decoder layer (``Linear(hidden, 3 * num_key_value_heads, bias=False)``:
 one type triple per KV head, GQA) as ``layer.self_attn.nats_scorer``, a forward pre-hook on each attention module

@@ -1,4 +1,4 @@
-"""LongBench (v1, English datasets) from files the user supplies: prompts and scoring as LongBench's (issue 18 part 1).
+"""LongBench (v1, English datasets) from files the user supplies: prompts and scoring as LongBench's.
 
 LongBench (Bai et al., 2023; THUDM/LongBench) is on the Hugging Face hub only, so the user brings its files: the
 folder of ``<dataset>.jsonl`` (``<dataset>_e.jsonl`` for LongBench-E) from the hub dataset ``THUDM/LongBench``
