@@ -278,8 +278,9 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
         ax.set_xlabel("optimizer step")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylim(top=6.0)
-    axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=6, ncol=2)
+    for ax, size, ncol in ((axes[0], 7, 1), (axes[2], 6, 2)):
+        if ax.get_legend_handles_labels()[0]:  # nothing to label when no curve was logged
+            ax.legend(fontsize=size, ncol=ncol)
     fig.tight_layout()
     fig.savefig(out / "figure3_loss.png", dpi=110)
     plt.close(fig)
@@ -315,10 +316,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folders", nargs="+", help="multirun (or run) folders of the study; searched recursively")
     ap.add_argument("--out", default="docs/results", help="folder for the table, the JSON and the plots")
-    ap.add_argument("--device", default="one NVIDIA GPU", help="the machine, for the table's caption")
+    ap.add_argument("--device", default=None, help="the machine, for the caption (default: what nats-eval recorded)")
     args = ap.parse_args(argv)
     runs = load(args.folders)
     rows = summarize(runs)
+    if args.device is None:  # cuda / cpu, as the evaluations recorded it
+        found = {ev["device"] for r in runs.values() for ev in r["eval"].values() if ev and ev.get("device")}
+        args.device = ", ".join(sorted(found)) or "an unrecorded device"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "figure3.md").write_text(markdown(runs, rows, args.device))

@@ -5,19 +5,19 @@
 # OUT: the study's folder (run folders in OUT/runs/{dense,nats}/, the table and plots in OUT/report/).
 # OVERRIDE: Hydra overrides for every run, e.g. data.path=/data/pg19-subset-src, or hydra/launcher=joblib
 # hydra.launcher.n_jobs=3 for three runs at a time on the one GPU (then also
-# callbacks.eval_after.common.batch_size=64 on an 80 GB GPU). SEEDS (default 1) and LAMBDAS (default
-# 0,0.01,0.03,0.05,0.1,0.3,1,3) choose the points. The same OUT again resumes: unfinished runs continue from their
-# last.ckpt, finished ones keep their evaluations.
+# callbacks.eval_after.common.batch_size=32: a dense model's evaluation takes ~70 GB at 128).
+# SEEDS (default 1) and LAMBDAS (default 0,0.01,0.03,0.05,0.1,0.3,1,3) choose the points. The same OUT again
+# resumes: unfinished runs continue from their last.ckpt, finished ones keep their evaluations.
 set -euo pipefail
 out=${1:?usage: bash experiments/gpu_figure3.sh OUT [OVERRIDE...]}
 shift
 seeds=${SEEDS:-1}
 lambdas=${LAMBDAS:-0,0.01,0.03,0.05,0.1,0.3,1,3}
-data=()
-for o in "$@"; do case $o in data=* | data.* | paths.*) data+=("$o") ;; esac; done
-nats-prepare data=pg19_subset "${data[@]}"
+data=(data=pg19_subset) # the token cache of the runs' data, once
+for o in "$@"; do case $o in data=*) data[0]=$o ;; data.* | paths.*) data+=("$o") ;; esac; done
+nats-prepare "${data[@]}"
 nats-train -m experiment=study_fig3_dense seed="$seeds" hydra.sweep.dir="$out/runs/dense" "$@"
 nats-train -m experiment=study_fig3_nats model.attention.sparsity_lambda="$lambdas" seed="$seeds" \
   hydra.sweep.dir="$out/runs/nats" "$@"
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
-python experiments/figure3.py "$out/runs" --out "$out/report" --device "one ${device:-unrecorded machine}"
+python experiments/figure3.py "$out/runs" --out "$out/report" ${device:+--device "one $device"}

@@ -6,15 +6,16 @@
 # OUT: the study's folder (run folders in OUT/runs/{dense,nats}/, the table and plots in OUT/report/).
 # OVERRIDE: Hydra overrides for every run, e.g. data.path=/data/pg19-subset-src, or hydra/launcher=joblib
 # hydra.launcher.n_jobs=3 for three runs at a time on the one GPU (then also
-# callbacks.eval_after.common.batch_size=64 on an 80 GB GPU). SEEDS (default 0) chooses the seeds. The same OUT
-# again resumes: unfinished runs continue from their last.ckpt, finished ones keep their evaluations.
+# callbacks.eval_after.common.batch_size=32: a dense model's evaluation takes ~70 GB at 128).
+# SEEDS (default 0) chooses the seeds. The same OUT again resumes: unfinished runs continue from their last.ckpt,
+# finished ones keep their evaluations.
 set -euo pipefail
 out=${1:?usage: bash experiments/gpu_gate_study_gpt2.sh OUT [OVERRIDE...]}
 shift
 seeds=${SEEDS:-0}
-data=()
-for o in "$@"; do case $o in data=* | data.* | paths.*) data+=("$o") ;; esac; done
-nats-prepare data=pg19_subset "${data[@]}"
+data=(data=pg19_subset) # the token cache of the runs' data, once
+for o in "$@"; do case $o in data=*) data[0]=$o ;; data.* | paths.*) data+=("$o") ;; esac; done
+nats-prepare "${data[@]}"
 nats-train -m experiment=study_gate_gpt2_dense model.attention.output_gate=none,headwise,elementwise seed="$seeds" \
   hydra.sweep.dir="$out/runs/dense" "$@"
 nats-train -m experiment=study_gate_gpt2_nats model.attention.output_gate=none,headwise seed="$seeds" \
