@@ -15,8 +15,12 @@ area fraction of the learned hard types, NATS_SPEC.md section 6); runs whose att
 
 Writes into ``--out`` (default: the first folder): ``runs.csv`` (one row per run), ``runs.md`` (the table, and a
 second one with the mean and standard deviation over seeds when a setting has several), ``ppl_vs_kv.png``, and,
-when runs hold ``nats-eval`` outputs (``<run>/eval/results.csv``, as ``slurm/pipeline.py`` writes them),
-``eval.csv`` (their rows prefixed with the run's settings) and ``eval_ppl_vs_area.png``.
+when runs hold ``nats-eval`` outputs (``<run>/eval/results.csv``, as ``slurm/pipeline.py`` writes them, or
+``<run>/eval_<name>/results.csv``, the runs' own evaluations: conf/callbacks/eval_after.yaml), ``eval.csv`` (their
+rows prefixed with the run's settings) and ``eval_ppl_vs_area.png``.
+
+The study reports (``figure3.py``, ``gate_study_gpt2.py``, beside this file) read run folders through
+``find_runs`` and ``load_run``.
 """
 
 from __future__ import annotations
