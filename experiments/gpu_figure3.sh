@@ -7,7 +7,8 @@
 # hydra.launcher.n_jobs=3 for three runs at a time on the one GPU (then also
 # callbacks.eval_after.common.batch_size=32: a dense model's evaluation takes ~70 GB at 128).
 # SEEDS (default 1) and LAMBDAS (default 0,0.01,0.03,0.05,0.1,0.3,1,3) choose the points. The same OUT again
-# resumes: unfinished runs continue from their last.ckpt, finished ones keep their evaluations.
+# resumes: unfinished runs continue from their last.ckpt, finished ones keep their evaluations (other SEEDS or
+# LAMBDAS need another OUT: the job folders are numbered in sweep order).
 set -euo pipefail
 out=${1:?usage: bash experiments/gpu_figure3.sh OUT [OVERRIDE...]}
 shift

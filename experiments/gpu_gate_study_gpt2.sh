@@ -8,7 +8,7 @@
 # hydra.launcher.n_jobs=3 for three runs at a time on the one GPU (then also
 # callbacks.eval_after.common.batch_size=32: a dense model's evaluation takes ~70 GB at 128).
 # SEEDS (default 0) chooses the seeds. The same OUT again resumes: unfinished runs continue from their last.ckpt,
-# finished ones keep their evaluations.
+# finished ones keep their evaluations (other SEEDS need another OUT: the job folders are numbered in sweep order).
 set -euo pipefail
 out=${1:?usage: bash experiments/gpu_gate_study_gpt2.sh OUT [OVERRIDE...]}
 shift
