@@ -15,8 +15,12 @@ area fraction of the learned hard types, NATS_SPEC.md section 6); runs whose att
 
 Writes into ``--out`` (default: the first folder): ``runs.csv`` (one row per run), ``runs.md`` (the table, and a
 second one with the mean and standard deviation over seeds when a setting has several), ``ppl_vs_kv.png``, and,
-when runs hold ``nats-eval`` outputs (``<run>/eval/results.csv``, as ``slurm/pipeline.py`` writes them),
-``eval.csv`` (their rows prefixed with the run's settings) and ``eval_ppl_vs_area.png``.
+when runs hold ``nats-eval`` outputs (``<run>/eval/results.csv``, as ``slurm/pipeline.py`` writes them, or
+``<run>/eval_<name>/results.csv``, the runs' own evaluations: conf/callbacks/eval_after.yaml), ``eval.csv`` (their
+rows prefixed with the run's settings) and ``eval_ppl_vs_area.png``.
+
+The study reports (``figure3.py``, ``gate_study_gpt2.py``, beside this file) read run folders through
+``find_runs`` and ``load_run``.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ def find_runs(roots: Iterable[str | os.PathLike]) -> list[Path]:
             skip = {".submitit", "checkpoints", "tensorboard", "csv"}
             if ".hydra" in dirnames and Path(dirpath, ".hydra", "config.yaml").is_file():
                 runs.add(Path(dirpath))
-                skip.add("eval")  # <run>/eval: the nats-eval output of the run, not a run
+                # <run>/eval, <run>/eval_<name>: the nats-eval outputs of the run, not runs
+                dirnames[:] = [d for d in dirnames if not d.startswith("eval")]
             dirnames[:] = [d for d in dirnames if d not in skip]
     return sorted(runs, key=_natural_key)
 
@@ -131,6 +136,41 @@ def read_run(run_dir: Path, root: Path) -> dict[str, Any]:
             row[extra.replace("/", "_")] = _float(metrics[extra])
     row["overrides"] = " ".join(str(o) for o in overrides)
     return row
+
+
+def load_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_run(run_dir: Path) -> dict[str, Any]:
+    """Everything a study's report reads from one run folder: the composed config (``.hydra/config.yaml``),
+    ``metrics.json``, the CSV logger's rows (``csv/metrics.csv``), the evaluations the run wrote at its end
+    (``eval_<name>/results.json`` and ``kv_fractions.json``, by name) and ``analysis.json`` (None where absent)."""
+    run_dir = Path(run_dir)
+    rows: list[dict[str, str]] = []
+    if (run_dir / "csv" / "metrics.csv").is_file():
+        with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+    evals = sorted(p for p in run_dir.glob("eval_*") if (p / "results.json").is_file())
+    return {
+        "dir": str(run_dir),
+        "config": yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text()) or {},
+        "metrics": load_json(run_dir / "metrics.json"),
+        "csv": rows,
+        "eval": {p.name.removeprefix("eval_"): load_json(p / "results.json") for p in evals},
+        "kv_fractions": {p.name.removeprefix("eval_"): load_json(p / "kv_fractions.json") for p in evals},
+        "analysis": load_json(run_dir / "analysis.json"),
+    }
+
+
+def curve(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
+    """(step, value) of one column of a run's CSV rows, where it is set."""
+    return [(int(r["step"]), float(r[key])) for r in rows if r.get(key) not in (None, "")]
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 def collect(roots: list[str | os.PathLike]) -> list[dict[str, Any]]:
@@ -345,11 +385,12 @@ def plot_eval(eval_rows: list[dict[str, Any]], path: Path, title: str) -> bool:
 
 
 def collect_eval(rows: list[dict[str, Any]], root: Path, path: Path) -> int:
-    """Concatenate the CSVs that ``nats-eval`` wrote under ``<run>/eval/`` with the run's settings in front."""
+    """Concatenate the CSVs that ``nats-eval`` wrote under ``<run>/eval/`` (slurm/pipeline.py) or ``<run>/eval_<name>/``
+    (the runs' own evaluations, conf/callbacks/eval_after.yaml) with the run's settings in front."""
     out_rows: list[dict[str, Any]] = []
     for r in rows:
         run_dir = root / r["run"] if not Path(r["run"]).is_absolute() else Path(r["run"])
-        for f in sorted((run_dir / "eval").rglob("*.csv")) if (run_dir / "eval").is_dir() else []:
+        for f in sorted(f for d in run_dir.glob("eval*") if d.is_dir() for f in d.rglob("*.csv")):
             with open(f, newline="") as fh:
                 for e in csv.DictReader(fh):
                     out_rows.append(

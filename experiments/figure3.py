@@ -1,203 +1,53 @@
-"""The NAtS paper's Figure 3 at reduced scale (issue 13): perplexity against KV-cache size for NAtS and for the
-KV-cache baselines (StreamingLLM, H2O) applied to a dense model, GPT-2-small at N = 1024 on the PG-19 subset.
+"""The NAtS paper's Figure 3 at reduced scale: the report of the study (docs/figure3.md).
 
-The study runs on one GPU in resumable pieces of at most ~10 minutes (``--budget-s``); every subcommand can be
-repeated and picks up where the last one stopped:
+The study is two Hydra multiruns of ``nats-train`` (conf/experiment/study_fig3_dense.yaml, study_fig3_nats.yaml)
+on any launcher (basic, joblib, submitit / SLURM); each run evaluates its final checkpoint at its end with
+nats-eval (``callbacks.eval_after``: ``eval_validation/``, ``eval_test/`` in the run folder):
 
-    python experiments/figure3.py train  --runs dense nats_l0 nats_l1 [--seeds 1 2] [--budget-s 540]
-    python experiments/figure3.py status
-    python experiments/figure3.py eval   --runs dense nats_l1 [--budget-s 540]
-    python experiments/figure3.py pack   --out $OUT/figure3.tar.gz     # the small result files, for another machine
-    python experiments/figure3.py report --root experiments/results/figure3 --packed a.tar.gz b.tar.gz --out docs/results
+    nats-prepare data=pg19_subset
+    nats-train -m experiment=study_fig3_dense seed=1,2 hydra.sweep.dir=logs/figure3/dense
+    nats-train -m experiment=study_fig3_nats model.attention.sparsity_lambda=0,0.01,0.03,0.05,0.1,0.3,1,3 seed=1 \
+        hydra.sweep.dir=logs/figure3/nats
+    python experiments/figure3.py logs/figure3 --out docs/results
 
-``train`` prepares the token cache once, then starts every run that is neither finished nor already running as
-a background process of its own session (``nats-train experiment=fig3_dense|fig3_nats ...`` with its own run
-folder ``<root>/<run>``), so that several models share the GPU (their host-side work overlaps) and a run
-outlives the command that started it. A run that stopped (machine lost, killed) restarts from its
-``checkpoints/last.ckpt`` (written at every validation; ``ckpt_path=auto``). ``train`` then waits, printing a
-status table every minute, until all its runs have finished or ``--budget-s`` has passed.
-
-``eval`` runs ``nats-eval`` on finished runs, also in the background and resumably: the dense models with the
-full cache, StreamingLLM and H2O (token-by-token, as the spec defines it) at N/2 ... N/32, the NAtS models with
-their learned types; each on the test split and on the validation split (settings are chosen on validation).
-
-``report`` reads the run folders (or a ``pack``ed copy) and writes ``figure3.md`` (tables), ``figure3.json``,
-``figure3_ppl_vs_area.png``, ``figure3_ppl_vs_peak.png``, ``figure3_loss.png`` (training curves of NAtS beside
-the dense model) and ``figure3_kv_layers.png`` (per-layer / per-head KV area and type fractions).
+This script reads every run folder below the given folders (a folder with ``.hydra/config.yaml``), names each
+run's model from its config (``dense``, ``nats_l<lambda>``, ``nats_l<lambda>_exact`` for mask_grad=exact, a
+``_<gate>`` suffix for an output gate) and writes ``figure3.md`` (the tables: mean ± sample standard deviation
+over seeds), ``figure3.json``, ``figure3_ppl_vs_area.png``, ``figure3_ppl_vs_peak.png``, ``figure3_loss.png``
+(training curves) and ``figure3_kv_layers.png`` (per-layer / per-head KV area and type fractions of NAtS).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import math
-import os
-import signal
-import subprocess
-import sys
-import tarfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_ROOT = REPO / "logs" / "figure3"
-# name -> (experiment, overrides); seeds are appended as _s<seed>
-RUNS: dict[str, tuple[str, list[str]]] = {
-    "dense": ("fig3_dense", []),
-    **{
-        f"nats_l{lam:g}": ("fig3_nats", [f"model.attention.sparsity_lambda={lam}"])
-        for lam in (0, 0.01, 0.03, 0.05, 0.1, 0.3, 1, 3, 10, 30)
-    },
-    # ablation (issue 13 part 2): the unbounded estimator under the default separate clipping, 1000 steps
-    "nats_l1_exact": (
-        "fig3_nats",
-        ["model.attention.sparsity_lambda=1", "model.attention.mask_grad=exact", "trainer.max_steps=1000"],
-    ),
-}
-BUDGETS = "[0.5,0.25,0.125,0.0625,0.03125]"
+import collect  # experiments/collect.py, beside this script
+
+CURVES = (
+    "train/loss",
+    "val/loss",
+    "val/ppl",
+    "train/density",
+    "train/grad_norm",
+    "train/grad_norm_scorer",
+    "train/grad_norm_backbone",
+    "train/device/items_per_sec",
+)
+mean_std = collect.mean_std
 
 
-def python() -> list[str]:
-    return [sys.executable]
-
-
-def run_dir(root: Path, run: str) -> Path:
-    return root / run
-
-
-def parse_run(run: str, runs: dict = RUNS) -> tuple[str, int]:
-    """``<name>_s<seed>`` -> (name, seed), name one of `runs` (this study's RUNS by default)."""
-    base, _, seed = run.rpartition("_s")
-    if not base or not seed.isdigit() or base not in runs:
-        raise SystemExit(f"unknown run {run!r}: use <name>_s<seed> with name in {sorted(runs)}")
-    return base, int(seed)
-
-
-def expand(names: list[str], seeds: list[int], runs: dict = RUNS) -> list[str]:
-    """Run names: a name of `runs` gets every seed; a name with its seed (``dense_s2``) stays as it is."""
-    out = []
-    for name in names:
-        if name in runs:
-            out += [f"{name}_s{s}" for s in seeds]
-        else:
-            parse_run(name, runs)  # exits with the list of names if it is neither
-            out.append(name)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# processes
-# ----------------------------------------------------------------------------------------------------
-def alive(pid_file: Path) -> bool:
-    try:
-        pid = int(pid_file.read_text())
-        os.kill(pid, 0)
-    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
-        return False
-    # a zombie (finished, not reaped) counts as finished
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-        return state != "Z"
-    except OSError:
-        return True
-
-
-def launch(cmd: list[str], folder: Path, log_name: str) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    log = open(folder / log_name, "ab")
-    log.write(f"\n### {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
-    log.flush()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PROJECT_ROOT": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    (folder / f"{log_name}.pid").write_text(str(proc.pid))
-
-
-def train_done(folder: Path) -> bool:
-    return (folder / "metrics.json").is_file()
-
-
-def train_cmd(run: str, root: Path, extra: list[str], steps: int | None) -> list[str]:
-    base, seed = parse_run(run)
-    experiment, overrides = RUNS[base]
-    cmd = python() + [
-        "-m",
-        "nats.train",
-        f"experiment={experiment}",
-        *overrides,
-        f"seed={seed}",
-        f"hydra.run.dir={run_dir(root, run)}",
-        "ckpt_path=auto",
-        "callbacks.progress_bar.refresh_rate=0",
-    ]
-    if steps:
-        cmd.append(f"trainer.max_steps={steps}")
-    return cmd + list(extra)
-
-
-def prepare(extra: list[str]) -> None:
-    data = [e for e in extra if e.startswith("data")]
-    if not any(e.startswith("data=") for e in data):
-        data.insert(0, "data=pg19_subset")
-    cmd = python() + ["-m", "nats.prepare", *data]
-    print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "PROJECT_ROOT": str(REPO)})
-
-
-# ----------------------------------------------------------------------------------------------------
-# status
-# ----------------------------------------------------------------------------------------------------
-def read_csv_metrics(folder: Path) -> list[dict[str, str]]:
-    f = folder / "csv" / "metrics.csv"
-    if not f.is_file():
-        return []
-    with open(f, newline="") as fh:
-        return list(csv.DictReader(fh))
-
-
-def last(rows: list[dict[str, str]], key: str) -> tuple[int | None, float | None]:
-    for r in reversed(rows):
-        if r.get(key) not in (None, ""):
-            return int(r["step"]), float(r[key])
-    return None, None
-
-
-def mean_last(rows, key, n=4):
-    vals = [float(r[key]) for r in rows if r.get(key) not in (None, "")]
-    return sum(vals[-n:]) / len(vals[-n:]) if vals else None
-
-
-def status_rows(root: Path) -> list[dict]:
-    out = []
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        rows = read_csv_metrics(folder)
-        step, _ = last(rows, "train/loss")
-        _, val_ppl = last(rows, "val/ppl")
-        state = (
-            "done"
-            if train_done(folder)
-            else "running"
-            if alive(folder / "train.out.pid")
-            else "stopped"
-            if rows
-            else "new"
-        )
-        evals = sorted(p.name for p in folder.glob("eval_*") if (p / "results.json").is_file())
-        out.append(
-            {
-                "run": folder.name,
-                "state": state,
-                "step": step,
-                "train_loss": mean_last(rows, "train/loss"),
-                "val_ppl": val_ppl,
-                "density": mean_last(rows, "train/density"),
-                "tok_s": mean_last(rows, "train/device/items_per_sec"),
-                "gn_scorer": mean_last(rows, "train/grad_norm_scorer"),
-                "gn_backbone": mean_last(rows, "train/grad_norm_backbone") or mean_last(rows, "train/grad_norm"),
-                "evals": ",".join(e.removeprefix("eval_") for e in evals),
-            }
-        )
-    return out
+def model_name(cfg: dict) -> str:
+    """The model of a run, from its config: dense, nats_l0.05, nats_l1_exact, ..., with _<gate> for a gate."""
+    att = cfg.get("model", {}).get("attention", {})
+    gate = att.get("output_gate") or "none"
+    name = str(att.get("name"))
+    if name == "nats":
+        name = f"nats_l{float(att['sparsity_lambda']):g}"
+        if att.get("mask_grad", "dense") != "dense":
+            name += f"_{att['mask_grad']}"
+    return name if gate == "none" else f"{name}_{gate}"
 
 
 def fmt(v, nd=3):
@@ -208,224 +58,62 @@ def fmt(v, nd=3):
     return str(v)
 
 
-def print_status(root: Path) -> None:
-    rows = status_rows(root)
-    keys = ["run", "state", "step", "train_loss", "val_ppl", "density", "tok_s", "gn_scorer", "gn_backbone", "evals"]
-    print(f"[{time.strftime('%H:%M:%S')}] " + " | ".join(keys))
-    for r in rows:
-        print("  " + " | ".join(fmt(r[k]) for k in keys), flush=True)
+def setting(cfg: dict) -> str:
+    """What a run trained, from its config: 'GPT 12 x 12 x 768, N = 1024, data pg19, 2000 steps of 32 x 1024'."""
+    m = cfg.get("model", {})
+    n = m.get("block_size")
+    return (
+        f"GPT {m.get('n_layer')} layers x {m.get('n_head')} heads x d = {m.get('n_embd')}, N = {n}, data "
+        f"{cfg.get('data', {}).get('source')}, {cfg.get('trainer', {}).get('max_steps')} steps of "
+        f"{cfg.get('global_batch_size')} x {n} tokens"
+    )
 
 
-# ----------------------------------------------------------------------------------------------------
-# subcommands
-# ----------------------------------------------------------------------------------------------------
-def cmd_train(args) -> None:
-    root = Path(args.root)
-    runs = expand(args.runs, args.seeds)
-    if not args.no_prepare:
-        prepare(args.extra)
-    for run in runs:
-        folder = run_dir(root, run)
-        if train_done(folder) or alive(folder / "train.out.pid"):
-            continue
-        resume = (folder / "checkpoints" / "last.ckpt").is_file()
-        print(f"{'resuming' if resume else 'starting'} {run}", flush=True)
-        launch(train_cmd(run, root, args.extra, args.steps), folder, "train.out")
-    pids = [run_dir(root, r) / "train.out.pid" for r in runs]
-    if args.eval:  # evaluate each run as soon as its training has finished
-
-        def start_evals():
-            return [p for r in runs if train_done(run_dir(root, r)) for p in start_eval(r, root, args)]
-
-        wait(root, pids, args.budget_s, poll=start_evals)
-    else:
-        wait(root, pids, args.budget_s)
-
-
-def wait(root: Path, pid_files: list[Path], budget_s: float, every_s: float = 60.0, poll=None) -> None:
-    """Until no process of pid_files (or of those that `poll()`, called every few seconds, returns) is alive or
-    budget_s has passed; a status table every every_s."""
-    t0 = shown = time.time()
-    extra: set[Path] = set()
-    while True:
-        if poll is not None:
-            extra.update(poll())
-        running = [p for p in [*pid_files, *sorted(extra)] if alive(p)]
-        if not running or time.time() - t0 > budget_s:
-            print_status(root)
-            print(f"{len(running)} still running after {time.time() - t0:.0f}s", flush=True)
-            return
-        time.sleep(5.0)
-        if time.time() - shown >= every_s:
-            print_status(root)
-            shown = time.time()
-
-
-def eval_cmds(
-    run: str, root: Path, extra: list[str], max_windows: int, batch_sizes: tuple[int, int]
-) -> list[tuple[str, list[str]]]:
-    """nats-eval commands of a run on both splits; batch_sizes = (dense model, NAtS model): the dense model's
-    H2O decodes token by token (launch-bound: a large batch is nearly free), NAtS' parallel masked forward
-    holds [batch, heads, N, N] masks (a small batch keeps several evaluations within one GPU's memory)."""
-    base, _ = parse_run(run)
-    folder = run_dir(root, run)
-    ckpt = folder / "checkpoints" / "last.ckpt"
-    dense = RUNS[base][0] == "fig3_dense"
-    batch_size = batch_sizes[0] if dense else batch_sizes[1]
-    data = [e for e in extra if e.startswith("data")]
-    if not any(e.startswith("data=") for e in data):
-        data.insert(0, "data=pg19_subset")
-    out = []
-    for split in ("validation", "test"):
-        methods = "[full,streaming_llm,h2o]" if dense else "[nats]"
-        if dense and split == "validation":
-            methods = "[full]"
-        cmd = python() + [
-            "-m",
-            "nats.eval",
-            f"ckpt_path={ckpt}",
-            *data,
-            f"split={split}",
-            f"methods={methods}",
-            f"budgets={BUDGETS}",
-            f"max_windows={max_windows}",
-            f"batch_size={batch_size}",
-            "device=auto",
-            "progress=false",
-            f"hydra.run.dir={folder / f'eval_{split}'}",
-        ]
-        out.append((split, cmd))
-    return out
-
-
-def start_eval(run: str, root: Path, args) -> list[Path]:
-    """Start the evaluations of a trained run that are neither done nor running; returns their pid files."""
-    folder = run_dir(root, run)
-    pids = []
-    for split, cmd in eval_cmds(run, root, args.extra, args.max_windows, (args.batch_size_dense, args.batch_size_nats)):
-        pid = folder / f"eval_{split}.out.pid"
-        pids.append(pid)
-        if (folder / f"eval_{split}" / "results.json").is_file() or alive(pid):
-            continue
-        print(f"evaluating {run} on {split}", flush=True)
-        launch(cmd, folder, f"eval_{split}.out")
-    return pids
-
-
-def cmd_eval(args) -> None:
-    root = Path(args.root)
-    pids = []
-    for run in expand(args.runs, args.seeds):
-        if not train_done(run_dir(root, run)):
-            print(f"{run}: not trained yet, skipped", flush=True)
-            continue
-        pids += start_eval(run, root, args)
-    wait(root, pids, args.budget_s)
-
-
-PACK_PATTERNS = [
-    "csv/metrics.csv",
-    "metrics.json",
-    ".hydra/config.yaml",
-    "eval_*/results.json",
-    "eval_*/results.md",
-    "eval_*/kv_fractions.json",
-    "*.out",
-]
-
-
-def cmd_pack(args) -> None:
-    root = Path(args.root)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
-        for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-            for pattern in PACK_PATTERNS:
-                for f in sorted(folder.glob(pattern)):
-                    tar.add(f, arcname=str(f.relative_to(root)))
-    os.replace(tmp, out)
-    print(f"packed {out} ({out.stat().st_size / 1e6:.2f} MB)")
-
-
-def cmd_kill(args) -> None:
-    root = Path(args.root)
-    for pid_file in root.glob("*/*.pid"):
-        if alive(pid_file):
-            os.killpg(int(pid_file.read_text()), signal.SIGTERM)
-            print("stopped", pid_file.parent.name, pid_file.name)
-
-
-# ----------------------------------------------------------------------------------------------------
-# report
-# ----------------------------------------------------------------------------------------------------
-def load_eval(folder: Path, split: str) -> dict | None:
-    f = folder / f"eval_{split}" / "results.json"
-    return json.loads(f.read_text()) if f.is_file() else None
-
-
-def collect(root: Path) -> dict:
-    """Everything the report needs from the run folders: per run its config, curves and evaluations."""
-    runs = {}
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        try:
-            base, seed = parse_run(folder.name)
-        except SystemExit:
-            continue
-        rows = read_csv_metrics(folder)
-        metrics = json.loads((folder / "metrics.json").read_text()) if train_done(folder) else None
-        kv = folder / "eval_test" / "kv_fractions.json"
-        runs[folder.name] = {
+def load(folders: list[str]) -> dict:
+    """Per run (``<model>_s<seed>``): its model, seed, training summary, curves and evaluations."""
+    runs: dict[str, dict] = {}
+    for folder in collect.find_runs(folders):
+        r = collect.load_run(folder)
+        cfg = r["config"]
+        if "model" not in cfg or "attention" not in cfg["model"]:
+            continue  # not a training run
+        att = cfg["model"]["attention"]
+        base, seed = model_name(cfg), cfg.get("seed")
+        name = f"{base}_s{seed}"
+        if name in runs:
+            raise SystemExit(f"{name} twice: {runs[name]['dir']} and {folder}; pass the folders of one of them")
+        runs[name] = {
+            "dir": str(folder),
             "base": base,
             "seed": seed,
-            "experiment": RUNS[base][0],
-            "overrides": RUNS[base][1],
-            "metrics": metrics,
-            "curves": {
-                k: [(int(r["step"]), float(r[k])) for r in rows if r.get(k) not in (None, "")]
-                for k in (
-                    "train/loss",
-                    "val/loss",
-                    "val/ppl",
-                    "train/density",
-                    "train/grad_norm",
-                    "train/grad_norm_scorer",
-                    "train/grad_norm_backbone",
-                    "train/device/items_per_sec",
-                )
-            },
-            "eval": {s: load_eval(folder, s) for s in ("validation", "test")},
-            "kv_fractions": json.loads(kv.read_text()) if kv.is_file() else None,
+            "setting": setting(cfg),
+            "N": cfg["model"].get("block_size"),
+            "attention": att.get("name"),
+            "lambda": att.get("sparsity_lambda") if att.get("name") == "nats" else None,
+            "metrics": r["metrics"],
+            "curves": {k: collect.curve(r["csv"], k) for k in CURVES},
+            "eval": {s: r["eval"].get(s) for s in ("validation", "test")},
+            "kv_fractions": r["kv_fractions"].get("test"),
         }
-    return runs
-
-
-def lam_of(base: str) -> float | None:
-    if not base.startswith("nats_l"):
-        return None
-    return float(base.removeprefix("nats_l").split("_")[0])
-
-
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
+    if not runs:
+        raise SystemExit(f"no training runs below {', '.join(folders)}")
+    return dict(sorted(runs.items()))
 
 
 def summarize(runs: dict) -> dict:
     """Rows of the result table: per (method, setting) mean and spread over seeds, on both splits."""
     table: dict[tuple, dict] = {}
-    for name, r in runs.items():
+    for r in runs.values():
         for split in ("validation", "test"):
             ev = r["eval"][split]
             if not ev:
                 continue
             for res in ev["results"]:
-                if r["experiment"] == "fig3_dense":
-                    model = "dense"
+                model = r["base"]
+                if r["attention"] != "nats":
                     setting = res["label"] + ("" if res["budget"] is None else f" B=N/{ev['N'] / res['budget']:g}")
                 else:
-                    model = r["base"]
-                    setting = f"NAtS lambda={lam_of(r['base']):g}" + (" exact" if "exact" in r["base"] else "")
+                    setting = f"NAtS lambda={r['lambda']:g}" + (" exact" if "exact" in r["base"] else "")
                 key = (model, setting, split)
                 row = table.setdefault(
                     key,
@@ -450,14 +138,20 @@ def summarize(runs: dict) -> dict:
         for k in ("ppl", "area", "peak"):
             row[k + "_mean"], row[k + "_std"] = mean_std(row[k])
         out.append(row)
-    return sorted(out, key=lambda r: (r["split"], r["model"] != "dense", -r["area_mean"]))
+    # dense models first (each: full cache, then the baselines by shrinking area), then NAtS by shrinking area
+    return sorted(
+        out,
+        key=lambda r: (r["split"], r["policy"] == "nats", "" if r["policy"] == "nats" else r["model"], -r["area_mean"]),
+    )
 
 
 def markdown(runs: dict, rows: list[dict], device: str) -> str:
     lines = [
-        "# Figure 3 at reduced scale: perplexity against KV-cache size (GPT-2-small, PG-19 subset, N = 1024)",
+        "# Figure 3 at reduced scale: perplexity against KV-cache size",
         "",
-        f"Produced by `experiments/figure3.py report` from the run folders; trained and evaluated on {device}.",
+        f"Produced by `experiments/figure3.py` from the run folders; trained and evaluated on {device}. Setting: "
+        + "; ".join(sorted({r["setting"] for r in runs.values()}))
+        + ".",
         "",
     ]
     full_test = [r for r in rows if r["split"] == "test" and r["policy"] == "full"]
@@ -521,7 +215,7 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
             pts = sorted(
                 (r[key + "_mean"], r["ppl_mean"])
                 for r in test
-                if r["model"] == "dense" and r["setting"].lower().startswith(label.lower()[:4])
+                if r["policy"] != "nats" and r["setting"].lower().startswith(label.lower()[:4])
             )
             if pts:
                 ax.plot(*zip(*pts), "o-", color=color, label=f"{label} (dense model)")
@@ -550,7 +244,8 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel(f"KV {key} fraction (log)")
         ax.set_ylabel("test perplexity")
-        ax.set_title(f"GPT-2-small, PG-19 subset, N=1024: perplexity vs KV {key}")
+        ns = "/".join(str(n) for n in sorted({r["N"] for r in runs.values()}))
+        ax.set_title(f"perplexity vs KV {key} (test, N = {ns})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -559,7 +254,7 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     for i, (name, r) in enumerate(sorted(runs.items())):
-        color = "k" if r["experiment"] == "fig3_dense" else f"C{i % 10}"
+        color = "k" if r["attention"] != "nats" else f"C{i % 10}"
         tl = r["curves"]["train/loss"]
         if tl:
             xs, ys = zip(*tl)
@@ -583,15 +278,16 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
         ax.set_xlabel("optimizer step")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylim(top=6.0)
-    axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=6, ncol=2)
+    for ax, size, ncol in ((axes[0], 7, 1), (axes[2], 6, 2)):
+        if ax.get_legend_handles_labels()[0]:  # nothing to label when no curve was logged
+            ax.legend(fontsize=size, ncol=ncol)
     fig.tight_layout()
     fig.savefig(out / "figure3_loss.png", dpi=110)
     plt.close(fig)
 
     nats_runs = sorted(
-        ((n, r) for n, r in runs.items() if r["kv_fractions"] and r["experiment"] == "fig3_nats"),
-        key=lambda nr: (lam_of(nr[1]["base"]), "exact" in nr[0], nr[1]["seed"]),
+        ((n, r) for n, r in runs.items() if r["kv_fractions"] and r["attention"] == "nats"),
+        key=lambda nr: (nr[1]["lambda"], "exact" in nr[0], nr[1]["seed"]),
     )
     if nats_runs:
         fig, axes = plt.subplots(2, len(nats_runs), figsize=(3.2 * len(nats_runs), 7), squeeze=False)
@@ -616,14 +312,17 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
         plt.close(fig)
 
 
-def cmd_report(args) -> None:
-    root = Path(args.root)
-    for packed in args.packed or []:  # several: e.g. one per GPU machine the study ran on
-        root.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(packed) as tar:
-            tar.extractall(root, filter="data")
-    runs = collect(root)
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folders", nargs="+", help="multirun (or run) folders of the study; searched recursively")
+    ap.add_argument("--out", default="docs/results", help="folder for the table, the JSON and the plots")
+    ap.add_argument("--device", default=None, help="the machine, for the caption (default: what nats-eval recorded)")
+    args = ap.parse_args(argv)
+    runs = load(args.folders)
     rows = summarize(runs)
+    if args.device is None:  # cuda / cpu, as the evaluations recorded it
+        found = {ev["device"] for r in runs.values() for ev in r["eval"].values() if ev and ev.get("device")}
+        args.device = ", ".join(sorted(found)) or "an unrecorded device"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "figure3.md").write_text(markdown(runs, rows, args.device))
@@ -631,43 +330,7 @@ def cmd_report(args) -> None:
     (out / "figure3.json").write_text(json.dumps({"device": args.device, "rows": rows, "runs": slim}, indent=1))
     plots(runs, rows, out)
     print((out / "figure3.md").read_text())
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("train", "eval", "status", "pack", "kill", "report"):
-        p = sub.add_parser(name)
-        p.add_argument("--root", default=str(DEFAULT_ROOT), help="folder of the run folders")
-        if name in ("train", "eval"):
-            p.add_argument("--runs", nargs="+", default=["dense", "nats_l1"], help=f"from {sorted(RUNS)}")
-            p.add_argument("--seeds", nargs="+", type=int, default=[1])
-            p.add_argument("--budget-s", type=float, default=540.0, help="return after this many seconds")
-            p.add_argument("--extra", nargs="*", default=[], help="Hydra overrides for every run, e.g. data.path=...")
-        if name == "train":
-            p.add_argument("--steps", type=int, default=None, help="trainer.max_steps (default: the config's 2000)")
-            p.add_argument("--no-prepare", action="store_true")
-        if name == "train":
-            p.add_argument("--eval", action="store_true", help="evaluate each run as soon as it has finished")
-        if name in ("train", "eval"):
-            p.add_argument("--max-windows", type=int, default=512)
-            p.add_argument("--batch-size-dense", type=int, default=128)
-            p.add_argument("--batch-size-nats", type=int, default=16)
-        if name == "pack":
-            p.add_argument("--out", required=True)
-        if name == "report":
-            p.add_argument("--packed", nargs="*", default=None, help="`pack` archives to extract into --root first")
-            p.add_argument("--out", default=str(REPO / "docs" / "results"))
-            p.add_argument("--device", default="one NVIDIA GPU", help="the machine, for the table's caption")
-    args = ap.parse_args(argv)
-    {
-        "train": cmd_train,
-        "eval": cmd_eval,
-        "status": lambda a: print_status(Path(a.root)),
-        "pack": cmd_pack,
-        "kill": cmd_kill,
-        "report": cmd_report,
-    }[args.cmd](args)
+    return {"runs": runs, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -1,48 +1,24 @@
 #!/usr/bin/env bash
-# One GPU call of the Figure 3 study (issue 13, experiments/figure3.py), run from the repo root on a lent GPU
-# machine that lacks hydra/omegaconf/submitit/datasets: their wheels in .whl/ (benchmarks/README.md says how) and
-# the PG-19 subset archives in data/pg19-subset-src/ are carried with the call. Every call ends by packing the
-# small result files into $OUT/figure3.tar.gz, so a machine that goes back loses only unfinished models.
-#   bash experiments/gpu_figure3.sh tests                       # GPU tests of the mask_grad kernels
-#   bash experiments/gpu_figure3.sh bench                       # bench_attention training part, both estimators
-#   bash experiments/gpu_figure3.sh train BUDGET_S RUN... [-- SEEDS...]
-#   bash experiments/gpu_figure3.sh eval BUDGET_S RUN... [-- SEEDS...]
-#   bash experiments/gpu_figure3.sh trainval BUDGET_S RUN... [-- SEEDS...]   # train, then eval what finished
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PROJECT_ROOT=$PWD
-OUT=${OUT:-/tmp/out}
-source benchmarks/gpu_site.sh  # $OUT, the wheels of .whl/ into $SITE, nats from the checkout, PYTHONPATH
-F3="python3 experiments/figure3.py"
-DATA="data.path=$PWD/data/pg19-subset-src"
-phase=$1; shift
-case $phase in
-  tests)
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    # one tile config per kernel (no autotuning): the tests check values, and compile in a fraction of the time
-    NATS_KERNELS_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_compile.py \
-      2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-    ;;
-  bench)
-    python3 benchmarks/bench_attention.py --skip prefill --out "$OUT" 2>&1 | tail -22
-    ;;
-  train|eval|trainval)
-    budget=$1; shift
-    runs=(); seeds=(1)
-    while [ $# -gt 0 ]; do
-      if [ "$1" = "--" ]; then shift; seeds=("$@"); break; fi
-      runs+=("$1"); shift
-    done
-    t0=$(date +%s)
-    if [ "$phase" != eval ]; then
-      $F3 train --runs "${runs[@]}" --seeds "${seeds[@]}" --budget-s "$budget" --extra "$DATA" \
-        $([ "$phase" = trainval ] && echo --eval)
-    fi
-    if [ "$phase" != train ]; then
-      left=$(( budget - ($(date +%s) - t0) ))
-      [ $left -gt 30 ] && $F3 eval --runs "${runs[@]}" --seeds "${seeds[@]}" --budget-s $left --extra "$DATA"
-    fi
-    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
-    ;;
-  *) echo "unknown phase $phase"; exit 2 ;;
-esac
-$F3 pack --out "$OUT/figure3.tar.gz" >/dev/null 2>&1 || true
+# The Figure 3 study (docs/figure3.md) on one GPU machine: the token cache, the two multiruns (each run evaluates
+# itself at its end), the report. The same nats-train lines run on a cluster with hydra/launcher=submitit_slurm.
+#   bash experiments/gpu_figure3.sh OUT [OVERRIDE...]
+# OUT: the study's folder (run folders in OUT/runs/{dense,nats}/, the table and plots in OUT/report/).
+# OVERRIDE: Hydra overrides for every run, e.g. data.path=/data/pg19-subset-src, or hydra/launcher=joblib
+# hydra.launcher.n_jobs=3 for three runs at a time on the one GPU (then also
+# callbacks.eval_after.common.batch_size=32: a dense model's evaluation takes ~70 GB at 128).
+# SEEDS (default 1) and LAMBDAS (default 0,0.01,0.03,0.05,0.1,0.3,1,3) choose the points. The same OUT again
+# resumes: unfinished runs continue from their last.ckpt, finished ones keep their evaluations (other SEEDS or
+# LAMBDAS need another OUT: the job folders are numbered in sweep order).
+set -euo pipefail
+out=${1:?usage: bash experiments/gpu_figure3.sh OUT [OVERRIDE...]}
+shift
+seeds=${SEEDS:-1}
+lambdas=${LAMBDAS:-0,0.01,0.03,0.05,0.1,0.3,1,3}
+data=(data=pg19_subset) # the token cache of the runs' data, once
+for o in "$@"; do case $o in data=*) data[0]=$o ;; data.* | paths.*) data+=("$o") ;; esac; done
+nats-prepare "${data[@]}"
+nats-train -m experiment=study_fig3_dense seed="$seeds" hydra.sweep.dir="$out/runs/dense" "$@"
+nats-train -m experiment=study_fig3_nats model.attention.sparsity_lambda="$lambdas" seed="$seeds" \
+  hydra.sweep.dir="$out/runs/nats" "$@"
+device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
+python experiments/figure3.py "$out/runs" --out "$out/report" ${device:+--device "one $device"}

@@ -437,3 +437,37 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ----------------------------------------------------------------------------------------------------
+# nats-eval's config for code that evaluates without the command line (nats.callbacks.EvalAfterTraining)
+# ----------------------------------------------------------------------------------------------------
+def compose_eval(
+    settings: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
+    ckpt_path: str | None = None,
+    output_dir: str | None = None,
+) -> DictConfig:
+    """conf/eval.yaml as `nats-eval` composes it, with `settings` (its keys: split, methods, budgets, ...) merged
+    in, `data` (a resolved data config, e.g. a training run's) in place of its data group, and the checkpoint and
+    output folder set. Works inside a running Hydra app (nats-train) and outside one."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():  # inside nats-train: its config search path is conf/
+        cfg = compose(config_name="eval")
+    else:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="eval")
+    unknown = sorted(set(settings or {}) - set(cfg) - {"data"})
+    if unknown:
+        raise ValueError(f"unknown nats-eval settings {unknown}: use keys of conf/eval.yaml ({', '.join(cfg)})")
+    with open_dict(cfg):
+        cfg.merge_with(settings or {})
+        if data is not None:
+            cfg.data = OmegaConf.create(dict(data))
+        if ckpt_path is not None:
+            cfg.ckpt_path = ckpt_path
+        if output_dir is not None:
+            cfg.paths.output_dir = output_dir
+    return cfg

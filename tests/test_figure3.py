@@ -1,137 +1,173 @@
-"""experiments/figure3.py: run naming, the commands it launches (they compose to the intended configs), the report
-on the committed results of the study, pack / report round trip, and (slow) a tiny end-to-end run on the CPU."""
+"""The Figure 3 study as it runs: its experiment configs compose to the recipe with the end-of-run evaluations, the
+evaluation settings are checked before a training starts, and a tiny version of the study (2 points x 2 seeds,
+the basic launcher, the real `nats-train -m` entry point, each run evaluating itself at its end) is collected by
+experiments/figure3.py into a table with mean ± std over the seeds."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, compose
+from conftest import DATA_DIR, REPO, compose, load_script
 
-spec = importlib.util.spec_from_file_location("figure3", REPO / "experiments" / "figure3.py")
-figure3 = importlib.util.module_from_spec(spec)
-sys.modules["figure3"] = figure3
-spec.loader.exec_module(figure3)
+# the study reports import experiments/collect.py from beside them, as `python experiments/figure3.py` does
+sys.path.insert(0, str(REPO / "experiments"))
+figure3 = load_script("experiments/figure3.py")
 
-RESULTS = REPO / "experiments" / "results" / "figure3"
-
-
-def test_run_names():
-    assert figure3.expand(["dense", "nats_l0.05"], [1, 2]) == ["dense_s1", "dense_s2", "nats_l0.05_s1", "nats_l0.05_s2"]
-    assert figure3.expand(["dense_s3"], [1]) == ["dense_s3"]
-    assert figure3.parse_run("nats_l1_exact_s2") == ("nats_l1_exact", 2)
-    for bad in (["nats_l0.07"], ["dense_sx"]):
-        with pytest.raises(SystemExit, match="unknown run"):
-            figure3.expand(bad, [1])
-
-
-def test_train_command_composes_the_intended_config(tmp_path):
-    """The overrides `train` launches (minus Hydra's own run dir) compose to fig3_nats with the run's lambda and
-    seed."""
-    cmd = figure3.train_cmd("nats_l1_exact_s2", tmp_path, ["data.path=/nowhere"], steps=None)
-    overrides = [a for a in cmd[3:] if not a.startswith("hydra.")]
-    cfg = compose(overrides, tmp_path)
-    att = cfg.model.attention
-    assert (att.name, att.sparsity_lambda, att.mask_grad, att.window) == ("nats", 1.0, "exact", 16)
-    assert cfg.seed == 2 and cfg.trainer.max_steps == 1000 and cfg.data.source == "pg19"
-    assert cfg.callbacks.tau_schedule.steps == 1000 and cfg.optim.clip_mode == "separate"
-    dense = compose(
-        [a for a in figure3.train_cmd("dense_s1", tmp_path, [], 300)[3:] if not a.startswith("hydra.")], tmp_path
-    )
-    assert dense.model.attention.name == "dense" and dense.trainer.max_steps == 300
-    assert dense.global_batch_size == dense.data.micro_batch_size == 32 and dense.model.block_size == 1024
-
-
-def test_eval_commands():
-    cmds = dict(figure3.eval_cmds("dense_s1", Path("/r"), [], 512, (128, 16)))
-    assert "methods=[full,streaming_llm,h2o]" in cmds["test"] and "batch_size=128" in cmds["test"]
-    assert "methods=[full]" in cmds["validation"] and "data=pg19_subset" in cmds["test"]
-    nats = dict(figure3.eval_cmds("nats_l0.05_s1", Path("/r"), ["data=gutenberg"], 8, (128, 16)))
-    assert "methods=[nats]" in nats["test"] and "batch_size=16" in nats["test"] and "data=gutenberg" in nats["test"]
-    assert "data=pg19_subset" not in nats["test"]
+NATS_TRAIN = str(Path(sys.executable).parent / "nats-train")
+# a tiny GPT on the embedded Gutenberg corpus, 2 steps, every evaluation on 2 windows
+TINY = [
+    "hydra/launcher=basic",
+    "model=tiny",
+    "model.block_size=32",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "trainer=cpu",
+    "compile=false",
+    "data=gutenberg",
+    "data.micro_batch_size=2",
+    "global_batch_size=2",
+    "data.max_eval_windows=2",
+    "data.num_workers=0",
+    "trainer.max_steps=2",
+    "eval_every=2",
+    "trainer.log_every_n_steps=1",
+    "logger=csv",
+    "callbacks.progress_bar=null",
+    "callbacks.throughput=null",
+    "trainer.enable_progress_bar=false",
+    f"paths.data_dir={DATA_DIR}",
+    # `++`: the sweep over experiment= composes without the experiment first, where these keys do not exist
+    "++callbacks.eval_after.common.max_windows=2",
+    "++callbacks.eval_after.common.batch_size=2",
+    "++callbacks.eval_after.common.budgets=[0.25]",
+]
 
 
-@pytest.mark.skipif(not RESULTS.is_dir(), reason="the study's results are not in this checkout")
-def test_report_of_the_committed_study(tmp_path):
-    """The report of the committed runs: every NAtS point and baseline is there, with the numbers of the raw
-    evaluations, and the plots are written."""
-    figure3.main(["report", "--root", str(RESULTS), "--out", str(tmp_path)])
-    text = (tmp_path / "figure3.md").read_text()
-    rows = json.loads((tmp_path / "figure3.json").read_text())["rows"]
-    test = {(r["model"], r["setting"]): r for r in rows if r["split"] == "test"}
-    assert len(test[("dense", "full")]["seeds"]) == 2
-    raw = json.loads((RESULTS / "nats_l0.05_s1" / "eval_test" / "results.json").read_text())["results"][0]
-    got = test[("nats_l0.05", "NAtS lambda=0.05")]
-    assert got["ppl_mean"] == pytest.approx(raw["ppl"]) and got["area_mean"] == pytest.approx(raw["area"])
-    for budget in (2, 4, 8, 16, 32):
-        assert ("dense", f"h2o B=N/{budget}") in test and ("dense", f"streaming_llm B=N/{budget}") in test
-    assert "| nats_l0.05 | NAtS lambda=0.05 | 1 |" in text
-    for name in ("figure3_ppl_vs_area.png", "figure3_ppl_vs_peak.png", "figure3_loss.png", "figure3_kv_layers.png"):
-        assert (tmp_path / name).stat().st_size > 10_000
+def nats_train_multirun(
+    overrides: list[str], sweep: Path, cwd: Path, tiny: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`nats-train -m` with the overrides and TINY (`tiny` changes values of TINY: {key: value})."""
+    tiny = tiny or {}
+    settings = [f"{k}={tiny.pop(k)}" if k in tiny else o for o in TINY for k in [o.split("=", 1)[0]]]
+    assert not tiny, f"not keys of TINY: {tiny}"
+    cmd = [NATS_TRAIN, "-m", *overrides, *settings, f"hydra.sweep.dir={sweep}"]
+    env = dict(os.environ, PROJECT_ROOT=str(cwd), OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=cwd)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
 
 
-@pytest.mark.skipif(not RESULTS.is_dir(), reason="the study's results are not in this checkout")
-def test_pack_and_report_round_trip(tmp_path):
-    pack = tmp_path / "out" / "figure3.tar.gz"
-    figure3.main(["pack", "--root", str(RESULTS), "--out", str(pack)])
-    copy = tmp_path / "copy"
-    figure3.main(["report", "--root", str(copy), "--packed", str(pack), "--out", str(tmp_path / "rep")])
-    for run in RESULTS.iterdir():
-        assert (copy / run.name / "csv" / "metrics.csv").read_bytes() == (run / "csv" / "metrics.csv").read_bytes()
-    assert (tmp_path / "rep" / "figure3.md").read_text() == _report_text(RESULTS, tmp_path / "rep2")
+def test_study_configs_are_the_recipe_plus_the_evaluations(tmp_path):
+    dense = compose(["experiment=study_fig3_dense"], tmp_path)
+    recipe = compose(["experiment=fig3_dense"], tmp_path)
+    assert dense.model == recipe.model and dense.optim == recipe.optim and dense.trainer == recipe.trainer
+    assert dense.data.source == "pg19" and dense.trainer.max_steps == 2000 and dense.global_batch_size == 32
+    assert "eval_after" not in recipe.callbacks  # the recipe alone (benchmarks) trains only
+    ev = dense.callbacks.eval_after
+    assert ev._target_ == "nats.callbacks.EvalAfterTraining" and ev.common.max_windows == 512
+    assert list(ev.common.budgets) == [0.5, 0.25, 0.125, 0.0625, 0.03125]
+    assert {k: list(v.methods) for k, v in ev.evals.items()} == {
+        "validation": ["full"],
+        "test": ["full", "streaming_llm", "h2o"],
+    }
+    nats = compose(["experiment=study_fig3_nats", "model.attention.sparsity_lambda=0.3"], tmp_path)
+    att = nats.model.attention
+    assert (att.name, att.window, att.sparsity_lambda, att.mask_grad) == ("nats", 16, 0.3, "dense")
+    assert nats.callbacks.tau_schedule.steps == 2000 and nats.callbacks.eval_after.common.batch_size == 16
+    assert {k: list(v.methods) for k, v in nats.callbacks.eval_after.evals.items()} == {
+        "validation": ["nats"],
+        "test": ["nats"],
+    }
+    assert nats.task_name == dense.task_name == "figure3"
 
 
-def _report_text(root, out):
-    figure3.main(["report", "--root", str(root), "--out", str(out)])
-    return (out / "figure3.md").read_text()
+def test_eval_after_checks_its_settings_before_training(tmp_path):
+    from nats.callbacks import EvalAfterTraining
+
+    data = {"_target_": "nats.data.datamodule.TokenDataModule"}
+    with pytest.raises(ValueError, match="unknown nats-eval settings.*max_window"):
+        EvalAfterTraining({"test": {"max_window": 4}}, data, str(tmp_path))
+    # N/32 of N = 32 is one token: no StreamingLLM budget is left
+    with pytest.raises(ValueError, match="evals.test: streaming_llm: no usable budget"):
+        EvalAfterTraining(
+            {"test": {"methods": ["streaming_llm"], "budgets": [0.03125]}}, data, str(tmp_path), block_size=32
+        )
+    ok = EvalAfterTraining({"test": {"split": "test"}}, data, str(tmp_path), common={"max_windows": 2}, block_size=32)
+    assert ok.settings("test") == {"max_windows": 2, "split": "test"}
 
 
-@pytest.mark.slow
-def test_tiny_study_end_to_end_on_cpu(tmp_path):
-    """train --eval (background processes), status, report: a tiny dense and NAtS model on Gutenberg (~2 min)."""
-    extra = [
-        "model=tiny",
-        "trainer=cpu",
-        "compile=false",
-        "data=gutenberg",
-        "data.micro_batch_size=4",
-        "global_batch_size=4",
-        "trainer.max_steps=6",
-        "eval_every=3",
-        "data.max_eval_windows=4",
-        "data.num_workers=0",
-        "trainer.log_every_n_steps=1",
-        f"paths.data_dir={REPO / 'data'}",
-    ]
-    root = tmp_path / "runs"
-    figure3.main(
-        [
-            "train",
-            "--eval",
-            "--root",
-            str(root),
-            "--runs",
-            "dense",
-            "nats_l0.05",
-            "--budget-s",
-            "400",
-            "--max-windows",
-            "4",
-            "--batch-size-dense",
-            "4",
-            "--batch-size-nats",
-            "4",
-            "--extra",
-            *extra,
-        ]
-    )
-    for run in ("dense_s1", "nats_l0.05_s1"):
-        assert (root / run / "metrics.json").is_file(), (root / run / "train.out").read_text()[-2000:]
+def test_model_names_from_the_config():
+    def cfg(**att):
+        return {"model": {"attention": att}}
+
+    assert figure3.model_name(cfg(name="dense")) == "dense"
+    assert figure3.model_name(cfg(name="dense", output_gate="headwise")) == "dense_headwise"
+    assert figure3.model_name(cfg(name="nats", sparsity_lambda=0.05, mask_grad="dense")) == "nats_l0.05"
+    assert figure3.model_name(cfg(name="nats", sparsity_lambda=1, mask_grad="exact")) == "nats_l1_exact"
+
+
+def test_tiny_study_multirun_then_report(tmp_path):
+    """nats-train -m experiment=study_fig3_dense,study_fig3_nats seed=1,2: four runs, each with its evaluations;
+    the report has a row per (model, method) with the mean ± sample std over the two seeds."""
+    sweep = tmp_path / "figure3"
+    nats_train_multirun(["experiment=study_fig3_dense,study_fig3_nats", "seed=1,2"], sweep, tmp_path)
+    runs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in runs] == ["0", "1", "2", "3"]
+    for run in runs:
+        assert (run / "metrics.json").is_file()
         for split in ("validation", "test"):
-            assert (root / run / f"eval_{split}" / "results.json").is_file()
-    figure3.main(["report", "--root", str(root), "--out", str(tmp_path / "rep")])
-    assert "NAtS lambda=0.05" in (tmp_path / "rep" / "figure3.md").read_text()
+            res = json.loads((run / f"eval_{split}" / "results.json").read_text())
+            assert res["checkpoint"] == str(run / "checkpoints" / "last.ckpt") and res["windows"] == 2
+
+    out = tmp_path / "report"
+    report = figure3.main([str(sweep), "--out", str(out), "--device", "a CPU"])
+    assert sorted(report["runs"]) == ["dense_s1", "dense_s2", "nats_l0.05_s1", "nats_l0.05_s2"]
+    test = {(r["model"], r["setting"]): r for r in report["rows"] if r["split"] == "test"}
+    assert sorted(test) == [
+        ("dense", "full"),
+        ("dense", "h2o B=N/4"),
+        ("dense", "streaming_llm B=N/4"),
+        ("nats_l0.05", "NAtS lambda=0.05"),
+    ]
+
+    def own(run: str, split: str = "test") -> dict:
+        folder = Path(report["runs"][run]["dir"])
+        return json.loads((folder / f"eval_{split}" / "results.json").read_text())["results"][0]
+
+    for model, setting in (("dense", "full"), ("nats_l0.05", "NAtS lambda=0.05")):
+        row = test[(model, setting)]
+        ppl = [own(f"{model}_s{seed}")["ppl"] for seed in (1, 2)]
+        assert sorted(row["seeds"]) == [1, 2]
+        assert row["ppl_mean"] == pytest.approx(statistics.fmean(ppl))
+        assert row["ppl_std"] == pytest.approx(statistics.stdev(ppl)) and row["ppl_std"] > 0
+    text = (out / "figure3.md").read_text()
+    nats = test[("nats_l0.05", "NAtS lambda=0.05")]
+    assert (
+        f"| nats_l0.05 | NAtS lambda=0.05 | 2 | {nats['area_mean']:.4f} | {nats['peak_mean']:.4f} | "
+        f"{nats['ppl_mean']:.2f} ± {nats['ppl_std']:.2f} |"
+    ) in text
+    assert "## validation split" in text and "N = 32, data gutenberg, 2 steps of 2 x 32 tokens" in text
+    for name in ("figure3_ppl_vs_area.png", "figure3_ppl_vs_peak.png", "figure3_loss.png", "figure3_kv_layers.png"):
+        assert (out / name).stat().st_size > 10_000
+
+
+def test_report_refuses_a_model_and_seed_twice_and_an_empty_folder(tmp_path):
+    import yaml
+
+    for folder in ("a", "b"):
+        (tmp_path / folder / ".hydra").mkdir(parents=True)
+        cfg = {"seed": 1, "model": {"attention": {"name": "dense"}}}
+        (tmp_path / folder / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(SystemExit, match="dense_s1 twice"):
+        figure3.main([str(tmp_path), "--out", str(tmp_path / "out")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no training runs"):
+        figure3.main([str(tmp_path / "empty"), "--out", str(tmp_path / "out")])

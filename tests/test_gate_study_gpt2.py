@@ -1,11 +1,11 @@
-"""experiments/gate_study_gpt2.py: the models compose to the intended configs, the evaluation jobs,
-the measurements against hand-made examples (first-token share, globals at position 0) and a direct softmax,
-the report (a row per model, mean ± sample std over seeds), resuming skips finished work, and (slow) the whole
-study end to end with --smoke on the CPU."""
+"""The gate study at GPT-2-small scale as it runs: its experiment configs compose to the Figure 3 recipe with the
+gate, the evaluations and the analysis; the measurements of nats.analysis (what LayerAnalysis writes into
+analysis.json) against hand-made examples and a direct softmax; experiments/gate_study_gpt2.py's report (a row
+per model, mean ± sample std over seeds, runs of other folders as further seeds); and a tiny version of the study
+through `nats-train -m` (the basic launcher) and the report."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -13,126 +13,51 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from test_figure3 import nats_train_multirun
 
-from conftest import DATA_DIR, REPO, compose
+from conftest import REPO, compose, load_script
+from nats.analysis import first_token_share, globals_at_position0, layer_probes, measure, uniform_first_token_share
+from nats.functional import TOKEN_GLOBAL as G
+from nats.functional import TOKEN_LOCAL as L
+from nats.functional import TOKEN_SLIDING as S
+from nats.models.gpt import GPT, GPTConfig
 
-spec = importlib.util.spec_from_file_location("gate_study_gpt2", REPO / "experiments" / "gate_study_gpt2.py")
-gs = importlib.util.module_from_spec(spec)
-sys.modules["gate_study_gpt2"] = gs
-spec.loader.exec_module(gs)
-
-from nats.functional import TOKEN_GLOBAL as G  # noqa: E402
-from nats.functional import TOKEN_LOCAL as L  # noqa: E402
-from nats.functional import TOKEN_SLIDING as S  # noqa: E402
-from nats.models.gpt import GPT, GPTConfig  # noqa: E402
+# the study reports import experiments/collect.py from beside them, as `python experiments/<script>.py` does
+sys.path.insert(0, str(REPO / "experiments"))
+gs = load_script("experiments/gate_study_gpt2.py")
 
 MODELS = ["dense", "dense_headwise", "dense_elementwise", "nats", "nats_headwise"]
-
-
-def test_run_names():
-    assert list(gs.RUNS) == MODELS
-    assert gs.expand(["dense", "nats_headwise"], [0, 1]) == [
-        "dense_s0",
-        "dense_s1",
-        "nats_headwise_s0",
-        "nats_headwise_s1",
-    ]
-    assert gs.expand(["dense_elementwise_s3"], [0]) == ["dense_elementwise_s3"]
-    assert gs.parse_run("nats_headwise_s1") == ("nats_headwise", 1)
-    for bad in (["nats_l0.05"], ["dense_sx"], ["gated"]):
-        with pytest.raises(SystemExit, match="unknown run"):
-            gs.expand(bad, [0])
+LABELS = {
+    "dense": "dense",
+    "dense_headwise": "dense + headwise gate",
+    "dense_elementwise": "dense + elementwise gate",
+    "nats": "NAtS λ=0.05",
+    "nats_headwise": "NAtS λ=0.05 + headwise gate",
+}
 
 
 @pytest.mark.parametrize(
-    "model, core, gate",
+    "experiment, gate, core",
     [
-        ("dense", "dense", "none"),
-        ("dense_headwise", "dense", "headwise"),
-        ("dense_elementwise", "dense", "elementwise"),
-        ("nats", "nats", "none"),
-        ("nats_headwise", "nats", "headwise"),
+        ("study_gate_gpt2_dense", "elementwise", "dense"),
+        ("study_gate_gpt2_nats", "headwise", "nats"),
     ],
 )
-def test_train_command_composes_the_fig3_recipe_with_the_gate(tmp_path, model, core, gate):
-    """What `train` launches (minus Hydra's run dir) is fig3_dense / fig3_nats (GPT-2-small, N = 1024, the PG-19
-    subset, 2000 steps of 32 x 1024), with the run's gate and seed, lambda 0.05 and W = 16 for NAtS."""
-    cmd = gs.train_cmd(f"{model}_s1", tmp_path, ["data.path=/nowhere"], steps=None)
-    cfg = compose([a for a in cmd[3:] if not a.startswith("hydra.")], tmp_path)
+def test_study_configs_are_the_fig3_recipe_with_the_gate_and_the_analysis(tmp_path, experiment, gate, core):
+    cfg = compose([f"experiment={experiment}", f"model.attention.output_gate={gate}"], tmp_path)
+    fig3 = compose([f"experiment=study_fig3_{core}"], tmp_path)
     att = cfg.model.attention
-    assert (att.name, att.get("output_gate", "none"), cfg.seed) == (core, gate, 1)
-    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (12, 12, 768, 1024)
-    assert cfg.trainer.max_steps == 2000 and cfg.global_batch_size == cfg.data.micro_batch_size == 32
-    assert cfg.data.source == "pg19" and cfg.data.cache_name == "pg19-subset" and cfg.ckpt_path == "auto"
+    assert (att.name, att.output_gate) == (core, gate)
+    assert cfg.optim == fig3.optim and cfg.trainer == fig3.trainer and cfg.data.source == "pg19"
+    assert cfg.trainer.max_steps == 2000 and cfg.model.n_layer == 12 and cfg.model.block_size == 1024
+    assert cfg.callbacks.layer_analysis.windows == 64 and cfg.callbacks.layer_analysis.skip == 16
+    assert set(cfg.callbacks.eval_after.evals) == {"validation", "test"}
     if core == "nats":
-        assert (att.sparsity_lambda, att.window, att.mask_grad) == (0.05, 16, "dense")
-
-
-def test_smoke_composes_a_tiny_model_that_keeps_the_gate_and_nats(tmp_path):
-    args = gs.argparse.Namespace(smoke=True, extra=[], cmd="train", root=None, max_train=None, max_windows=None)
-    gs.resolve_defaults(args)
-    assert args.max_train == 2 and args.max_windows == 4 and args.root == str(gs.SMOKE_ROOT)
-    cmd = gs.train_cmd("nats_headwise_s0", tmp_path, args.extra, None)
-    cfg = compose([a for a in cmd[3:] if not a.startswith("hydra.")], tmp_path)
-    assert (cfg.model.attention.name, cfg.model.attention.output_gate, cfg.model.n_layer) == ("nats", "headwise", 4)
-    assert cfg.trainer.max_steps == 4 and cfg.data.source == "gutenberg" and cfg.trainer.accelerator == "cpu"
-
-
-def _args(**kw):
-    base = dict(
-        extra=[], max_windows=512, batch_size_dense=128, batch_size_nats=16, analysis_windows=64, analysis_batch_size=8
-    )
-    return gs.argparse.Namespace(skip=16, **{**base, **kw})
-
-
-def test_eval_jobs():
-    root = Path("/r")
-    jobs = {j.label: j for j in gs.eval_jobs("dense_headwise_s0", root, _args())}
-    test, val = (" ".join(jobs[f"dense_headwise_s0 eval {s}"].cmd) for s in ("test", "validation"))
-    assert "methods=[full,streaming_llm,h2o]" in test and "budgets=[0.125,0.0625]" in test and "batch_size=128" in test
-    assert "methods=[full]" in val and "split=validation" in val and "data=pg19_subset" in val
-    analysis = jobs["dense_headwise_s0 analysis"]
-    assert analysis.output == root / "dense_headwise_s0" / "analysis.json" and "--skip" in analysis.cmd
-    assert all(j.after == root / "dense_headwise_s0" / "metrics.json" and j.kind == "eval" for j in jobs.values())
-    nats = {j.label: j for j in gs.eval_jobs("nats_s1", root, _args(extra=["data=gutenberg", "model=tiny"]))}
-    for split in ("validation", "test"):
-        cmd = nats[f"nats_s1 eval {split}"].cmd
-        assert "methods=[nats]" in cmd and "batch_size=16" in cmd and "data=gutenberg" in cmd
-        assert "model=tiny" not in cmd and "data=pg19_subset" not in cmd
-    # the dense models' nats-eval (full-cache logits) is heavy; the NAtS models' and the analyses are not
-    assert [j.heavy for j in jobs.values()] == [True, True, False]
-    assert not any(j.heavy for j in nats.values())
-
-
-def test_schedule_runs_a_heavy_job_alone(tmp_path, monkeypatch):
-    """A heavy job waits while a training or another heavy job runs (one H200 ran out of memory with two dense
-    full-cache evaluations at once, and with one beside five trainings); light ones start beside them."""
-    running: set[str] = set()
-    started: list[str] = []
-    monkeypatch.setattr(gs, "alive", lambda pid_file: pid_file.name.removesuffix(".pid") in running)
-
-    def launch(cmd, folder, log_name):
-        started.append(log_name)
-        running.add(log_name)
-
-    monkeypatch.setattr(gs, "launch", launch)
-
-    def job(kind, name, heavy=False):
-        return gs.Job(kind, name, tmp_path, name, [], tmp_path / f"{name}.done", None, heavy)
-
-    jobs = [job("train", "train"), job("eval", "heavy1", True), job("eval", "heavy2", True), job("eval", "light")]
-    running.add("train")  # a training from an earlier call is still running
-    gs.schedule(jobs, tmp_path, budget_s=0.0, limits={"train": 5, "eval": 6})
-    assert started == ["light"]  # the heavy ones wait for the training
-    running.clear()
-    started.clear()
-    gs.schedule(jobs, tmp_path, budget_s=0.0, limits={"train": 5, "eval": 6})
-    assert started == ["train", "light"]  # the training starts again (no output yet), so the heavy ones wait
-    (tmp_path / "train.done").touch()
-    running.clear()
-    started.clear()
-    gs.schedule(jobs, tmp_path, budget_s=0.0, limits={"train": 5, "eval": 6})
-    assert started == ["heavy1", "light"]  # one heavy job at a time
+        assert att.sparsity_lambda == 0.05 and att.window == 16 and "tau_schedule" in cfg.callbacks
+    else:
+        assert list(cfg.callbacks.eval_after.common.budgets) == [0.125, 0.0625]
+    assert cfg.task_name == "gate_study_gpt2"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -148,16 +73,16 @@ def test_first_token_share_by_hand():
     p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     p0 = p[..., 0]
     torch.testing.assert_close(p0[0, 1], torch.tensor([1.0, 3 / 4, 3 / 5, 3 / 6]))
-    share = gs.first_token_share(p0, skip=1)
+    share = first_token_share(p0, skip=1)
     torch.testing.assert_close(share, torch.tensor([(1 / 2 + 1 / 3 + 1 / 4) / 3, (3 / 4 + 3 / 5 + 3 / 6) / 3]).double())
-    torch.testing.assert_close(gs.first_token_share(p0, skip=2)[1].item(), (3 / 5 + 3 / 6) / 2)
-    assert gs.first_token_share(p0)[0].item() == pytest.approx((1 + 1 / 2 + 1 / 3 + 1 / 4) / 4)
-    assert gs.uniform_first_token_share(n, 1) == pytest.approx(share[0].item())
+    torch.testing.assert_close(first_token_share(p0, skip=2)[1].item(), (3 / 5 + 3 / 6) / 2)
+    assert first_token_share(p0)[0].item() == pytest.approx((1 + 1 / 2 + 1 / 3 + 1 / 4) / 4)
+    assert uniform_first_token_share(n, 1) == pytest.approx(share[0].item())
     # the batch is averaged too
     two = torch.stack([p0[0], torch.ones_like(p0[0])])
-    torch.testing.assert_close(gs.first_token_share(two, 1), (share + 1) / 2)
+    torch.testing.assert_close(first_token_share(two, 1), (share + 1) / 2)
     with pytest.raises(ValueError, match="skip"):
-        gs.first_token_share(p0, skip=4)
+        first_token_share(p0, skip=4)
 
 
 def test_globals_at_position0_by_hand():
@@ -167,13 +92,13 @@ def test_globals_at_position0_by_hand():
             [[G, L, L, S, S], [G, G, G, G, L]],
         ]
     )  # [B = 2, H = 2, N = 5]
-    at0, total = gs.globals_at_position0(types)
+    at0, total = globals_at_position0(types)
     torch.testing.assert_close(at0, torch.tensor([2.0, 2.0]).double())
     torch.testing.assert_close(total, torch.tensor([4.0, 5.0]).double())  # head 0: 3 + 1, head 1: 1 + 4
     share = at0 / total
     assert share.tolist() == pytest.approx([0.5, 0.4])
     # a head whose only global is token 0 has share 1; one without token 0 global has share 0
-    at0, total = gs.globals_at_position0(torch.tensor([[[G, S, L], [S, G, G]]]))
+    at0, total = globals_at_position0(torch.tensor([[[G, S, L], [S, G, G]]]))
     assert (at0 / total).tolist() == [1.0, 0.0]
 
 
@@ -186,7 +111,7 @@ def _tiny(attention: dict, seed: int = 0) -> GPT:
 def test_layer_probes_match_a_direct_softmax_and_the_gate():
     model = _tiny({"name": "dense", "output_gate": "elementwise"})
     idx = torch.randint(0, 64, (3, 32))
-    records = gs.layer_probes(model, idx)
+    records = layer_probes(model, idx)
     pos = torch.arange(32)
     x = model.embed(idx, pos)
     for block, rec in zip(model.blocks, records):
@@ -200,7 +125,7 @@ def test_layer_probes_match_a_direct_softmax_and_the_gate():
         assert "types" not in rec
         x, _ = block(x, model.rope, pos)
     nats = _tiny({"name": "nats", "window": 4, "output_gate": "headwise"})
-    records = gs.layer_probes(nats, idx)
+    records = layer_probes(nats, idx)
     assert records[0]["gate"].shape == (3, 32, 2) and records[0]["types"].shape == (3, 2, 32)
     assert (records[0]["types"][..., 0] == G).all()
     assert torch.allclose(records[1]["p0"][..., 0], torch.ones(3, 2))  # query 0 sees only key 0
@@ -209,9 +134,9 @@ def test_layer_probes_match_a_direct_softmax_and_the_gate():
 def test_measure_on_a_tiny_nats_model_with_a_gate():
     model = _tiny({"name": "nats", "window": 4, "output_gate": "headwise"}, seed=1)
     batches = [(torch.randint(0, 64, (3, 32)), None), (torch.randint(0, 64, (2, 32)), None)]
-    m = gs.measure(model, batches, skip=4)
+    m = measure(model, batches, skip=4)
     assert (m["windows"], m["N"], m["skip"]) == (5, 32, 4)
-    assert m["uniform_share"] == pytest.approx(gs.uniform_first_token_share(32, 4))
+    assert m["uniform_share"] == pytest.approx(uniform_first_token_share(32, 4))
     for layer in m["layers"]:
         assert 0 <= layer["first_token_share"] <= 1 and all(0 <= v <= 1 for v in layer["first_token_share_heads"])
         assert 0 < layer["gate_mean"] < 1
@@ -221,24 +146,42 @@ def test_measure_on_a_tiny_nats_model_with_a_gate():
         assert layer["global_pos0_share"] == pytest.approx(1 / layer["globals_per_head"])
         assert layer["globals_pos0"] == 5 * 2
     # batches are weighted by their size: the same windows in one batch give the same numbers
-    one = gs.measure(model, [(torch.cat([b[0] for b in batches]), None)], skip=4)
+    one = measure(model, [(torch.cat([b[0] for b in batches]), None)], skip=4)
     for a, b in zip(m["layers"], one["layers"]):
         assert a["first_token_share"] == pytest.approx(b["first_token_share"])
         assert a["area"] == pytest.approx(b["area"]) and a["gate_mean"] == pytest.approx(b["gate_mean"])
 
 
 # ----------------------------------------------------------------------------------------------------
-# report and resume
+# the report, and the study end to end
 # ----------------------------------------------------------------------------------------------------
 def _write(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))
 
 
-def _fake_run(root: Path, model: str, seed: int, ppl: float, sink: float) -> None:
-    """The files a finished run leaves behind, with made-up numbers (2 layers)."""
-    folder = root / f"{model}_s{seed}"
-    nats = gs.RUNS[model][0] == "fig3_nats"
+def _fake_run(root: Path, model: str, seed: int, ppl: float, sink: float, folder_name: str | None = None) -> Path:
+    """The files a finished run leaves behind (its config as nats-train writes it), with made-up numbers (2
+    layers)."""
+    folder = root / (folder_name or f"{model}_s{seed}")
+    nats = model.startswith("nats")
+    gate = model.split("_")[1] if "_" in model else "none"
+    attention = {"name": "nats", "sparsity_lambda": 0.05, "window": 16} if nats else {"name": "dense"}
+    cfg = {
+        "seed": seed,
+        "global_batch_size": 32,
+        "data": {"source": "pg19"},
+        "trainer": {"max_steps": 2000},
+        "model": {
+            "n_layer": 2,
+            "n_head": 2,
+            "n_embd": 64,
+            "block_size": 1024,
+            "attention": {**attention, "output_gate": gate},
+        },
+    }
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     _write(folder / "metrics.json", {"global_step": 2000})
     own = {"policy": "nats" if nats else "full", "budget": None, "budget_fraction": None, "ppl": ppl}
     own.update(area=0.08 if nats else 1.0, peak=0.07 if nats else 1.0)
@@ -264,6 +207,7 @@ def _fake_run(root: Path, model: str, seed: int, ppl: float, sink: float) -> Non
             globals_per_head=4.0,
         )
     _write(folder / "analysis.json", {"uniform_share": 0.0045, "skip": 16, "device": "cuda", "layers": [layer, layer]})
+    return folder
 
 
 def test_report_has_a_row_per_model_with_mean_and_std_over_seeds(tmp_path):
@@ -273,12 +217,13 @@ def test_report_has_a_row_per_model_with_mean_and_std_over_seeds(tmp_path):
         if model in ("dense", "nats"):  # a second seed for two of them
             _fake_run(root, model, 1, ppl=42.0 + i, sink=0.40)
     (root / "not_a_run").mkdir()
-    gs.main(["report", "--root", str(root), "--out", str(tmp_path / "rep"), "--device", "one test GPU"])
+    rows = gs.main([str(root), "--out", str(tmp_path / "rep"), "--device", "one test GPU"])
     text = (tmp_path / "rep" / "gate_study_gpt2.md").read_text()
-    rows = {r["model"]: r for r in json.loads((tmp_path / "rep" / "gate_study_gpt2.json").read_text())["rows"]}
-    assert list(rows) == MODELS
+    assert [r["model"] for r in rows] == MODELS
+    assert rows == json.loads((tmp_path / "rep" / "gate_study_gpt2.json").read_text())["rows"]
+    rows = {r["model"]: r for r in rows}
     for model in MODELS:  # the main table: label, then the seeds
-        assert text.count(f"| {gs.RUNS[model][2]} | {'0, 1' if model in ('dense', 'nats') else '0'} |") == 1, model
+        assert text.count(f"| {LABELS[model]} | {'0, 1' if model in ('dense', 'nats') else '0'} |") == 1, model
     dense = rows["dense"]["stats"]
     assert dense["test_ppl"]["mean"] == pytest.approx(41.0) and dense["test_ppl"]["std"] == pytest.approx(math.sqrt(2))
     assert "| dense | 0, 1 | 42.00 ± 1.41 | 41.00 ± 1.41 | +0.0% | 0.3500 ± 0.0707 |" in text
@@ -287,77 +232,52 @@ def test_report_has_a_row_per_model_with_mean_and_std_over_seeds(tmp_path):
     nats = rows["nats_headwise"]["stats"]
     assert nats["pos0_share"]["mean"] == 0.25 and nats["gate"]["mean"] == 0.3 and "h2o N/8" not in nats
     assert "dense + headwise gate" in text and "## Mean gate per layer" in text and "globals at position 0" in text
+    assert "Setting: 2 layers x 2 heads, d = 64, N = 1024, data pg19, 2000 steps of 32 x 1024 tokens" in text
     for name in ("sink", "kv", "ppl_vs_area"):
         assert (tmp_path / "rep" / f"gate_study_gpt2_{name}.png").stat().st_size > 10_000
 
 
-def test_report_adds_run_folders_from_elsewhere_as_seeds(tmp_path):
-    """--add RUN=FOLDER: an earlier run of the same recipe (e.g. Figure 3's dense_s1, without an analysis) counts
-    as one more seed of its model; the measurements it lacks come from the other seeds only."""
+def test_report_takes_runs_of_other_folders_as_further_seeds(tmp_path):
+    """A run of the same recipe elsewhere (e.g. the Figure 3 study's dense model, without an analysis) is one more
+    seed of its model; the measurements it lacks come from the other seeds only. The same model and seed twice
+    is refused."""
     root, other = tmp_path / "runs", tmp_path / "figure3"
     _fake_run(root, "dense", 0, ppl=40.0, sink=0.30)
-    _fake_run(other, "dense", 0, ppl=42.0, sink=0.99)
-    (other / "dense_s0" / "analysis.json").unlink()
-    (other / "dense_s0").rename(other / "dense_l0_s7")  # the folder's own name does not matter
+    extra = _fake_run(other, "dense", 7, ppl=42.0, sink=0.99, folder_name="3")  # a multirun's job folder
+    (extra / "analysis.json").unlink()
     out = tmp_path / "rep"
-    gs.main(["report", "--root", str(root), "--out", str(out), "--add", f"dense_s7={other / 'dense_l0_s7'}"])
-    text = (out / "gate_study_gpt2.md").read_text()
-    assert "| dense | 0, 7 | 42.00 ± 1.41 | 41.00 ± 1.41 | +0.0% | 0.3000 |" in text
-    assert f"dense_s7 ({other / 'dense_l0_s7'}, no analysis)" in text
-    with pytest.raises(SystemExit, match="RUN=FOLDER"):
-        gs.main(["report", "--root", str(root), "--out", str(out), "--add", f"dense_s7={other / 'missing'}"])
-    with pytest.raises(SystemExit, match="both in"):
-        gs.main(["report", "--root", str(root), "--out", str(out), "--add", f"dense_s0={other / 'dense_l0_s7'}"])
-
-
-def test_train_skips_finished_runs_and_starts_the_others(tmp_path, monkeypatch, capsys):
-    root = tmp_path / "runs"
-    _fake_run(root, "dense", 0, ppl=40.0, sink=0.3)
-    launched = []
-    monkeypatch.setattr(gs, "launch", lambda cmd, folder, log_name: launched.append((folder.name, log_name)))
-    gs.main(["train", "--root", str(root), "--runs", "dense", "nats", "--no-prepare", "--eval", "--budget-s", "5"])
-    # dense_s0 is trained and evaluated: nothing of it starts again; nats_s0 starts training (its evaluations
-    # wait for its metrics.json)
-    assert launched == [("nats_s0", "train.out")]
-    out = capsys.readouterr().out
-    assert "dense_s0 train: done, skipped" in out and "dense_s0 analysis: done, skipped" in out
-    assert "nats_s0 train: stopped without metrics.json" in out  # the stand-in process never ran
-    launched.clear()
-    gs.main(["eval", "--root", str(root), "--runs", "dense", "nats", "--budget-s", "5"])
-    assert launched == [] and "nats_s0: not trained yet, skipped" in capsys.readouterr().out
+    gs.main([str(root), str(extra), "--out", str(out)])
+    assert "| dense | 0, 7 | 42.00 ± 1.41 | 41.00 ± 1.41 | +0.0% | 0.3000 |" in (out / "gate_study_gpt2.md").read_text()
+    _fake_run(other, "dense", 0, ppl=42.0, sink=0.99, folder_name="4")
+    with pytest.raises(SystemExit, match="dense_s0 twice"):
+        gs.main([str(root), str(other), "--out", str(out)])
 
 
 @pytest.mark.slow
-def test_smoke_study_end_to_end_on_cpu(tmp_path):
-    """train --smoke --eval (background processes: 5 tiny models, their nats-eval runs and analyses), report,
-    then train again: everything is skipped (~3-5 min on 2 shared cores)."""
-    root = tmp_path / "runs"
-    common = ["--smoke", "--root", str(root), "--extra", f"paths.data_dir={DATA_DIR}"]
-    gs.main(["train", "--eval", "--budget-s", "900", *common])
-    for model in MODELS:
-        folder = root / f"{model}_s0"
-        assert (folder / "metrics.json").is_file(), (folder / "train.out").read_text()[-2000:]
-        for name in ("eval_validation/results.json", "eval_test/results.json", "analysis.json"):
-            assert (folder / name).is_file(), [p.read_text()[-1500:] for p in folder.glob("*.out")]
-    gs.main(["report", "--smoke", "--root", str(root), "--out", str(tmp_path / "rep")])
-    rows = {r["model"]: r for r in json.loads((tmp_path / "rep" / "gate_study_gpt2.json").read_text())["rows"]}
-    assert list(rows) == MODELS
-    text = (tmp_path / "rep" / "gate_study_gpt2.md").read_text()
-    for model, row in rows.items():
-        s = row["stats"]
-        assert f"| {gs.RUNS[model][2]} | 1 |" in text
-        assert s["test_ppl"]["mean"] > 1 and s["val_ppl"]["mean"] > 1
-        assert all(0 <= v <= 1 for v in s["sink_layers"]["mean"]) and len(s["sink_layers"]["mean"]) == 4
-        gated = "headwise" in model or "elementwise" in model
-        assert ("gate_layers" in s) == gated
-        if gated:
-            assert all(0 < v < 1 for v in s["gate_layers"]["mean"])
-        if row["nats"]:
-            assert all(0 <= v <= 1 for v in s["global_pos0_share_layers"]["mean"]) and 0 <= s["pos0_share"]["mean"] <= 1
-            assert 0 < s["area"]["mean"] <= 1
-        else:
-            assert {"streaming_llm N/8", "streaming_llm N/16", "h2o N/8", "h2o N/16"} <= set(s)
-    # resuming: a second call starts nothing
-    heads = {f: f.read_text().count("\n### ") for f in root.glob("*/*.out")}
-    gs.main(["train", "--eval", "--budget-s", "60", *common])
-    assert {f: f.read_text().count("\n### ") for f in root.glob("*/*.out")} == heads
+def test_tiny_study_multirun_then_report(tmp_path):
+    """nats-train -m over the two study experiments with the headwise gate: each run leaves its evaluations and
+    its analysis.json; the report has the two models with their gate per layer (~20 s on 2 idle cores, twice
+    that on shared ones)."""
+    sweep = tmp_path / "gate_study_gpt2"
+    overrides = [
+        "experiment=study_gate_gpt2_dense,study_gate_gpt2_nats",
+        "model.attention.output_gate=headwise",
+        "seed=0",
+        "++callbacks.layer_analysis.windows=2",
+        "++callbacks.layer_analysis.skip=4",
+    ]
+    # N = 128: StreamingLLM's 4 sinks leave recent tokens at the study's budgets N/8 and N/16
+    tiny = {"model.block_size": "128", "++callbacks.eval_after.common.budgets": "[0.125,0.0625]"}
+    nats_train_multirun(overrides, sweep, tmp_path, tiny)
+    for run in ("0", "1"):
+        analysis = json.loads((sweep / run / "analysis.json").read_text())
+        assert analysis["windows"] == 2 and analysis["step"] == 2 and len(analysis["layers"]) == 2
+        assert all(0 < layer["gate_mean"] < 1 for layer in analysis["layers"])
+    rows = {r["model"]: r for r in gs.main([str(sweep), "--out", str(tmp_path / "report")])}
+    assert list(rows) == ["dense_headwise", "nats_headwise"]
+    dense, nats = rows["dense_headwise"]["stats"], rows["nats_headwise"]["stats"]
+    assert dense["test_ppl"]["mean"] > 1 and {"streaming_llm N/8", "h2o N/8"} <= set(dense)
+    assert 0 < nats["area"]["mean"] <= 1 and 0 <= nats["pos0_share"]["mean"] <= 1
+    assert len(nats["gate_layers"]["mean"]) == 2
+    text = (tmp_path / "report" / "gate_study_gpt2.md").read_text()
+    assert "| NAtS λ=0.05 + headwise gate | 0 |" in text and "evaluated on cpu" in text

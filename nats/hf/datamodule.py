@@ -159,8 +159,8 @@ class LongContextDataModule(ResumableDataModule):
                 "the task pg19_continuation needs data.pg19_path (the PG-19 subset); set it, or drop the task: "
                 "data.tasks=[passkey,niah,variable_tracking]"
             )
-        # read only when the examples are built (nats.data.longctx.tasks._read_pg19 says what is missing): a cached example
-        # file needs no PG-19 copy (e.g. examples built on one machine and copied to another)
+        # read only when the examples are built (nats.data.longctx.tasks._read_pg19 says what is missing): a cached
+        # example file needs no PG-19 copy (e.g. examples built on one machine and copied to another)
         self.pg19_path = pg19_path
         self.num_examples, self.num_val_examples = int(num_examples), int(num_val_examples)
         self.max_length, self.min_length = int(max_length), min_length
