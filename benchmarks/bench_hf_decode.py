@@ -190,6 +190,52 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     }
 
 
+def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> None:
+    """The GPU kernels of one prefill and of 16 decode steps (after `run`'s warm-up), by total time, into
+    ``profile_<method>_<kept>_b<B>_n<P>.txt``: what bounds each phase."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from nats.hf.compat import cache_kwargs
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    impl = model.config._attn_implementation
+    if method in ("dynamic", "static"):
+        model.config._attn_implementation = "sdpa"
+    try:
+        from transformers import StaticCache
+
+        from nats.hf import StaticPolicyCache
+
+        B, P = prompt.shape
+        budget = None if kept is None else max(8, int(kept * P))
+
+        def make():
+            if method == "static":
+                return StaticCache(config=model.config, max_cache_len=P + args.new)
+            extra = {"budget": budget} if method == "streaming_llm" else {}
+            return StaticPolicyCache(model, method, max_new_tokens=args.new, max_len=P + args.new, track=False, **extra)
+
+        text = []
+        for label, n in (("prefill (+1 token)", 1), ("prefill + decode steps", min(17, args.new))):
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with torch.no_grad(), torch_profile(activities=acts) as prof:
+                model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, **cache_kwargs(model, make()))  # fmt: skip
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            text += [
+                f"## {method} kept={kept} batch={B} prompt={P}: {label}",
+                prof.key_averages().table(key, row_limit=18),
+            ]
+    finally:
+        model.config._attn_implementation = impl
+    name = f"profile_{method}_{kept}_b{B}_n{P}.txt"
+    (out / name).write_text("\n".join(text))
+
+
 def table(rows: list[dict]) -> list[str]:
     lines = [
         "| prompt | batch | method | kept (target) | prefill s | tokens/s | x static tok/s | x static prefill | "
@@ -223,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=["static", "full", "nats", "streaming_llm"])
     ap.add_argument("--equal-memory-gib", type=float, default=None)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile", action="store_true", help="kernel tables of a prefill and 16 decode steps")
     ap.add_argument("--smoke", action="store_true", help="tiny model, short prompt, CPU: tests the script")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -262,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                         r["x_static"] = r["tokens_per_s"] / static["tokens_per_s"]
                         r["x_static_prefill"] = r["prefill_s"] / static["prefill_s"]
                     record(r)
+                    if args.profile:
+                        profile(model, method, prompt, args, device, kept)
         if args.equal_memory_gib:
             budget = args.equal_memory_gib * 2**30
             per_seq = {}

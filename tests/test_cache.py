@@ -535,3 +535,51 @@ def test_nats_fused_triton_step_equals_torch_step():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert torch.equal(a.k_pool[:-1], b.k_pool[:-1]) and torch.equal(a.ring_k, b.ring_k)
     assert torch.allclose(a.fractions()["area"], b.fractions()["area"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_nats_step_matches_torch(dtype):
+    """The fixed-capacity cache's fused step (deferred eviction, scorer type, ring write, append; a full segment
+    keeps the token as sliding) against its PyTorch form (nats.cache.static_ops), state for state."""
+    from nats.cache import static_ops
+    from nats_kernels.nats_attention.decode import nats_step
+
+    torch.manual_seed(0)
+    B, Hkv, W, D, C = 2, 3, 4, 16, 20
+    R = B * Hkv
+    cap = torch.tensor([5, 3, 8, 2, 6, 4])
+    start = torch.zeros_like(cap)
+    start[1:] = cap.cumsum(0)[:-1]
+    P = int(cap.sum()) + 1
+    length = torch.tensor([2, 3, 0, 2, 6, 1])  # rows 1, 3 and 4 are full
+    n_global = torch.tensor([1, 1, 0, 2, 3, 0])
+    state = {
+        "t": torch.tensor([0, 1, -1, 0, 2, 0]),  # the previous tokens' types: rows 0, 3, 5 evict first
+        "ring_k": torch.randn(R, W, D).to(dtype),
+        "ring_v": torch.randn(R, W, D).to(dtype),
+        "ring_valid": torch.rand(R, W) < 0.5,
+        "k_pool": torch.randn(P, D).to(dtype),
+        "v_pool": torch.randn(P, D).to(dtype),
+        "length": length,
+        "n_global": n_global,
+    }
+    x, w = torch.randn(B, C).to(dtype), torch.randn(3 * Hkv, C).to(dtype)
+    bias = torch.tensor([0.3, -0.2, 0.0])
+    pos = torch.tensor([9])
+    k_new, v_new = torch.randn(R, D).to(dtype), torch.randn(R, D).to(dtype)
+    ref = {k: v.clone() for k, v in state.items()}
+    out = {k: v.clone() for k, v in state.items()}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    names = ("ring_k", "ring_v", "ring_valid", "k_pool", "v_pool")
+    static_ops.nats_step(x, w, bias, pos, ref["t"], k_new, v_new, *[ref[k] for k in names], start, ref["length"],
+                         ref["n_global"], cap)  # fmt: skip
+    out = {k: v.to(dev) for k, v in out.items()}
+    args = [t.to(dev) for t in (x, w, bias, pos)]
+    nats_step(*args, out["t"], k_new.to(dev), v_new.to(dev), out["ring_k"], out["ring_v"], out["ring_valid"],
+              out["k_pool"], out["v_pool"], start.to(dev), out["length"], out["n_global"], cap.to(dev))  # fmt: skip
+    for k in ref:
+        a, b = ref[k], out[k].cpu()
+        if k in ("k_pool", "v_pool"):
+            a, b = a[:-1], b[:-1]  # the scratch slot holds whatever skipped writes left
+        assert torch.equal(a, b), k
+    assert set(ref["t"].tolist()) <= {0, 1, 2} and int(ref["t"][1]) == 2  # row 1 was full: kept as sliding

@@ -321,3 +321,115 @@ def nats_evict(t, pos, k_pool, v_pool, start, length, n_global, ring_valid):
         D=D,
         BLOCK_D=triton.next_power_of_2(D),
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fixed-capacity NAtS cache's decode step, before the attention: one launch per step and layer
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _nats_step_kernel(
+    X,
+    WS,
+    BIAS,
+    POS,
+    T,
+    KNEW,
+    VNEW,
+    RK,
+    RV,
+    RVALID,
+    KP,
+    VP,
+    START,
+    LENGTH,
+    NGLOBAL,
+    CAP,
+    HKV: tl.constexpr,
+    C: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    W: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0)
+    b = r // HKV
+    h = r % HKV
+    pos = tl.load(POS)
+    start = tl.load(START + r)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    # 1. the previous token's eviction, deferred to here: if it was global, its row's locals go (the token moves
+    #    down over them). Its expired ring slot is this token's slot, rewritten below.
+    if tl.load(T + r) == 0:
+        ng = tl.load(NGLOBAL + r)
+        src = start + tl.load(LENGTH + r) - 1
+        dst = start + ng
+        tl.store(KP + dst * D + offs_d, tl.load(KP + src * D + offs_d, mask=dmask), mask=dmask)
+        tl.store(VP + dst * D + offs_d, tl.load(VP + src * D + offs_d, mask=dmask), mask=dmask)
+        tl.store(NGLOBAL + r, ng + 1)
+        tl.store(LENGTH + r, ng + 1)
+    # 2. the type: argmax of the scorer's logits x . W_s (rounded to the model's dtype, as the Linear's output)
+    #    plus the inference offsets; first maximum on ties, like torch.argmax
+    offs_c = tl.arange(0, BLOCK_C)
+    cmask = offs_c < C
+    x = tl.load(X + b * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+    w0 = tl.load(WS + (3 * h) * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+    w1 = tl.load(WS + (3 * h + 1) * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+    w2 = tl.load(WS + (3 * h + 2) * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+    dt = X.dtype.element_ty
+    z0 = tl.sum(x * w0, axis=0).to(dt).to(tl.float32) + tl.load(BIAS)
+    z1 = tl.sum(x * w1, axis=0).to(dt).to(tl.float32) + tl.load(BIAS + 1)
+    z2 = tl.sum(x * w2, axis=0).to(dt).to(tl.float32) + tl.load(BIAS + 2)
+    t = tl.where(z1 > z0, 1, 0)
+    t = tl.where(z2 > tl.maximum(z0, z1), 2, t)
+    t = tl.where(pos == 0, 0, t)
+    length = tl.load(LENGTH + r)
+    t = tl.where((t != 2) & (length >= tl.load(CAP + r)), 2, t).to(tl.int64)  # a full segment: sliding
+    tl.store(T + r, t)
+    # 3. ring write (valid where sliding) and, for global / local tokens, the segment append
+    k = tl.load(KNEW + r * D + offs_d, mask=dmask)
+    v = tl.load(VNEW + r * D + offs_d, mask=dmask)
+    ring = r.to(tl.int64) * W + (pos % W).to(tl.int64)
+    tl.store(RK + ring * D + offs_d, k, mask=dmask)
+    tl.store(RV + ring * D + offs_d, v, mask=dmask)
+    tl.store(RVALID + ring, (t == 2).to(tl.int8))
+    if t != 2:
+        dst = start + length
+        tl.store(KP + dst * D + offs_d, k, mask=dmask)
+        tl.store(VP + dst * D + offs_d, v, mask=dmask)
+        tl.store(LENGTH + r, length + 1)
+
+
+def nats_step(
+    x, w_s, bias, pos, t, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, n_global, cap
+):
+    """The fixed-capacity NAtS cache's step before the attention, fused: the previous token's deferred eviction,
+    the new token's type from the scorer (``x [B, C]`` . ``w_s [3 Hkv, C]`` + ``bias [3]``), ring write and
+    segment append (a full segment keeps the token as sliding). ``t [R]`` holds the previous token's types on
+    entry (-1: none pending) and this token's on return. The reference is ``nats.cache.static_ops``."""
+    R, W, D = ring_k.shape
+    B, C = x.shape
+    _nats_step_kernel[(R,)](
+        x,
+        w_s,
+        bias,
+        pos,
+        t,
+        k_new,
+        v_new,
+        ring_k,
+        ring_v,
+        ring_valid.view(torch.int8),
+        k_pool,
+        v_pool,
+        start,
+        length,
+        n_global,
+        cap,
+        HKV=R // B,
+        C=C,
+        BLOCK_C=triton.next_power_of_2(C),
+        W=W,
+        D=D,
+        BLOCK_D=triton.next_power_of_2(D),
+    )

@@ -135,3 +135,54 @@ def nats_evict(
 @nats_evict.register_fake
 def _(t, pos, k_pool, v_pool, start, length, n_global, ring_valid):
     return None
+
+
+@torch.library.custom_op(
+    "nats::nats_step",
+    mutates_args=("t", "ring_k", "ring_v", "ring_valid", "k_pool", "v_pool", "length", "n_global"),
+)
+def nats_step(
+    x: Tensor,
+    w_s: Tensor,
+    bias: Tensor,
+    pos: Tensor,
+    t: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    ring_k: Tensor,
+    ring_v: Tensor,
+    ring_valid: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    start: Tensor,
+    length: Tensor,
+    n_global: Tensor,
+    cap: Tensor,
+) -> None:
+    """`nats_append` and the previous step's `nats_evict` in one: first the eviction the previous token asked for
+    (``t`` holds its type on entry; -1: none), then this token's type from the scorer (``x [B, C] . w_s[3 Hkv,
+    C]``, rounded to x's dtype as the Linear's output, ``+ bias``; argmax), ring write and append. Its expired ring
+    slot (``pos - W``'s) is the new token's, so the eviction needs no ring work. The Triton kernel on CUDA."""
+    if _triton_ok(k_new):
+        from nats_kernels.nats_attention.decode import nats_step as kernel  # noqa: PLC0415
+
+        kernel(x, w_s, bias, pos, t, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length,
+               n_global, cap)  # fmt: skip
+        return
+    isg = t == GLOBAL
+    scratch = torch.full_like(start, k_pool.shape[0] - 1)
+    src = torch.where(isg, start + length - 1, scratch)
+    dst = torch.where(isg, start + n_global, scratch)
+    k_pool.index_copy_(0, dst, k_pool.index_select(0, src))
+    v_pool.index_copy_(0, dst, v_pool.index_select(0, src))
+    n_global.add_(isg.to(n_global.dtype))
+    length.copy_(torch.where(isg, n_global, length))
+    B = x.shape[0]
+    R = t.shape[0]
+    z = (x @ w_s.t()).to(x.dtype).float().reshape(B, R // B, 3).reshape(R, 3) + bias
+    nats_append(z, pos, t, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, cap)
+
+
+@nats_step.register_fake
+def _(x, w_s, bias, pos, t, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, n_global, cap):
+    return None

@@ -17,11 +17,12 @@ How a sequence goes through it (one decoder layer; row ``r = b * Hkv + h`` is se
   ``tokenizer.padding_side = "left"``) are prefilled row by row over their real tokens: padding is never kept
   nor counted, and a row's first real token is its position 0 (NAtS: global).
 * **Decode** (one token per row, compiled): device tensors only, fixed shapes, no host synchronisation: the
-  new token is admitted (NAtS: its type from the scorer, ring write, segment append, ``nats::nats_append``), the
-  query attends over exactly what the row keeps (``nats::pool_attention``: the Triton split-K kernel reading
-  each KV head once for its GQA group), then NAtS evicts (``nats::nats_evict``: the locals of a row whose token
-  was global; the expired ring slot). ``full`` / ``snapkv`` / ``pyramidkv`` append, ``streaming_llm`` overwrites
-  the oldest non-sink slot of its ring.
+  new token is admitted and the query attends over exactly what the row keeps (``nats::pool_attention``: the
+  Triton split-K kernel reading each KV head once for its GQA group). NAtS does its bookkeeping in one launch
+  before the attention (``nats::nats_step``): the previous token's eviction (the locals of a row whose token was
+  global; its expired ring slot is the new token's), the new token's type from the scorer, ring write and
+  segment append. Deferring the eviction to the next step changes nothing that a query sees. ``full`` /
+  ``snapkv`` / ``pyramidkv`` append, ``streaming_llm`` overwrites the oldest non-sink slot of its ring.
 * **Overflow** (more new tokens than planned): NAtS keeps a global or local token of a full segment as a sliding
   one (visible for W steps); the appending policies stop admitting the row's new tokens (they are attended to
   in their own step only). `overflowed` says whether it happened. Plan ``max_new_tokens`` as for ``generate``.
@@ -310,7 +311,8 @@ class StaticPolicyCache(Cache):
             isg = types == NF.TOKEN_GLOBAL
             last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(-1, keepdim=True)
             keep = isg | ((types == NF.TOKEN_LOCAL) & (pos > last_g))
-            return y, keep, types, NF.kv_cache_sizes(types, core.window)
+            sizes = NF.kv_cache_sizes(types, core.window) if self.track else i1
+            return y, keep, types, sizes
         if self.rule == "ring":
             sinks = int(self.options.get("sinks", 4))
             b = int(budget.max())
@@ -353,7 +355,7 @@ class StaticPolicyCache(Cache):
         layer.ring_v[:, slots] = vr[:, ring_pos]
         layer.ring_valid[:, slots] = tr[:, ring_pos] == NF.TOKEN_SLIDING
         layer.n_global = (tr == NF.TOKEN_GLOBAL).sum(1)
-        layer.t = torch.zeros(R, dtype=torch.long, device=dev)
+        layer.t = torch.full((R,), -1, dtype=torch.long, device=dev)  # the last token's type: its eviction is pending
         layer.window = W
         _mark_static(layer.ring_k, layer.ring_v, layer.ring_valid, layer.n_global, layer.t)
 
@@ -367,14 +369,13 @@ class StaticPolicyCache(Cache):
         pos = (layer.cumulative_length - 1).reshape(1)  # the new token's position (padding included)
         if self.rule == "nats":
             core = self.cores[layer.layer_idx]
-            z = core.type_logits(hidden).reshape(R, 3).contiguous()
-            ops.nats_append(z, pos, layer.t, kr, vr, layer.ring_k, layer.ring_v, layer.ring_valid, layer.k_pool,
-                            layer.v_pool, layer.start, layer.length, layer.cap)  # fmt: skip
+            x = hidden.reshape(B, -1)
+            ops.nats_step(x, core.scorer.weight, core.type_bias, pos, layer.t, kr, vr, layer.ring_k, layer.ring_v,
+                          layer.ring_valid, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.n_global,
+                          layer.cap)  # fmt: skip
             size = layer.length + layer.ring_valid.sum(1)
             y = ops.pool_attention(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
                                    layer.ring_v, layer.ring_valid, layer.splits)  # fmt: skip
-            ops.nats_evict(layer.t, pos, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.n_global,
-                           layer.ring_valid)  # fmt: skip
         else:
             scratch = layer.k_pool.shape[0] - 1
             if self.rule == "ring":
@@ -403,7 +404,11 @@ class StaticPolicyCache(Cache):
         """Tokens held now per layer, sequence and KV head, ``[n_layer, B, Hkv]``."""
         out = []
         for layer in self.layers:
-            n = layer.length + (layer.ring_valid.sum(1) if self.rule == "nats" else 0)
+            n = layer.length
+            if self.rule == "nats":  # the last token's eviction is applied by the next step: count it done
+                n = torch.where(layer.t == NF.TOKEN_GLOBAL, layer.n_global + 1, n)
+                expired = layer.ring_valid[:, int(layer.cumulative_length) % layer.window]
+                n = n + layer.ring_valid.sum(1) - expired.long()
             out.append(n.view(layer.batch_size, layer.n_kv_head))
         return torch.stack(out)
 
