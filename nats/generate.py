@@ -215,6 +215,10 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("precision", "float32") not in DTYPES:
         raise ValueError(f"precision={cfg.precision!r} is not one of {sorted(DTYPES)}")
     device = _device(str(cfg.get("device", "auto")))
+    if cfg.get("hf_model") is not None:  # a transformers model: model.generate with a (fixed-capacity) policy cache
+        from nats.hf.generate import generate_hf  # noqa: PLC0415
+
+        return generate_hf(cfg, _prompt(cfg), device, DTYPES[cfg.get("precision", "float32")])
     enc = get_tokenizer(str(cfg.get("tokenizer", "gpt2")))
     text = _prompt(cfg)
     prompt = enc.encode_ordinary(text) if text else [EOT]
