@@ -74,24 +74,19 @@ def calibrate(model, prompt: torch.Tensor, kept: float) -> None:
     from nats.hf import scorers
 
     cores = scorers(model)
-    margins: dict[int, torch.Tensor] = {}
     hooks = []
-    for i, core in enumerate(cores):
+    for core in cores:
 
-        def hook(mod, args, out, i=i):
+        def hook(mod, args, out, core=core):  # runs before the core adds its offsets: they apply at once
             z = out.float().reshape(-1, 3)
-            margins[i] = (z[:, 2] - z[:, 0]).flatten()
+            g = torch.quantile(z[:, 2] - z[:, 0], kept).item()  # global where g > z_s - z_g: a share `kept`
+            core.type_bias.copy_(torch.tensor([g, -1e4, 0.0]))
 
         hooks.append(core.scorer.register_forward_hook(hook))
     with torch.no_grad():
-        for core in cores:
-            core.type_bias.zero_()
-        model(prompt[:1, : min(prompt.shape[1], 4096)])
+        model(prompt[:1, : min(prompt.shape[1], 8192)])  # each layer calibrated under the earlier layers' types
     for h in hooks:
         h.remove()
-    for i, core in enumerate(cores):
-        g = torch.quantile(margins[i].float(), kept).item()  # global where g > z_s - z_g: a share `kept`
-        core.type_bias.copy_(torch.tensor([g, -1e4, 0.0]))
 
 
 def kv_bytes(cache) -> int:
