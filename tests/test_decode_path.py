@@ -1,16 +1,18 @@
 """The decode path of the GPT model kind: a decode step is the model's own forward with the layers' caches, the
 caches are planned for the tokens `generate` decodes (no reallocation, hence no CUDA-graph re-capture, while
-decoding), the overflow rule beyond the reserve, CUDA-graph decoding on CUDA by default (eager on the CPU).
-GPU tests are marked `gpu`."""
+decoding), the overflow rule beyond the reserve, CUDA-graph decoding on CUDA by default (eager on the CPU), and
+the benchmark's CPU smoke mode. GPU tests are marked `gpu`."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import pytest
 import torch
 from test_cache import nats_model, new_cache, onehot_probe, step_all, tiny
 
+from conftest import REPO
 from nats.cache import decode
 from nats.cache.decode import (
     GraphDecoder,
@@ -263,3 +265,22 @@ def test_graph_decoder_replays_equal_eager_and_recapture_on_overflow():
                 assert torch.allclose(a, b, atol=1e-4, rtol=0), i
         assert (dec.captures > 1) == expect_recaptures
         assert caches[0].t == eager[0].t == 80
+
+
+# ----------------------------------------------------------------------------------------------------
+# the benchmark's smoke mode
+# ----------------------------------------------------------------------------------------------------
+def test_bench_decode_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_decode_smoke", REPO / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--smoke", "--out", str(tmp_path)])
+    got = {(r["L"], r["policy"]) for r in rows}
+    assert got == {(L, p) for L in (48, 64) for p in ("full", "nats", "streaming_llm")}
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["reallocations"] == 0 and r["compactions"] == 0
+        if r["policy"] == "streaming_llm":  # the budget is NAtS' kept share of the prompt
+            nats_row = next(x for x in rows if x["L"] == r["L"] and x["policy"] == "nats")
+            assert abs(r["budget"] / r["L"] - nats_row["kept_share"]) < 0.1
+    md = (tmp_path / "bench_decode.md").read_text()
+    assert "vs streaming_llm" in md and "re-captures" in md
