@@ -162,12 +162,7 @@ class SnapKVCache(LayerCache):
     def step(self, q, k, v, x, pos):
         if self.k is None:  # never prefilled: an empty prompt, nothing to compress
             self._allocate(0, 0)
-        if self.t >= self.max_len:
-            raise RuntimeError(f"{self.name}: more than max_len={self.max_len} tokens (prompt + decode steps)")
-        if self._width >= self.capacity:
-            raise RuntimeError(
-                f"{self.name}: more decode steps than the reserve={self.reserve} tokens planned at the prefill"
-            )
+        self._check_room()
         slot = self.length.clone()
         self.k[self._row, slot] = self._kv_rows(k)
         self.v[self._row, slot] = self._kv_rows(v)
@@ -190,7 +185,17 @@ class SnapKVCache(LayerCache):
         )
         return self._out(y)
 
+    def _check_room(self) -> None:
+        """Refuse a step beyond max_len or beyond the decode slots planned at the prefill (host counters only)."""
+        if self.t >= self.max_len:
+            raise RuntimeError(f"{self.name}: more than max_len={self.max_len} tokens (prompt + decode steps)")
+        if self._width >= self.capacity:
+            raise RuntimeError(
+                f"{self.name}: more decode steps than the reserve={self.reserve} tokens planned at the prefill"
+            )
+
     def replayed(self) -> None:
+        self._check_room()  # before the replay: a graph cannot check its own writes
         super().replayed()
         self._width += 1
 
