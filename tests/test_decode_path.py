@@ -230,18 +230,20 @@ def test_generate_defaults_to_eager_on_cpu():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("policy", ["nats", "full", "streaming_llm", "h2o"])
+@pytest.mark.parametrize("policy", ["nats", "full", "streaming_llm", "h2o", "snapkv"])
 def test_graph_generate_equals_eager_without_recapture(policy, monkeypatch):
     torch.manual_seed(0)
     model = nats_model(window=4, block_size=128).float().cuda()
     idx = torch.randint(0, V, (3, 40), device="cuda")
-    budget = 24 if policy in ("streaming_llm", "h2o") else None
+    budget = 24 if policy in ("streaming_llm", "h2o", "snapkv") else None
+    # nats: a period that would reallocate without a reserve
+    opts = {"nats": {"check_every": 2}, "snapkv": {"window": 4}}.get(policy, {})
     calls = count_maintain(monkeypatch)
     info = {}
-    out, caches = generate_with_caches(model, idx, 64, policy, budget=budget, greedy=True, check_every=2, info=info)
+    out, caches = generate_with_caches(model, idx, 64, policy, budget=budget, greedy=True, info=info, **opts)
     assert info == {"decode": "cuda_graph", "captures": 1}  # captured once, replayed for every later token
     assert not any(calls) and all(c.t == 40 + 63 for c in caches)
-    eager, _ = generate_with_caches(model, idx, 64, policy, budget=budget, greedy=True, graph=False, check_every=2)
+    eager, _ = generate_with_caches(model, idx, 64, policy, budget=budget, greedy=True, graph=False, **opts)
     assert torch.equal(out, eager)
 
 

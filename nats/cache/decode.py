@@ -267,8 +267,9 @@ def policy_logits(
 ):
     """Logits [B, N, V] of idx [B, N] under a cache policy, and the caches (for their measurements).
 
-    sequential=False: the layer-wise `prefill` of all N tokens. sequential=True: `prefill` of the first
-    `prefill_len` tokens (0 = none), then one `decode_step` per remaining token (the decode loop)."""
+    sequential=False: the `prefill` of all N tokens. sequential=True: `prefill` of the first `prefill_len` tokens
+    (0 = none), then one eager `decode_step` per remaining token (the decode loop; the caches are not planned
+    unless ``reserve=`` is passed, so NAtS' periodic compaction runs as in an open-ended loop)."""
     B, N = idx.shape
     cls = resolve_policy(policy)
     caches = make_caches(model, cls, B, N, budget=budget, backend=backend, **options)
