@@ -26,6 +26,7 @@ from nats.cache.decode import (
 )
 from nats.cache.policies.nats import NAtSCache
 from nats.cache.policies.snapkv import SnapKVCache
+from nats.cache.registry import CACHE_POLICIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -272,6 +273,18 @@ def test_graph_decoder_replays_equal_eager_and_recapture_on_overflow():
 # ----------------------------------------------------------------------------------------------------
 # the benchmark's smoke mode
 # ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def registry_snapshot():
+    """The script registers its `full_sdpa` policy on import (another test may have imported it already): run
+    with that name free and restore the registry after."""
+    saved = dict(CACHE_POLICIES)
+    CACHE_POLICIES.pop("full_sdpa", None)
+    yield
+    CACHE_POLICIES.clear()
+    CACHE_POLICIES.update(saved)
+
+
+@pytest.mark.usefixtures("registry_snapshot")
 def test_bench_decode_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_decode_smoke", REPO / "benchmarks" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
