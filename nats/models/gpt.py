@@ -203,8 +203,7 @@ class Attention(nn.Module):
         return q, k, v
 
     def gate_and_project(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y [B, Hq, N, D] (core output), x [B, N, C] (normalised block input) -> [B, N, C]. Also used by the
-        KV-cache decoder (nats/cache/decode.py), which runs the core itself."""
+        """y [B, Hq, N, D] (the core's or a KV cache's output), x [B, N, C] (normalised block input) -> [B, N, C]."""
         B, H, N, D = y.shape
         if self.gate is not None:
             y = self.gate.gated(y, x)
