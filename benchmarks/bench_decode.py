@@ -1,30 +1,34 @@
-"""Decode throughput and KV-cache memory of the cache policies on one GPU (self-contained, random weights).
+"""Decode step time and KV-cache memory of the cache policies on one GPU (self-contained, random weights).
 
-    python benchmarks/bench_decode.py                          # batch 8, prompts 4k/8k/16k/32k, ~2-3 min on an H100
-    python benchmarks/bench_decode.py --lengths 4096 --steps 16 --out /tmp/bench
+    python benchmarks/bench_decode.py                          # batch 8, prompts 8k and 32k: full, nats, streaming_llm
+    python benchmarks/bench_decode.py --lengths 4096 --steps 16 --policies full,full_sdpa,nats,h2o --modes graph,eager
+    python benchmarks/bench_decode.py --smoke                  # CPU: a tiny model, eager, seconds (the tests run it)
 
 GPT-2-small shapes (12 layers, 12 heads, d = 768, head dim 64, vocab 50304) with random weights in bf16, a NAtS
 attention core (W = 16) whose scorer types the decoded tokens, block_size = the longest prompt + the decoded
 tokens (RoPE tables cover every position). For each prompt length L and policy the caches are filled directly
-with synthetic keys/values for the L prompt tokens (no prefill compute), then `--steps` tokens are decoded
-greedily through `nats.cache.decode.decode_step`, timed with CUDA events after `--warmup` steps:
+with synthetic keys/values for the L prompt tokens (no prefill compute), planned for the tokens that will be
+decoded (``reserve``, as `generate` does), then `--warmup` + `--steps` tokens are decoded greedily, one step
+being the model's forward with the caches (`nats.cache.decode.decode_step`), timed with CUDA events over the
+`--steps` after the warm-up:
 
-* `full`: every key (Triton pool kernel, CUDA graph); `full (sdpa, eager)`: every key through
-  torch SDPA/FlashAttention on a contiguous cache, eager (the usual implementation; not graph-capturable since
-  its shapes grow);
+* `full`: every key (Triton pool kernel); `full (sdpa)`: every key through torch SDPA/FlashAttention on a
+  contiguous cache, eager only (the usual implementation; its shapes grow, so it cannot be captured);
 * `nats`: synthetic types near 10 % density: per KV head a global rate drawn from U(0.05, 0.13), locals at
   rate 0.03, the rest sliding (token 0 global), for the prompt and for the decoded tokens (the scorer still runs
   in every step, its argmax is replaced by the synthetic type); head sizes therefore differ;
-* `h2o` and `streaming_llm` with a budget of `--budget-frac` x L (default 0.1, about NAtS' kept share).
+* `streaming_llm` and `h2o` with a budget of NAtS' kept share of L after the prompt (the mean over layers,
+  sequences and KV heads; `--budget-frac` sets another share).
 
-"graph" rows capture one decode step in a CUDA graph and replay it (host work between replays: NAtS'
-periodic compaction check, which re-captures after a compaction; included in the time). "eager" rows run the
-same Python step. Memory: bytes the caches have allocated (keys, values and metadata), the bytes of the keys and
-values of the tokens they hold, and the ratio. Speed: ms per decode step (batch `--batch`), tokens/s, and the
-time relative to the faster of the two `full` rows at the same L. A quick correctness check on a tiny model runs
-first (decoding with the Triton kernel and with CUDA graphs equals the parallel forward). Writes
-`bench_decode.md` and `bench_decode.json` to `--out` (default: the environment variable OUT, else
-benchmarks/results) and prints the
+"graph" rows decode through `nats.cache.decode.GraphDecoder`, as `generate` does on CUDA: the first warm-up step
+runs eagerly, the second captures the step in a CUDA graph, later steps replay it (host work between replays:
+each cache's `maintain()`; a reallocation would re-capture, and is counted: `re-captures`, captures after the
+warm-up, should be 0). "eager" rows run the same step in Python. Memory: bytes the caches have allocated (keys,
+values and metadata), the bytes of the keys and values of the tokens they hold, and the ratio. Speed: ms per
+decode step (batch `--batch`), tokens/s, the time relative to the fastest `full` row and to the
+`streaming_llm` row of the same mode at the same L. A quick correctness check on a tiny model runs first
+(decoding with the Triton kernel and with CUDA graphs equals the parallel forward). Writes `bench_decode.md` and
+`bench_decode.json` to `--out` (default: the environment variable OUT, else benchmarks/results) and prints the
 table last.
 """
 
@@ -34,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -42,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from nats import functional as NF
-from nats.cache.decode import decode_step, make_caches, policy_logits, prefill
+from nats.cache.decode import GraphDecoder, decode_step, make_caches, policy_logits, prefill
 from nats.cache.policies.full import FullCache
 from nats.cache.registry import register_cache
 from nats.models.gpt import GPT, GPTConfig
@@ -132,80 +137,85 @@ def fill(caches, policy: str, L: int, gen: torch.Generator, types: torch.Tensor 
 # ----------------------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------------------
-class Decoder:
-    """Greedy decoding with static token/position buffers; `graph=True` replays a captured step."""
+def nats_kept_share(types: torch.Tensor, window: int) -> float:
+    """The share of the L prompt tokens the NAtS cache keeps after them (as `NAtSCache.load`): every global,
+    the locals after the row's last global, the sliding tokens of the last W - 1 positions; mean over rows."""
+    L = types.shape[-1]
+    pos = torch.arange(L, device=types.device)
+    isg = types == NF.TOKEN_GLOBAL
+    last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(-1, keepdim=True)
+    keep = isg | ((types == NF.TOKEN_LOCAL) & (pos > last_g)) | ((types == NF.TOKEN_SLIDING) & (pos > L - window))
+    return float(keep.sum(-1).double().mean()) / L
 
-    def __init__(self, model, caches, batch: int, pos: int, graph: bool, vocab: int):
-        self.model, self.caches, self.graph = model, caches, graph
-        self.token = torch.randint(0, vocab, (batch,), device="cuda")
-        self.pos = torch.full((1,), pos, dtype=torch.long, device="cuda")
-        self.logits = None
-        self.g = None
-        self.captures = 0
 
-    def _step(self):
-        logits = decode_step(self.model, self.caches, self.token, self.pos)
-        self.token.copy_(logits.argmax(-1))
-        self.pos.add_(1)
-        return logits
+class Timer:
+    """CUDA events on a GPU, the wall clock on the CPU."""
 
-    def warmup(self, n: int):
-        """n eager steps on a side stream (compiles the kernels, initialises cuBLAS) before any capture."""
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        logits = None
-        with torch.cuda.stream(s):
-            for _ in range(n):
-                logits = self._step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        return logits
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
 
-    def _capture(self):
-        for c in self.caches:
-            c.auto_maintain = False
-        self.g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.g):
-            self.logits = self._step()
-        self.captures += 1
+    def start(self):
+        if self.cuda:
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            self.a.record()
+        else:
+            self.t0 = time.perf_counter()
 
-    def step(self):
-        if not self.graph:
-            return self._step()
-        changed = [c.maintain() for c in self.caches]  # every cache checks (each keeps its own counter)
-        if self.g is None or any(changed):
-            self._capture()
-        self.g.replay()
-        return self.logits
+    def ms(self) -> float:
+        if self.cuda:
+            self.b.record()
+            torch.cuda.synchronize()
+            return self.a.elapsed_time(self.b)
+        return (time.perf_counter() - self.t0) * 1000.0
 
 
 @torch.no_grad()
-def bench_one(model, policy: str, L: int, args, graph: bool, types, rates) -> dict:
-    B = args.batch
-    budget = None
-    if policy in ("h2o", "streaming_llm"):
-        budget = max(8, round(args.budget_frac * L))
+def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budget: int | None) -> dict:
+    B, dev = args.batch, torch.device(args.device)
     total = L + args.warmup + args.steps + 1
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    caches = make_caches(model, policy, B, total, budget=budget, backend="triton", track=False, budget_check_len=total)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    caches = make_caches(
+        model,
+        policy,
+        B,
+        total,
+        budget=budget,
+        backend=args.backend,
+        track=False,
+        budget_check_len=total,
+        reserve=args.warmup + args.steps,
+    )
     fill(caches, policy, L, gen, types)
-    dec = Decoder(model, caches, B, L, graph, model.config.vocab_size)
+    token = torch.randint(0, model.config.vocab_size, (B,), device=dev)
+    dec = GraphDecoder(model, caches) if graph else None
+    pos = dec.pos if graph else torch.full((1,), L, dtype=torch.long, device=dev)
     if policy == "nats":  # decoded tokens get synthetic types from the prompt's per-head rates too
-        later = synthetic_types(B, types.shape[1], total - L, gen, "cuda", rate=rates, first_global=False)
+        later = synthetic_types(B, types.shape[1], total - L, gen, dev, rate=rates, first_global=False)
         for c in caches:
-            c.core = SyntheticTypes(c.core, later, L, dec.pos)
-    dec.warmup(args.warmup)
+            c.core = SyntheticTypes(c.core, later, L, pos)
+    calls = [0]
+    for c in caches:  # count the reallocations maintain() reports (eager steps call it themselves)
+        c.maintain = counted(c.maintain, calls)
+
+    def step(i: int) -> None:
+        nonlocal token
+        if graph:
+            logits = dec(token, L + i)
+        else:
+            logits = decode_step(model, caches, token, pos)
+            pos.add_(1)
+        token = logits.argmax(-1)
+
+    for i in range(args.warmup):
+        step(i)
+    captures0, realloc0 = dec.captures if graph else 0, calls[0]
     compactions0 = sum(getattr(c, "compactions", 0) for c in caches)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    if graph:  # capture outside the timed region once; re-captures after compactions are timed
-        dec._capture()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(args.steps):
-        dec.step()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / args.steps
+    timer = Timer(dev)
+    timer.start()
+    for i in range(args.warmup, args.warmup + args.steps):
+        step(i)
+    ms = timer.ms() / args.steps
     alloc = sum(c.nbytes() for c in caches)
     kv_alloc = sum(c.kv_nbytes() for c in caches)
     kept = sum(c.kept_nbytes() for c in caches)
@@ -222,13 +232,26 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates) -> di
         "kept_MB": kept / 2**20,
         "alloc_over_kept": alloc / kept,
         "peak_alloc_over_kept": peak_alloc / kept,
-        "captures": dec.captures,
+        "kept_share": kept
+        / (len(caches) * B * model.config.n_kv_head * model.config.head_dim * 2)
+        / caches[0].t
+        / torch.empty((), dtype=caches[0].dtype).element_size(),
+        "recaptures": dec.captures - captures0 if graph else None,
+        "reallocations": calls[0] - realloc0,
         "compactions": sum(getattr(c, "compactions", 0) for c in caches) - compactions0,
     }
-    del dec, caches
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return row
+    return row  # the caches and the graph are freed with this frame (the caller empties the CUDA cache)
+
+
+def counted(maintain, calls: list[int]):
+    """`maintain` that adds its reallocations (True returns) to calls[0]."""
+
+    def wrapper() -> bool:
+        changed = maintain()
+        calls[0] += bool(changed)
+        return changed
+
+    return wrapper
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -266,82 +289,109 @@ def verify() -> list[str]:
             f"verify {policy:13s} eager triton decode vs parallel forward: max |diff| = "
             f"{(out - refs[policy]).abs().max().item():.2e}"
         )
-    # graph replays with teacher forcing, forced compactions (re-captures)
-    for policy in ("nats", "full", "streaming_llm", "h2o"):
+    # graph replays with teacher forcing: planned caches (reserve: 1 capture), and nats with a small reserve
+    # (overflow: compactions, re-captures)
+    P = 16
+    for policy, opts in (
+        ("nats", {"reserve": 80 - P}),
+        ("nats", {"reserve": 2, "check_every": 2}),
+        ("full", {}),
+        ("streaming_llm", {}),
+        ("h2o", {}),
+    ):
         budget = 24 if policy in ("streaming_llm", "h2o") else None
-        opts = {"check_every": 2} if policy == "nats" else {}
-        P = 16
         caches = make_caches(model, policy, 3, 80, budget=budget, backend="triton", **opts)
         eager_caches = make_caches(model, policy, 3, 80, budget=budget, backend="triton", **opts)
         prefill(model, caches, idx[:, :P])
         prefill(model, eager_caches, idx[:, :P])
-        dec = Decoder(model, caches, 3, P, True, 97)
+        dec = GraphDecoder(model, caches)
         outs, eager = [], []
         for i in range(P, 80):
-            dec.token.copy_(idx[:, i])
-            dec.pos.fill_(i)
-            # the first token eagerly on a side stream (warm-up before the first capture), then replays
-            outs.append((dec.warmup(1) if i == P else dec.step()).clone())
+            outs.append(dec(idx[:, i], i).clone())
             eager.append(decode_step(model, eager_caches, idx[:, i], i))
         diff = (torch.stack(outs) - torch.stack(eager)).abs().max().item()
+        name = f"{policy} {opts.get('reserve', '')}".strip()
         lines.append(
-            f"verify {policy:13s} CUDA-graph replay vs eager decode: max |diff| = {diff:.2e} ({dec.captures} captures)"
+            f"verify {name:13s} CUDA-graph replay vs eager decode: max |diff| = {diff:.2e} ({dec.captures} captures)"
         )
         if policy in ("nats", "full"):
             d = (torch.stack(outs, 1) - refs[policy][:, P:]).abs().max().item()
-            lines.append(f"verify {policy:13s} CUDA-graph decode vs parallel forward: max |diff| = {d:.2e}")
+            lines.append(f"verify {name:13s} CUDA-graph decode vs parallel forward: max |diff| = {d:.2e}")
     return lines
 
 
 # ----------------------------------------------------------------------------------------------------
 def table(rows: list[dict], meta: dict) -> str:
     out = [
-        f"Decode benchmark on {meta['device']}: GPT-2-small shapes (12 layers, 12 heads, d=768), random weights, "
-        f"bf16, batch {meta['batch']}, {meta['steps']} timed greedy decode steps after {meta['warmup']} warm-up "
-        f"steps, prompt written into the cache. NAtS: synthetic types (per-head global rate U(0.05, 0.13), "
-        f"locals 0.03, rest sliding, W = {meta['window']}); h2o / streaming_llm budget = "
-        f"{meta['budget_frac']} x L. torch {meta['torch']}.",
+        f"Decode benchmark on {meta['device']}: {meta['model']}, random weights, {meta['dtype']}, batch "
+        f"{meta['batch']}, {meta['steps']} timed greedy decode steps after {meta['warmup']} warm-up steps, prompt "
+        f"written into the cache. NAtS: synthetic types (per-head global rate U(0.05, 0.13), locals 0.03, rest "
+        f"sliding, W = {meta['window']}); streaming_llm / h2o budget = {meta['budget_rule']}. torch {meta['torch']}.",
         "",
-        "| prompt L | policy | mode | budget | NAtS density | ms / step | tokens/s | vs full | cache MB "
-        "(alloc) | kept KV MB | alloc / kept | compactions |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt L | policy | mode | budget | kept share | ms / step | tokens/s | vs full | vs streaming_llm | "
+        "cache MB (alloc) | kept KV MB | alloc / kept | compactions | re-captures |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    best_full = {}
+    best_full, stream = {}, {}
     for r in rows:
         if r["policy"].startswith("full"):
             best_full[r["L"]] = min(best_full.get(r["L"], math.inf), r["ms_per_step"])
+        if r["policy"] == "streaming_llm":
+            stream[r["L"], r["mode"]] = r["ms_per_step"]
     for r in rows:
         rel = r["ms_per_step"] / best_full[r["L"]] if r["L"] in best_full else float("nan")
-        dens = f"{r['density']:.3f}" if r.get("density") is not None else "-"
+        srel = r["ms_per_step"] / stream[r["L"], r["mode"]] if (r["L"], r["mode"]) in stream else float("nan")
+        rec = "-" if r["recaptures"] is None else r["recaptures"]
         out.append(
-            f"| {r['L']} | {r['policy']} | {r['mode']} | {r['budget'] or '-'} | {dens} | "
-            f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | {rel:.2f}x | {r['alloc_MB']:.1f} | "
-            f"{r['kept_MB']:.1f} | {r['alloc_over_kept']:.3f} | {r['compactions']} |"
+            f"| {r['L']} | {r['policy']} | {r['mode']} | {r['budget'] or '-'} | {r['kept_share']:.3f} | "
+            f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | {rel:.2f}x | {srel:.2f}x | {r['alloc_MB']:.1f} | "
+            f"{r['kept_MB']:.1f} | {r['alloc_over_kept']:.3f} | {r['compactions']} | {rec} |"
         )
     out.append("")
     out.append(
-        "`vs full`: time per step relative to the faster `full` row at the same L. `alloc / kept`: bytes the "
-        "caches allocated (keys, values, metadata) over the bytes of the keys and values of the tokens they "
-        "hold after the last step."
+        "`vs full`: time per step relative to the fastest `full` row at the same L; `vs streaming_llm`: to the "
+        "`streaming_llm` row of the same mode and L. `kept share`: tokens held after the last step over tokens "
+        "processed. `alloc / kept`: bytes the caches allocated (keys, values, metadata) over the bytes of the keys "
+        "and values of the tokens they hold after the last step. `re-captures`: CUDA-graph captures during the "
+        "timed steps (storage reallocated)."
     )
     return "\n".join(out) + "\n"
 
 
-def main() -> None:
+def smoke_args(args) -> None:
+    """--smoke: a tiny model on the CPU, eager, the torch backend (seconds; the tests run it)."""
+    args.lengths, args.batch, args.steps, args.warmup = "48,64", 2, 6, 2
+    args.modes, args.device, args.backend, args.no_verify = "eager", "cpu", "torch", True
+    args.window = 4
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", default="4096,8192,16384,32768")
+    ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--policies", default="full,full_sdpa,nats,h2o,streaming_llm")
-    ap.add_argument("--modes", default="graph,eager", help="graph and/or eager")
-    ap.add_argument("--budget-frac", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=4, help=">= 2 for graph rows (eager step, then the capture)")
+    ap.add_argument(
+        "--policies", default="full,nats,streaming_llm", help="of full, full_sdpa, nats, streaming_llm, h2o"
+    )
+    ap.add_argument("--modes", default="graph", help="graph and/or eager")
+    ap.add_argument(
+        "--budget-frac", type=float, default=None, help="streaming_llm / h2o budget share (NAtS' kept share)"
+    )
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, eager (checks the script runs)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_decode.py needs a CUDA GPU")
+    args = ap.parse_args(argv)
+    args.device, args.backend = "cuda", "triton"
+    if args.smoke:
+        smoke_args(args)
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_decode.py needs a CUDA GPU (or --smoke on the CPU)")
+    modes = args.modes.split(",")
+    if "graph" in modes and args.warmup < 2:
+        raise SystemExit("--warmup must be >= 2 for graph rows (one eager step, then the capture)")
+    dev = torch.device(args.device)
     t0 = time.time()
     lines = []
     if not args.no_verify:
@@ -354,48 +404,70 @@ def main() -> None:
         print(line, flush=True)
     lengths = [int(x) for x in args.lengths.split(",")]
     policies = args.policies.split(",")
-    modes = args.modes.split(",")
+    if "nats" in policies:  # NAtS first: the budgets follow its kept share
+        policies = ["nats"] + [p for p in policies if p != "nats"]
     torch.manual_seed(0)
-    cfg = GPTConfig(
-        block_size=max(lengths) + args.warmup + args.steps + 16, attention={"name": "nats", "window": args.window}
-    )
-    model = GPT(cfg).cuda().to(torch.bfloat16).eval()
+    block_size = max(lengths) + args.warmup + args.steps + 16
+    if args.smoke:
+        cfg = GPTConfig(
+            vocab_size=97,
+            block_size=block_size,
+            n_layer=2,
+            n_head=4,
+            n_kv_head=2,
+            n_embd=32,
+            attention={"name": "nats", "window": args.window, "backend": "reference"},
+        )
+        model, dtype, what = GPT(cfg).eval(), "float32", "a tiny GPT (2 layers, 4 heads, d=32)"
+    else:
+        cfg = GPTConfig(block_size=block_size, attention={"name": "nats", "window": args.window})
+        model = GPT(cfg).cuda().to(torch.bfloat16).eval()
+        dtype, what = "bf16", "GPT-2-small shapes (12 layers, 12 heads, d=768)"
     rows, failures = [], []
     for L in lengths:
-        gen = torch.Generator(device="cuda").manual_seed(L)
-        rates = head_rates(cfg.n_kv_head, gen, "cuda")
-        types = synthetic_types(args.batch, cfg.n_kv_head, L, gen, "cuda", rate=rates)
-        density = float(NF.kv_cache_sizes(types, args.window).double().sum(-1).mean() / (L * (L + 1) / 2))
+        gen = torch.Generator(device=dev).manual_seed(L)
+        rates = head_rates(cfg.n_kv_head, gen, dev)
+        types = synthetic_types(args.batch, cfg.n_kv_head, L, gen, dev, rate=rates)
+        share = nats_kept_share(types, args.window) if args.budget_frac is None else args.budget_frac
         for policy in policies:
+            budget = max(8, round(share * L)) if policy in ("h2o", "streaming_llm") else None
             for mode in modes:
                 if policy == "full_sdpa" and mode == "graph":
                     continue
                 try:
-                    row = bench_one(model, policy, L, args, mode == "graph", types if policy == "nats" else None, rates)
+                    row = bench_one(
+                        model, policy, L, args, mode == "graph", types if policy == "nats" else None, rates, budget
+                    )
                 except Exception as exc:  # keep the other rows; the failure is listed under the table
                     traceback.print_exc()
                     failures.append(f"L={L} {policy} {mode}: {type(exc).__name__}: {exc}")
-                    torch.cuda.empty_cache()
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
                     continue
-                row["density"] = density if policy == "nats" else None
                 rows.append(row)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
                 print(
                     f"L={L:6d} {row['policy']:14s} {row['mode']:5s} {row['ms_per_step']:8.3f} ms/step "
                     f"{row['tokens_per_s']:9.0f} tok/s  alloc {row['alloc_MB']:9.1f} MB"
-                    f"  kept {row['kept_MB']:9.1f} MB"
-                    f"  ratio {row['alloc_over_kept']:.3f}",
+                    f"  kept {row['kept_MB']:9.1f} MB  share {row['kept_share']:.3f}"
+                    f"  re-captures {row['recaptures']}  reallocations {row['reallocations']}",
                     flush=True,
                 )
     meta = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "model": what,
+        "dtype": dtype,
         "batch": args.batch,
         "steps": args.steps,
         "warmup": args.warmup,
         "window": args.window,
-        "budget_frac": args.budget_frac,
+        "budget_rule": "NAtS' kept share x L" if args.budget_frac is None else f"{args.budget_frac} x L",
         "torch": torch.__version__,
         "seconds": round(time.time() - t0, 1),
         "verify": lines,
+        "argv": sys.argv[1:] if argv is None else argv,
     }
     meta["failures"] = failures
     md = table(rows, meta)
@@ -409,6 +481,9 @@ def main() -> None:
     (out / "bench_decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\n(total {meta['seconds']} s; written to {out / 'bench_decode.md'})\n")
     print(md)
+    if failures:
+        raise SystemExit(f"{len(failures)} benchmark run(s) failed")
+    return rows
 
 
 if __name__ == "__main__":

@@ -159,6 +159,7 @@ def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, An
                 {
                     "method": method,
                     "policy": pcfg.name,
+                    "cls": cls,  # the name resolved once; policy_logits takes the class
                     "label": pcfg.get("label", method),
                     "budget": b,
                     "sequential": sequential,
@@ -224,7 +225,7 @@ def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar)
         logits, caches = policy_logits(
             model,
             x,
-            run["policy"],
+            run["cls"],
             sequential=run["sequential"],
             budget=run["budget"],
             backend=backend,

@@ -7,8 +7,9 @@
 The model is a nats-train checkpoint (``ckpt_path=``) or a folder written by `nats.hub.save_pretrained` /
 `nats.hub.export_checkpoint` (``model_dir=``, also a Hugging Face hub id). The prompt (``prompt=`` or
 ``prompt_file=``; empty: ``<|endoftext|>``) is tokenised with the GPT-2 tokenizer (nats.data.tokenizer), prefilled
-layer by layer through the policy's caches (`nats.cache.decode.prefill`), then each new token is one
-`decode_step`: the policy (``policy=``, any registered one that can decode; its options from
+through the policy's caches (`nats.cache.decode.prefill`), then each new token is one `decode_step`, replayed
+as a captured CUDA graph on CUDA (``graph=auto``, the default; eager on the CPU; ``graph=false`` forces eager
+decoding): the policy (``policy=``, any registered one that can decode; its options from
 ``policies.<name>.options``, conf/cache/<name>.yaml) decides which keys and values each layer keeps, with
 ``budget=`` for the budgeted ones (a token count >= 1, or a fraction in (0, 1) of prompt + new tokens).
 Greedy by default (``temperature=0``); ``temperature > 0`` samples, from the ``top_k`` largest logits if set,
@@ -60,7 +61,7 @@ def generate_tokens(
     model,
     idx: Tensor,
     max_new_tokens: int,
-    policy: str = "full",
+    policy: str | type[LayerCache] = "full",
     *,
     budget: int | None = None,
     temperature: float = 0.0,
@@ -68,13 +69,16 @@ def generate_tokens(
     vocab_limit: int | None = None,
     generator: torch.Generator | None = None,
     backend: str = "auto",
+    graph: bool | str = "auto",
+    info: dict | None = None,
     **options: Any,
 ) -> tuple[Tensor, list[LayerCache]]:
     """Continue idx [B, T] by `max_new_tokens` tokens through the caches of `policy`; returns the tokens
     [B, T + max_new_tokens] and the caches (one per layer, after the last token fed; for `cache_stats`).
 
     `nats.cache.decode.generate_with_caches` with nats-generate's default of greedy decoding (temperature 0);
-    ids >= `vocab_limit` are never chosen."""
+    ids >= `vocab_limit` are never chosen; CUDA-graph decoding on CUDA by default (``graph``, ``info``: see
+    there)."""
     return generate_with_caches(
         model,
         idx,
@@ -86,6 +90,8 @@ def generate_tokens(
         vocab_limit=vocab_limit,
         generator=generator,
         backend=backend,
+        graph=graph,
+        info=info,
         **options,
     )
 
@@ -255,18 +261,24 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     generator = None
     if float(cfg.temperature) > 0:
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
+    graph = cfg.get("graph", "auto")
+    if graph not in (True, False, "auto"):
+        raise ValueError(f"graph={graph!r} is not one of auto, true, false")
     idx = torch.tensor([prompt] * samples, dtype=torch.long, device=device)
+    info: dict[str, Any] = {}
     t0 = time.perf_counter()
     tokens, caches = generate_tokens(
         model,
         idx,
         new,
-        policy,
+        cls,
         budget=budget,
         temperature=float(cfg.temperature),
         top_k=None if cfg.get("top_k") is None else int(cfg.top_k),
         vocab_limit=enc.n_vocab,
         generator=generator,
+        graph=graph,
+        info=info,
         **options,
     )
     if device.type == "cuda":
@@ -284,6 +296,7 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
         "seed": int(cfg.seed),
         "device": str(device),
         "precision": cfg.get("precision", "float32"),
+        "decode": info["decode"],
         "texts": [_decode_text(enc, r) for r in rows],
         "continuations": [_decode_text(enc, r[len(prompt) :]) for r in rows],
         "tokens": rows,
@@ -301,7 +314,7 @@ def summary(report: dict[str, Any]) -> str:
     lines = [
         f"policy {report['policy']}{budget}: {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens "
         f"x {s['sequences']} sample(s), {report['seconds']:.2f} s ({report['tokens_per_s']} tokens/s) on "
-        f"{report['device']} in {report['precision']}",
+        f"{report['device']} in {report['precision']} ({report['decode'].replace('_', ' ')} decoding)",
         f"kept KV entries per layer and KV head: {s['kept']:.1f} of {s['processed']} tokens processed (max "
         f"{s['kept_max']}), KV fraction {s['kv_fraction']:.3f}; area fraction {s['area']:.3f}, peak fraction "
         f"{s['peak']:.3f} ({s['layers']} layers x {s['kv_heads']} KV heads)",

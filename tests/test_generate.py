@@ -82,6 +82,10 @@ def test_run_prints_text_and_stats(ckpts, tmp_path, caplog):
     assert s["kept_bytes"] == s["full_bytes"] > 0
     assert json.loads((tmp_path / "a" / "generation.json").read_text())["tokens"] == [ref]
     assert PROMPT in caplog.text and "kept KV entries per layer and KV head" in caplog.text
+    # the default decode path: CUDA-graph replays on CUDA, eager here on the CPU
+    assert gen_cfg(tmp_path / "c").graph == "auto" and a["decode"] == "eager" and "(eager decoding)" in caplog.text
+    with pytest.raises(ValueError, match="CUDA-graph decoding needs"):
+        run(gen_cfg(tmp_path / "g", [f"ckpt_path={ckpts['dense']}", "graph=true", "max_new_tokens=2"]))
     folder = export_checkpoint(ckpts["dense"], tmp_path / "exported")
     b = run(gen_cfg(tmp_path / "b", [f"model_dir={folder}"]))
     assert b["tokens"] == a["tokens"]
@@ -218,6 +222,7 @@ def test_cli(ckpts, tmp_path):
 def test_cuda_matches_cpu(ckpts, tmp_path):
     cpu = run(gen_cfg(tmp_path / "cpu", [f"ckpt_path={ckpts['nats']}", "policy=nats", "device=cpu"]))
     gpu = run(gen_cfg(tmp_path / "gpu", [f"ckpt_path={ckpts['nats']}", "policy=nats", "device=cuda"]))
+    assert gpu["decode"] == "cuda_graph"  # the default on CUDA
     assert gpu["device"].startswith("cuda") and gpu["stats"]["processed"] == cpu["stats"]["processed"]
     # float32 on both: the same greedy tokens unless two logits tie to within rounding
     same = sum(a == b for a, b in zip(cpu["tokens"][0], gpu["tokens"][0])) / len(cpu["tokens"][0])

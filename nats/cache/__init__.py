@@ -3,12 +3,20 @@
 Policies (one file each in nats/cache/policies/, registered with `@register_cache`): ``full``,
 ``streaming_llm`` (budget B, 4 sinks),
 ``h2o`` (budget B, B/2 recent, the exact sequential rule), ``nats`` (the learned types: ring of W sliding slots,
-per-head segments of globals + live locals, periodic compaction), and the labelled evaluation-only
+per-head segments of globals + live locals, planned for the decoded tokens), and the labelled evaluation-only
 approximation ``h2o_dense``. See docs/kv_cache.md.
 """
 
 from nats.cache.base import LayerCache, SlotCache
-from nats.cache.decode import check_model, decode_step, generate, make_caches, policy_logits, prefill
+from nats.cache.decode import (
+    GraphDecoder,
+    check_model,
+    decode_step,
+    generate,
+    make_caches,
+    policy_logits,
+    prefill,
+)
 from nats.cache.registry import available_caches, build_cache, get_cache_class, register_cache
 
 __all__ = [
@@ -24,4 +32,5 @@ __all__ = [
     "policy_logits",
     "generate",
     "check_model",
+    "GraphDecoder",
 ]

@@ -17,10 +17,14 @@ Protocol, for the decode loop of :mod:`nats.cache.decode`:
   ``[B, 1, C]`` the block's normalised input (NAtS scores its type from it). Admits the token, attends over
   exactly the policy's visible set, then evicts. A policy whose ``graph_safe`` is true does this with device
   tensors only (no host synchronisation, fixed shapes), so the step can be captured in a CUDA graph.
-* ``maintain() -> bool``: host-side upkeep between steps (e.g. NAtS' periodic compaction); True when the
-  storage tensors were reallocated (a captured CUDA graph must then be captured again). ``step`` calls it
-  itself unless ``auto_maintain`` is False (set that while capturing a CUDA graph and call ``maintain``
-  between replays).
+* ``maintain() -> bool``: host-side upkeep before each step (e.g. NAtS' compaction); True when the storage
+  tensors were reallocated (a captured CUDA graph must then be captured again). ``step`` calls it itself
+  unless ``auto_maintain`` is False (`nats.cache.decode.GraphDecoder` sets that and calls ``maintain`` before
+  each replay). ``replayed()`` advances the host counters of a step that ran as a graph replay.
+* ``reserve``: the number of tokens the caller will decode after the prefill (None: unknown). Policies whose
+  storage grows with the decoded tokens plan for it at the prefill (NAtS: ``kept + reserve`` pool slots per
+  row, so ``maintain`` never reallocates within the reserve; SnapKV & co.: ``kept + reserve`` slots); the
+  others ignore it.
 
 Measurements (spec section 6): with ``track=True`` every step adds its cache size c_i (the keys query i
 attended to, before eviction) per row; :meth:`fractions` gives the area fraction ``sum_i c_i / sum_i (i+1)``
@@ -64,6 +68,7 @@ class LayerCache:
         backend: str = "auto",
         track: bool = True,
         budget: int | None = None,
+        reserve: int | None = None,
     ):
         if n_head % n_kv_head:
             raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
@@ -80,6 +85,9 @@ class LayerCache:
         self.backend = resolve_backend(backend, self.device)
         self.track = track
         self.budget = budget
+        if reserve is not None and (int(reserve) != reserve or reserve < 0):
+            raise ValueError(f"reserve (tokens decoded after the prefill) must be an integer >= 0, got {reserve!r}")
+        self.reserve = None if reserve is None else int(reserve)
         self.auto_maintain = True
         self.t = 0  # tokens processed (host counter; not used inside step's device computation)
         self._area = torch.zeros(self.rows, dtype=torch.float64, device=self.device)
@@ -142,6 +150,10 @@ class LayerCache:
 
     def maintain(self) -> bool:
         return False
+
+    def replayed(self) -> None:
+        """Host bookkeeping of a step that ran as a CUDA-graph replay (the graph holds only its device work)."""
+        self.t += 1
 
     def kept(self) -> Tensor:  # pragma: no cover - interface
         """Tokens held now (after the last step's eviction), LongTensor [B, Hkv]."""

@@ -1,14 +1,18 @@
 """Decoding a `nats.models.gpt.GPT` through per-layer KV caches: parallel prefill, token steps, `generate`.
 
-The functions call the model's own submodules (``embed``, ``blocks[i].ln_1``, ``attn.project`` with the
-token's original position, ``attn.gate_and_project``, ``ln_2``, ``mlp``, ``ln_f``, ``lm_head``) and replace only
-the attention core by the cache policy, so a policy that keeps everything (``full``) or the NAtS cache with the
-model's own types reproduces the model's parallel forward.
+A decode step is the model's own forward with the layers' caches: ``model(idx, caches=caches)`` prefills a
+prompt (each layer's attention core replaced by its cache's ``prefill``), ``model(token[:, None], caches=caches,
+pos=pos)`` is one token (the cache's ``step``), so a policy that keeps everything (``full``) or the NAtS cache
+with the model's own types reproduces the model's parallel forward. The functions here are thin wrappers:
 
     caches = make_caches(model, "nats", batch=B, max_len=N)
     logits = prefill(model, caches, idx[:, :P])              # [B, P, V], the caches hold the state after P
     step_logits = decode_step(model, caches, idx[:, P], P)   # [B, V]
     out = generate(model, idx, 50, policy="h2o", budget=256) # [B, T + 50]
+
+`generate` plans the caches for its `max_new_tokens` (``reserve``: the NAtS cache lays its pool out at the
+prefill with room for them, so nothing is reallocated while decoding) and, on CUDA with graph-safe policies,
+replays one captured CUDA graph of the step (`GraphDecoder`); eager elsewhere.
 
 Supported models: causal language models whose attention core declares a ``decode_policy`` (``dense``,
 ``nats``: see `nats.attention.registry.AttentionCore`; any output gate, RoPE or learned positions, GQA).
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +43,9 @@ __all__ = [
     "generate",
     "generate_with_caches",
     "eval_mode",
+    "resolve_policy",
+    "graph_capturable",
+    "GraphDecoder",
 ]
 
 
@@ -70,21 +78,31 @@ def eval_mode(model) -> Iterator[None]:
         model.train(was_training)
 
 
-def policy_options(policy: str, budget: int | None, check_len: int, n_layer: int, options: dict) -> dict:
+def resolve_policy(policy: str | type[LayerCache]) -> type[LayerCache]:
+    """The policy class of a registered name (unknown names fail with the registered ones), or the class itself.
+    Callers resolve a name once and pass the class on."""
+    if isinstance(policy, type) and issubclass(policy, LayerCache):
+        return policy
+    return get_cache_class(policy)
+
+
+def policy_options(
+    policy: str | type[LayerCache], budget: int | None, check_len: int, n_layer: int, options: dict
+) -> dict:
     """A policy's keyword arguments besides the shapes: its `options`, the budget of a budgeted policy (checked
     against sequences of `check_len` tokens; the others take none) and ``n_layer`` for those that need it."""
-    cls = get_cache_class(policy)
+    cls = resolve_policy(policy)
     if cls.budgeted:
         cls.check_budget(budget, check_len, **options)
         options = {**options, "budget": int(budget)}
     elif budget is not None:
-        raise ValueError(f"cache policy {policy!r} takes no budget (got budget={budget})")
+        raise ValueError(f"cache policy {cls.name!r} takes no budget (got budget={budget})")
     return {**options, "n_layer": n_layer} if cls.needs_n_layer else options
 
 
 def make_caches(
     model,
-    policy: str,
+    policy: str | type[LayerCache],
     batch: int,
     max_len: int,
     *,
@@ -94,24 +112,30 @@ def make_caches(
     backend: str = "auto",
     track: bool = True,
     budget_check_len: int | None = None,
+    reserve: int | None = None,
     **options: Any,
 ) -> list[LayerCache]:
-    """One cache of policy `policy` per layer of `model`, for `batch` sequences of up to `max_len` tokens.
+    """One cache of policy `policy` (a name or a registered class) per layer of `model`, for `batch` sequences
+    of up to `max_len` tokens.
 
     `budget` (budgeted policies only) is checked against `budget_check_len` (default `max_len`): B >= N or a
-    budget too small for the policy (e.g. StreamingLLM's sinks) fails with a message naming the fix. Extra
-    `options` go to the policy (e.g. ``sinks=4`` for streaming_llm, ``recent=`` for h2o, ``window=`` /
-    ``check_every=`` for nats).
+    budget too small for the policy (e.g. StreamingLLM's sinks) fails with a message naming the fix. `reserve`:
+    the number of tokens the caller will decode after the prefill (policies whose storage depends on it plan
+    for it: see `LayerCache`; None = unknown). Extra `options` go to the policy (e.g. ``sinks=4`` for
+    streaming_llm, ``recent=`` for h2o, ``window=`` / ``check_every=`` for nats).
     """
     check_model(model)
-    cls = get_cache_class(policy)
+    cls = resolve_policy(policy)
+    policy = cls.name
     c = model.config
     if max_len > c.block_size:
         raise ValueError(
             f"max_len={max_len} tokens exceed the model's block_size={c.block_size} (positions are kept, so the "
             f"RoPE/position tables end there): use shorter sequences"
         )
-    options = policy_options(policy, budget, budget_check_len or max_len, len(model.blocks), options)
+    options = policy_options(cls, budget, budget_check_len or max_len, len(model.blocks), options)
+    if reserve is not None:
+        options = {**options, "reserve": int(reserve)}
     if cls.requires_core is not None and any(b.attn.core.name != cls.requires_core for b in model.blocks):
         others = [n for n in available_caches() if get_cache_class(n).requires_core is None]
         raise ValueError(
@@ -146,50 +170,94 @@ def make_caches(
     return caches
 
 
-def _check_caches(model, caches) -> None:
-    if len(caches) != len(model.blocks):
-        raise ValueError(f"need one cache per layer: {len(caches)} caches for {len(model.blocks)} layers")
-
-
 def prefill(model, caches: list[LayerCache], idx: Tensor) -> Tensor:
-    """Process idx [B, N] layer by layer from empty caches; returns logits [B, N, V].
-
-    Each layer's attention is its cache's `prefill` (a parallel masked attention for full, streaming_llm and
-    nats; H2O's exact sequential rule run over the positions inside the layer)."""
-    _check_caches(model, caches)
+    """Process idx [B, N] from empty caches (``model(idx, caches=caches)`` in eval mode); returns logits
+    [B, N, V]. Each layer's attention is its cache's `prefill` (a parallel masked attention for full,
+    streaming_llm and nats; H2O's exact sequential rule run over the positions inside the layer)."""
     with eval_mode(model):
-        B, N = idx.shape
-        positions = torch.arange(N, device=idx.device)
-        x = model.embed(idx, positions)
-        for block, cache in zip(model.blocks, caches):
-            h = block.ln_1(x)
-            q, k, v = block.attn.project(h, model.rope, positions)
-            y = cache.prefill(q, k, v, h)
-            x = x + block.attn.gate_and_project(y, h)
-            x = x + block.mlp(block.ln_2(x))
-        return model.lm_head(model.ln_f(x))
+        return model(idx, caches=caches).logits
 
 
 def decode_step(model, caches: list[LayerCache], token: Tensor, pos: int | Tensor) -> Tensor:
     """One token per sequence (token [B], position `pos`, an int or a LongTensor [1] on the model's device)
-    through all layers; returns the logits [B, V]. With a device `pos` and graph-safe caches the step runs
-    without host synchronisation (CUDA-graph capturable; the caller must be in eval mode and no_grad)."""
-    if isinstance(pos, int):
-        pos = torch.full((1,), pos, dtype=torch.long, device=token.device)
-    x = model.embed(token[:, None], pos)
-    for block, cache in zip(model.blocks, caches):
-        h = block.ln_1(x)
-        q, k, v = block.attn.project(h, model.rope, pos)
-        y = cache.step(q, k, v, h, pos)
-        x = x + block.attn.gate_and_project(y, h)
-        x = x + block.mlp(block.ln_2(x))
-    return model.lm_head(model.ln_f(x))[:, 0]
+    through all layers (``model(token[:, None], caches=caches, pos=pos)``); returns the logits [B, V]. With a
+    device `pos` and graph-safe caches the step runs without host synchronisation (CUDA-graph capturable; the
+    caller must be in eval mode and no_grad)."""
+    return model(token[:, None], caches=caches, pos=pos).logits[:, 0]
+
+
+def graph_capturable(caches: list[LayerCache]) -> bool:
+    """Whether a decode step through `caches` can be captured in a CUDA graph: CUDA, the Triton backend (whose
+    kernels read the lengths on the device) and graph-safe policies."""
+    return all(c.device.type == "cuda" and c.backend == "triton" and c.graph_safe for c in caches)
+
+
+class GraphDecoder:
+    """Decode steps of `model` through `caches` as replays of one captured CUDA graph of `decode_step`.
+
+    ``decoder(token [B], pos)`` returns the logits [B, V] (a static buffer, overwritten by the next call). The
+    first call runs eagerly on a side stream (it compiles the kernels and initialises the libraries before any
+    capture); the second captures the step and replays it; later calls only replay. Before each step every
+    cache's ``maintain()`` runs on the host; if one reallocated its storage the step is captured again
+    (`captures` counts the captures: 1 when nothing was reallocated). A replay skips the caches' host code,
+    so their host counters are advanced by ``LayerCache.replayed()``."""
+
+    def __init__(self, model, caches: list[LayerCache]):
+        if not graph_capturable(caches):
+            raise ValueError(
+                "CUDA-graph decoding needs caches on a CUDA device with the Triton backend and a graph-safe policy "
+                f"(got {caches[0]!r}): decode eagerly (graph=False)"
+            )
+        self.model, self.caches = model, caches
+        dev = caches[0].device
+        self.token = torch.zeros(caches[0].batch, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graph = None
+        self.logits = None
+        self.steps = 0
+        self.captures = 0
+        for c in caches:
+            c.auto_maintain = False  # maintain() runs here, between replays
+
+    def _step(self) -> Tensor:
+        return decode_step(self.model, self.caches, self.token, self.pos)
+
+    def _capture(self) -> None:
+        self.graph = None  # free the previous graph's memory first
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._step()  # the caches' host code runs here, once: this is the step's bookkeeping
+        self.graph = graph
+        self.captures += 1
+
+    def __call__(self, token: Tensor, pos: int | Tensor) -> Tensor:
+        self.token.copy_(token)
+        if isinstance(pos, int):
+            self.pos.fill_(pos)
+        else:
+            self.pos.copy_(pos)
+        changed = [c.maintain() for c in self.caches]  # every cache (each keeps its own counters)
+        self.steps += 1
+        if self.steps == 1:  # warm-up, eagerly on a side stream
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                logits = self._step()
+            torch.cuda.current_stream().wait_stream(stream)
+            return logits
+        if self.graph is None or any(changed):
+            self._capture()
+        else:
+            for c in self.caches:
+                c.replayed()
+        self.graph.replay()
+        return self.logits
 
 
 def policy_logits(
     model,
     idx: Tensor,
-    policy: str = "full",
+    policy: str | type[LayerCache] = "full",
     *,
     sequential: bool = False,
     prefill_len: int = 0,
@@ -199,12 +267,14 @@ def policy_logits(
 ):
     """Logits [B, N, V] of idx [B, N] under a cache policy, and the caches (for their measurements).
 
-    sequential=False: the layer-wise `prefill` of all N tokens. sequential=True: `prefill` of the first
-    `prefill_len` tokens (0 = none), then one `decode_step` per remaining token (the decode loop)."""
+    sequential=False: the `prefill` of all N tokens. sequential=True: `prefill` of the first `prefill_len` tokens
+    (0 = none), then one eager `decode_step` per remaining token (the decode loop; the caches are not planned
+    unless ``reserve=`` is passed, so NAtS' periodic compaction runs as in an open-ended loop)."""
     B, N = idx.shape
-    caches = make_caches(model, policy, B, N, budget=budget, backend=backend, **options)
-    if not get_cache_class(policy).decodable and sequential:
-        raise ValueError(f"cache policy {policy!r} is a parallel approximation and cannot decode token by token")
+    cls = resolve_policy(policy)
+    caches = make_caches(model, cls, B, N, budget=budget, backend=backend, **options)
+    if not cls.decodable and sequential:
+        raise ValueError(f"cache policy {cls.name!r} is a parallel approximation and cannot decode token by token")
     with eval_mode(model):
         if not sequential:
             return prefill(model, caches, idx), caches
@@ -239,7 +309,7 @@ def generate(
     model,
     idx: Tensor,
     max_new_tokens: int,
-    policy: str = "full",
+    policy: str | type[LayerCache] = "full",
     *,
     budget: int | None = None,
     temperature: float = 1.0,
@@ -247,12 +317,16 @@ def generate(
     greedy: bool = False,
     generator: torch.Generator | None = None,
     backend: str = "auto",
+    graph: bool | str = "auto",
     **options: Any,
 ) -> Tensor:
     """Continue idx [B, T] by `max_new_tokens` tokens under a cache policy; returns [B, T + max_new_tokens].
 
-    The prompt is prefilled layer by layer (`prefill`), then each new token is one `decode_step`. Sampling:
-    greedy (or temperature 0), else softmax(logits / temperature) restricted to the `top_k` largest."""
+    The prompt is prefilled (`prefill`), then each new token is one `decode_step`: replays of a captured CUDA
+    graph on CUDA (``graph="auto"``: when the caches allow it, `graph_capturable`; True insists, False decodes
+    eagerly). The caches are planned for the `max_new_tokens` (``reserve``), so none reallocates while
+    decoding. Sampling: greedy (or temperature 0), else softmax(logits / temperature) restricted to the
+    `top_k` largest."""
     return generate_with_caches(
         model,
         idx,
@@ -264,6 +338,7 @@ def generate(
         greedy=greedy,
         generator=generator,
         backend=backend,
+        graph=graph,
         **options,
     )[0]
 
@@ -272,7 +347,7 @@ def generate_with_caches(
     model,
     idx: Tensor,
     max_new_tokens: int,
-    policy: str = "full",
+    policy: str | type[LayerCache] = "full",
     *,
     budget: int | None = None,
     temperature: float = 1.0,
@@ -281,16 +356,21 @@ def generate_with_caches(
     vocab_limit: int | None = None,
     generator: torch.Generator | None = None,
     backend: str = "auto",
+    graph: bool | str = "auto",
+    info: dict | None = None,
     **options: Any,
 ) -> tuple[Tensor, list]:
     """`generate`, also returning the caches (one per layer, after the last token fed: for their statistics);
-    ids >= `vocab_limit` (e.g. the padding of a vocabulary rounded up) are never chosen."""
+    ids >= `vocab_limit` (e.g. the padding of a vocabulary rounded up) are never chosen. A dict `info` receives
+    how the steps ran: ``decode`` ("cuda_graph" or "eager") and, for graphs, ``captures``."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if temperature < 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 or null (no cut), got {top_k}")
+    if graph not in (True, False, "auto"):
+        raise ValueError(f"graph must be true, false or auto, got {graph!r}")
     check_model(model)
     B, T = idx.shape
     if T < 1:
@@ -301,22 +381,26 @@ def generate_with_caches(
             f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's block_size "
             f"{model.config.block_size}: positions are kept, so shorten the prompt or generate fewer tokens"
         )
-    if not get_cache_class(policy).decodable:
+    cls = resolve_policy(policy)
+    if not cls.decodable:
         decodable = [n for n in available_caches() if get_cache_class(n).decodable]
         raise ValueError(
-            f"cache policy {policy!r} is a parallel approximation and cannot decode token by token: "
+            f"cache policy {cls.name!r} is a parallel approximation and cannot decode token by token: "
             f"use one of {decodable}"
         )
     caches = make_caches(
         model,
-        policy,
+        cls,
         B,
         total,
         budget=budget,
         backend=backend,
         budget_check_len=max(total, (budget or 0) + 1),
+        reserve=max_new_tokens,
         **options,
     )
+    use_graph = graph_capturable(caches) if graph == "auto" else graph
+    step = GraphDecoder(model, caches) if use_graph else partial(decode_step, model, caches)
     out = [idx]
     with eval_mode(model):
         logits = prefill(model, caches, idx)[:, -1]
@@ -324,5 +408,9 @@ def generate_with_caches(
             nxt = _sample(logits, temperature, top_k, greedy, generator, vocab_limit)
             out.append(nxt)
             if s + 1 < max_new_tokens:
-                logits = decode_step(model, caches, nxt[:, 0], T + s)
+                logits = step(nxt[:, 0], T + s)
+    if info is not None:
+        info["decode"] = "cuda_graph" if use_graph else "eager"
+        if use_graph:
+            info["captures"] = step.captures
     return torch.cat(out, dim=1), caches

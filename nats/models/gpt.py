@@ -15,7 +15,7 @@ op that never returns the logits.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -203,19 +203,25 @@ class Attention(nn.Module):
         return q, k, v
 
     def gate_and_project(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y [B, Hq, N, D] (core output), x [B, N, C] (normalised block input) -> [B, N, C]. Also used by the
-        KV-cache decoder (nats/cache/decode.py), which runs the core itself."""
+        """y [B, Hq, N, D] (the core's or a KV cache's output), x [B, N, C] (normalised block input) -> [B, N, C]."""
         B, H, N, D = y.shape
         if self.gate is not None:
             y = self.gate.gated(y, x)
         y = y.transpose(1, 2).reshape(B, N, H * D)  # [B, N, C]
         return self.resid_dropout(self.proj(y))
 
-    def forward(self, x, rope, positions):
-        """x [B, N, C] -> ([B, N, C], the core's AttentionOutput: y, aux_loss, stats)."""
+    def forward(self, x, rope, positions, cache=None, decode: bool = False):
+        """x [B, N, C] -> ([B, N, C], the core's AttentionOutput: y, aux_loss, stats).
+
+        With a layer KV cache (`nats.cache.base.LayerCache`) the cache replaces the core: its ``prefill`` for a
+        prompt (from an empty cache), its ``step`` for one token at ``positions`` (``decode``); the second
+        value is then None."""
         q, k, v = self.project(x, rope, positions)
-        out = self.core(q, k, v, x)
-        return self.gate_and_project(out.y, x), out
+        if cache is None:
+            out = self.core(q, k, v, x)
+            return self.gate_and_project(out.y, x), out
+        y = cache.step(q, k, v, x, positions) if decode else cache.prefill(q, k, v, x)
+        return self.gate_and_project(y, x), None
 
 
 class MLP(nn.Module):
@@ -240,8 +246,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, positions):
-        a, out = self.attn(self.ln_1(x), rope, positions)
+    def forward(self, x, rope, positions, cache=None, decode: bool = False):
+        a, out = self.attn(self.ln_1(x), rope, positions, cache, decode)
         x = x + a
         x = x + self.mlp(self.ln_2(x))
         return x, out
@@ -293,19 +299,46 @@ class GPT(nn.Module):
             x = x + self.wpe(positions)
         return self.drop(x)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
-        """idx [B, N] int64 -> logits [B, N, V]; with targets [B, N] also loss = mean CE over targets != -100."""
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        caches: Sequence[Any] | None = None,
+        pos: torch.Tensor | int | None = None,
+    ) -> GPTOutput:
+        """idx [B, N] int64 -> logits [B, N, V]; with targets [B, N] also loss = mean CE over targets != -100.
+
+        Decoding through KV caches (one `nats.cache.base.LayerCache` per layer, `nats.cache.decode.make_caches`):
+        with ``caches`` and no ``pos`` the prompt idx [B, N] is prefilled into empty caches; with ``pos`` (the
+        token's position: an int, or a LongTensor [1] on the model's device for a step without host
+        synchronisation) idx [B, 1] is one decode step. Each layer's cache then replaces its attention core
+        (the rest of the block is this forward's); no aux_loss, no stats, no targets."""
         B, N = idx.shape
         if N > self.config.block_size:
             raise ValueError(
                 f"sequence length {N} is longer than the model's block_size {self.config.block_size}: "
                 f"use shorter windows (data.block_size) or a model with a larger model.block_size"
             )
-        positions = torch.arange(N, device=idx.device)
+        decode = pos is not None
+        if caches is None:
+            if decode:
+                raise ValueError("pos= is the position of a decode step: pass the layers' caches too (caches=...)")
+            positions = torch.arange(N, device=idx.device)
+        else:
+            self._check_caches(caches, N, decode, targets)
+            if not decode:
+                positions = torch.arange(N, device=idx.device)
+            elif isinstance(pos, int):
+                positions = torch.full((1,), pos, dtype=torch.long, device=idx.device)
+            else:
+                positions = pos
         x = self.embed(idx, positions)
         aux_loss, stats = None, {}
         for i, block in enumerate(self.blocks):
-            x, out = block(x, self.rope, positions)
+            x, out = block(x, self.rope, positions, None if caches is None else caches[i], decode)
+            if out is None:  # a KV cache ran instead of the core
+                continue
             if out.aux_loss is not None:
                 aux_loss = out.aux_loss if aux_loss is None else aux_loss + out.aux_loss
             for name, value in out.stats.items():
@@ -323,6 +356,14 @@ class GPT(nn.Module):
         # backward a zero [B, N, V] tangent (one fill and one extra read of the logits, ~3% of a GPT-2-small
         # step on an H100, benchmarks/bench_train.py). To differentiate the logits, call without targets.
         return GPTOutput(logits=logits.detach(), loss=loss, aux_loss=aux_loss, stats=stats)
+
+    def _check_caches(self, caches: Sequence[Any], n: int, decode: bool, targets) -> None:
+        if len(caches) != len(self.blocks):
+            raise ValueError(f"need one cache per layer: {len(caches)} caches for {len(self.blocks)} layers")
+        if decode and n != 1:
+            raise ValueError(f"a decode step (pos=...) takes one token per sequence, got {n}")
+        if targets is not None:
+            raise ValueError("decoding through caches returns logits only: call without targets")
 
     def fused_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of lm_head(x) (x [B, N, C], after ln_f) against targets [B, N], by the fused op

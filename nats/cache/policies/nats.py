@@ -16,7 +16,15 @@ Storage (one layer; row r = sequence b, KV head h):
   write to the scratch slot P). After query i, in the rows where t_i is global, the token is moved from
   ``start + length - 1`` to ``start + n_global`` and ``length = n_global + 1``: the locals are dropped by
   truncation, so segments never hold holes. Each step costs O(B * Hkv * D), never a copy of the cache.
-* **periodic compaction** (:meth:`maintain`, host side, every ``check_every`` steps, one synchronisation): if
+* **planned capacity** (``reserve`` = the number of tokens the caller will decode, as `generate` passes its
+  ``max_new_tokens``): the prefill (:meth:`load`) gives row r ``cap = length + reserve`` slots. A step adds at
+  most one token per row, so for ``reserve`` steps no row can overflow and :meth:`maintain` returns False
+  without looking at the device (a captured CUDA graph is replayed as is). **Overflow rule**: when the
+  guarantee runs out (more tokens decoded than reserved), ``maintain`` reads the lengths once; rows with free
+  slots extend the guarantee to the fewest free slots, and only when a row is full is the pool compacted (as
+  below: a reallocation, ``maintain`` returns True and a captured graph is captured again).
+* **periodic compaction** (``reserve=None``: callers that do not say how many tokens they decode, e.g. an
+  open-ended loop of steps; :meth:`maintain`, host side, every ``check_every`` steps, one synchronisation): if
   some row has fewer than ``check_every`` free slots (it could overflow before the next check), or the pool is
   larger than ``shrink_above`` times what the rows need (e.g. after many locals were dropped), the pool is laid
   out again: row r gets ``cap = length + max(check_every, ceil(slack * length))`` slots and the segments are
@@ -44,8 +52,8 @@ GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
 @register_cache("nats")
 class NAtSCache(LayerCache):
     requires_core = "nats"  # the types come from the layer's NAtS scorer
-    """Args (besides LayerCache's): window W (default: the core's), check_every, slack, shrink_above,
-    init_capacity (initial segment length per row, default check_every)."""
+    """Args (besides LayerCache's, ``reserve`` among them): window W (default: the core's), check_every, slack,
+    shrink_above, init_capacity (initial segment length per row, default check_every, or reserve if given)."""
 
     def __init__(
         self,
@@ -77,7 +85,11 @@ class NAtSCache(LayerCache):
         self.n_global = torch.zeros(R, device=dev, dtype=torch.long)
         self.type_counts = torch.zeros(R, 3, device=dev, dtype=torch.long)
         self._t = torch.zeros(R, device=dev, dtype=torch.long)  # the current token's types (fused path)
-        cap0 = int(init_capacity) if init_capacity is not None else self.check_every
+        if init_capacity is not None:
+            cap0 = int(init_capacity)
+        else:
+            cap0 = self.check_every if self.reserve is None else self.reserve
+        self._free_steps: int | None = None  # with a reserve: steps that cannot overflow any row
         self._layout(torch.full((R,), max(cap0, 1), device=dev, dtype=torch.long))
         self._since_check = 0
         self.compactions = 0
@@ -104,6 +116,8 @@ class NAtSCache(LayerCache):
         self.k_pool, self.v_pool, self.start, self.cap = k_pool, v_pool, start, cap
         self.scratch = torch.full((self.rows,), P, device=self.device, dtype=torch.long)
         self.max_cap = int(cap.max())
+        if self.reserve is not None:
+            self._free_steps = int((cap - self.length).min())
 
     def _wanted(self, length: torch.Tensor) -> torch.Tensor:
         extra = torch.clamp(torch.ceil(length.to(torch.float64) * self.slack).to(torch.long), min=self.check_every)
@@ -117,8 +131,21 @@ class NAtSCache(LayerCache):
         self.max_nbytes = max(self.max_nbytes, self.nbytes())
 
     def maintain(self) -> bool:
-        """Every `check_every` steps: compact if a row could overflow before the next check, or if the pool
-        exceeds `shrink_above` x what the rows need. Returns True if the pool was reallocated."""
+        """Before each step. With a reserve: nothing while the planned capacity guarantees room; then (overflow)
+        read the lengths, compact only if a row is full. Without: every `check_every` steps, compact if a row
+        could overflow before the next check, or if the pool exceeds `shrink_above` x what the rows need.
+        Returns True if the pool was reallocated."""
+        if self._free_steps is not None:
+            if self._free_steps > 0:
+                self._free_steps -= 1
+                return False
+            free = int((self.cap - self.length).min())  # one synchronisation, once the guarantee ran out
+            if free > 0:
+                self._free_steps = free - 1
+                return False
+            self.compact()  # sets the guarantee again (at least check_every steps)
+            self._free_steps -= 1
+            return True
         self._since_check += 1
         if self._since_check < self.check_every and self.t > 0:
             return False
@@ -264,7 +291,7 @@ class NAtSCache(LayerCache):
         length = keep.sum(1)
         self.length.copy_(length)
         self.n_global.copy_(isg.sum(1))
-        self._layout(self._wanted(length))
+        self._layout(self._wanted(length) if self.reserve is None else length + self.reserve)
         rows, j = keep.nonzero(as_tuple=True)  # row-major: positions ascending within a row
         first = torch.cumsum(length, 0) - length
         off = torch.arange(rows.numel(), device=self.device) - first[rows]

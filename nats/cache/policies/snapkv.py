@@ -18,7 +18,8 @@ query i the kept keys plus the new ones; so the area and peak fractions include 
 the compressed cache.
 
 Storage (allocated at prefill, so memory follows the compression): keys and values ``[B * Hkv, cap, D]`` with
-``cap = (kept after prefill, largest row) + (max_len - N)`` decode slots, the position of each slot
+``cap = (kept after prefill, largest row) + reserve`` decode slots (``reserve``: the tokens the caller will decode,
+by default ``max_len - N``; more steps than that are refused), the position of each slot
 (``slot_pos``, -1 empty) and the rows' lengths. A row's kept keys are slots ``0 .. length - 1`` in position
 order, decode tokens are appended at ``length``: a step is one scatter and the pool attention of
 `nats.cache.attention` (device tensors only, CUDA-graph capturable after the prefill). `step` on a cache that
@@ -131,7 +132,7 @@ class SnapKVCache(LayerCache):
 
     # ------------------------------------------------------------------ the protocol
     def _allocate(self, kept: int, prompt: int) -> None:
-        self.capacity = cap = kept + self.max_len - prompt
+        self.capacity = cap = kept + (self.max_len - prompt if self.reserve is None else self.reserve)
         self.k = torch.zeros(self.rows, cap, self.head_dim, device=self.device, dtype=self.dtype)
         self.v = torch.zeros_like(self.k)
         self.slot_pos = torch.full((self.rows, cap), -1, device=self.device, dtype=torch.long)
@@ -161,8 +162,7 @@ class SnapKVCache(LayerCache):
     def step(self, q, k, v, x, pos):
         if self.k is None:  # never prefilled: an empty prompt, nothing to compress
             self._allocate(0, 0)
-        if self.t >= self.max_len:
-            raise RuntimeError(f"{self.name}: more than max_len={self.max_len} tokens (prompt + decode steps)")
+        self._check_room()
         slot = self.length.clone()
         self.k[self._row, slot] = self._kv_rows(k)
         self.v[self._row, slot] = self._kv_rows(v)
@@ -184,6 +184,20 @@ class SnapKVCache(LayerCache):
             backend=self.backend,
         )
         return self._out(y)
+
+    def _check_room(self) -> None:
+        """Refuse a step beyond max_len or beyond the decode slots planned at the prefill (host counters only)."""
+        if self.t >= self.max_len:
+            raise RuntimeError(f"{self.name}: more than max_len={self.max_len} tokens (prompt + decode steps)")
+        if self._width >= self.capacity:
+            raise RuntimeError(
+                f"{self.name}: more decode steps than the reserve={self.reserve} tokens planned at the prefill"
+            )
+
+    def replayed(self) -> None:
+        self._check_room()  # before the replay: a graph cannot check its own writes
+        super().replayed()
+        self._width += 1
 
     def visible_positions(self) -> Tensor:
         """Positions held per row (-1 for empty slots), ``[B * Hkv, cap]`` (for tests and analysis)."""
