@@ -122,29 +122,28 @@ class StaticPolicyLayer(CacheLayerMixin):
         raise NotImplementedError("StaticPolicyCache does not support contrastive search or batch selection")
 
     # ------------------------------------------------------------------ storage
-    def allocate(self, keep: Tensor, k: Tensor, v: Tensor, per_row_cap: Tensor, splits: int) -> None:
+    def allocate(self, keep: Tensor, k: Tensor, v: Tensor, per_row_cap: Tensor, splits: int, track=True) -> None:
         """Lay out the pool: row r keeps the positions where ``keep[r]`` (``[R, N]``, in order) and gets
-        ``per_row_cap[r]`` slots; k, v ``[R, N, D]``."""
+        ``per_row_cap[r]`` slots; k, v ``[R, N, D]``. One host synchronisation (the pool's size)."""
         R, N, D = k.shape
         dev = k.device
-        length = keep.sum(1)
+        rank = keep.cumsum(1)  # 1-based rank of each kept position in its row
+        length = rank[:, -1]
         cap = torch.maximum(per_row_cap, length)
-        start = torch.zeros_like(cap)
-        start[1:] = cap.cumsum(0)[:-1]
-        P = int(cap.sum())
-        P = _rounded(P + 1)  # + the scratch slot (the last one) where skipped writes go
-        self.k_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)
+        end = cap.cumsum(0)
+        start = end - cap
+        P = _rounded(int(end[-1]) + 1)  # + the scratch slot (the last one) where skipped writes go
+        self.k_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)  # zeros: readers may touch unused slots masked
         self.v_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)
-        rows, j = keep.nonzero(as_tuple=True)  # row-major: positions ascending within a row
-        first = torch.cumsum(length, 0) - length
-        dest = start[rows] + torch.arange(rows.numel(), device=dev) - first[rows]
-        self.k_pool[dest] = k[rows, j]
-        self.v_pool[dest] = v[rows, j]
+        dest = torch.where(keep, start[:, None] + rank - 1, P - 1).reshape(-1)  # dropped positions: the scratch slot
+        self.k_pool.index_copy_(0, dest, k.reshape(-1, D))
+        self.v_pool.index_copy_(0, dest, v.reshape(-1, D))
         self.start, self.length, self.cap = start, length.clone(), cap
         self.splits = splits
-        self.area = torch.zeros(R, dtype=torch.float64, device=dev)
-        self.peak = torch.zeros(R, dtype=torch.long, device=dev)
-        _mark_static(self.k_pool, self.v_pool, self.start, self.length, self.cap, self.area, self.peak)
+        self.area = torch.zeros(R, dtype=torch.float64, device=dev) if track else None
+        self.peak = torch.zeros(R, dtype=torch.long, device=dev) if track else None
+        _mark_static(*(t for t in (self.k_pool, self.v_pool, self.start, self.length, self.cap, self.area, self.peak)
+                       if t is not None))  # fmt: skip
         self.ready = True
 
     def tensors(self) -> list[Tensor]:
@@ -247,52 +246,47 @@ class StaticPolicyCache(Cache):
     def _prefill(self, layer, q, k, v, hidden, attention_mask) -> Tensor:
         B, Hq, N, D = q.shape
         Hkv = k.shape[1]
-        pads = _left_padding(attention_mask, B, N, q.device)
-        if self.prompt_lengths is None:
-            self.prompt_lengths = N - pads
+        if self.prompt_lengths is None:  # the first layer: the padding, once for every layer
+            pads = _left_padding(attention_mask, B, N, q.device)
+            self.prompt_lengths, self._pads = N - pads, pads
+            self._groups = None if bool((pads == 0).all()) else [(slice(b, b + 1), int(pads[b])) for b in range(B)]
+        pads, groups = self._pads, self._groups
         core = self.cores[layer.layer_idx]
-        y = torch.zeros_like(q)
-        keep = torch.zeros(B, Hkv, N, dtype=torch.bool, device=q.device)
-        types = torch.full((B, Hkv, N), -1, dtype=torch.long, device=q.device) if self.rule == "nats" else None
-        area = torch.zeros(B, Hkv, dtype=torch.float64, device=q.device)
-        peak = torch.zeros(B, Hkv, dtype=torch.long, device=q.device)
-        if bool((pads == 0).all()):
-            groups = [(slice(None), 0)]
+        budgets = self._row_budget(self.prompt_lengths) if self.budget is not None else None
+        if groups is None:  # no padding: every row at once
+            y, keep, types, sizes = self._prefill_rows(layer, core, q, k, v, hidden, budgets)
         else:  # left padding: row by row over the real tokens
-            groups = [(slice(b, b + 1), int(pads[b])) for b in range(B)]
-        budgets = self._row_budget(N - pads)
-        for rows, p in groups:
-            budget = budgets[rows]
-            yb, kb, tb, sizes = self._prefill_rows(layer, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
-                                                   hidden[rows, p:], budget)  # fmt: skip
-            area[rows] = sizes.sum(-1).double()
-            peak[rows] = sizes.amax(-1)
-            y[rows, :, p:] = yb
-            keep[rows, :, p:] = kb
-            if types is not None:
-                types[rows, :, p:] = tb
+            y = torch.zeros_like(q)
+            keep = torch.zeros(B, Hkv, N, dtype=torch.bool, device=q.device)
+            types = torch.full((B, Hkv, N), -1, dtype=torch.long, device=q.device) if self.rule == "nats" else None
+            sizes = torch.zeros(B, Hkv, N, dtype=torch.long, device=q.device)
+            for rows, p in groups:
+                bb = None if budgets is None else budgets[rows]
+                yb, kb, tb, sb = self._prefill_rows(layer, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
+                                                    hidden[rows, p:], bb)  # fmt: skip
+                y[rows, :, p:], keep[rows, :, p:], sizes[rows, :, p:] = yb, kb, sb
+                if types is not None:
+                    types[rows, :, p:] = tb
         R = B * Hkv
         kr, vr = k.reshape(R, N, D), v.reshape(R, N, D)
         n_keep = keep.reshape(R, N)
-        if self.rule == "nats":
-            tr = types.reshape(R, N)
-            cap = n_keep.sum(1) + self.max_new_tokens
-        elif self.rule == "ring":
+        if self.rule == "ring":
             cap = budgets.repeat_interleave(Hkv)
         else:
             cap = n_keep.sum(1) + self.max_new_tokens
-        maxcap = int(cap.max()) + (core.window if self.rule == "nats" else 0)
-        splits = max(1, min(64, math.ceil(2 * _num_sms(q.device) / R), math.ceil(maxcap / 64)))
-        layer.allocate(n_keep, kr, vr, cap, splits)
+        bound = N + self.max_new_tokens + (core.window if self.rule == "nats" else 0)  # no host sync for the max
+        splits = max(1, min(64, math.ceil(2 * _num_sms(q.device) / R), math.ceil(bound / 256)))
+        layer.allocate(n_keep, kr, vr, cap, splits, track=self.track)
         if self.rule == "nats":
-            self._load_nats(layer, core, kr, vr, tr, N)
+            self._load_nats(layer, core, kr, vr, types.reshape(R, N), N)
         elif self.rule == "ring":
-            layer.count = (N - pads).repeat_interleave(Hkv)
+            layer.count = self.prompt_lengths.repeat_interleave(Hkv)
             layer.sinks = int(self.options.get("sinks", 4))
             _mark_static(layer.count)
-        layer.area.copy_(area.reshape(R))
-        layer.peak.copy_(peak.reshape(R))
-        layer.real = (N - pads).repeat_interleave(Hkv)  # [R] real prompt tokens
+        if self.track:
+            layer.area.copy_(sizes.reshape(R, N).sum(-1).double())
+            layer.peak.copy_(sizes.reshape(R, N).amax(-1))
+        layer.real = self.prompt_lengths.repeat_interleave(Hkv)  # [R] real prompt tokens
         layer.prompt_width = N
         return y
 
