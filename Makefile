@@ -18,6 +18,9 @@ else
 TORCH_INDEX ?=
 endif
 STAMP := $(VENV)/.installed
+# whether the CPU index answers: one quiet request (5 s), so that pip never tries an unreachable index (which
+# prints a "Retrying ... Failed to establish a new connection" warning for every package)
+export TORCH_INDEX_PROBE := import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=5)
 export PROJECT_ROOT := $(CURDIR)
 
 .PHONY: setup train test test-all lint prepare clean-venv
@@ -28,7 +31,8 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install "$(TORCH_GPU)"; \
-	  elif [ -n "$(TORCH_INDEX)" ] && $(BIN)/pip install --retries 1 --timeout 20 "$(TORCH_CPU)" --index-url "$(TORCH_INDEX)"; then :; \
+	  elif [ -n "$(TORCH_INDEX)" ] && $(BIN)/python -c "$$TORCH_INDEX_PROBE" "$(TORCH_INDEX)" 2>/dev/null; then \
+	    $(BIN)/pip install "$(TORCH_CPU)" --index-url "$(TORCH_INDEX)"; \
 	  else \
 	    if [ -n "$(TORCH_INDEX)" ]; then echo "$(TORCH_INDEX) unreachable: $(TORCH_CPU) from PyPI instead"; fi; \
 	    $(BIN)/pip install "$(TORCH_CPU)"; \
