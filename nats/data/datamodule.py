@@ -370,15 +370,18 @@ def prepare_token_cache(
             meta["documents"][split] = old_meta.get("documents", {}).get(split)
             continue
         names: list[str] = []
-        with tqdm(total=source.num_documents(split), desc=f"tokenise {source.name}/{split}", unit="doc") as bar:
+        desc, total = f"tokenise {source.name}/{split}", source.num_documents(split)
+        with tqdm(total=total, desc=desc, unit="doc", leave=False) as bar:  # gone when done: one line per split
             n = write_token_bin(path, _tokenize(source.documents(split), tokenizer, names, bar), tokenizer)
         if not names:
             path.unlink()
             raise ValueError(f"{source.name}: split {split!r} has no documents; check the source")
         meta["num_tokens"][split] = n
         meta["documents"][split] = names
+        log.info("tokenised %s/%s: %d documents, %s tokens", source.name, split, len(names), f"{n:,}")
     _write_json(meta_path, meta)
     partial.unlink(missing_ok=True)
+    log.info("token cache %s prepared", folder)
     return folder
 
 
