@@ -266,6 +266,7 @@ class StepProgressBar(TQDMProgressBar):
     def init_train_tqdm(self):
         bar = super().init_train_tqdm()
         bar.unit = "step"
+        bar.set_description("train", refresh=False)
         return bar
 
     def init_validation_tqdm(self):
@@ -284,11 +285,11 @@ class StepProgressBar(TQDMProgressBar):
             if trainer.optimizers:
                 metrics["lr"] = f"{trainer.optimizers[0].param_groups[0]['lr']:.3g}"
         bar = self._train_progress_bar
-        rate = bar.format_dict.get("rate") if bar is not None and not bar.disable else None
-        if rate is None and bar is not None and not bar.disable and bar.format_dict.get("elapsed"):
-            rate = (bar.n - bar.initial) / bar.format_dict["elapsed"]
-        if rate and self._step_tokens:
-            metrics["tok/s"] = _si(rate * self._step_tokens)
+        elapsed = bar.format_dict.get("elapsed") if bar is not None and not bar.disable else None
+        if elapsed and self._step_tokens and trainer.training:  # this process's steps (bar.n may lag behind)
+            steps = trainer.global_step - bar.initial
+            if steps > 0:
+                metrics["tok/s"] = _si(steps * self._step_tokens / elapsed)
         return metrics
 
     def on_train_start(self, trainer, *_: Any) -> None:
@@ -296,7 +297,8 @@ class StepProgressBar(TQDMProgressBar):
         self._start_bar(trainer)  # a run resumed in mid-epoch gets no on_train_epoch_start
 
     def on_train_epoch_start(self, trainer, *_: Any) -> None:
-        super().on_train_epoch_start(trainer, *_)
+        if self._leave:  # a bar per epoch (leave=True); else the one bar goes on (the stock bar's reset: _start_bar)
+            self.train_progress_bar = self.init_train_tqdm()
         self._start_bar(trainer)
 
     def _start_bar(self, trainer) -> None:
@@ -314,7 +316,7 @@ class StepProgressBar(TQDMProgressBar):
             )
         bar.reset(total=max_steps)
         bar.initial = bar.n = trainer.global_step
-        bar.set_description("train" if trainer.current_epoch == 0 else f"train (epoch {trainer.current_epoch})")
+        bar.set_description("train" if trainer.current_epoch == 0 else f"train (epoch {trainer.current_epoch})", False)
         bar.refresh()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -426,14 +426,17 @@ def report_failure(err: BaseException, output_dir: str | os.PathLike, *, program
     * a mistake in the configuration or the inputs (:data:`USER_ERRORS`, a checkpoint or token cache that
       cannot be read) before any optimizer step of this run: the message alone; the run folder is removed when
       Hydra made it for this run (``new_folder``, :func:`run_folder_is_new`); status 1.
-    * anything else: "run failed at step N: <message>", with the error and traceback in ``failed.json``.
+    * anything else: "run failed after N steps (<type>): <message> (traceback in <run>/failed.json)"; status 1.
 
     ``HYDRA_FULL_ERROR=1`` prints the traceback as well."""
     out = Path(output_dir)
     log = logging.getLogger("nats")
     if isinstance(err, RunInterrupted):
         newest = resolve_ckpt_path(AUTO, out)
-        saved = checkpoint_step(newest) if newest else None
+        try:
+            saved = checkpoint_step(newest) if newest else None
+        except CheckpointError:
+            saved = None
         state = (
             f"state saved in {_shown(Path(newest))}"
             if saved == err.step

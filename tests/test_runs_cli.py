@@ -219,7 +219,7 @@ def test_progress_bar_of_a_resumed_run_shows_the_true_total(tmp_path):
     tqdm_bar = bar.train_progress_bar
     assert (tqdm_bar.initial, tqdm_bar.n, tqdm_bar.total) == (2, 4, 4)
     assert tqdm_bar.desc.startswith("train") and tqdm_bar.unit == "step"
-    assert "tok/s=" in str(tqdm_bar.postfix)
+    assert "tok/s=" in str(tqdm_bar.postfix) and bar._step_tokens == 4 * 32  # global batch x block_size
 
 
 def test_resume_latest_takes_the_run_active_last_and_says_why(tmp_path):
