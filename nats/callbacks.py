@@ -7,7 +7,7 @@ import math
 import sys
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback, Checkpoint, ThroughputMonitor, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
 log = logging.getLogger(__name__)
@@ -364,15 +364,16 @@ def _si(value: float) -> str:
     return f"{value:.3g}"
 
 
-class InterruptCheckpoint(Checkpoint):
+class InterruptCheckpoint(Callback):
     """Lightning's :class:`~lightning.pytorch.callbacks.OnExceptionCheckpoint`, for SIGTERM only: a fit that gets
     SIGTERM (Lightning's signal handler sets ``trainer.received_sigterm`` and the loop raises
     ``SIGTERMException``) ends its current optimizer step (the rest of a gradient accumulation, so that the saved
     state resumes exactly), stops, and the state is saved to ``<dirpath>/<filename>.ckpt`` (default
     ``checkpoints/last.ckpt``, what ``ckpt_path=auto`` and ``nats-train resume=<run>`` continue from);
-    nats-train then says where it stopped and exits non-zero. Other exceptions (errors) save nothing. (Not a
-    subclass of OnExceptionCheckpoint: with one of those, Lightning turns every ``fit(ckpt_path=None)`` into
-    ``ckpt_path="last"`` and warns when there is none.)"""
+    nats-train then says where it stopped and exits non-zero. Other exceptions (errors) save nothing. (A plain
+    Callback, not an OnExceptionCheckpoint: with one of those Lightning turns every ``fit(ckpt_path=None)`` into
+    ``ckpt_path="last"`` and warns when there is none; nor a Checkpoint, which ``enable_checkpointing=false``
+    forbids.)"""
 
     def __init__(self, dirpath: str, filename: str = "last") -> None:
         super().__init__()
