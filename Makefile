@@ -18,6 +18,9 @@ else
 TORCH_INDEX ?=
 endif
 STAMP := $(VENV)/.installed
+# whether the CPU index answers: one quiet request (5 s), so that pip never tries an unreachable index (which
+# prints a "Retrying ... Failed to establish a new connection" warning for every package)
+export TORCH_INDEX_PROBE := import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=5)
 export PROJECT_ROOT := $(CURDIR)
 
 .PHONY: setup train test test-all lint prepare clean-venv
@@ -27,17 +30,22 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install "$(TORCH_GPU)"; \
-	  elif [ -n "$(TORCH_INDEX)" ] && $(BIN)/pip install --retries 1 --timeout 20 "$(TORCH_CPU)" --index-url "$(TORCH_INDEX)"; then :; \
+	  if command -v nvidia-smi >/dev/null 2>&1; then \
+	    echo "set-up: installing $(TORCH_GPU) (CUDA build) into $(VENV) ..."; $(BIN)/pip install -q "$(TORCH_GPU)"; \
+	  elif [ -n "$(TORCH_INDEX)" ] && $(BIN)/python -c "$$TORCH_INDEX_PROBE" "$(TORCH_INDEX)" 2>/dev/null; then \
+	    echo "set-up: installing $(TORCH_CPU) (CPU build) into $(VENV) ..."; \
+	    $(BIN)/pip install -q "$(TORCH_CPU)" --index-url "$(TORCH_INDEX)"; \
 	  else \
-	    if [ -n "$(TORCH_INDEX)" ]; then echo "$(TORCH_INDEX) unreachable: $(TORCH_CPU) from PyPI instead"; fi; \
-	    $(BIN)/pip install "$(TORCH_CPU)"; \
+	    echo "set-up: installing $(TORCH_CPU) into $(VENV) ($(if $(TORCH_INDEX),$(TORCH_INDEX) does not answer: from the default index,from the default index)) ..."; \
+	    $(BIN)/pip install -q "$(TORCH_CPU)"; \
 	  fi; \
 	fi
 	@# the distribution was called `nats` before it became `nats-attention`: drop that editable install
 	@$(BIN)/pip uninstall -q -y nats 2>/dev/null || true
-	$(BIN)/pip install -e ".[dev]"
+	@echo "set-up: installing nats-attention (editable) and its dependencies into $(VENV) ..."
+	@$(BIN)/pip install -q -e ".[dev]"
 	@touch $(STAMP)
+	@echo "set-up done: $(VENV) with torch $$($(BIN)/python -c 'import torch; print(torch.__version__)')"
 
 prepare: setup
 	$(BIN)/nats-prepare $(ARGS)

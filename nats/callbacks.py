@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -244,10 +245,13 @@ class StepTimer(Callback):
 
 
 class StepProgressBar(TQDMProgressBar):
-    """Lightning's TQDM progress bar, counting optimizer steps (``trainer.global_step``) out of
-    ``trainer.max_steps`` instead of micro-batches: with gradient accumulation the stock bar shows ``600/?`` when
-    ``max_steps=300`` is reached. A resumed run starts the bar at its step, so the rate and the time left count
-    only the steps this process ran. ``refresh_rate`` is in optimizer steps.
+    """The one progress bar of a fit: Lightning's TQDM bar counting optimizer steps (``trainer.global_step``) out
+    of ``trainer.max_steps`` instead of micro-batches (with gradient accumulation the stock bar shows ``600/?``
+    when ``max_steps=300`` is reached), with the time left, steps/s and tokens/s. A resumed run starts the bar
+    at its step, so the total stays true and the rate and the time left count only the steps this process ran.
+    ``refresh_rate`` is in optimizer steps. Validation draws no bar of its own: the bar says ``validating`` while
+    it runs, and each validation of the fit prints one line (``step N: val_loss ..., val_ppl ...``), also into
+    the run's log.
 
     The training loss and the learning rate are read here (``train/loss`` from the callback metrics, the lr from
     the optimizer), rather than logged with ``prog_bar=True``: Lightning converts every progress-bar metric to a
@@ -257,18 +261,50 @@ class StepProgressBar(TQDMProgressBar):
     synchronisation too, which at another step (refresh_rate 10, log_every_n_steps 25) would drain the GPU's
     queue once more. Between them the bar shows the last values read."""
 
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
+        self._step_tokens = 0  # tokens per optimizer step (all micro-batches and processes)
+
+    def init_train_tqdm(self):
+        bar = super().init_train_tqdm()
+        bar.unit = "step"
+        bar.set_description("train", refresh=False)
+        return bar
+
+    def init_validation_tqdm(self):
+        from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+        return Tqdm(disable=True)  # no second bar; see the class docstring
+
     def get_metrics(self, trainer, pl_module) -> dict:
         metrics = super().get_metrics(trainer, pl_module)
+        for key in [k for k in metrics if k == "v_num" or k.startswith("val/")]:
+            metrics.pop(key)  # validation results get a line of their own (on_validation_end)
         if trainer.training:
             loss = trainer.callback_metrics.get("train/loss")
             if loss is not None:
                 metrics["train/loss"] = f"{float(loss):.3f}"
             if trainer.optimizers:
                 metrics["lr"] = f"{trainer.optimizers[0].param_groups[0]['lr']:.3g}"
+        bar = self._train_progress_bar
+        elapsed = bar.format_dict.get("elapsed") if bar is not None and not bar.disable else None
+        if elapsed and self._step_tokens and trainer.training:  # this process's steps (bar.n may lag behind)
+            steps = trainer.global_step - bar.initial
+            if steps > 0:
+                metrics["tok/s"] = _si(steps * self._step_tokens / elapsed)
         return metrics
 
+    def on_train_start(self, trainer, *_: Any) -> None:
+        super().on_train_start(trainer, *_)
+        self._start_bar(trainer)  # a run resumed in mid-epoch gets no on_train_epoch_start
+
     def on_train_epoch_start(self, trainer, *_: Any) -> None:
-        super().on_train_epoch_start(trainer, *_)
+        if self._leave:  # a bar per epoch (leave=True); else the one bar goes on (the stock bar's reset: _start_bar)
+            self.train_progress_bar = self.init_train_tqdm()
+        self._start_bar(trainer)
+
+    def _start_bar(self, trainer) -> None:
+        """The bar at the run's step out of the true total: rate and time left count this process's steps."""
         bar = self.train_progress_bar
         if bar is None or bar.disable:
             return
@@ -282,7 +318,7 @@ class StepProgressBar(TQDMProgressBar):
             )
         bar.reset(total=max_steps)
         bar.initial = bar.n = trainer.global_step
-        bar.set_description(f"Epoch {trainer.current_epoch}, steps")
+        bar.set_description("train" if trainer.current_epoch == 0 else f"train (epoch {trainer.current_epoch})", False)
         bar.refresh()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -291,12 +327,81 @@ class StepProgressBar(TQDMProgressBar):
             return
         from nats.lit import logs_written_now
 
+        if not self._step_tokens:
+            tokens = batch[0].numel() if isinstance(batch, (list, tuple)) and hasattr(batch[0], "numel") else 0
+            self._step_tokens = tokens * max(1, trainer.accumulate_grad_batches) * max(1, trainer.world_size)
         step = trainer.global_step
         if step != bar.n and (logs_written_now(trainer) or step == bar.total):
             bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
         if step != bar.n and (step % self.refresh_rate == 0 or step == bar.total):
             bar.n = step
             bar.refresh()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        super().on_validation_start(trainer, pl_module)
+        bar = self._train_progress_bar
+        if bar is not None and not bar.disable and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            bar.set_postfix_str("validating", refresh=True)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if trainer.state.fn != "fit" or trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        metrics = trainer.callback_metrics
+        parts = [f"{name.replace('/', '_')} {float(metrics[name]):{fmt}}" for name, fmt in (("val/loss", ".4f"),
+                 ("val/ppl", ".2f")) if name in metrics]  # fmt: skip
+        if not parts:
+            return
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=sys.stdout):  # the line above the bar, which is drawn again below
+            log.info(f"step {trainer.global_step}: {', '.join(parts)}")
+
+
+def _si(value: float) -> str:
+    """1234 -> '1.23k', 2.5e6 -> '2.5M' (tokens/s on the progress bar)."""
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= limit:
+            return f"{value / limit:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+class InterruptCheckpoint(Callback):
+    """Lightning's :class:`~lightning.pytorch.callbacks.OnExceptionCheckpoint`, for SIGTERM only: a fit that gets
+    SIGTERM (Lightning's signal handler sets ``trainer.received_sigterm`` and the loop raises
+    ``SIGTERMException``) ends its current optimizer step (the rest of a gradient accumulation, so that the saved
+    state resumes exactly), stops, and the state is saved to ``<dirpath>/<filename>.ckpt`` (default
+    ``checkpoints/last.ckpt``, what ``ckpt_path=auto`` and ``nats-train resume=<run>`` continue from);
+    nats-train then says where it stopped and exits non-zero. Other exceptions (errors) save nothing. (A plain
+    Callback, not an OnExceptionCheckpoint: with one of those Lightning turns every ``fit(ckpt_path=None)`` into
+    ``ckpt_path="last"`` and warns when there is none; nor a Checkpoint, which ``enable_checkpointing=false``
+    forbids.)"""
+
+    def __init__(self, dirpath: str, filename: str = "last") -> None:
+        super().__init__()
+        if not filename:
+            raise ValueError("InterruptCheckpoint: filename must not be empty")
+        self.dirpath, self.filename = str(dirpath), filename
+        self._deferred = False
+
+    @property
+    def ckpt_path(self) -> str:
+        import os
+
+        return os.path.join(self.dirpath, self.filename + ".ckpt")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        signals = trainer._signal_connector
+        if signals.received_sigterm and trainer.fit_loop._should_accumulate():
+            signals.received_sigterm, self._deferred = False, True  # Lightning would stop in mid-step
+        elif self._deferred:
+            signals.received_sigterm, self._deferred = True, False  # the step is complete: stop now
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException):
+            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
 
 
 class EvalAfterTraining(Callback):

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -46,7 +47,7 @@ from nats.cache.decode import policy_logits
 from nats.cache.registry import get_cache_class
 from nats.functional import budget_fractions
 from nats.models.gpt import GPT, GPTConfig
-from nats.runs import read_model_checkpoint
+from nats.runs import read_model_checkpoint, report_failure, run_folder_is_new
 from nats.utils import CONF_DIR, resolve_device
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 OUTPUT_FILES = ("results.csv", "results.json", "results.md", "ppl_vs_area.png", "ppl_vs_peak.png", "kv_fractions.json")
 _TRAIN_HINT = "pass the .ckpt of a nats-train run, e.g. ckpt_path=logs/train/runs/<date>/checkpoints/last.ckpt"
+# the logits of a batch are computed for at most this many bytes of fp32 logits at a time (the windows of a batch
+# are independent): batch_size=128 at N = 1024 would otherwise hold 128 x 1024 x 50304 x 4 bytes = 26 GB at once
+LOGITS_BYTES = 2 << 30
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -217,31 +221,40 @@ def eval_windows(cfg: DictConfig, n: int, model_vocab_size: int | None = None):
     return dataset
 
 
+def chunk_rows(n: int, vocab_size: int) -> int:
+    """Windows of N tokens whose fp32 logits fit in :data:`LOGITS_BYTES` (at least 1)."""
+    return max(1, LOGITS_BYTES // (n * vocab_size * 4))
+
+
 def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar) -> dict[str, Any]:
     nll, tokens, windows = 0.0, 0, 0
     area = peak = types = None
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        logits, caches = policy_logits(
-            model,
-            x,
-            run["cls"],
-            sequential=run["sequential"],
-            budget=run["budget"],
-            backend=backend,
-            **run["options"],
-        )
-        nll += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum"))
-        tokens += y.numel()
-        windows += x.shape[0]
-        fr = [c.fractions() for c in caches]
-        a = torch.stack([f["area"].sum(0) for f in fr]).cpu()  # [L, Hkv], summed over the batch
-        p = torch.stack([f["peak"].sum(0) for f in fr]).cpu()
-        area = a if area is None else area + a
-        peak = p if peak is None else peak + p
-        if hasattr(caches[0], "type_fractions"):
-            t = torch.stack([c.type_fractions().sum(0) for c in caches]).cpu()  # [L, Hkv, 3]
-            types = t if types is None else types + t
+    for xb, yb in loader:
+        # a batch in chunks of windows whose logits fit in LOGITS_BYTES (windows are evaluated independently)
+        rows = chunk_rows(xb.shape[1], model.config.vocab_size)
+        for x, y in zip(xb.split(rows), yb.split(rows)):
+            x, y = x.to(device), y.to(device)
+            logits, caches = policy_logits(
+                model,
+                x,
+                run["cls"],
+                sequential=run["sequential"],
+                budget=run["budget"],
+                backend=backend,
+                **run["options"],
+            )
+            nll += float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"))
+            del logits
+            tokens += y.numel()
+            windows += x.shape[0]
+            fr = [c.fractions() for c in caches]
+            a = torch.stack([f["area"].sum(0) for f in fr]).cpu()  # [L, Hkv], summed over the batch
+            p = torch.stack([f["peak"].sum(0) for f in fr]).cpu()
+            area = a if area is None else area + a
+            peak = p if peak is None else peak + p
+            if hasattr(caches[0], "type_fractions"):
+                t = torch.stack([c.type_fractions().sum(0) for c in caches]).cpu()  # [L, Hkv, 3]
+                types = t if types is None else types + t
         bar.update(1)
     area, peak = area / windows, peak / windows
     out = {
@@ -290,7 +303,17 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     ) as bar:
         for run in runs:
             bar.set_postfix_str(f"{run['label']} B={run['budget']}")
-            results.append(_run_one(model, run, loader, device, "auto", bar))
+            try:
+                results.append(_run_one(model, run, loader, device, "auto", bar))
+            except (torch.OutOfMemoryError, RuntimeError) as err:
+                if not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" not in str(err):
+                    raise
+                b = int(cfg.batch_size)
+                raise ValueError(
+                    f"out of memory on {device} evaluating {run['label']} (budget {run['budget']}) on batches of "
+                    f"{b} windows of N = {n} tokens: lower batch_size={b} (e.g. batch_size={max(1, b // 4)}), or "
+                    f"evaluate in precision=bfloat16"
+                ) from err
     for r in results:
         r["budget_fraction"] = None if r["budget"] is None else r["budget"] / n
         if r["budget"] is not None:
@@ -433,7 +456,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def main(cfg: DictConfig) -> None:
     if cfg.get("print_config"):
         print(OmegaConf.to_yaml(cfg))
-    run(cfg)
+    new_folder = run_folder_is_new(cfg.paths.output_dir)
+    try:
+        run(cfg)
+    except BaseException as err:  # one line on the console, as nats-train (nats.runs.report_failure)
+        sys.exit(report_failure(err, cfg.paths.output_dir, program="nats-eval", new_folder=new_folder))
 
 
 if __name__ == "__main__":

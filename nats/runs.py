@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -56,9 +58,49 @@ warnings.filterwarnings(
     message=r"\s*'hydra/launcher/submitit_(slurm|local)' is validated against ConfigStore",
 )
 
+# torch 2.10+ deprecates `isinstance(x, LeafSpec)`, which Lightning's pytree helper still calls on every batch
+# transfer (lightning/pytorch/utilities/_pytree.py): a FutureWarning that is Lightning's to fix, not the user's
+warnings.filterwarnings(
+    "ignore",
+    category=FutureWarning,
+    message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    module=r"lightning\.pytorch\.utilities\._pytree",
+)
+
+# a resumed run continues in its own folder, whose checkpoints/ is not empty: that is the point, not a mistake
+warnings.filterwarnings("ignore", category=UserWarning, message=r"Checkpoint directory .* exists and is not empty")
+
 AUTO = "auto"
 METRICS_FILE = "metrics.json"
 FAILED_FILE = "failed.json"
+
+
+class _DropLightningTip(logging.Filter):
+    """Drops Lightning's advertisement for its cloud logger ("💡 Tip: For seamless cloud logging ... litlogger"),
+    logged at INFO whenever a Trainer is built without that logger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' noise off the console (idempotent): Lightning's litlogger tip. (The LeafSpec
+    FutureWarning is filtered where this module is imported.)"""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # where rank_zero_info logs
+    if not any(isinstance(f, _DropLightningTip) for f in logger.filters):
+        logger.addFilter(_DropLightningTip())
+
+
+class RunInterrupted(Exception):
+    """A fit stopped by SIGTERM or Ctrl-C at optimizer step ``step`` (``reason``: "SIGTERM" or "Ctrl-C")."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"interrupted at step {step} ({reason})")
+        self.step, self.reason = step, reason
+
+
+# mistakes in what the user asked for (a setting, a path, a file): one line, and no run folder when nothing ran
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, KeyError)
 
 
 class CheckpointError(RuntimeError):
@@ -88,12 +130,10 @@ def checkpoint_step(path: str | os.PathLike) -> int:
         ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as err:  # noqa: BLE001 - any failure to read is the same problem for the user
         size = path.stat().st_size if path.exists() else 0
-        first = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(
-            f"cannot resume from {path} ({size:,} bytes): it is not a readable checkpoint "
-            f"({type(err).__name__}: {first[:200]}). It may be truncated or corrupt, e.g. written by a run that "
-            f"was killed while saving. {advice}"
-        ) from None
+            f"cannot resume from {path} ({size:,} bytes): torch.load cannot read it ({type(err).__name__}); it "
+            f"may be truncated or corrupt, e.g. written by a run that was killed while saving. {advice}"
+        ) from err
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(
             f"cannot resume from {path}: it holds no Lightning training state (no 'state_dict'). {advice}"
@@ -135,28 +175,49 @@ def read_model_checkpoint(path: str | os.PathLike | None, name: str, hint: str) 
     return dict(hp["model"]), weights
 
 
-def latest_run(runs_dir: str | os.PathLike) -> Path:
-    """The run folder with the most recent checkpoint to resume from: among the folders of ``runs_dir``, or, for a
-    logs root, of every task's ``<task>/runs/`` (``logs/train/runs``, ``logs/finetune_smollm2_nats/runs``, ...)."""
+def _last_written(folder: Path) -> float:
+    """When anything in a run folder (its log, checkpoints, logger files) was last written (``st_mtime``)."""
+    return max((p.stat().st_mtime for p in folder.rglob("*") if p.is_file()), default=folder.stat().st_mtime)
+
+
+def pick_latest_run(runs_dir: str | os.PathLike) -> tuple[Path, str]:
+    """The run that ``resume=latest`` continues, and why, in words: of the run folders that hold a checkpoint
+    (under ``runs_dir``, or, for a logs root, every task's ``<task>/runs/``: ``logs/train/runs``,
+    ``logs/finetune_smollm2_nats/runs``, ...), the one written to most recently (its log, a checkpoint, its
+    logger's files), i.e. the run that was active last, whether it was stopped, killed or finished; newer folders
+    without a checkpoint (a run stopped before its first checkpoint) are named in the reason."""
     runs_dir = Path(runs_dir)
     folders = [*runs_dir.iterdir(), *runs_dir.glob("*/runs/*")] if runs_dir.is_dir() else []
-    runs = [d for d in folders if d.is_dir() and checkpoint_candidates(d)]
+    folders = [d for d in folders if d.is_dir() and ((d / ".hydra").is_dir() or checkpoint_candidates(d))]
+    runs = [d for d in folders if checkpoint_candidates(d)]
     if not runs:
         raise FileNotFoundError(
             f"resume=latest: no run folder with a checkpoint under {runs_dir}; pass the run "
             f"folder itself (resume=logs/train/runs/<date>_<time>_<id>)"
         )
-    return max(runs, key=lambda d: max(p.stat().st_mtime_ns for p in checkpoint_candidates(d)))
+    written = {d: _last_written(d) for d in folders}
+    best = max(runs, key=lambda d: written[d])
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(written[best]))
+    done = " (it had finished: metrics.json)" if (best / METRICS_FILE).is_file() else ""
+    newer = sorted(d.name for d in folders if written[d] > written[best] and d not in runs)
+    skipped = f"; newer runs without a checkpoint to resume from: {', '.join(newer)}" if newer else ""
+    return best, f"the run with a checkpoint that was written to last, at {when}{done}{skipped}"
+
+
+def latest_run(runs_dir: str | os.PathLike) -> Path:
+    """The run folder ``resume=latest`` continues (:func:`pick_latest_run`)."""
+    return pick_latest_run(runs_dir)[0]
 
 
 def _override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def resume_argv(argv: list[str], runs_dir: str | os.PathLike) -> list[str]:
+def resume_argv(argv: list[str], runs_dir: str | os.PathLike, notes: list[str] | None = None) -> list[str]:
     """Command-line arguments with ``resume=<run folder>`` (or ``resume=latest``) replaced by the run's own
     overrides (``<run>/.hydra/overrides.yaml``), the given ones (which win over the saved ones of the same key),
-    ``hydra.run.dir=<run folder>`` and ``ckpt_path=auto``. Without ``resume=``: ``argv`` unchanged."""
+    ``hydra.run.dir=<run folder>`` and ``ckpt_path=auto``. Without ``resume=``: ``argv`` unchanged. ``notes``
+    gets which run ``resume=latest`` took and why."""
     import yaml
 
     values = [a.split("=", 1)[1] for a in argv if a.startswith("resume=")]
@@ -169,7 +230,12 @@ def resume_argv(argv: list[str], runs_dir: str | os.PathLike) -> list[str]:
             "resume= resumes one run and cannot be combined with -m/--multirun; a multirun job "
             "resumes with hydra.run.dir=<its folder> ckpt_path=auto, or rerun the sweep"
         )
-    folder = latest_run(runs_dir) if values[0] == "latest" else Path(values[0])
+    if values[0] == "latest":
+        folder, why = pick_latest_run(runs_dir)
+        if notes is not None:
+            notes.append(f"resume=latest: {folder}, {why}")
+    else:
+        folder = Path(values[0])
     saved_file = folder / ".hydra" / "overrides.yaml"
     if not saved_file.is_file():
         raise FileNotFoundError(
@@ -301,3 +367,106 @@ def read_metrics(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     return json.loads(path.read_text())
+
+
+def run_folder_is_new(output_dir: str | os.PathLike) -> bool:
+    """Whether ``output_dir`` is the folder Hydra has just made for this single run (a fresh name, only
+    ``.hydra/`` and the run's log in it): such a folder is removed again when the run's configuration fails its
+    checks (:func:`report_failure`). A folder named with ``hydra.run.dir=`` (``resume=`` sets it), a multirun
+    job's folder or one holding anything else is never removed."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.RUN:
+            return False
+        if any(str(o).lstrip("+~").startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra):
+            return False
+    except Exception:  # noqa: BLE001 - not under Hydra
+        return False
+    folder = Path(output_dir)
+    return folder.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in folder.iterdir())
+
+
+def one_line(err: BaseException) -> str:
+    """An error's message on one line (its lines joined), or its type when it has none."""
+    lines = [" ".join(line.split()) for line in str(err).splitlines() if line.strip()]
+    text = " ".join(line if line[-1] in ".:;,!?" or i == len(lines) - 1 else line + "." for i, line in enumerate(lines))
+    if isinstance(err, KeyError) and text.startswith("'"):
+        text = f"missing key {text}"
+    return text or type(err).__name__
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the current folder when it is below it (as the user would type it)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _remove_run_folder(folder: Path) -> None:
+    """Close the log files that write into ``folder`` (the run's log), then remove it."""
+    import shutil
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == folder.resolve():
+            root.removeHandler(handler)
+            handler.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def report_failure(err: BaseException, output_dir: str | os.PathLike, *, program: str, new_folder: bool) -> int:
+    """Say what stopped a run in one line on the console (and the run's log) and return the exit status.
+
+    * :class:`RunInterrupted` (SIGTERM, Ctrl-C): "interrupted at step N; resume with <program> resume=<run>";
+      status 143 (SIGTERM) or 130.
+    * a mistake in the configuration or the inputs (:data:`USER_ERRORS`, a checkpoint or token cache that
+      cannot be read) before any optimizer step of this run: the message alone; the run folder is removed when
+      Hydra made it for this run (``new_folder``, :func:`run_folder_is_new`); status 1.
+    * anything else: "run failed after N steps (<type>): <message> (traceback in <run>/failed.json)"; status 1.
+
+    ``HYDRA_FULL_ERROR=1`` prints the traceback as well."""
+    out = Path(output_dir)
+    log = logging.getLogger("nats")
+    if isinstance(err, RunInterrupted):
+        newest = resolve_ckpt_path(AUTO, out)
+        try:
+            saved = checkpoint_step(newest) if newest else None
+        except CheckpointError:
+            saved = None
+        state = (
+            f"state saved in {_shown(Path(newest))}"
+            if saved == err.step
+            else (f"newest checkpoint: step {saved}" if saved is not None else "no checkpoint written yet")
+        )
+        log.error(f"{program}: interrupted at step {err.step} ({err.reason}; {state}); resume with {program} "
+                  f"resume={_shown(out)}")  # fmt: skip
+        return 143 if err.reason == "SIGTERM" else 130
+    if isinstance(err, KeyboardInterrupt):
+        log.error(f"{program}: interrupted")
+        return 130
+    if isinstance(err, SystemExit):
+        return err.code if isinstance(err.code, int) else 1
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        import traceback
+
+        traceback.print_exception(type(err), err, err.__traceback__)
+    from nats.data.datamodule import TokenCacheError
+
+    message = one_line(err)
+    mistake = isinstance(err, (*USER_ERRORS, CheckpointError, TokenCacheError))
+    if mistake and getattr(err, "nats_steps_run", 0) <= 0:
+        log.error(f"{program}: {message}")
+        if new_folder and out.is_dir():
+            _remove_run_folder(out)
+        else:
+            write_failure(out, err)
+        return 1
+    path = write_failure(out, err)
+    step = getattr(err, "nats_steps_run", None)
+    where = f" after {step} steps" if step else ""
+    log.error(f"{program}: run failed{where} ({type(err).__name__}): {message} (traceback in {_shown(path)})")
+    return 1

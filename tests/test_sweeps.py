@@ -508,6 +508,7 @@ def test_preemption_saves_requeues_and_resumes(tmp_path, fake_slurm, monkeypatch
     base = TINY + [
         "logger=none",
         "callbacks.model_checkpoint=null",
+        "callbacks.last_checkpoint=null",
         "+trainer.enable_checkpointing=false",
         "eval_every=2",
         "final_validation=false",

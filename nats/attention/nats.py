@@ -71,7 +71,11 @@ class NAtSAttention(AttentionCore):
         if tau <= 0:
             raise ValueError(f"nats attention: tau must be > 0, got {tau}")
         if sparsity_lambda < 0:
-            raise ValueError(f"nats attention: sparsity_lambda must be >= 0, got {sparsity_lambda}")
+            raise ValueError(
+                f"model.attention.sparsity_lambda={sparsity_lambda} must be >= 0: it weighs the KV-cache size "
+                "against the loss (0 = no pressure to drop tokens, larger = a smaller cache); e.g. "
+                "model.attention.sparsity_lambda=0.1"
+            )
         _check_noise_scale(noise_scale)
         if backend not in NF.BACKENDS:
             raise ValueError(f"nats attention: backend must be one of {NF.BACKENDS}, got {backend!r}")

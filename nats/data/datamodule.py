@@ -169,9 +169,7 @@ def read_bin_header(path: str | Path, tokenizer: str | None = None) -> BinHeader
         )
     header = BinHeader(version, dtype, num_tokens, vocab_size, name.rstrip(b"\x00").decode("ascii"))
     if tokenizer is not None and header.tokenizer != tokenizer:
-        raise TokenCacheError(
-            f"{path} was tokenised with {header.tokenizer!r}, expected {tokenizer!r}; {_REBUILD}"
-        )
+        raise TokenCacheError(f"{path} was tokenised with {header.tokenizer!r}, expected {tokenizer!r}; {_REBUILD}")
     return header
 
 
@@ -374,15 +372,18 @@ def prepare_token_cache(
             meta["documents"][split] = old_meta.get("documents", {}).get(split)
             continue
         names: list[str] = []
-        with tqdm(total=source.num_documents(split), desc=f"tokenise {source.name}/{split}", unit="doc") as bar:
+        desc, total = f"tokenise {source.name}/{split}", source.num_documents(split)
+        with tqdm(total=total, desc=desc, unit="doc", leave=False) as bar:  # gone when done: one line per split
             n = write_token_bin(path, _tokenize(source.documents(split), tokenizer, names, bar), tokenizer)
         if not names:
             path.unlink()
             raise ValueError(f"{source.name}: split {split!r} has no documents; check the source")
         meta["num_tokens"][split] = n
         meta["documents"][split] = names
+        log.info("tokenised %s/%s: %d documents, %s tokens", source.name, split, len(names), f"{n:,}")
     _write_json(meta_path, meta)
     partial.unlink(missing_ok=True)
+    log.info("token cache %s prepared", folder)
     return folder
 
 
@@ -430,6 +431,28 @@ class _TokenFile:
         return self.check(self.tokens[start : start + length], start)
 
 
+def _check_not_empty(file: _TokenFile, split: str) -> None:
+    """Raise ``ValueError`` when the documents of a split were all empty (the file holds only the end-of-text
+    separators that follow each document), naming the split and the fix. Checked on files of < 1M tokens only
+    (an empty split is small; a large one is not read for this)."""
+    if file.num_tokens >= 1 << 20 or not file.num_tokens:
+        return
+    tokens = np.asarray(file.tokens)
+    if (tokens == EOT).all():
+        raise ValueError(
+            f"the {split} split is empty: its {file.num_tokens} document(s) hold no text ({file.path} has only their "
+            f"end-of-text separators). Put text into the source's {split} files (or point the data config at "
+            f"another corpus), then delete the token cache {file.path.parent} so that it is tokenised again"
+        )
+
+
+def _too_short(file: _TokenFile, block_size: int) -> ValueError:
+    return ValueError(
+        f"{file.path} holds {file.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1} (one window; "
+        "block_size is the model's context, model.block_size): use a model with a shorter context, or more data"
+    )
+
+
 def _xy(window: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.from_numpy(window.astype(np.int64))  # [N + 1]
     return t[:-1], t[1:]  # x, y: [N] each
@@ -441,10 +464,7 @@ class TrainWindows(Dataset):
 
     def __init__(self, file: _TokenFile, block_size: int, seed: int, length: int) -> None:
         if file.num_tokens < block_size + 1:
-            raise ValueError(
-                f"{file.path} holds {file.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1}; use a "
-                "smaller block_size or more data"
-            )
+            raise _too_short(file, block_size)
         self.file, self.block_size, self.seed, self.length = file, block_size, seed, length
 
     def offset(self, s: int) -> int:
@@ -482,30 +502,40 @@ class ResumableSampler(Sampler[int]):
 
 
 class EvalWindows(Dataset):
-    """Validation/test windows: item ``k`` is ``tokens[k*N : k*N + N + 1]`` with ``N = block_size``."""
+    """Validation/test windows: ``tokens[k*N : k*N + N + 1]`` with ``N = block_size``, for every ``k`` of the split
+    in order, or, capped at ``max_windows`` below the split's count ``n``, for ``m = max_windows`` windows spread
+    evenly over the whole split (``k_i = floor(i * n / m)``, deterministic): a quick evaluation then samples every
+    part of the split (all its books, in proportion to their length), not its first few books."""
 
     def __init__(self, file: _TokenFile, block_size: int, max_windows: int | None = None) -> None:
         if file.num_tokens < block_size + 1:
-            raise ValueError(
-                f"{file.path} holds {file.num_tokens} tokens, fewer than block_size + 1 = {block_size + 1}; use a "
-                "smaller block_size or a larger split"
-            )
+            raise _too_short(file, block_size)
         self.file, self.block_size = file, block_size
         n = (file.num_tokens - 1) // block_size
         self.num_windows = n if max_windows is None else min(n, max_windows)
+        self.starts: np.ndarray | None = None  # window numbers k when capped; None = all, in order
+        if self.num_windows < n:
+            self.starts = (np.arange(self.num_windows, dtype=np.int64) * n) // self.num_windows
+
+    def window_index(self, i: int) -> int:
+        """The window number ``k`` of item ``i`` (``tokens[k*N : k*N + N + 1]``)."""
+        return i if self.starts is None else int(self.starts[i])
 
     def __len__(self) -> int:
         return self.num_windows
 
-    def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= k < self.num_windows:
-            raise IndexError(k)
-        return _xy(self.file.window(k * self.block_size, self.block_size + 1))
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.num_windows:
+            raise IndexError(i)
+        return _xy(self.file.window(self.window_index(i) * self.block_size, self.block_size + 1))
 
     def targets(self, num_windows: int | None = None) -> np.ndarray:
-        """The predicted tokens of the first ``num_windows`` windows (all by default), in order."""
+        """The predicted tokens of the first ``num_windows`` items (all by default), in order."""
         n = self.num_windows if num_windows is None else num_windows
-        return self.file.window(1, n * self.block_size)
+        if self.starts is None:
+            return self.file.window(1, n * self.block_size)
+        offsets = (self.starts[:n, None] * self.block_size + np.arange(1, self.block_size + 1)).ravel()
+        return self.file.check(self.file.tokens[offsets], 0)
 
 
 class StridedSampler(Sampler[int]):
@@ -668,6 +698,7 @@ class TokenDataModule(ResumableDataModule):
         self._folder: Path | None = self._explicit_cache
         self._files: dict[str, _TokenFile] = {}
         self._unigram_logp: np.ndarray | None = None
+        self._prepared = False
 
     # -- properties ------------------------------------------------------------------------------------------
     @property
@@ -694,11 +725,15 @@ class TokenDataModule(ResumableDataModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------------
     def prepare_data(self) -> None:
-        """Download and tokenise (once; Lightning calls this on one process per node)."""
+        """Download and tokenise (once; Lightning calls this on one process per node, at every fit and validate:
+        the cache is found and checked once per process)."""
+        if self._prepared:
+            return
         self._folder = prepare_token_cache(
             self.text_source, self.cache_dir, self.tokenizer, name=self.cache_name, folder=self._explicit_cache,
             options=self.source_options,
         )  # fmt: skip
+        self._prepared = True
 
     def setup(self, stage: str | None = None) -> None:
         """Memory-map the three splits (validates their headers); attached to a trainer, check that the model's
@@ -707,11 +742,11 @@ class TokenDataModule(ResumableDataModule):
             path = self.cache_path / f"{split}.bin"
             if not path.is_file():
                 raise FileNotFoundError(
-                    f"{path} does not exist: run `nats-prepare data={self.source_name}` (or call prepare_data()) "
-                    "first"
+                    f"{path} does not exist: run `nats-prepare data={self.source_name}` (or call prepare_data()) first"
                 )
             if split not in self._files:
                 self._files[split] = _TokenFile(path, self.tokenizer)
+                _check_not_empty(self._files[split], split)
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         model_vocab = getattr(getattr(module, "config", None), "vocab_size", None)  # LitGPT.config: GPTConfig
         if isinstance(model_vocab, int):
@@ -729,8 +764,11 @@ class TokenDataModule(ResumableDataModule):
                     f"model.vocab_size={model_vocab_size} is smaller than the vocabulary of the token cache "
                     f"{self.cache_path} ({data_vocab} ids, tokenizer {self.tokenizer!r}): the model has no "
                     f"embedding for ids >= {model_vocab_size}. "
-                    + (fix or f"Set model.vocab_size={padded} (>= {data_vocab}, padded to a multiple of 64), or "
-                       "train on data of a smaller vocabulary")
+                    + (
+                        fix
+                        or f"Set model.vocab_size={padded} (>= {data_vocab}, padded to a multiple of 64), or "
+                        "train on data of a smaller vocabulary"
+                    )
                 )
 
     def _file(self, split: str) -> _TokenFile:
