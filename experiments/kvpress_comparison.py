@@ -3,6 +3,7 @@ examples (docs/kvpress.md).
 
     python experiments/kvpress_comparison.py <results.jsonl> [<results.jsonl> ...] --out docs/results \
         --name kvpress_comparison_smollm2_n16 [--pair snapkv@0.25=kvpress_snapkv@0.25 ...] [--nats LABEL=FILE]
+        [--exclude METHOD ...] [--note TEXT]
 
 The runs' rows are merged as `experiments/hf_study_table.py` merges them (a later file's row replaces an earlier
 one's for the same method, budget, task and example; the prompts must agree). Writes ``<name>.md``:
@@ -63,12 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pair", action="append", default=[], metavar="A=B", help="method@budget=method@budget")
     p.add_argument("--nats", action="append", default=[], metavar="LABEL=FILE")
     p.add_argument("--note", default="", help="a line printed under the header (machine, versions)")
+    p.add_argument("--exclude", action="append", default=[], metavar="METHOD", help="leave this method out")
     args = p.parse_args(argv)
     nats = []
     for item in args.nats:
         label, _, file = item.rpartition("=")
         nats.append((label, Path(file)))
     rows, runs, tasks, header = merge(args.results, nats)
+    rows = [r for r in rows if r["method"] not in args.exclude]
+    runs = [r for r in runs if r["method"] not in args.exclude]
     summary = summarize(rows, runs, tasks)
     header = header.split(", NAtS scorers ")[0] + (", NAtS: " + ", ".join(label for label, _ in nats) if nats else "")
     text = markdown_table(summary, tasks, header)
