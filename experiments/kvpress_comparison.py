@@ -9,7 +9,8 @@ The runs' rows are merged as `experiments/hf_study_table.py` merges them (a late
 one's for the same method, budget, task and example; the prompts must agree). Writes ``<name>.md``:
 
 * the table of `nats.hf.evaluate` (accuracy per task, mean, KV area / peak / kept);
-* every method against the full cache: the difference of the mean accuracy and its paired 95% bootstrap interval;
+* every method against the full cache: the mean difference on the examples both ran and its paired 95% bootstrap
+  interval;
 * each ``--pair A=B`` (method@budget, no budget for unbudgeted ones): B - A with its paired bootstrap interval
   (resampling the examples of each task that both ran) and whether they agree (the interval holds 0);
 
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             d = paired(rows, ("full", None), (s["method"], s["budget"]))
             ci = "" if d is None else f"{d[1][0]:+.1f} .. {d[1][1]:+.1f}"
-            delta = 100 * (s["mean_accuracy"] - full["mean_accuracy"])
+            # paired: the difference on the examples both ran (a run stopped early has fewer than full)
+            delta = d[0] if d is not None else 100 * (s["mean_accuracy"] - full["mean_accuracy"])
             text += (
                 f"| {_name(s)} | {100 * s['mean_accuracy']:.1f} | {delta:+.1f} | {ci} | {s['kv_fraction']:.3f} "
                 f"| {s['peak']:.3f} | {s['area']:.3f} |\n"
