@@ -11,8 +11,9 @@ one's for the same method, budget, task and example; the prompts must agree). Wr
 * the table of `nats.hf.evaluate` (accuracy per task, mean, KV area / peak / kept);
 * every method against the full cache: the mean difference on the examples both ran and its paired 95% bootstrap
   interval;
-* each ``--pair A=B`` (method@budget, no budget for unbudgeted ones): B - A with its paired bootstrap interval
-  (resampling the examples of each task that both ran) and whether they agree (the interval holds 0);
+* each ``--pair A=B`` (method@budget, no budget for unbudgeted ones; e.g. the project's method = kvpress'):
+  B - A with its paired bootstrap interval (resampling the examples of each task that both ran) and whether they
+  agree (the interval holds 0);
 
 and ``<name>.png`` (accuracy against KV kept and KV area).
 """
@@ -98,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.pair:
         text += (
-            "\n| project | kvpress | project mean | kvpress mean | kvpress - project | 95% interval | examples "
-            "| agree |\n"
+            "\n| A | B | A mean | B mean | B - A | 95% interval | examples | agree |\n"
             "|---|---|---:|---:|---:|---:|---:|---|\n"
         )
         means = {(s["method"], s["budget"]): 100 * s["mean_accuracy"] for s in summary}
