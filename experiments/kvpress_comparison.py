@@ -67,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nats", action="append", default=[], metavar="LABEL=FILE")
     p.add_argument("--note", default="", help="a line printed under the header (machine, versions)")
     p.add_argument("--exclude", action="append", default=[], metavar="METHOD", help="leave this method out")
+    p.add_argument(
+        "--plot-exclude",
+        action="append",
+        default=[],
+        metavar="METHOD",
+        help="leave this method out of the plot only (its colour cycle has 10 colours)",
+    )
     args = p.parse_args(argv)
     nats = []
     for item in args.nats:
@@ -121,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.md").write_text(text)
-    plot(summary, args.out / f"{args.name}.png", header.split(":")[0] + ": kvpress beside the project's methods")
+    shown = [s for s in summary if s["method"] not in args.plot_exclude]
+    plot(shown, args.out / f"{args.name}.png", header.split(":")[0] + ": kvpress beside the project's methods")
     print(text)
     return 0
 
