@@ -121,13 +121,16 @@ def configured_methods(cfg: DictConfig) -> Iterator[tuple[str, Any, type, dict[s
         pcfg = policies[method]
         opts = pcfg.get("options")
         options = OmegaConf.to_container(opts, resolve=True) if isinstance(opts, DictConfig) else dict(opts or {})
-        yield method, pcfg, get_cache_class(pcfg.name), options
+        # a kvpress press (nats-eval-hf's conf/kvpress/) names no policy of the project: no class
+        yield method, pcfg, get_cache_class(pcfg.name) if pcfg.get("name") is not None else None, options
 
 
 def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, Any]], list[str]]:
     """The (method, budget) runs; raises on unknown methods and bad budgets. Returns (runs, notes)."""
     runs, notes = [], []
     for method, pcfg, cls, options in configured_methods(cfg):
+        if cls is None:
+            raise ValueError(f"method {method!r} is not a cache policy of the project (kvpress presses: nats-eval-hf)")
         sequential = bool(pcfg.get("sequential", False))
         if sequential and not cls.decodable:
             raise ValueError(

@@ -70,7 +70,9 @@ class PolicyCacheLayer(CacheLayerMixin):
         self.seen += key_states.shape[-2]
         return key_states, value_states
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # transformers < 5.3 passes the cache positions
+            query_length = query_length.shape[0]
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -78,6 +80,8 @@ class PolicyCacheLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.owner.max_len
+
+    get_max_cache_shape = get_max_length  # the name before transformers 5.3
 
     def reset(self) -> None:
         self.policy, self.pending, self.seen, self.is_initialized = None, None, 0, False

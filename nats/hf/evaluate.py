@@ -142,6 +142,9 @@ def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
     """The (method, budget fraction) runs; raises on unknown methods, `nats` without scorers and bad budgets."""
     runs = []
     for method, pcfg, cls, options in configured_methods(cfg):
+        if pcfg.get("kvpress"):  # a kvpress press (conf/kvpress/*.yaml; nats.hf.kvpress_methods)
+            runs += _plan_kvpress(cfg, method, pcfg)
+            continue
         if not cls.decodable:
             raise ValueError(f"method {method!r} (policy {pcfg.name!r}) is evaluation-only and cannot decode")
         if cls.requires_core == "nats" and not has_scorers:
@@ -151,18 +154,50 @@ def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
             )
         budgets: list[float | None] = [None]
         if cls.budgeted:
-            if not cfg.get("budgets"):
-                raise ValueError(f"method {method!r} needs budgets: set budgets=[0.5,0.25,...] (prompt fractions)")
-            budgets = []
-            for b in cfg.budgets:
-                if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
-                    raise ValueError(f"budgets are fractions of the prompt length in (0, 1); got {b!r}")
-                budgets.append(float(b))
+            budgets = list(_budgets(cfg, method))
         label = pcfg.get("label", method)
         runs += [
             {"method": method, "policy": pcfg.name, "label": label, "budget": b, "options": options} for b in budgets
         ]
     return runs
+
+
+def _budgets(cfg: DictConfig, method: str) -> list[float]:
+    if not cfg.get("budgets"):
+        raise ValueError(f"method {method!r} needs budgets: set budgets=[0.5,0.25,...] (prompt fractions)")
+    budgets = []
+    for b in cfg.budgets:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
+            raise ValueError(f"budgets are fractions of the prompt length in (0, 1); got {b!r}")
+        budgets.append(float(b))
+    return budgets
+
+
+def _plan_kvpress(cfg: DictConfig, method: str, pcfg: DictConfig) -> list[dict[str, Any]]:
+    """The runs of a kvpress method (``kvpress: <press>`` in its config), at every budget; kvpress must import."""
+    from nats.hf.kvpress_methods import PRESSES, kvpress_module
+
+    press = str(pcfg.kvpress)
+    if press not in PRESSES:
+        raise ValueError(f"method {method!r}: unknown kvpress press {press!r}; available: {', '.join(PRESSES)}")
+    try:
+        kvpress_module()
+    except ImportError as err:
+        raise ValueError(f"method {method!r}: {err}") from None
+    opts = pcfg.get("options")
+    options = OmegaConf.to_container(opts, resolve=True) if opts else {}
+    label = pcfg.get("label", method)
+    return [
+        {
+            "method": method,
+            "policy": f"kvpress:{press}",
+            "press": press,
+            "label": label,
+            "budget": b,
+            "options": options,
+        }
+        for b in ([None] if PRESSES[press] is None else _budgets(cfg, method))
+    ]
 
 
 def budget_tokens(fraction: float | None, prompt_len: int) -> int | None:
@@ -174,12 +209,18 @@ def check_budgets(runs: list[dict[str, Any]], examples: list[LongContextExample]
     for run in runs:
         if run["budget"] is None:
             continue
-        cls = get_cache_class(run["policy"])
+        if "press" in run:
+            from nats.hf.kvpress_methods import check_budget as check  # noqa: PLC0415
+
+            def check(b, n, _check=check, _press=run["press"], **options):
+                _check(_press, b, n, **options)
+        else:
+            check = get_cache_class(run["policy"]).check_budget
         for ex in examples:
             n = len(ex.prompt_ids)
             b = budget_tokens(run["budget"], n)
             try:
-                cls.check_budget(b, n, **run["options"])
+                check(b, n, **run["options"])
             except ValueError as err:
                 raise ValueError(
                     f"{run['method']} at budget {run['budget']} of the {n}-token prompt of {ex.task} example "
@@ -303,6 +344,10 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
     """Answer one example with `run`'s method and budget; its score and KV measurements (a row)."""
     from nats.hf import PolicyCache
 
+    if "press" in run:  # kvpress: its press on a transformers DynamicCache (nats.hf.kvpress_methods)
+        from nats.hf.kvpress_methods import evaluate_one as evaluate_press  # noqa: PLC0415
+
+        return evaluate_press(model, tokenizer, example, run, cfg)
     prompt = example.prompt_ids
     k = int(cfg.continuation_tokens)
     n_new = new_tokens(example, int(cfg.answer_margin), k)
@@ -590,27 +635,39 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if done:
         log.info(f"resuming: {len(done)} of {len(wanted)} results already in {results}")
     todo = [(r, ex) for r in runs for ex in examples if row_key(key_of(r, ex)) not in done]
+    order = str(cfg.get("order", "methods"))
+    if order == "examples":  # every method on one example, then the next (kvpress methods share its prefill);
+        # the tasks' first examples first, then their second ones, ... (a run stopped early has every task)
+        position = {id(ex): (ex.meta.get("index", i), i) for i, ex in enumerate(examples)}
+        todo.sort(key=lambda pair: position[id(pair[1])])  # stable: the methods' order within an example
+    elif order != "methods":
+        raise ValueError(f"order must be methods or examples, got {order!r}")
+    left = {id(r): sum(rr is r for rr, _ in todo) for r in runs}
+    mine = {id(r): [x for x in rows if (x["method"], x["budget"]) == (r["method"], r["budget"])] for r in runs}
+
+    def finished(r) -> None:
+        acc, kv = _mean([x["score"] for x in mine[id(r)]]), _mean([x["kv_fraction"] for x in mine[id(r)]])
+        log.info(
+            f"{_name(r)}: {len(mine[id(r)])}/{len(examples)} examples, accuracy {100 * acc:.1f}%, kv_fraction {kv:.3f}"
+        )
+
     computed = 0
     with tqdm(total=len(todo), desc="nats-eval-hf", disable=not cfg.get("progress", True), dynamic_ncols=True) as bar:
         for r in runs:
-            name = _name(r)
-            mine = [x for x in rows if (x["method"], x["budget"]) == (r["method"], r["budget"])]
-            new = [ex for rr, ex in todo if rr is r]
-            for ex in new:
-                acc = f"{100 * _mean([x['score'] for x in mine]):.1f}%" if mine else "-"
-                bar.set_postfix_str(f"{name}: {ex.task} #{ex.meta['index']}, accuracy so far {acc}")
-                row = evaluate_one(model, tokenizer, ex, r, cfg)
-                append_row(results, row)
-                rows.append(row)
-                mine.append(row)
-                computed += 1
-                bar.update(1)
-            acc, kv = _mean([x["score"] for x in mine]), _mean([x["kv_fraction"] for x in mine])
-            log.info(
-                f"{name}: {len(mine)}/{len(examples)} examples ({len(new)} now), accuracy {100 * acc:.1f}%, "
-                f"kv_fraction {kv:.3f}"
-            )
-            if new:
+            if not left[id(r)]:
+                finished(r)
+        for r, ex in todo:
+            acc = f"{100 * _mean([x['score'] for x in mine[id(r)]]):.1f}%" if mine[id(r)] else "-"
+            bar.set_postfix_str(f"{_name(r)}: {ex.task} #{ex.meta['index']}, accuracy so far {acc}")
+            row = evaluate_one(model, tokenizer, ex, r, cfg)
+            append_row(results, row)
+            rows.append(row)
+            mine[id(r)].append(row)
+            computed += 1
+            bar.update(1)
+            left[id(r)] -= 1
+            if not left[id(r)]:
+                finished(r)
                 write_summary(out, rows, runs, tasks, header)
     summary = write_summary(out, rows, runs, tasks, header)
     log.info(markdown_table(summary, tasks, header))

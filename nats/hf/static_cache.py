@@ -109,6 +109,8 @@ class StaticPolicyLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
+    get_max_cache_shape = get_max_length  # the name before transformers 5.3
+
     def reset(self) -> None:
         raise NotImplementedError("StaticPolicyCache: make a new cache per generate call")
 

@@ -4,6 +4,11 @@ Key j is visible to query i iff ``j <= i and (j < sinks or i - j < B - sinks)``.
 ``sinks`` tokens and a ring of the last ``B - sinks`` ones; keys keep the RoPE of their original position (no
 position shift; positions stay within the model's block_size). The mask is static, so the parallel prefill is a
 masked forward and decoding equals it exactly.
+
+``exact_prefill=True`` (not the default: not StreamingLLM's streaming model) is the variant that kvpress'
+``StreamingLLMPress`` implements (docs/kvpress.md): the prompt's attention is exact (causal over all N tokens), then
+the cache keeps the same sinks + last ``B - sinks`` prompt tokens and decoding goes on as above. The prompt queries
+then read every key before them, which the area and peak fractions count.
 """
 
 from __future__ import annotations
@@ -26,14 +31,15 @@ def streaming_mask(n: int, budget: int, sinks: int = 4, device=None) -> torch.Te
 class StreamingLLMCache(SlotCache):
     budgeted = True
 
-    def __init__(self, *, budget: int, sinks: int = 4, **kwargs):
+    def __init__(self, *, budget: int, sinks: int = 4, exact_prefill: bool = False, **kwargs):
         type(self).check_budget(budget, 10**18, sinks=sinks)
         super().__init__(capacity=budget, budget=budget, **kwargs)
         self.sinks = int(sinks)
         self.ring = budget - self.sinks
+        self.exact_prefill = bool(exact_prefill)
 
     @classmethod
-    def check_budget(cls, budget, n, sinks: int = 4, **options):
+    def check_budget(cls, budget, n, sinks: int = 4, exact_prefill: bool = False, **options):
         super().check_budget(budget, n)
         if sinks < 0:
             raise ValueError(f"streaming_llm: sinks must be >= 0, got {sinks}")
@@ -49,8 +55,11 @@ class StreamingLLMCache(SlotCache):
 
     def _prefill(self, q, k, v, x):
         N = q.shape[2]
-        mask = streaming_mask(N, self.budget, self.sinks, device=q.device)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        if self.exact_prefill:  # kvpress' StreamingLLMPress: exact prompt attention, then the same keys kept
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            mask = streaming_mask(N, self.budget, self.sinks, device=q.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         pos = torch.arange(N, device=q.device)
         keep = (pos < self.sinks) | (pos > N - 1 - self.ring)
         pos = pos[keep]
@@ -58,7 +67,8 @@ class StreamingLLMCache(SlotCache):
         self.k.index_copy_(2, slots, k[:, :, pos])
         self.v.index_copy_(2, slots, v[:, :, pos])
         self.length.fill_(min(N, self.budget))
-        sizes = torch.arange(1, N + 1, device=self.device).clamp(max=self.budget)
+        sizes = torch.arange(1, N + 1, device=self.device)
+        sizes = sizes if self.exact_prefill else sizes.clamp(max=self.budget)
         self._record_many(sizes.expand(self.rows, N))
         self.t = N
         return y
