@@ -158,6 +158,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         # the token cache before anything else is said (a missing data folder stops here); Lightning's own call
         # in fit finds it prepared. Processes that DDP launches later find the cache made; others wait in fit
         datamodule.prepare_data()
+        datamodule.setup()  # its splits checked (an empty one stops here); fit sets it up again, attached
     if ckpt_path is not None:
         if trainer.is_global_zero:
             log.info(f"resuming from {ckpt_path} at step {step}")
