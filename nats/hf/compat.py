@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-TESTED = "transformers 5.17 (GPU image), 5.23 and 5.24 (CPU)"
+TESTED = "transformers 5.2 (the kvpress environment), 5.17 (the GPU image) and 5.24 (a fresh install, CPU)"
 
 
 def cache_argument(model: Any) -> str:
