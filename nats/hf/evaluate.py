@@ -43,7 +43,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -59,7 +58,17 @@ from tqdm.auto import tqdm
 from nats.attention.nats import check_type_bias, set_type_bias
 from nats.cache.registry import get_cache_class
 from nats.data.longctx import LongContextExample, load_or_build_examples
-from nats.data.longctx.longbench import fingerprint, load_longbench, score_longbench
+from nats.data.longctx.longbench import fingerprint, load_longbench
+from nats.data.longctx.scoring import (  # noqa: F401 (nats.hf.evaluate.score & co. stay importable)
+    _round,
+    budget_tokens,
+    key_of,
+    match_score,
+    new_tokens,
+    references,
+    score,
+    token_accuracy,
+)
 from nats.eval import configured_methods
 from nats.hf.compat import cache_kwargs
 from nats.hf.pretrained import PRETRAINED_KEYS
@@ -85,56 +94,6 @@ RESUME_KEYS = (
 # ----------------------------------------------------------------------------------------------------------------
 # scoring
 # ----------------------------------------------------------------------------------------------------------------
-def references(example: LongContextExample) -> list[str]:
-    """The strings a correct answer contains: the pass key, the needle's value, the chain's variable names, the
-    answers a RULER task (`nats.data.longctx.ruler`) lists in ``meta["answers"]``."""
-    meta = example.meta
-    if "answers" in meta:
-        return [str(a) for a in meta["answers"]]
-    if example.task == "passkey":
-        return [str(meta["passkey"])]
-    if example.task == "niah":
-        return [str(meta["value"])]
-    if example.task == "variable_tracking":
-        return [str(v) for v in meta["variables"]]
-    raise ValueError(f"task {example.task!r} is scored by its tokens, not by strings")
-
-
-def match_score(prediction: str, refs: Sequence[str]) -> float:
-    """RULER's ``string_match_all``: the fraction of `refs` in `prediction` (case-insensitive), each as a whole
-    word (``40521`` is not found in ``140521``)."""
-    found = [re.search(rf"(?<![0-9A-Za-z]){re.escape(r)}(?![0-9A-Za-z])", prediction, re.IGNORECASE) for r in refs]
-    return sum(f is not None for f in found) / len(refs)
-
-
-def token_accuracy(generated: Sequence[int], reference: Sequence[int]) -> float:
-    """The fraction of `reference`'s positions where `generated` has the same token (missing ones are wrong)."""
-    return sum(g == r for g, r in zip(generated, reference)) / len(reference)
-
-
-def score(example: LongContextExample, generated: Sequence[int], text: str, k: int) -> tuple[float, Any]:
-    """``(score in [0, 1], what was expected)`` of one answer: generated token ids and their decoded text."""
-    if example.task == "pg19_continuation":
-        ref = example.answer_ids[:k]
-        return token_accuracy(generated[: len(ref)], ref), ref
-    if example.task.startswith("longbench/"):
-        return score_longbench(example, text), example.meta["answers"]
-    refs = references(example)
-    if example.meta.get("match") == "any":  # RULER's string_match_part (QA: any annotator's answer)
-        return max(match_score(text, [r]) for r in refs), refs
-    return match_score(text, refs), refs
-
-
-def new_tokens(example: LongContextExample, margin: int, k: int) -> int:
-    """How many tokens to generate: the answer's length + margin (the continuation: its first k tokens; LongBench:
-    the dataset's generation length ``meta["max_new"]``)."""
-    if "max_new" in example.meta:
-        return int(example.meta["max_new"])
-    if example.task == "pg19_continuation":
-        return min(k, len(example.answer_ids))
-    return len(example.answer_ids) + margin
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # plan: methods x budgets, checked before anything runs
 # ----------------------------------------------------------------------------------------------------------------
@@ -198,10 +157,6 @@ def _plan_kvpress(cfg: DictConfig, method: str, pcfg: DictConfig) -> list[dict[s
         }
         for b in ([None] if PRESSES[press] is None else _budgets(cfg, method))
     ]
-
-
-def budget_tokens(fraction: float | None, prompt_len: int) -> int | None:
-    return None if fraction is None else max(1, round(fraction * prompt_len))
 
 
 def check_budgets(runs: list[dict[str, Any]], examples: list[LongContextExample]) -> None:
@@ -336,10 +291,6 @@ def continue_one(model: Any, prompt: list[int], reference: list[int], cache: Any
     return logits.argmax(-1).tolist(), float(nll)
 
 
-def _round(t: torch.Tensor) -> list:
-    return torch.round(t.double(), decimals=6).tolist()
-
-
 def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, Any], cfg: DictConfig) -> dict:
     """Answer one example with `run`'s method and budget; its score and KV measurements (a row)."""
     from nats.hf import PolicyCache
@@ -399,10 +350,6 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
 # ----------------------------------------------------------------------------------------------------------------
 # results.jsonl: appended line by line, read back for resuming
 # ----------------------------------------------------------------------------------------------------------------
-def key_of(run: dict[str, Any], example: LongContextExample) -> dict[str, Any]:
-    return {"method": run["method"], "budget": run["budget"], "task": example.task, "index": example.meta["index"]}
-
-
 def row_key(row: dict[str, Any]) -> tuple:
     return row["method"], row["budget"], row["task"], row["index"]
 
