@@ -49,6 +49,34 @@ from nats.cache.registry import register_cache
 GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
 
 
+def append_token(t, pos, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, scratch) -> None:
+    """Admit one token per row r (types ``t [R]``, key/value ``[R, D]``): every row writes ring slot ``pos % W``
+    (valid where sliding; the old occupant's window has ended), and global / local tokens are appended to their
+    row's segment (rows whose token is sliding write to the ``scratch`` slots ``[R]``). The PyTorch form of the
+    fused kernels' append."""
+    slot = pos % ring_k.shape[1]
+    ring_k.index_copy_(1, slot, k_new[:, None])
+    ring_v.index_copy_(1, slot, v_new[:, None])
+    ring_valid.index_copy_(1, slot, (t == SLIDING)[:, None])
+    keep = t != SLIDING
+    dest = torch.where(keep, start + length, scratch)
+    k_pool.index_copy_(0, dest, k_new)
+    v_pool.index_copy_(0, dest, v_new)
+    length.add_(keep.to(length.dtype))
+
+
+def drop_locals(isg, k_pool, v_pool, start, length, n_global, scratch) -> None:
+    """In the rows where ``isg`` (their last token is global) the locals go: the token moves from
+    ``start + length - 1`` down to ``start + n_global`` and ``length = n_global + 1`` (other rows touch only the
+    ``scratch`` slots)."""
+    src = torch.where(isg, start + length - 1, scratch)
+    dst = torch.where(isg, start + n_global, scratch)
+    k_pool.index_copy_(0, dst, k_pool.index_select(0, src))
+    v_pool.index_copy_(0, dst, v_pool.index_select(0, src))
+    n_global.add_(isg.to(n_global.dtype))
+    length.copy_(torch.where(isg, n_global, length))
+
+
 @register_cache("nats")
 class NAtSCache(LayerCache):
     requires_core = "nats"  # the types come from the layer's NAtS scorer
@@ -175,17 +203,8 @@ class NAtSCache(LayerCache):
         t = self.types_of(x, pos) if types is None else types.reshape(self.rows).to(torch.long)
         kr, vr = self._kv_rows(k), self._kv_rows(v)
         W = self.window
-        slot = pos % W
-        # ring: every row writes slot i % W (valid where sliding); the old occupant's window has ended
-        self.ring_k.index_copy_(1, slot, kr[:, None])
-        self.ring_v.index_copy_(1, slot, vr[:, None])
-        self.ring_valid.index_copy_(1, slot, (t == SLIDING)[:, None])
-        # pool: globals and locals are appended to their row's segment
-        gl = t != SLIDING
-        dest = torch.where(gl, self.start + self.length, self.scratch)
-        self.k_pool.index_copy_(0, dest, kr)
-        self.v_pool.index_copy_(0, dest, vr)
-        self.length += gl
+        append_token(t, pos, kr, vr, self.ring_k, self.ring_v, self.ring_valid, self.k_pool, self.v_pool,
+                     self.start, self.length, self.scratch)  # fmt: skip
         if self.track:
             self._record(self.length + self.ring_valid.sum(1))
             self.type_counts.scatter_add_(1, t[:, None], torch.ones_like(t)[:, None])
@@ -204,14 +223,7 @@ class NAtSCache(LayerCache):
             ring_valid=self.ring_valid,
             backend=self.backend,
         )
-        # evict: in rows where token i is global, its locals go (move the token down over them)
-        isg = t == GLOBAL
-        src = torch.where(isg, self.start + self.length - 1, self.scratch)
-        dst = torch.where(isg, self.start + self.n_global, self.scratch)
-        self.k_pool.index_copy_(0, dst, self.k_pool.index_select(0, src))
-        self.v_pool.index_copy_(0, dst, self.v_pool.index_select(0, src))
-        self.n_global += isg
-        self.length.copy_(torch.where(isg, self.n_global, self.length))
+        drop_locals(t == GLOBAL, self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.scratch)
         # the sliding token i - W + 1 has now been seen by W queries
         self.ring_valid.index_fill_(1, (pos + 1) % W, False)
         return self._out(y)
