@@ -123,7 +123,7 @@ class PolicyCache(Cache):
         track: bool = True,
         **options: Any,
     ):
-        from nats.hf.hooks import SCORER_NAME, _decoder_layers  # noqa: PLC0415
+        from nats.hf.hooks import routed_cores  # noqa: PLC0415
 
         if policy not in available_caches():
             raise ValueError(
@@ -133,13 +133,7 @@ class PolicyCache(Cache):
         if not self.policy_cls.decodable:
             raise ValueError(f"PolicyCache: cache policy {policy!r} is evaluation-only and cannot decode")
         config = model.config
-        attn = [layer.self_attn for layer in _decoder_layers(model)]
-        if not all(hasattr(a, "_nats_cache") for a in attn) or config._attn_implementation != "nats":
-            raise ValueError(
-                "PolicyCache: the model does not route its attention through nats (call nats.hf.attach_nats(model) "
-                "for NAtS, or nats.hf.use_policy_caches(model) for the other policies, first)"
-            )
-        self.cores = [getattr(a, SCORER_NAME, None) for a in attn]
+        self.cores = routed_cores(model, "PolicyCache")
         if self.policy_cls.requires_core == "nats" and any(c is None for c in self.cores):
             raise ValueError(f"PolicyCache: policy {policy!r} needs NAtS scorers: call nats.hf.attach_nats(model)")
         self.policy = policy
@@ -148,8 +142,10 @@ class PolicyCache(Cache):
         if self.max_len < 1:
             raise ValueError("PolicyCache: pass max_len (the model config has no max_position_embeddings)")
         self.backend, self.track = backend, track
-        self.options = policy_options(policy, budget, self.max_len, len(attn), options)  # budget, n_layer included
-        super().__init__(layers=[PolicyCacheLayer(self, i) for i in range(len(attn))])
+        self.options = policy_options(
+            policy, budget, self.max_len, len(self.cores), options
+        )  # budget, n_layer included
+        super().__init__(layers=[PolicyCacheLayer(self, i) for i in range(len(self.cores))])
 
     def make_layer(self, layer_idx: int, key_states: torch.Tensor) -> LayerCache:
         B, Hkv, _, D = key_states.shape

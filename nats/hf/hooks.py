@@ -29,6 +29,18 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def routed_cores(model: nn.Module, who: str) -> list:
+    """Each decoder layer's NAtS scorer (None where it has none), once the model is checked to route its attention
+    through nats (the hooks installed and the attention function selected); `who` names the caller in the error."""
+    attn = [layer.self_attn for layer in _decoder_layers(model)]
+    if not all(hasattr(a, "_nats_cache") for a in attn) or model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"{who}: the model does not route its attention through nats (call nats.hf.attach_nats(model) for NAtS, "
+            "or nats.hf.use_policy_caches(model) for the other policies, first)"
+        )
+    return [getattr(a, SCORER_NAME, None) for a in attn]
+
+
 def _stash_hidden(module: nn.Module, args, kwargs):
     """Forward pre-hook of an attention module: its input hidden states (the scorer's input) and the cache it is
     given (a `nats.hf.cache.PolicyCache` runs its policy in the attention function)."""

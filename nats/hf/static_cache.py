@@ -186,7 +186,7 @@ class StaticPolicyCache(Cache):
         track: bool = True,
         **options: Any,
     ):
-        from nats.hf.hooks import SCORER_NAME, _decoder_layers  # noqa: PLC0415
+        from nats.hf.hooks import routed_cores  # noqa: PLC0415
 
         if policy not in POLICIES:
             raise ValueError(
@@ -196,13 +196,7 @@ class StaticPolicyCache(Cache):
         if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
             raise ValueError(f"StaticPolicyCache: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         config = model.config
-        attn = [layer.self_attn for layer in _decoder_layers(model)]
-        if not all(hasattr(a, "_nats_cache") for a in attn) or config._attn_implementation != "nats":
-            raise ValueError(
-                "StaticPolicyCache: the model does not route its attention through nats (call "
-                "nats.hf.attach_nats(model) for NAtS, or nats.hf.use_policy_caches(model) for the other policies)"
-            )
-        self.cores = [getattr(a, SCORER_NAME, None) for a in attn]
+        self.cores = routed_cores(model, "StaticPolicyCache")
         if policy == "nats" and any(c is None for c in self.cores):
             raise ValueError("StaticPolicyCache: policy 'nats' needs NAtS scorers: call nats.hf.attach_nats(model)")
         self.policy, self.rule = policy, _RULE[policy]
@@ -214,12 +208,12 @@ class StaticPolicyCache(Cache):
         self.budget, self.options = budget, dict(options)
         self.max_new_tokens = int(max_new_tokens)
         self.track = track
-        self.n_head, self.n_layer = config.num_attention_heads, len(attn)
+        self.n_head, self.n_layer = config.num_attention_heads, len(self.cores)
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         if self.max_len < 1:
             raise ValueError("StaticPolicyCache: pass max_len (the model config has no max_position_embeddings)")
         self.prompt_lengths: Tensor | None = None  # real tokens per sequence, set by the prefill
-        super().__init__(layers=[StaticPolicyLayer(self, i) for i in range(len(attn))])
+        super().__init__(layers=[StaticPolicyLayer(self, i) for i in range(len(self.cores))])
 
     # ------------------------------------------------------------------ the attention function's entry point
     def attend(self, layer_idx: int, query: Tensor, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
