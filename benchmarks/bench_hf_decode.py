@@ -30,6 +30,7 @@ largest batch whose KV buffers fit M GiB. Writes ``bench_hf_decode.{md,json}`` i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -106,28 +107,43 @@ def graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | None) -> dict:
+def cache_maker(model, method: str, P: int, n_new: int, kept: float | None):
+    """A function that makes a fresh cache of `method` for prompts of P tokens and n_new new ones."""
     from transformers import DynamicCache, StaticCache
 
     from nats.hf import PolicyCache, StaticPolicyCache
-    from nats.hf.compat import cache_kwargs
 
-    B, P = prompt.shape
-    n_new = args.new if method != "dynamic" and method != "policy_nats" else min(args.new, args.slow_new)
     budget = None if kept is None else max(8, int(kept * P))
 
-    def make_cache():
+    def make():
         if method == "dynamic":
             return DynamicCache(config=model.config)
         if method == "static":
             return StaticCache(config=model.config, max_cache_len=P + n_new)
         if method == "policy_nats":
             return PolicyCache(model, "nats", max_len=P + n_new, track=False)
-        if method == "streaming_llm":
-            return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new, budget=budget, track=False)
-        return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new, track=False)
+        extra = {"budget": budget} if method == "streaming_llm" else {}
+        return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new, track=False, **extra)
 
-    def gen(cache, n):
+    return make
+
+
+@contextlib.contextmanager
+def attention_of(model, method: str):
+    """transformers' own caches run its SDPA attention; the project's caches the nats attention function."""
+    impl = model.config._attn_implementation
+    if method in ("dynamic", "static"):
+        model.config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = impl
+
+
+def generate(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
+    from nats.hf.compat import cache_kwargs
+
+    with torch.no_grad():
         return model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
@@ -137,32 +153,38 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
             **cache_kwargs(model, cache),
         )
 
+
+def new_tokens(method: str, args) -> int:
+    return args.new if method not in ("dynamic", "policy_nats") else min(args.new, args.slow_new)
+
+
+def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | None) -> dict:
+    from nats.hf import PolicyCache, StaticPolicyCache
+
+    B, P = prompt.shape
+    n_new = new_tokens(method, args)
+    make_cache = cache_maker(model, method, P, n_new, kept)
+
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    impl = model.config._attn_implementation
-    if method in ("dynamic", "static"):
-        model.config._attn_implementation = "sdpa"
-    try:
-        with torch.no_grad():
-            gen(make_cache(), min(n_new, 4))  # warm-up: compiled, autotuned, CUDA graphs recorded
-            gen(make_cache(), min(n_new, 4))
-            sync()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            g0 = graphs()
-            t0 = time.perf_counter()
-            gen(make_cache(), 1)  # prefill + one token: the first token's latency
-            sync()
-            t1 = time.perf_counter()
-            cache = make_cache()
-            out = gen(cache, n_new)
-            sync()
-            t2 = time.perf_counter()
-            new_graphs = graphs() - g0
-    finally:
-        model.config._attn_implementation = impl
+    with attention_of(model, method):
+        generate(model, prompt, make_cache(), min(n_new, 4))  # warm-up: compiled, autotuned, CUDA graphs recorded
+        generate(model, prompt, make_cache(), min(n_new, 4))
+        sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        g0 = graphs()
+        t0 = time.perf_counter()
+        generate(model, prompt, make_cache(), 1)  # prefill + one token: the first token's latency
+        sync()
+        t1 = time.perf_counter()
+        cache = make_cache()
+        out = generate(model, prompt, cache, n_new)
+        sync()
+        t2 = time.perf_counter()
+        new_graphs = graphs() - g0
     prefill_s = t1 - t0
     decode_s = max(1e-9, (t2 - t1) - prefill_s)
     seen = P + n_new - 1
@@ -191,44 +213,25 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from nats.hf.compat import cache_kwargs
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    impl = model.config._attn_implementation
-    if method in ("dynamic", "static"):
-        model.config._attn_implementation = "sdpa"
-    try:
-        from transformers import StaticCache
-
-        from nats.hf import StaticPolicyCache
-
-        B, P = prompt.shape
-        budget = None if kept is None else max(8, int(kept * P))
-
-        def make():
-            if method == "static":
-                return StaticCache(config=model.config, max_cache_len=P + args.new)
-            extra = {"budget": budget} if method == "streaming_llm" else {}
-            return StaticPolicyCache(model, method, max_new_tokens=args.new, max_len=P + args.new, track=False, **extra)
-
-        text = []
-        for label, n in (("prefill (+1 token)", 1), ("prefill + decode steps", min(17, args.new))):
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            with torch.no_grad(), torch_profile(activities=acts) as prof:
-                model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, **cache_kwargs(model, make()))  # fmt: skip
+    B, P = prompt.shape
+    n_new = new_tokens(method, args)
+    make_cache = cache_maker(model, method, P, n_new, kept)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    text = []
+    with attention_of(model, method):
+        for label, n in (("prefill (+1 token)", 1), ("prefill + decode steps", min(17, n_new))):
+            with torch_profile(activities=acts) as prof:
+                generate(model, prompt, make_cache(), n)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-            key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
             text += [
                 f"## {method} kept={kept} batch={B} prompt={P}: {label}",
                 prof.key_averages().table(key, row_limit=18),
             ]
-    finally:
-        model.config._attn_implementation = impl
-    name = f"profile_{method}_{kept}_b{B}_n{P}.txt"
-    (out / name).write_text("\n".join(text))
+    (out / f"profile_{method}_{kept}_b{B}_n{P}.txt").write_text("\n".join(text))
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -282,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         args.kept = [None]
     rows: list[dict] = []
 
-    def record(r):
+    def record(r, static):
+        """Keep and print a row, with its ratios to the StaticCache row of the same setting (`static`, None: none)."""
+        if static is not None:
+            r["x_static"] = r["tokens_per_s"] / static["tokens_per_s"]
+            r["x_static_prefill"] = r["prefill_s"] / static["prefill_s"]
         rows.append(r)
         print(json.dumps(r), flush=True)
 
@@ -298,12 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                     if method in ("nats", "policy_nats") and kept is not None:
                         calibrate(model, prompt, kept)
                     r = run(model, method, prompt, args, device, kept)
-                    if method == "static":
-                        static = r
-                    if static is not None:
-                        r["x_static"] = r["tokens_per_s"] / static["tokens_per_s"]
-                        r["x_static_prefill"] = r["prefill_s"] / static["prefill_s"]
-                    record(r)
+                    static = r if method == "static" else static
+                    record(r, static)
                     if args.profile:
                         profile(model, method, prompt, args, device, kept)
         if args.equal_memory_gib:
@@ -322,12 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                     calibrate(model, prompt, kept)
                 r = run(model, method, prompt, args, device, kept)
                 r["equal_memory_gib"] = args.equal_memory_gib
-                if method == "static":
-                    static = r
-                if static is not None:
-                    r["x_static"] = r["tokens_per_s"] / static["tokens_per_s"]
-                    r["x_static_prefill"] = r["prefill_s"] / static["prefill_s"]
-                record(r)
+                static = r if method == "static" else static
+                record(r, static)
     import transformers
 
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({platform.processor() or 'x86_64'})"
