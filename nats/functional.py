@@ -59,6 +59,7 @@ __all__ = [
     "nats_mask",
     "nats_mask_soft",
     "nats_attention",
+    "nats_attention_types",
     "nats_density",
     "kv_cache_sizes",
     "kv_fractions",
@@ -189,6 +190,30 @@ def nats_attention(
         if fn is not None:
             return fn(q, k, v, type_weights, window, mask_grad)
     return _reference_attention(q, k, v, type_weights, window, mask_grad)
+
+
+def nats_attention_types(q: Tensor, k: Tensor, v: Tensor, types: Tensor, window: int, backend: str = "auto") -> Tensor:
+    """NAtS attention for inference (no gradient) from hard integer types: a prefill's attention over the prompt.
+
+    Args:
+        q, k, v: as for `nats_attention`.
+        types: integer ``[B, Hkv, N]`` (``TOKEN_GLOBAL`` / ``TOKEN_LOCAL`` / ``TOKEN_SLIDING``).
+        window: sliding window W >= 1.
+        backend: ``"triton"`` (the fused kernel's forward without log-sum-exp or autograd,
+            ``nats_kernels.nats_attention.nats_prefill``), ``"reference"`` (one SDPA call under the hard mask) or
+            ``"auto"`` (Triton where `nats_attention` would take it).
+
+    Returns:
+        ``[B, Hq, N, D]``, equal to ``nats_attention(q, k, v, types_to_weights(types), window)`` without building
+        the one-hot weights or the training kernel's autograd state.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(repr(b) for b in BACKENDS)}")
+    if backend == "triton" or (backend == "auto" and triton_supports(q) and triton_available()):
+        from nats_kernels.nats_attention import nats_prefill  # noqa: PLC0415
+
+        return nats_prefill(q, k, v, types, window)
+    return _ref.nats_attention_hard(q, k, v, types, _ref.check_window(window))
 
 
 def _reference_attention(q, k, v, type_weights, window: int, mask_grad: str) -> Tensor:

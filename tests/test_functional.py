@@ -560,3 +560,18 @@ def test_triton_backend_unavailable_is_a_clear_error(monkeypatch):
         NF.nats_attention(q, k, k, w, 2, backend="triton")
     # auto falls back to the reference
     torch.testing.assert_close(NF.nats_attention(q, k, k, w, 2), _dense(q, k, k), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,N,D,W", ATTN_CASES)
+def test_attention_from_integer_types_is_the_attention_of_their_one_hot_weights(B, Hq, Hkv, N, D, W):
+    """`nats_attention_types` (a prefill's attention: integer types, no gradient) equals `nats_attention` at the
+    one-hot weights of the same types (the PyTorch backend here; the Triton one, ``nats_prefill``, is checked against
+    the training kernel in tests/test_kernels.py)."""
+    gen = torch.Generator().manual_seed(N * 11 + Hkv)
+    types = rand_types((B, Hkv, N), gen)
+    q, k, v = (t.detach() for t in qkv(B, Hq, Hkv, N, D, gen, scale=1.5))
+    want = loop_attention(q, k, v, F.one_hot(types, 3).to(F64), W, "dense")
+    got = NF.nats_attention_types(q, k, v, types, W, backend="reference")
+    torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+    with pytest.raises(ValueError, match="unknown backend"):
+        NF.nats_attention_types(q, k, v, types, W, backend="cuda")

@@ -295,8 +295,7 @@ class StaticPolicyCache(Cache):
         i1 = torch.arange(1, n + 1, device=q.device).expand(b_, Hkv, n)
         if self.rule == "nats":
             types = core.hard_types(hidden)  # [b, Hkv, n], token 0 global
-            w = NF.types_to_weights(types, torch.float64 if q.dtype == torch.float64 else torch.float32)
-            y = NF.nats_attention(q, k, v, w, core.window, backend=getattr(core, "backend", "auto"))
+            y = NF.nats_attention_types(q, k, v, types, core.window, backend=getattr(core, "backend", "auto"))
             pos = torch.arange(n, device=q.device)
             isg = types == NF.TOKEN_GLOBAL
             last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(-1, keepdim=True)

@@ -282,9 +282,7 @@ class NAtSCache(LayerCache):
             if self.core is None:
                 raise ValueError("nats cache: prefill() without types= needs the layer's NAtS core (core=...)")
             types = self.core.hard_types(x)  # [B, Hkv, N], token 0 global
-        w = NF.types_to_weights(types, torch.float64 if q.dtype == torch.float64 else torch.float32)
-        backend = getattr(self.core, "backend", "auto")
-        y = NF.nats_attention(q, k, v, w, self.window, backend=backend)
+        y = NF.nats_attention_types(q, k, v, types, self.window, backend=getattr(self.core, "backend", "auto"))
         self.load(k, v, types)
         return y
 
