@@ -423,3 +423,25 @@ def test_lightning_resume_is_exact(tmp_path, gutenberg):
     resumed = fit(ckpt_path=str(mid))  # restarts mid-epoch at global_step 3
     assert [step for step, _ in resumed] == [3, 3, 4, 4, 5, 5]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed, full[6:]))
+
+
+def _batches_in_a_worker_process(num_workers: int):
+    """Sum of a DataLoader's batches with `num_workers` workers, and the context chosen, inside a joblib job."""
+    from nats.data.datamodule import worker_context
+
+    ctx = worker_context(num_workers)
+    dl = torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=num_workers, multiprocessing_context=ctx)
+    return ctx, sum(int(b.sum()) for b in dl)
+
+
+def test_dataloader_workers_start_inside_a_joblib_launcher_job():
+    """Hydra's joblib launcher runs each job in a loky worker, whose start method ('loky') cannot start a
+    DataLoader's worker processes ("'Process' object has no attribute 'env'"); the loaders then take the platform's
+    own start method. Outside such a job nothing changes."""
+    joblib = pytest.importorskip("joblib")
+    from nats.data.datamodule import worker_context
+
+    got = joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(_batches_in_a_worker_process)(n) for n in (0, 1))
+    assert got[0] == (None, 28)
+    assert got[1][1] == 28 and got[1][0] in __import__("multiprocessing").get_all_start_methods()
+    assert worker_context(2) is None and worker_context(0) is None

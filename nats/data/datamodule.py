@@ -553,6 +553,20 @@ class StridedSampler(Sampler[int]):
         return self.used // self.world_size
 
 
+def worker_context(num_workers: int):
+    """The multiprocessing start method for a DataLoader's worker processes: None (the process' default) unless
+    that default is not one of the platform's own methods, as inside a job of Hydra's joblib launcher, whose
+    loky workers make loky's start method the default and cannot start a DataLoader's workers with it; then the
+    platform's default method."""
+    if num_workers == 0:
+        return None
+    import multiprocessing as mp  # noqa: PLC0415
+
+    own = mp.get_all_start_methods()
+    method = mp.get_start_method(allow_none=True)
+    return None if method is None or method in own else own[0]
+
+
 class ResumableDataLoader(DataLoader):
     """A DataLoader Lightning treats as resumable (``state_dict``/``load_state_dict``): its position is derived
     from ``trainer.global_step`` by :class:`ResumableSampler`, so there is no state to save."""
@@ -788,6 +802,7 @@ class TokenDataModule(ResumableDataModule):
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            multiprocessing_context=worker_context(self.num_workers),
         )
 
     def train_dataloader(self) -> DataLoader:
