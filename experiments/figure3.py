@@ -145,6 +145,46 @@ def summarize(runs: dict) -> dict:
     )
 
 
+# The study's claims as pairs of test rows (model, setting): A against B. Pairs whose rows are missing are skipped.
+COMPARISONS = (
+    (("nats_l0.05", "NAtS lambda=0.05"), ("dense", "full")),
+    (("nats_l0.03", "NAtS lambda=0.03"), ("dense", "full")),
+    (("nats_l0.05", "NAtS lambda=0.05"), ("dense", "h2o B=N/16")),
+    (("nats_l0.05", "NAtS lambda=0.05"), ("dense", "streaming_llm B=N/16")),
+    (("dense", "h2o B=N/16"), ("dense", "streaming_llm B=N/16")),
+    (("nats_l0.05_headwise", "NAtS lambda=0.05"), ("nats_l0.05", "NAtS lambda=0.05")),
+    (("dense_headwise", "full"), ("dense", "full")),
+    (("nats_l0.05_headwise", "NAtS lambda=0.05"), ("dense_headwise", "full")),
+)
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Test perplexity of row a against row b over their seeds: the difference of the means, its standard error
+    (sqrt(s_a^2 / n_a + s_b^2 / n_b), the seeds' sample standard deviations), whether the seed ranges overlap,
+    and whether the difference exceeds the seed spread: both more than two standard errors and no overlap (a rough
+    criterion with two or three seeds; one seed on either side has no spread and is never judged)."""
+    diff = a["ppl_mean"] - b["ppl_mean"]
+    judged = len(a["ppl"]) > 1 and len(b["ppl"]) > 1
+    se = (a["ppl_std"] ** 2 / len(a["ppl"]) + b["ppl_std"] ** 2 / len(b["ppl"])) ** 0.5 if judged else None
+    overlap = max(min(a["ppl"]), min(b["ppl"])) <= min(max(a["ppl"]), max(b["ppl"]))
+    return {
+        "a": (a["model"], a["setting"]),
+        "b": (b["model"], b["setting"]),
+        "seeds": (len(a["ppl"]), len(b["ppl"])),
+        "diff": diff,
+        "rel": diff / b["ppl_mean"],
+        "se": se,
+        "overlap": overlap,
+        "exceeds": bool(judged and not overlap and abs(diff) > 2 * se),
+        "judged": judged,
+    }
+
+
+def comparisons(rows: list[dict]) -> list[dict]:
+    test = {(r["model"], r["setting"]): r for r in rows if r["split"] == "test"}
+    return [compare(test[a], test[b]) for a, b in COMPARISONS if a in test and b in test]
+
+
 def markdown(runs: dict, rows: list[dict], device: str) -> str:
     lines = [
         "# Figure 3 at reduced scale: perplexity against KV-cache size",
@@ -169,11 +209,36 @@ def markdown(runs: dict, rows: list[dict], device: str) -> str:
             "|---|---|---:|---:|---:|---:|---:|",
         ]
         for r in sub:
-            pm = f"{r['ppl_mean']:.2f}" + (f" ± {r['ppl_std']:.2f}" if len(r["ppl"]) > 1 else "")
+            many = len(r["ppl"]) > 1 and r["policy"] == "nats"  # a budgeted policy's area is fixed by its budget
+
+            def pm(key, nd, r=r, many=many):
+                return f"{r[key + '_mean']:.{nd}f}" + (f" ± {r[key + '_std']:.{nd}f}" if many else "")
+
+            ppl = f"{r['ppl_mean']:.2f}" + (f" ± {r['ppl_std']:.2f}" if len(r["ppl"]) > 1 else "")
             rel = f"{100 * (r['ppl_mean'] / base_ppl - 1):+.1f}%" if base_ppl else "-"
             lines.append(
-                f"| {r['model']} | {r['setting']} | {len(r['seeds'])} | {r['area_mean']:.4f} | "
-                f"{r['peak_mean']:.4f} | {pm} | {rel} |"
+                f"| {r['model']} | {r['setting']} | {len(r['seeds'])} | {pm('area', 4)} | {pm('peak', 4)} | {ppl} | "
+                f"{rel} |"
+            )
+        lines.append("")
+    pairs = comparisons(rows)
+    if pairs:
+        lines += [
+            "## Which differences exceed the seed spread (test perplexity)",
+            "",
+            "A - B: difference of the means over seeds (relative to B); SE: its standard error from the seeds' "
+            "standard deviations; exceeds: more than 2 SE apart and no overlap of the seeds' values (with two or "
+            "three seeds a rough criterion; one seed has no spread and is not judged).",
+            "",
+            "| A | B | seeds A / B | A - B | SE | seed values overlap | exceeds the spread |",
+            "|---|---|---:|---:|---:|---|---|",
+        ]
+        for c in pairs:
+            se = "-" if c["se"] is None else f"{c['se']:.2f}"
+            verdict = "yes" if c["exceeds"] else ("no" if c["judged"] else "not judged")
+            lines.append(
+                f"| {c['a'][0]} {c['a'][1]} | {c['b'][0]} {c['b'][1]} | {c['seeds'][0]} / {c['seeds'][1]} | "
+                f"{c['diff']:+.2f} ({100 * c['rel']:+.1f}%) | {se} | {'yes' if c['overlap'] else 'no'} | {verdict} |"
             )
         lines.append("")
     lines += [
@@ -207,47 +272,62 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
 
     test = [r for r in rows if r["split"] == "test"]
-    for key in ("area", "peak"):
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
-        for label, color in (("StreamingLLM", "C1"), ("H2O", "C2")):
-            pts = sorted(
-                (r[key + "_mean"], r["ppl_mean"])
-                for r in test
-                if r["policy"] != "nats" and r["setting"].lower().startswith(label.lower()[:4])
-            )
-            if pts:
-                ax.plot(*zip(*pts), "o-", color=color, label=f"{label} (dense model)")
-        full = [r for r in test if r["policy"] == "full"]
-        if full:
-            ax.axhline(full[0]["ppl_mean"], color="k", ls="--", lw=1, label="dense, full cache")
-        nats = sorted((r for r in test if r["policy"] == "nats"), key=lambda r: r[key + "_mean"])
-        if nats:
+
+    def bars(ax, pts, key, fmt, color, label, **kw):
+        """Mean points with the seeds' standard deviation as error bars on both axes (none for one seed)."""
+        pts = sorted(pts, key=lambda r: r[key + "_mean"])
+        if pts:
             ax.errorbar(
-                [r[key + "_mean"] for r in nats],
-                [r["ppl_mean"] for r in nats],
-                yerr=[r["ppl_std"] for r in nats],
-                fmt="*",
-                color="C3",
-                markersize=12,
-                label="NAtS",
+                [r[key + "_mean"] for r in pts],
+                [r["ppl_mean"] for r in pts],
+                xerr=[r[key + "_std"] for r in pts],
+                yerr=[r["ppl_std"] for r in pts],
+                fmt=fmt,
+                color=color,
+                label=label,
+                capsize=3,
+                **kw,
             )
-            for r in nats:
-                ax.annotate(
-                    r["setting"].replace("NAtS lambda=", "λ="),
-                    (r[key + "_mean"], r["ppl_mean"]),
-                    textcoords="offset points",
-                    xytext=(5, 5),
-                    fontsize=8,
-                )
+        return pts
+
+    for key in ("area", "peak"):
+        fig, ax = plt.subplots(figsize=(6.8, 4.6))
+        for label, policy, color in (("StreamingLLM", "streaming_llm", "C1"), ("H2O", "h2o", "C2")):
+            base = [r for r in test if r["model"] == "dense" and r["policy"] == policy]
+            bars(ax, base, key, "o-", color, f"{label} (dense model)")
+        for model, ls, label in (("dense", "--", "dense"), ("dense_headwise", ":", "dense + headwise gate")):
+            full = [r for r in test if r["model"] == model and r["policy"] == "full"]
+            if full:
+                m, sd = full[0]["ppl_mean"], full[0]["ppl_std"]
+                ax.axhline(m, color="k", ls=ls, lw=1, label=f"{label}, full cache ({len(full[0]['ppl'])} seeds)")
+                if sd:
+                    ax.axhspan(m - sd, m + sd, color="k", alpha=0.08)
+        plain = [r for r in test if r["policy"] == "nats" and r["model"].count("_") == 1]  # nats_l<lambda>
+        for r in bars(ax, plain, key, "*", "C3", "NAtS", markersize=11):
+            ax.annotate(
+                r["setting"].replace("NAtS lambda=", "λ=") + (f" ({len(r['ppl'])})" if len(r["ppl"]) > 1 else ""),
+                (r[key + "_mean"], r["ppl_mean"]),
+                textcoords="offset points",
+                xytext=(5, 5),
+                fontsize=8,
+            )
+        gated = [r for r in test if r["policy"] == "nats" and r["model"].endswith("_headwise")]
+        bars(ax, gated, key, "D", "C4", "NAtS + headwise gate", markersize=7)
+        exact = [r for r in test if r["policy"] == "nats" and r["model"].endswith("_exact")]
+        bars(ax, exact, key, "x", "0.5", "NAtS, exact estimator (ablation)")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator([0.03, 0.05, 0.1, 0.2, 0.5, 1.0]))
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(f"KV {key} fraction (log)")
         ax.set_ylabel("test perplexity")
         ns = "/".join(str(n) for n in sorted({r["N"] for r in runs.values()}))
-        ax.set_title(f"perplexity vs KV {key} (test, N = {ns})")
+        ax.set_title(f"perplexity vs KV {key} (test, N = {ns}); bars: ± 1 sd over seeds", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / f"figure3_ppl_vs_{key}.png", dpi=120)
         plt.close(fig)
@@ -326,11 +406,17 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "figure3.md").write_text(markdown(runs, rows, args.device))
-    slim = {n: {k: v for k, v in r.items() if k != "kv_fractions"} for n, r in runs.items()}
-    (out / "figure3.json").write_text(json.dumps({"device": args.device, "rows": rows, "runs": slim}, indent=1))
+    kept_curves = ("train/loss", "val/loss", "train/density")  # the JSON keeps these; the plots show the rest
+    slim = {
+        n: {**{k: v for k, v in r.items() if k not in ("kv_fractions", "curves")},
+            "curves": {k: v for k, v in r["curves"].items() if k in kept_curves}}
+        for n, r in runs.items()
+    }  # fmt: skip
+    payload = {"device": args.device, "rows": rows, "comparisons": comparisons(rows), "runs": slim}
+    (out / "figure3.json").write_text(json.dumps(payload, indent=1))
     plots(runs, rows, out)
     print((out / "figure3.md").read_text())
-    return {"runs": runs, "rows": rows}
+    return {"runs": runs, "rows": rows, "comparisons": payload["comparisons"]}
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from nats.attention.registry import decodable_attention
 from nats.cache.decode import policy_logits
 from nats.cache.registry import get_cache_class
+from nats.data.datamodule import check_eval_windows
 from nats.functional import budget_fractions
 from nats.models.gpt import GPT, GPTConfig
 from nats.runs import read_model_checkpoint, report_failure, run_folder_is_new
@@ -199,6 +200,7 @@ def eval_windows(cfg: DictConfig, n: int, model_vocab_size: int | None = None):
     with open_dict(cfg):
         cfg.data.block_size = n
         cfg.data.max_eval_windows = max_windows
+        cfg.data.eval_windows = check_eval_windows(cfg.get("windows", "spread"), "windows")
         cfg.model.block_size = n
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
@@ -278,6 +280,7 @@ def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar)
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Load, plan, evaluate; returns the results (nothing written)."""
     _max_windows(cfg)  # before the (slow) checkpoint load
+    check_eval_windows(cfg.get("windows", "spread"), "windows")
     model, model_cfg = load_checkpoint(cfg.get("ckpt_path"))
     n = int(cfg.block_size) if cfg.get("block_size") else model.config.block_size
     if n > model.config.block_size:

@@ -264,6 +264,42 @@ def test_max_windows_are_spread_evenly_over_the_split():
     assert [again.eval_dataset("test").window_index(i) for i in range(5)] == [ds.window_index(i) for i in range(5)]
 
 
+def test_windows_first_takes_the_first_windows_of_the_split(tmp_path):
+    """windows=first (data.eval_windows) takes the split's first max_windows windows, the protocol of the studies'
+    tables: nats-eval's perplexity is then that of windows 0 .. m-1, and differs from the spread choice's; an unknown
+    choice is one line naming the two."""
+    from nats.data.datamodule import TokenDataModule
+
+    first = TokenDataModule(source="gutenberg", cache_dir=str(DATA_DIR), block_size=32, max_eval_windows=5,
+                            eval_windows="first").eval_dataset("test")  # fmt: skip
+    every = TokenDataModule(source="gutenberg", cache_dir=str(DATA_DIR), block_size=32).eval_dataset("test")
+    assert [first.window_index(i) for i in range(5)] == list(range(5))
+    assert torch.equal(torch.cat([first[i][1] for i in range(5)]), torch.cat([every[i][1] for i in range(5)]))
+    with pytest.raises(ValueError, match="eval_windows='last' is not a window choice: use spread .* or first"):
+        TokenDataModule(source="gutenberg", cache_dir=str(DATA_DIR), block_size=32, eval_windows="last")
+
+    ckpt = make_checkpoint(tmp_path / "dense.ckpt", {"name": "dense"})
+    common = ["max_windows=3", "batch_size=3", "methods=[full]"]
+    spread = run(eval_cfg(ckpt, tmp_path / "spread", common))["results"][0]["ppl"]
+    head = run(eval_cfg(ckpt, tmp_path / "first", [*common, "windows=first"]))["results"][0]["ppl"]
+    assert head != pytest.approx(spread, rel=1e-6)
+    with pytest.raises(ValueError, match="windows='middle' is not a window choice"):
+        run(eval_cfg(ckpt, tmp_path / "bad", [*common, "windows=middle"]))
+
+
+def test_the_studies_evaluate_the_first_windows():
+    """The Figure 3 and gate studies evaluate (and validate during training) on the first windows of each split,
+    as their committed tables were computed: new seeds stay comparable with the old ones."""
+    from hydra import compose, initialize_config_dir
+
+    from nats.utils import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        for exp in ("study_fig3_dense", "study_fig3_nats", "study_gate_gpt2_dense", "study_gate_gpt2_nats"):
+            cfg = compose("train", overrides=[f"experiment={exp}"])
+            assert cfg.data.eval_windows == "first" and cfg.callbacks.eval_after.common.windows == "first", exp
+
+
 def test_the_loss_of_a_batch_is_computed_in_chunks(tmp_path, monkeypatch):
     """A batch whose logits would exceed LOGITS_BYTES runs as chunks of windows: the same perplexity, and the
     policy never sees more windows at once than fit."""

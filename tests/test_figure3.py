@@ -151,12 +151,35 @@ def test_tiny_study_multirun_then_report(tmp_path):
     text = (out / "figure3.md").read_text()
     nats = test[("nats_l0.05", "NAtS lambda=0.05")]
     assert (
-        f"| nats_l0.05 | NAtS lambda=0.05 | 2 | {nats['area_mean']:.4f} | {nats['peak_mean']:.4f} | "
+        f"| nats_l0.05 | NAtS lambda=0.05 | 2 | {nats['area_mean']:.4f} ± {nats['area_std']:.4f} | "
+        f"{nats['peak_mean']:.4f} ± {nats['peak_std']:.4f} | "
         f"{nats['ppl_mean']:.2f} ± {nats['ppl_std']:.2f} |"
     ) in text
     assert "## validation split" in text and "N = 32, data gutenberg, 2 steps of 2 x 32 tokens" in text
+    (pair,) = [c for c in report["comparisons"] if c["a"] == ("nats_l0.05", "NAtS lambda=0.05")]
+    dense = test[("dense", "full")]
+    assert pair["b"] == ("dense", "full") and pair["seeds"] == (2, 2)
+    assert pair["diff"] == pytest.approx(nats["ppl_mean"] - dense["ppl_mean"])
+    assert pair["se"] == pytest.approx((nats["ppl_std"] ** 2 / 2 + dense["ppl_std"] ** 2 / 2) ** 0.5)
+    assert "## Which differences exceed the seed spread" in text
+    assert "| nats_l0.05 NAtS lambda=0.05 | dense full | 2 / 2 |" in text
     for name in ("figure3_ppl_vs_area.png", "figure3_ppl_vs_peak.png", "figure3_loss.png", "figure3_kv_layers.png"):
         assert (out / name).stat().st_size > 10_000
+
+
+def test_a_difference_exceeds_the_spread_only_beyond_two_standard_errors_without_overlap():
+    def row(model, ppl):
+        m = statistics.fmean(ppl)
+        return {"model": model, "setting": "full", "ppl": ppl, "ppl_mean": m,
+                "ppl_std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0}  # fmt: skip
+
+    far = figure3.compare(row("a", [47.1, 47.2, 47.0]), row("b", [48.3, 48.5, 48.0]))
+    assert far["exceeds"] and not far["overlap"] and far["diff"] == pytest.approx(47.1 - 48.2667, abs=1e-3)
+    assert not figure3.compare(row("a", [47.1, 48.1]), row("b", [48.0, 48.5]))["exceeds"]  # the values overlap
+    close = figure3.compare(row("a", [47.0, 47.4]), row("b", [47.5, 48.3]))  # no overlap, but within 2 SE
+    assert not close["overlap"] and abs(close["diff"]) < 2 * close["se"] and not close["exceeds"]
+    one = figure3.compare(row("a", [40.0]), row("b", [48.0, 48.2]))
+    assert not one["judged"] and not one["exceeds"] and one["se"] is None
 
 
 def test_report_refuses_a_model_and_seed_twice_and_an_empty_folder(tmp_path):

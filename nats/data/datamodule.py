@@ -501,20 +501,36 @@ class ResumableSampler(Sampler[int]):
         return self.num_samples
 
 
+EVAL_WINDOWS = ("spread", "first")  # which windows a cap of max_windows takes (EvalWindows)
+
+
+def check_eval_windows(value: str, key: str = "eval_windows") -> str:
+    if value not in EVAL_WINDOWS:
+        raise ValueError(
+            f"{key}={value!r} is not a window choice: use spread (max_windows windows spread evenly over the split) "
+            "or first (the split's first max_windows windows)"
+        )
+    return value
+
+
 class EvalWindows(Dataset):
     """Validation/test windows: ``tokens[k*N : k*N + N + 1]`` with ``N = block_size``, for every ``k`` of the split
-    in order, or, capped at ``max_windows`` below the split's count ``n``, for ``m = max_windows`` windows spread
-    evenly over the whole split (``k_i = floor(i * n / m)``, deterministic): a quick evaluation then samples every
-    part of the split (all its books, in proportion to their length), not its first few books."""
+    in order, or, capped at ``max_windows`` below the split's count ``n``, ``m = max_windows`` of them:
 
-    def __init__(self, file: _TokenFile, block_size: int, max_windows: int | None = None) -> None:
+    * ``windows="spread"`` (default): spread evenly over the whole split (``k_i = floor(i * n / m)``,
+      deterministic): a quick evaluation then samples every part of the split (all its books, in proportion to
+      their length), not its first few books;
+    * ``windows="first"``: ``k = 0 .. m - 1``, the split's first books (the protocol of results computed before
+      the evenly spread choice existed; the studies keep it so that their tables stay comparable)."""
+
+    def __init__(self, file: _TokenFile, block_size: int, max_windows: int | None = None, windows: str = "spread"):
         if file.num_tokens < block_size + 1:
             raise _too_short(file, block_size)
         self.file, self.block_size = file, block_size
         n = (file.num_tokens - 1) // block_size
         self.num_windows = n if max_windows is None else min(n, max_windows)
-        self.starts: np.ndarray | None = None  # window numbers k when capped; None = all, in order
-        if self.num_windows < n:
+        self.starts: np.ndarray | None = None  # window numbers k when capped and spread; None = k = 0, 1, ...
+        if self.num_windows < n and check_eval_windows(windows, "windows") == "spread":
             self.starts = (np.arange(self.num_windows, dtype=np.int64) * n) // self.num_windows
 
     def window_index(self, i: int) -> int:
@@ -653,6 +669,8 @@ class TokenDataModule(ResumableDataModule):
         seed: seed of the training-window stream.
         tokenizer: tokenizer name (see :func:`nats.data.tokenizer.get_tokenizer`).
         max_eval_windows: cap on the number of validation/test windows (quick runs); ``None`` = all.
+        eval_windows: which windows the cap takes: ``"spread"`` evenly over the split, or its ``"first"`` ones
+            (`EvalWindows`).
         cache_name: prefix of the token cache folder's name (default: the source name), e.g. ``pg19-subset``.
         cache_path: an explicit token cache folder (written by ``nats-prepare``, perhaps on another machine) to
             train from; it must be complete, nothing is tokenised. Default: ``<cache_dir>/<name>-<hash>-<tok>``,
@@ -674,6 +692,7 @@ class TokenDataModule(ResumableDataModule):
         seed: int = 1337,
         tokenizer: str = "gpt2",
         max_eval_windows: int | None = None,
+        eval_windows: str = "spread",
         cache_name: str | None = None,
         cache_path: str | None = None,
         **source_options: Any,
@@ -701,6 +720,7 @@ class TokenDataModule(ResumableDataModule):
         self.seed = int(seed)
         self.tokenizer = tokenizer
         self.max_eval_windows = max_eval_windows
+        self.eval_windows = check_eval_windows(eval_windows)
         self.text_source = get_source(source, cache_dir=self.cache_dir, **source_options)
         self.source_options = {k: v for k, v in source_options.items() if v is not None}
         if getattr(self.text_source, "path", None) is not None:  # recorded in meta.json: where the data was
@@ -815,7 +835,7 @@ class TokenDataModule(ResumableDataModule):
         """The windows of a held-out split (capped by ``max_eval_windows``)."""
         if split not in ("validation", "test"):
             raise ValueError(f"split must be 'validation' or 'test', got {split!r}")
-        return EvalWindows(self._file(split), self.block_size, self.max_eval_windows)
+        return EvalWindows(self._file(split), self.block_size, self.max_eval_windows, self.eval_windows)
 
     def _eval_loader(self, split: str) -> DataLoader:
         dataset = self.eval_dataset(split)
