@@ -200,6 +200,7 @@ def layer_probes(model, idx: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     return records
 
 
+@torch.no_grad()
 def measure(model, batches, skip: int) -> dict:
     """layer_probes over (x, y) batches; per layer the sink (first-token share, per head and mean), the gate mean
     and, for NAtS layers, KV area / peak, type fractions and the globals at position 0 (per head and per layer)."""
@@ -255,7 +256,8 @@ def measure(model, batches, skip: int) -> dict:
 
 class LayerAnalysis(L.Callback):
     """At the end of training: `measure` on the first `windows` validation windows of the run's data (the trained
-    model in eval mode, float32), written to ``<run_dir>/<file>`` (JSON). Only rank 0 measures."""
+    model in eval mode, float32, on the device it trained on), written to ``<run_dir>/<file>`` (JSON). Only rank 0
+    measures."""
 
     def __init__(
         self, run_dir: str, windows: int = 64, batch_size: int = 8, skip: int = 16, file: str = "analysis.json"
@@ -266,7 +268,8 @@ class LayerAnalysis(L.Callback):
         self.path = Path(run_dir) / file
         self.windows, self.batch_size, self.skip = windows, batch_size, skip
 
-    def on_fit_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer, pl_module) -> None:
+        # not on_fit_end: Lightning calls that after its teardown, which has moved the model to the CPU
         if not trainer.is_global_zero:
             return
         dataset = trainer.datamodule.eval_dataset("validation")

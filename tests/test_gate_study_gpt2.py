@@ -281,3 +281,27 @@ def test_tiny_study_multirun_then_report(tmp_path):
     assert len(nats["gate_layers"]["mean"]) == 2
     text = (tmp_path / "report" / "gate_study_gpt2.md").read_text()
     assert "| NAtS λ=0.05 + headwise gate | 0 |" in text and "evaluated on cpu" in text
+
+
+def test_the_analysis_measures_before_lightning_moves_the_model_off_its_device(tmp_path, monkeypatch):
+    """Lightning's teardown (which moves the model to the CPU) runs before on_fit_end: the analysis measures at
+    on_train_end, while the trained model is still on the device it trained on."""
+    import lightning.pytorch.strategies.single_device as single
+
+    import nats.analysis as A
+    from conftest import compose
+    from nats.train import run
+
+    events = []
+    real_teardown, real_measure = single.SingleDeviceStrategy.teardown, A.measure
+    monkeypatch.setattr(single.SingleDeviceStrategy, "teardown", lambda self: events.append("teardown") or
+                        real_teardown(self))  # fmt: skip
+    monkeypatch.setattr(A, "measure", lambda *a, **k: events.append("measure") or real_measure(*a, **k))
+    overrides = [
+        "model.block_size=32", "data.micro_batch_size=2", "global_batch_size=2", "trainer.max_steps=2",
+        "eval_every=2", "data.max_eval_windows=2", "logger=csv", "callbacks=[default,layer_analysis]",
+        "callbacks.layer_analysis.windows=2", "callbacks.layer_analysis.skip=2",
+    ]  # fmt: skip
+    run(compose(overrides, tmp_path))
+    assert events.index("measure") < events.index("teardown")
+    assert json.loads((tmp_path / "analysis.json").read_text())["windows"] == 2
