@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Longer training (docs/figure3.md, "Longer training"): the dense model and NAtS lambda = 0.05 of the Figure 3
+# study for STEPS optimizer steps (default 10000, 5x the study's tokens; the cosine and the tau schedule stretch
+# with it), side by side: one GPU each where the machine has two or more, else both on GPU 0. Each run evaluates
+# its final checkpoint at its end (the full cache for dense, the learned types for NAtS; the first 512 windows of
+# each split), then the report puts their curves beside each other.
+#   bash experiments/gpu_long_training.sh OUT [OVERRIDE...]
+# OUT: run folders OUT/runs/{dense,nats}/, the table and plots in OUT/report/. The same OUT again resumes both runs
+# from their checkpoints/last.ckpt (written every eval_every = 500 steps), so the training may come in pieces
+# (e.g. under a time limit: `timeout 9m bash experiments/gpu_long_training.sh OUT`, then the same line again).
+# OVERRIDE: Hydra overrides for both runs, e.g. data.path=/data/pg19-subset-src.
+set -euo pipefail
+out=${1:?usage: bash experiments/gpu_long_training.sh OUT [OVERRIDE...]}
+shift
+steps=${STEPS:-10000}
+data=(data=pg19_subset)
+for o in "$@"; do case $o in data=*) data[0]=$o ;; data.* | paths.*) data+=("$o") ;; esac; done
+nats-prepare "${data[@]}"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l || echo 0)
+pids=()
+train() { # name experiment gpu overrides...
+  local name=$1 exp=$2 gpu=$3
+  shift 3
+  mkdir -p "$out/runs/$name"
+  CUDA_VISIBLE_DEVICES=$gpu nats-train "experiment=$exp" "trainer.max_steps=$steps" "hydra.run.dir=$out/runs/$name" \
+    "$@" >>"$out/runs/$name/driver.log" 2>&1 &
+  pids+=($!)
+}
+# the dense model's evaluation: its full cache only (the baselines at this length are not the question here)
+train dense study_fig3_dense 0 "callbacks.eval_after.evals.test.methods=[full]" "$@"
+train nats study_fig3_nats $((gpus > 1 ? 1 : 0)) "$@"
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+tail -n 3 "$out"/runs/*/driver.log
+[ $status = 0 ] || { echo "a run failed or stopped: the same command resumes it" && exit 1; }
+device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
+python experiments/figure3.py "$out/runs" --out "$out/report" ${device:+--device "one $device per run"}
