@@ -66,6 +66,7 @@ from nats.data.longctx.scoring import (  # noqa: F401 (nats.hf.evaluate.score & 
     match_score,
     new_tokens,
     references,
+    result_row,
     score,
     token_accuracy,
 )
@@ -315,7 +316,6 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
         generated = generate_one(model, prompt, n_new, cache)
     seconds = time.time() - t0
     text = tokenizer.decode(generated, skip_special_tokens=True)
-    value, expected = score(example, generated, text, k)
     fr = cache.fractions()
     area, peak = fr["area"][:, 0], fr["peak"][:, 0]  # [n_layer, Hkv]
     seen = cache.get_seq_length()
@@ -324,27 +324,9 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
     policies = [layer.policy for layer in cache.layers]
     if hasattr(policies[0], "type_fractions"):  # NAtS: global / local / sliding
         per_head["type_fractions"] = _round(torch.stack([p.type_fractions()[0] for p in policies]))
-    return {
-        **key_of(run, example),
-        "policy": run["policy"],
-        "label": run["label"],
-        "budget_tokens": b,
-        "prompt_tokens": len(prompt),
-        "new_tokens": len(generated),
-        "score": value,
-        "correct": value == 1.0,
-        "expected": expected,
-        "prediction": text,
-        "generated": generated,
-        "nll": nll,
-        "area": float(area.mean()),
-        "peak": float(peak.mean()),
-        "kv_fraction": float((kept / seen).mean()),
-        "kept": float(kept.mean()),
-        "seen": seen,
-        "seconds": round(seconds, 3),
-        "per_head": per_head,
-    }
+    kv = {"area": area.mean(), "peak": peak.mean(), "kv_fraction": (kept / seen).mean()}
+    return result_row(run, example, budget_tokens=b, generated=generated, text=text, k=k, nll=nll, kv=kv,
+                      kept=kept.mean(), seen=seen, seconds=seconds, per_head=per_head)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -261,7 +261,6 @@ def evaluate_one(model, tokenizer, example, run: dict[str, Any], cfg) -> dict[st
         generated, nll, fed = decode(model, prefill, cache, n_new=n_new)
     seconds = time.time() - t0  # without the prefill when an earlier method of this example ran it
     text = tokenizer.decode(generated, skip_special_tokens=True)
-    value, expected = E.score(example, generated, text, k)
     held = torch.tensor([[layer.keys.shape[-2]] * layer.keys.shape[1] for layer in cache.layers], dtype=torch.float64)
     kept = int(held[0, 0]) - fed  # after the prefill's compression (every layer and head the same)
     if not torch.all(held == kept + fed):
@@ -269,22 +268,5 @@ def evaluate_one(model, tokenizer, example, run: dict[str, Any], cfg) -> dict[st
     acc = accounting(len(prompt), kept, fed)
     shape = held.shape
     per_head = {key: E._round(torch.full(shape, value_, dtype=torch.float64)) for key, value_ in acc.items()}
-    return {
-        **E.key_of(run, example),
-        "policy": run["policy"],
-        "label": run["label"],
-        "budget_tokens": B,
-        "prompt_tokens": len(prompt),
-        "new_tokens": len(generated),
-        "score": value,
-        "correct": value == 1.0,
-        "expected": expected,
-        "prediction": text,
-        "generated": generated,
-        "nll": nll,
-        **acc,
-        "kept": float(kept + fed),
-        "seen": len(prompt) + fed,
-        "seconds": round(seconds, 3),
-        "per_head": per_head,
-    }
+    return E.result_row(run, example, budget_tokens=B, generated=generated, text=text, k=k, nll=nll, kv=acc,
+                        kept=kept + fed, seen=len(prompt) + fed, seconds=seconds, per_head=per_head)  # fmt: skip

@@ -74,3 +74,45 @@ def _round(t: torch.Tensor) -> list:
 
 def key_of(run: dict[str, Any], example: LongContextExample) -> dict[str, Any]:
     return {"method": run["method"], "budget": run["budget"], "task": example.task, "index": example.meta["index"]}
+
+
+def result_row(
+    run: dict[str, Any],
+    example: LongContextExample,
+    *,
+    budget_tokens: int | None,
+    generated: Sequence[int],
+    text: str,
+    k: int,
+    nll: float | None,
+    kv: dict[str, float],
+    kept: float,
+    seen: int,
+    seconds: float,
+    per_head: dict[str, Any],
+) -> dict[str, Any]:
+    """One line of results.jsonl: the example's key, its score (`score` with the continuation length k), and the
+    cache's KV accounting (``kv``: the means of area, peak and kv_fraction over layers and KV heads; kept, seen)
+    with its per-head detail; the same fields for every method, the project's caches and kvpress' presses alike."""
+    value, expected = score(example, generated, text, k)
+    return {
+        **key_of(run, example),
+        "policy": run["policy"],
+        "label": run["label"],
+        "budget_tokens": budget_tokens,
+        "prompt_tokens": len(example.prompt_ids),
+        "new_tokens": len(generated),
+        "score": value,
+        "correct": value == 1.0,
+        "expected": expected,
+        "prediction": text,
+        "generated": list(generated),
+        "nll": nll,
+        "area": float(kv["area"]),
+        "peak": float(kv["peak"]),
+        "kv_fraction": float(kv["kv_fraction"]),
+        "kept": float(kept),
+        "seen": seen,
+        "seconds": round(seconds, 3),
+        "per_head": per_head,
+    }
