@@ -195,8 +195,46 @@ def triton_pool_attention(
 
 
 # ----------------------------------------------------------------------------------------------------
-# NAtS cache maintenance, fused: one launch before the attention (type, ring write, append), one after (evict)
+# NAtS cache maintenance, fused: one launch before the attention (type, ring write, append), one after (evict);
+# the fixed-capacity cache's step below does the three in one launch from the same helpers
 # ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _type_of(z0, z1, z2, pos):
+    """A token's type from its three scorer logits: the first maximum (like torch.argmax); token 0 is global."""
+    t = tl.where(z1 > z0, 1, 0)
+    t = tl.where(z2 > tl.maximum(z0, z1), 2, t)
+    return tl.where(pos == 0, 0, t)
+
+
+@triton.jit
+def _admit(r, t, pos, k, v, RK, RV, RVALID, KP, VP, START, LENGTH, offs_d, dmask, W: tl.constexpr, D: tl.constexpr):
+    """Row r's new token (k, v [D]) of type t: written into its ring slot pos % W (valid while sliding) and, for a
+    global or local token, appended to the row's segment."""
+    ring = r.to(tl.int64) * W + (pos % W).to(tl.int64)
+    tl.store(RK + ring * D + offs_d, k, mask=dmask)
+    tl.store(RV + ring * D + offs_d, v, mask=dmask)
+    tl.store(RVALID + ring, (t == 2).to(tl.int8))
+    if t != 2:
+        length = tl.load(LENGTH + r)
+        dst = tl.load(START + r) + length
+        tl.store(KP + dst * D + offs_d, k, mask=dmask)
+        tl.store(VP + dst * D + offs_d, v, mask=dmask)
+        tl.store(LENGTH + r, length + 1)
+
+
+@triton.jit
+def _drop_locals(r, KP, VP, START, LENGTH, NGLOBAL, offs_d, dmask, D: tl.constexpr):
+    """Row r's last token was global: its locals go (the token moves down over them, after the globals)."""
+    start = tl.load(START + r)
+    ng = tl.load(NGLOBAL + r)
+    src = start + tl.load(LENGTH + r) - 1
+    dst = start + ng
+    tl.store(KP + dst * D + offs_d, tl.load(KP + src * D + offs_d, mask=dmask), mask=dmask)
+    tl.store(VP + dst * D + offs_d, tl.load(VP + src * D + offs_d, mask=dmask), mask=dmask)
+    tl.store(NGLOBAL + r, ng + 1)
+    tl.store(LENGTH + r, ng + 1)
+
+
 @triton.jit
 def _nats_append_kernel(
     Z,
@@ -222,12 +260,7 @@ def _nats_append_kernel(
     r = tl.program_id(0)
     pos = tl.load(POS)
     if HAS_LOGITS:  # t = argmax(z) (first maximum on ties, like torch.argmax); token 0 is global
-        z0 = tl.load(Z + r * 3)
-        z1 = tl.load(Z + r * 3 + 1)
-        z2 = tl.load(Z + r * 3 + 2)
-        t = tl.where(z1 > z0, 1, 0)
-        t = tl.where(z2 > tl.maximum(z0, z1), 2, t)
-        t = tl.where(pos == 0, 0, t).to(tl.int64)
+        t = _type_of(tl.load(Z + r * 3), tl.load(Z + r * 3 + 1), tl.load(Z + r * 3 + 2), pos).to(tl.int64)
     else:
         t = tl.load(TIN + r).to(tl.int64)
     if HAS_CAP:  # a full segment keeps the token as a sliding one (fixed-capacity caches)
@@ -237,17 +270,7 @@ def _nats_append_kernel(
     dmask = offs_d < D
     k = tl.load(KNEW + r * D + offs_d, mask=dmask)
     v = tl.load(VNEW + r * D + offs_d, mask=dmask)
-    slot = (pos % W).to(tl.int64)
-    ring = r.to(tl.int64) * W + slot
-    tl.store(RK + ring * D + offs_d, k, mask=dmask)
-    tl.store(RV + ring * D + offs_d, v, mask=dmask)
-    tl.store(RVALID + ring, (t == 2).to(tl.int8))
-    if t != 2:
-        length = tl.load(LENGTH + r)
-        dst = tl.load(START + r) + length
-        tl.store(KP + dst * D + offs_d, k, mask=dmask)
-        tl.store(VP + dst * D + offs_d, v, mask=dmask)
-        tl.store(LENGTH + r, length + 1)
+    _admit(r, t, pos, k, v, RK, RV, RVALID, KP, VP, START, LENGTH, offs_d, dmask, W, D)
 
 
 @triton.jit
@@ -257,19 +280,9 @@ def _nats_evict_kernel(
     r = tl.program_id(0)
     pos = tl.load(POS)
     t = tl.load(T + r)
-    if t == 0:  # the row's token was global: its locals go (move the token down over them)
-        start = tl.load(START + r)
-        ng = tl.load(NGLOBAL + r)
-        src = start + tl.load(LENGTH + r) - 1
-        dst = start + ng
+    if t == 0:  # the row's token was global: its locals go
         offs_d = tl.arange(0, BLOCK_D)
-        dmask = offs_d < D
-        k = tl.load(KP + src * D + offs_d, mask=dmask)
-        v = tl.load(VP + src * D + offs_d, mask=dmask)
-        tl.store(KP + dst * D + offs_d, k, mask=dmask)
-        tl.store(VP + dst * D + offs_d, v, mask=dmask)
-        tl.store(NGLOBAL + r, ng + 1)
-        tl.store(LENGTH + r, ng + 1)
+        _drop_locals(r, KP, VP, START, LENGTH, NGLOBAL, offs_d, offs_d < D, D)
     # the sliding token pos - W + 1 has now been seen by W queries
     tl.store(RVALID + r.to(tl.int64) * W + ((pos + 1) % W).to(tl.int64), (t * 0).to(tl.int8))
 
@@ -355,21 +368,14 @@ def _nats_step_kernel(
     b = r // HKV
     h = r % HKV
     pos = tl.load(POS)
-    start = tl.load(START + r)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    # 1. the previous token's eviction, deferred to here: if it was global, its row's locals go (the token moves
-    #    down over them). Its expired ring slot is this token's slot, rewritten below.
+    # 1. the previous token's eviction, deferred to here: if it was global, its row's locals go. Its expired ring
+    #    slot is this token's slot, rewritten below.
     if tl.load(T + r) == 0:
-        ng = tl.load(NGLOBAL + r)
-        src = start + tl.load(LENGTH + r) - 1
-        dst = start + ng
-        tl.store(KP + dst * D + offs_d, tl.load(KP + src * D + offs_d, mask=dmask), mask=dmask)
-        tl.store(VP + dst * D + offs_d, tl.load(VP + src * D + offs_d, mask=dmask), mask=dmask)
-        tl.store(NGLOBAL + r, ng + 1)
-        tl.store(LENGTH + r, ng + 1)
+        _drop_locals(r, KP, VP, START, LENGTH, NGLOBAL, offs_d, dmask, D)
     # 2. the type: argmax of the scorer's logits x . W_s (rounded to the model's dtype, as the Linear's output)
-    #    plus the inference offsets; first maximum on ties, like torch.argmax
+    #    plus the inference offsets; a full segment keeps the token as sliding
     offs_c = tl.arange(0, BLOCK_C)
     cmask = offs_c < C
     x = tl.load(X + b * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
@@ -380,24 +386,13 @@ def _nats_step_kernel(
     z0 = tl.sum(x * w0, axis=0).to(dt).to(tl.float32) + tl.load(BIAS)
     z1 = tl.sum(x * w1, axis=0).to(dt).to(tl.float32) + tl.load(BIAS + 1)
     z2 = tl.sum(x * w2, axis=0).to(dt).to(tl.float32) + tl.load(BIAS + 2)
-    t = tl.where(z1 > z0, 1, 0)
-    t = tl.where(z2 > tl.maximum(z0, z1), 2, t)
-    t = tl.where(pos == 0, 0, t)
-    length = tl.load(LENGTH + r)
-    t = tl.where((t != 2) & (length >= tl.load(CAP + r)), 2, t).to(tl.int64)  # a full segment: sliding
+    t = _type_of(z0, z1, z2, pos)
+    t = tl.where((t != 2) & (tl.load(LENGTH + r) >= tl.load(CAP + r)), 2, t).to(tl.int64)
     tl.store(T + r, t)
     # 3. ring write (valid where sliding) and, for global / local tokens, the segment append
     k = tl.load(KNEW + r * D + offs_d, mask=dmask)
     v = tl.load(VNEW + r * D + offs_d, mask=dmask)
-    ring = r.to(tl.int64) * W + (pos % W).to(tl.int64)
-    tl.store(RK + ring * D + offs_d, k, mask=dmask)
-    tl.store(RV + ring * D + offs_d, v, mask=dmask)
-    tl.store(RVALID + ring, (t == 2).to(tl.int8))
-    if t != 2:
-        dst = start + length
-        tl.store(KP + dst * D + offs_d, k, mask=dmask)
-        tl.store(VP + dst * D + offs_d, v, mask=dmask)
-        tl.store(LENGTH + r, length + 1)
+    _admit(r, t, pos, k, v, RK, RV, RVALID, KP, VP, START, LENGTH, offs_d, dmask, W, D)
 
 
 def nats_step(

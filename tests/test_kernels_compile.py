@@ -1,0 +1,71 @@
+"""The fused NAtS decode kernels compile for a Hopper GPU (sm_90) here, without a GPU: Triton's interpreter, which
+runs them in the other tests, checks their arithmetic but not that the compiler accepts them. The compile runs in a
+subprocess (this process has chosen the interpreter) and stops at PTX and the cubin; nothing is launched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, types
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = open(sys.argv[1]).read().replace(
+        "from nats_kernels.nats_attention._env import INTERPRET, tl, triton",
+        "import triton\\nimport triton.language as tl\\nINTERPRET = False",
+    )
+    mod = types.ModuleType("decode_for_sm90")
+    sys.modules[mod.__name__] = mod
+    exec(compile(src, sys.argv[1], "exec"), mod.__dict__)
+    P, B, L, I8 = "*fp32", "*bf16", "*i64", "*i8"
+    C = "constexpr"
+    kernels = {
+        "_nats_step_kernel": (
+            dict(X=B, WS=B, BIAS=P, POS=L, T=L, KNEW=B, VNEW=B, RK=B, RV=B, RVALID=I8, KP=B, VP=B, START=L,
+                 LENGTH=L, NGLOBAL=L, CAP=L, HKV=C, C=C, BLOCK_C=C, W=C, D=C, BLOCK_D=C),
+            [dict(HKV=3, C=576, BLOCK_C=1024, W=64, D=64, BLOCK_D=64)],
+        ),
+        "_nats_append_kernel": (
+            dict(Z=P, TIN=L, POS=L, TOUT=L, KNEW=B, VNEW=B, RK=B, RV=B, RVALID=I8, KP=B, VP=B, START=L, LENGTH=L,
+                 CAP=L, HAS_LOGITS=C, HAS_CAP=C, W=C, D=C, BLOCK_D=C),
+            [dict(HAS_LOGITS=a, HAS_CAP=b, W=16, D=64, BLOCK_D=64) for a in (True, False) for b in (True, False)],
+        ),
+        "_nats_evict_kernel": (
+            dict(T=L, POS=L, KP=B, VP=B, START=L, LENGTH=L, NGLOBAL=L, RVALID=I8, W=C, D=C, BLOCK_D=C),
+            [dict(W=16, D=64, BLOCK_D=64)],
+        ),
+    }
+    for name, (signature, variants) in kernels.items():
+        for constexprs in variants:
+            compiled = triton.compile(
+                ASTSource(fn=getattr(mod, name), signature=signature, constexprs=constexprs),
+                target=GPUTarget("cuda", 90, 32),
+            )
+            assert "ptx" in compiled.asm, name
+            print(name, "ok")
+    """
+)
+
+
+def test_the_fused_decode_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(REPO / "kernels" / "nats_attention" / "decode.py")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("this Triton install has no ptxas to compile for CUDA")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split().count("ok") == 6
