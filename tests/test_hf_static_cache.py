@@ -68,10 +68,12 @@ def test_baselines_equal_policy_cache(policy, kw):
         assert int(cache.kept().max()) == 16
 
 
+@pytest.mark.parametrize("track", [True, False])
 @pytest.mark.parametrize("policy,kw", [("nats", {}), ("full", {}), ("streaming_llm", {"budget": 12})])
-def test_left_padded_batch_equals_each_prompt_alone(policy, kw):
+def test_left_padded_batch_equals_each_prompt_alone(policy, kw, track):
     model = nats_model()
     p1, p2 = ids(n=26, b=1, seed=3), ids(n=40, b=1, seed=4)
+    kw = {**kw, "track": track}  # without tracking the cache sizes are never computed
     alone = [greedy(model, p, StaticPolicyCache(model, policy, max_new_tokens=NEW, max_len=64, **kw)) for p in (p1, p2)]
     pad = torch.zeros(1, 14, dtype=torch.long)
     batch = torch.cat([torch.cat([pad, p1], 1), p2])

@@ -213,6 +213,7 @@ class StaticPolicyCache(Cache):
         if self.max_len < 1:
             raise ValueError("StaticPolicyCache: pass max_len (the model config has no max_position_embeddings)")
         self.prompt_lengths: Tensor | None = None  # real tokens per sequence, set by the prefill
+        self._real_rows: Tensor | None = None  # the same per row (sequence x KV head)
         super().__init__(layers=[StaticPolicyLayer(self, i) for i in range(len(self.cores))])
 
     # ------------------------------------------------------------------ the attention function's entry point
@@ -255,17 +256,21 @@ class StaticPolicyCache(Cache):
             y = torch.zeros_like(q)
             keep = torch.zeros(B, Hkv, N, dtype=torch.bool, device=q.device)
             types = torch.full((B, Hkv, N), -1, dtype=torch.long, device=q.device) if self.rule == "nats" else None
-            sizes = torch.zeros(B, Hkv, N, dtype=torch.long, device=q.device)
+            sizes = torch.zeros(B, Hkv, N, dtype=torch.long, device=q.device) if self.track else None
             for rows, p in groups:
                 bb = None if budgets is None else budgets[rows]
                 yb, kb, tb, sb = self._prefill_rows(layer, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
                                                     hidden[rows, p:], bb)  # fmt: skip
-                y[rows, :, p:], keep[rows, :, p:], sizes[rows, :, p:] = yb, kb, sb
+                y[rows, :, p:], keep[rows, :, p:] = yb, kb
+                if sizes is not None:
+                    sizes[rows, :, p:] = sb
                 if types is not None:
                     types[rows, :, p:] = tb
         R = B * Hkv
         kr, vr = k.reshape(R, N, D), v.reshape(R, N, D)
         n_keep = keep.reshape(R, N)
+        if self._real_rows is None:  # [R] real prompt tokens per row, the same for every layer
+            self._real_rows = self.prompt_lengths.repeat_interleave(Hkv)
         if self.rule == "ring":
             cap = budgets.repeat_interleave(Hkv)
         else:
@@ -276,13 +281,13 @@ class StaticPolicyCache(Cache):
         if self.rule == "nats":
             self._load_nats(layer, core, kr, vr, types.reshape(R, N), N)
         elif self.rule == "ring":
-            layer.count = self.prompt_lengths.repeat_interleave(Hkv)
+            layer.count = self._real_rows.clone()  # advanced in place by the decode steps
             layer.sinks = int(self.options.get("sinks", 4))
             _mark_static(layer.count)
         if self.track:
             layer.area.copy_(sizes.reshape(R, N).sum(-1).double())
             layer.peak.copy_(sizes.reshape(R, N).amax(-1))
-        layer.real = self.prompt_lengths.repeat_interleave(Hkv)  # [R] real prompt tokens
+        layer.real = self._real_rows
         layer.prompt_width = N
         return y
 
@@ -292,7 +297,10 @@ class StaticPolicyCache(Cache):
         b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
         Hkv = k.shape[1]
         gqa = Hq != Hkv
-        i1 = torch.arange(1, n + 1, device=q.device).expand(b_, Hkv, n)
+
+        def seen():  # every prompt token held: the cache size c_i = i + 1 (spec section 6), for `track`
+            return torch.arange(1, n + 1, device=q.device).expand(b_, Hkv, n) if self.track else None
+
         if self.rule == "nats":
             types = core.hard_types(hidden)  # [b, Hkv, n], token 0 global
             y = NF.nats_attention_types(q, k, v, types, core.window, backend=getattr(core, "backend", "auto"))
@@ -300,7 +308,7 @@ class StaticPolicyCache(Cache):
             isg = types == NF.TOKEN_GLOBAL
             last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(-1, keepdim=True)
             keep = isg | ((types == NF.TOKEN_LOCAL) & (pos > last_g))
-            sizes = NF.kv_cache_sizes(types, core.window) if self.track else i1
+            sizes = NF.kv_cache_sizes(types, core.window) if self.track else None
             return y, keep, types, sizes
         if self.rule == "ring":
             sinks = int(self.options.get("sinks", 4))
@@ -313,22 +321,23 @@ class StaticPolicyCache(Cache):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
             pos = torch.arange(n, device=q.device)
             keep = ((pos < sinks) | (pos > n - 1 - (b - sinks))).expand(b_, Hkv, n)
-            return y, keep, None, i1.clamp(max=b)
+            sizes = seen()
+            return y, keep, None, None if sizes is None else sizes.clamp(max=b)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         everything = torch.ones(b_, Hkv, n, dtype=torch.bool, device=q.device)
         if self.policy == "full":
-            return y, everything, None, i1
+            return y, everything, None, seen()
         b = int(budget.max())
         opts = {key: val for key, val in self.options.items() if key in ("window", "kernel", "pooling", "beta")}
         if self.policy_cls.needs_n_layer:
             opts["n_layer"] = self.n_layer
         if b >= n:
-            return y, everything, None, i1
+            return y, everything, None, seen()
         selector = self.policy_cls(
             batch=q.shape[0], n_head=Hq, n_kv_head=Hkv, head_dim=q.shape[-1], max_len=n, device=q.device,
             dtype=q.dtype, layer_idx=layer.layer_idx, budget=b, backend="torch", track=False, **opts,
         )  # fmt: skip
-        return y, selector.keep_mask(q, k), None, i1  # the prefill reads every prompt key
+        return y, selector.keep_mask(q, k), None, seen()  # the prefill reads every prompt key
 
     def _load_nats(self, layer, core, kr, vr, tr, N):
         R, _, D = kr.shape
@@ -338,11 +347,10 @@ class StaticPolicyCache(Cache):
         layer.ring_v = torch.zeros(R, W, D, device=dev, dtype=kr.dtype)
         layer.ring_valid = torch.zeros(R, W, device=dev, dtype=torch.bool)
         lo = max(0, N - W + 1)
-        ring_pos = torch.arange(lo, N, device=dev)
-        slots = ring_pos % W
-        layer.ring_k[:, slots] = kr[:, ring_pos]
-        layer.ring_v[:, slots] = vr[:, ring_pos]
-        layer.ring_valid[:, slots] = tr[:, ring_pos] == NF.TOKEN_SLIDING
+        slots = torch.arange(lo, N, device=dev) % W  # the last W - 1 positions' ring slots (distinct)
+        layer.ring_k.index_copy_(1, slots, kr[:, lo:])
+        layer.ring_v.index_copy_(1, slots, vr[:, lo:])
+        layer.ring_valid.index_copy_(1, slots, tr[:, lo:] == NF.TOKEN_SLIDING)
         layer.n_global = (tr == NF.TOKEN_GLOBAL).sum(1)
         layer.t = torch.full((R,), -1, dtype=torch.long, device=dev)  # the last token's type: its eviction is pending
         layer.window = W
