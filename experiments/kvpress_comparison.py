@@ -1,4 +1,4 @@
-"""Issue 35 part 3: kvpress as the judge of the baselines, one table and plot from `nats-eval-hf` runs on the same
+"""kvpress as the judge of the baselines, one table and plot from `nats-eval-hf` runs on the same
 examples (docs/kvpress.md).
 
     python experiments/kvpress_comparison.py <results.jsonl> [<results.jsonl> ...] --out docs/results \

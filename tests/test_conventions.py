@@ -88,3 +88,27 @@ def test_license_and_citation():
     titles = [r["title"] for r in cff["references"]]
     assert "Neural Attention Search" in titles and any(t.startswith("Gated Attention") for t in titles)
     assert len(titles) == 3
+
+
+def test_the_repository_speaks_of_the_project_alone():
+    """Docs, code and results name the date or commit, the machine and the command of a number, never how the work
+    was organised (tracker numbers, work sessions, borrowed machines and their time budget)."""
+    import re
+    import subprocess
+
+    pattern = re.compile(
+        r"\b[Ii]ssues? #?\d+\b|\b[Ss]ession \d+\b|\b[Dd]evice[- ]time\b|\blent\b|\$OUT\b|\bcarried (?:folder|path)s?\b"
+    )
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    found = []
+    for name in files:
+        path = REPO / name
+        if path.suffix in (".png", ".gz") or name == "tests/test_conventions.py" or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        lines = enumerate(text.splitlines(), 1)
+        found += [f"{name}:{i}: {m.group(0)}" for i, line in lines if (m := pattern.search(line))]
+    assert not found, "\n".join(found[:20])

@@ -1,4 +1,4 @@
-"""kvpress as the judge of the baselines (issue 35 part 3; nats.hf.kvpress_methods, docs/kvpress.md), on a tiny random
+"""kvpress as the judge of the baselines (nats.hf.kvpress_methods, docs/kvpress.md), on a tiny random
 Llama on the CPU. Skipped where kvpress is not installed (it is an optional extra in an environment of its own:
 kvpress 0.5.5 needs transformers < 5.3; CI does not install it).
 

@@ -1,4 +1,4 @@
-"""NVIDIA's kvpress presses as methods of `nats-eval-hf` (issue 35 part 3; docs/kvpress.md).
+"""NVIDIA's kvpress presses as methods of `nats-eval-hf` (docs/kvpress.md).
 
 kvpress (PyPI ``kvpress``, Apache-2.0) is the community's library of KV-cache compression "presses". Here it judges
 the project's own baselines: a method whose config names a press (``conf/kvpress/<name>.yaml``, composed into
