@@ -29,8 +29,14 @@ train() { # name experiment gpu overrides...
 # the dense model's evaluation: its full cache only (the baselines at this length are not the question here)
 train dense study_fig3_dense 0 "callbacks.eval_after.evals.test.methods=[full]" "$@"
 train nats study_fig3_nats $((gpus > 1 ? 1 : 0)) "$@"
+# a SIGTERM (e.g. from `timeout`) reaches both trainings: each saves its state and stops (nats-train's own handling)
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
 status=0
-for p in "${pids[@]}"; do wait "$p" || status=1; done
+for p in "${pids[@]}"; do
+  while ! wait "$p"; do # wait returns early when the trap runs: wait again for the run to save and stop
+    kill -0 "$p" 2>/dev/null || { status=1 && break; }
+  done
+done
 tail -n 3 "$out"/runs/*/driver.log
 [ $status = 0 ] || { echo "a run failed or stopped: the same command resumes it" && exit 1; }
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
