@@ -37,7 +37,25 @@ from nats.cache.base import LayerCache
 from nats.cache.decode import policy_options
 
 
-class PolicyCacheLayer(CacheLayerMixin):
+class FixedRowsLayer(CacheLayerMixin):
+    """A cache layer whose rows (sequence x KV head) keep their own policy state, which cannot be reordered,
+    copied or selected: beam search, ``num_return_sequences > 1`` and contrastive search are refused, naming the
+    owner's class (``self.owner``)."""
+
+    def _refuse(self, what: str):
+        raise NotImplementedError(f"{type(self.owner).__name__} does not support {what}")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._refuse("beam search (num_beams=1 only)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._refuse("num_return_sequences > 1 or beam search")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._refuse("contrastive search or batch selection")
+
+
+class PolicyCacheLayer(FixedRowsLayer):
     """One decoder layer's cache: a `nats.cache.base.LayerCache` of the chosen policy, built at the first update
     (when batch size, KV heads, head size, dtype and device are known)."""
 
@@ -85,15 +103,6 @@ class PolicyCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.policy, self.pending, self.seen, self.is_initialized = None, None, 0, False
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("PolicyCache does not support beam search (num_beams=1 only)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("PolicyCache does not support num_return_sequences > 1 or beam search")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("PolicyCache does not support contrastive search or batch selection")
 
 
 class PolicyCache(Cache):

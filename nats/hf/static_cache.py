@@ -40,11 +40,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from nats import functional as NF
 from nats.cache import get_cache_class
 from nats.cache import static_ops as ops
+from nats.hf.cache import FixedRowsLayer
 
 POLICIES = ("full", "nats", "streaming_llm", "snapkv", "pyramidkv")
 _RULE = {"full": "append", "snapkv": "append", "pyramidkv": "append", "streaming_llm": "ring", "nats": "nats"}
@@ -69,7 +70,7 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
-class StaticPolicyLayer(CacheLayerMixin):
+class StaticPolicyLayer(FixedRowsLayer):
     """One decoder layer's buffers (allocated by the prefill, when the kept tokens are known)."""
 
     is_compileable = True
@@ -113,15 +114,6 @@ class StaticPolicyLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         raise NotImplementedError("StaticPolicyCache: make a new cache per generate call")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("StaticPolicyCache does not support beam search (num_beams=1 only)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("StaticPolicyCache does not support num_return_sequences > 1 or beam search")
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        raise NotImplementedError("StaticPolicyCache does not support contrastive search or batch selection")
 
     # ------------------------------------------------------------------ storage
     def allocate(self, keep: Tensor, k: Tensor, v: Tensor, per_row_cap: Tensor, splits: int, track=True) -> None:
