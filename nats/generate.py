@@ -41,7 +41,7 @@ from torch import Tensor
 from nats.cache.base import LayerCache
 from nats.cache.decode import check_model, generate_with_caches
 from nats.cache.registry import available_caches, get_cache_class
-from nats.utils import CONF_DIR, atomic_write
+from nats.utils import CONF_DIR, atomic_write, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -145,15 +145,6 @@ def resolve_budget(budget: Any, total: int) -> int | None:
 # ----------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name} but CUDA is not available: use device=cpu (or auto)")
-    return dev
-
-
 def _given(value: Any) -> bool:
     return value is not None and str(value) not in ("", "None", "null")
 
@@ -220,7 +211,7 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     cls = get_cache_class(policy)  # an unknown name fails here, with the registered ones
     if cfg.get("precision", "float32") not in DTYPES:
         raise ValueError(f"precision={cfg.precision!r} is not one of {sorted(DTYPES)}")
-    device = _device(str(cfg.get("device", "auto")))
+    device = resolve_device(str(cfg.get("device", "auto")))
     if cfg.get("hf_model") is not None:  # a transformers model: model.generate with a (fixed-capacity) policy cache
         from nats.hf.generate import generate_hf  # noqa: PLC0415
 
