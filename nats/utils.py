@@ -85,6 +85,17 @@ def world_size_of(trainer_cfg) -> int:
     return n * nodes
 
 
+def installed_spec(package: str):
+    """The import spec of an installed package, found without importing it, or None where it is not installed (a
+    parent package that fails to import, or a broken module entry, counts as not installed)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+
+
 def resolve_device(name: str):
     """The ``torch.device`` of a ``device=`` setting: ``auto`` is CUDA when available, else the CPU; a CUDA device
     on a machine without CUDA is an error that says what to set instead."""

