@@ -14,9 +14,8 @@ out=${1:?usage: bash experiments/gpu_figure3.sh OUT [OVERRIDE...]}
 shift
 seeds=${SEEDS:-1}
 lambdas=${LAMBDAS:-0,0.01,0.03,0.05,0.1,0.3,1,3}
-data=(data=pg19_subset) # the token cache of the runs' data, once
-for o in "$@"; do case $o in data=*) data[0]=$o ;; data.* | paths.*) data+=("$o") ;; esac; done
-nats-prepare "${data[@]}"
+source "$(dirname "$0")/prepare_data.sh"
+prepare_data "$@" # the token cache of the runs' data, once
 nats-train -m experiment=study_fig3_dense seed="$seeds" hydra.sweep.dir="$out/runs/dense" "$@"
 nats-train -m experiment=study_fig3_nats model.attention.sparsity_lambda="$lambdas" seed="$seeds" \
   hydra.sweep.dir="$out/runs/nats" "$@"

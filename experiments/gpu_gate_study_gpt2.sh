@@ -18,9 +18,8 @@ shift
 seeds=${SEEDS:-0}
 dense_gates=${DENSE_GATES-none,headwise,elementwise}
 nats_gates=${NATS_GATES-none,headwise}
-data=(data=pg19_subset) # the token cache of the runs' data, once
-for o in "$@"; do case $o in data=*) data[0]=$o ;; data.* | paths.*) data+=("$o") ;; esac; done
-nats-prepare "${data[@]}"
+source "$(dirname "$0")/prepare_data.sh"
+prepare_data "$@" # the token cache of the runs' data, once
 jobs=()
 multirun() { # kind gates: one multirun, in the background when TOGETHER=1
   local cmd=(nats-train -m "experiment=study_gate_gpt2_$1" "model.attention.output_gate=$2" "seed=$seeds"

@@ -13,9 +13,8 @@ set -euo pipefail
 out=${1:?usage: bash experiments/gpu_long_training.sh OUT [OVERRIDE...]}
 shift
 steps=${STEPS:-10000}
-data=(data=pg19_subset)
-for o in "$@"; do case $o in data=*) data[0]=$o ;; data.* | paths.*) data+=("$o") ;; esac; done
-nats-prepare "${data[@]}"
+source "$(dirname "$0")/prepare_data.sh"
+prepare_data "$@" # the token cache of the runs' data, once
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l || echo 0)
 pids=()
 train() { # name experiment gpu overrides...
