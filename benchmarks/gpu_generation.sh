@@ -10,19 +10,15 @@
 #   profile  kernel tables of the 8k batch-1 prefill and decode steps (StaticCache and NAtS)
 #   gpt      the GPT path at 8k / 32k, batch 8, CUDA graphs
 #   tests    the gpu-marked tests of both paths
-# WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index; each
-# stage's time limit: HF_LIMIT (s, default 420), GPT_LIMIT (150), TEST_LIMIT (200).
+# WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
+# (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 420), GPT_LIMIT (150), TEST_LIMIT (200).
 set -uo pipefail
+cd "$(dirname "$0")/.."
 out=${1:-logs/bench/generation}
 shift || true
 stages=${*:-kernels hf8k hf32k profile gpt tests}
-mkdir -p "$out"
-if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nats-site "$WHEELS"/*.whl 2>/dev/null
-  export PYTHONPATH=/tmp/nats-site:$PWD
-fi
-python3 -c "import nats_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e .
-export PYTHONUNBUFFERED=1
+DEST=$out
+source benchmarks/gpu_site.sh
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 hf() { # name, bench_hf_decode.py arguments
   local name=$1
