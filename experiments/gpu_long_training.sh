@@ -9,13 +9,24 @@
 # from their checkpoints/last.ckpt (written every eval_every = 500 steps), so the training may come in pieces
 # (e.g. under a time limit: `timeout 9m bash experiments/gpu_long_training.sh OUT`, then the same line again).
 # OVERRIDE: Hydra overrides for both runs, e.g. data.path=/data/pg19-subset-src.
+# MODELS (default "dense nats") chooses the runs, e.g. MODELS=nats to start or resume that one alone; the k-th run
+# takes the k-th GPU of CUDA_VISIBLE_DEVICES (default: all GPUs), cycling when there are fewer GPUs than runs.
 set -euo pipefail
 out=${1:?usage: bash experiments/gpu_long_training.sh OUT [OVERRIDE...]}
 shift
 steps=${STEPS:-10000}
+models=${MODELS:-dense nats}
+for name in $models; do
+  case $name in dense | nats) ;; *) echo "MODELS: unknown run '$name' (dense, nats)" >&2 && exit 2 ;; esac
+done
 source "$(dirname "$0")/prepare_data.sh"
 prepare_data "$@" # the token cache of the runs' data, once
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l || echo 0)
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  IFS=, read -ra gpu_ids <<<"$CUDA_VISIBLE_DEVICES"
+else
+  mapfile -t gpu_ids < <(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null || true)
+fi
+[ ${#gpu_ids[@]} -gt 0 ] || gpu_ids=(0)
 pids=()
 train() { # name experiment gpu overrides...
   local name=$1 exp=$2 gpu=$3
@@ -25,9 +36,16 @@ train() { # name experiment gpu overrides...
     "$@" >>"$out/runs/$name/driver.log" 2>&1 &
   pids+=($!)
 }
-# the dense model's evaluation: its full cache only (the baselines at this length are not the question here)
-train dense study_fig3_dense 0 "callbacks.eval_after.evals.test.methods=[full]" "$@"
-train nats study_fig3_nats $((gpus > 1 ? 1 : 0)) "$@"
+k=0
+for name in $models; do
+  gpu=${gpu_ids[k % ${#gpu_ids[@]}]}
+  k=$((k + 1))
+  case $name in
+    # the dense model's evaluation: its full cache only (the baselines at this length are not the question here)
+    dense) train dense study_fig3_dense "$gpu" "callbacks.eval_after.evals.test.methods=[full]" "$@" ;;
+    nats) train nats study_fig3_nats "$gpu" "$@" ;;
+  esac
+done
 # a SIGTERM (e.g. from `timeout`) reaches both trainings: each saves its state and stops (nats-train's own handling)
 trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
 status=0
