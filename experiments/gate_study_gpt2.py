@@ -147,13 +147,15 @@ def summarize(runs: dict) -> list[dict]:
         base = r["base"]
         row = rows.setdefault(
             base,
-            {"model": base, "label": r["label"], "nats": r["nats"], "seeds": [], "runs": []},
+            {"model": base, "label": r["label"], "nats": r["nats"], "seeds": [], "unevaluated": [], "runs": []},
         )
-        row["seeds"].append(r["seed"])
+        measured = run_values(r)
+        # a run without its test evaluation (e.g. stopped during it) adds to no perplexity: named apart
+        row["seeds" if "test_ppl" in measured else "unevaluated"].append(r["seed"])
         row["runs"].append(name)
         if r["analysis"]:
             row["uniform_share"], row["skip"] = r["analysis"]["uniform_share"], r["analysis"]["skip"]
-        for key, value in run_values(r).items():
+        for key, value in measured.items():
             values.setdefault(base, {}).setdefault(key, []).append(value)
     for base, row in rows.items():
         row["stats"] = {}
@@ -225,7 +227,9 @@ def markdown(rows: list[dict], setting: str) -> str:
         rel = "-"
         if dense_test and "test_ppl" in s:
             rel = f"{100 * (s['test_ppl']['mean'] / dense_test['mean'] - 1):+.1f}%"
-        seeds = ", ".join(map(str, r["seeds"]))
+        seeds = ", ".join(map(str, r["seeds"])) or "-"
+        if r.get("unevaluated"):
+            seeds += f" ({', '.join(map(str, r['unevaluated']))}: trained, not evaluated)"
         lines.append(
             f"| {r['label']} | {seeds} | {pm(s.get('val_ppl'))} | {pm(s.get('test_ppl'))} | {rel} | "
             f"{pm(s.get('sink'), 4)} | {pm(s.get('sink_max'), 4)} | {pm(s.get('gate'), 3)} | {pm(s.get('area'), 4)} "

@@ -248,6 +248,13 @@ def test_report_takes_runs_of_other_folders_as_further_seeds(tmp_path):
     out = tmp_path / "rep"
     gs.main([str(root), str(extra), "--out", str(out)])
     assert "| dense | 0, 7 | 42.00 ± 1.41 | 41.00 ± 1.41 | +0.0% | 0.3000 |" in (out / "gate_study_gpt2.md").read_text()
+    # a run stopped during its test evaluation: not counted as a seed of the perplexities, and said so
+    stopped = _fake_run(other, "dense", 8, ppl=99.0, sink=0.30, folder_name="5")
+    (stopped / "eval_test" / "results.json").unlink()
+    (stopped / "eval_validation" / "results.json").unlink()
+    gs.main([str(root), str(extra), str(stopped), "--out", str(out)])
+    text = (out / "gate_study_gpt2.md").read_text()
+    assert "| dense | 0, 7 (8: trained, not evaluated) | 42.00 ± 1.41 | 41.00 ± 1.41 | +0.0% | 0.3000 ± 0.0000 |" in text
     _fake_run(other, "dense", 0, ppl=42.0, sink=0.99, folder_name="4")
     with pytest.raises(SystemExit, match="dense_s0 twice"):
         gs.main([str(root), str(other), "--out", str(out)])
