@@ -107,6 +107,14 @@ def graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def cudagraph_skips() -> int:
+    """Compiled graphs that inductor left out of CUDA graphs (it logs the reason: "skipping cudagraphs due to ...");
+    such a decode step launches every kernel from the host."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def cache_maker(model, method: str, P: int, n_new: int, kept: float | None):
     """A function that makes a fresh cache of `method` for prompts of P tokens and n_new new ones."""
     from transformers import DynamicCache, StaticCache
@@ -169,6 +177,7 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    skips0 = cudagraph_skips()
     with attention_of(model, method):
         generate(model, prompt, make_cache(), min(n_new, 4))  # warm-up: compiled, autotuned, CUDA graphs recorded
         generate(model, prompt, make_cache(), min(n_new, 4))
@@ -202,6 +211,7 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
         "kv_mib": kv_bytes(cache) / 2**20,
         "kept_share": share,
         "new_graphs": new_graphs,
+        "cudagraph_skips": cudagraph_skips() - skips0,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "generated": out.shape[1] - P,
     }
@@ -237,8 +247,8 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
 def table(rows: list[dict]) -> list[str]:
     lines = [
         "| prompt | batch | method | kept (target) | prefill s | tokens/s | x static tok/s | x static prefill | "
-        "KV MiB | kept / seen | new graphs | peak GiB |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "KV MiB | kept / seen | new graphs | graph skips | peak GiB |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         peak = "" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.1f}"
@@ -248,7 +258,7 @@ def table(rows: list[dict]) -> list[str]:
         lines.append(
             f"| {r['prompt']} | {r['batch']} | {r['method']} | {tgt} | {r['prefill_s']:.3f} | "
             f"{r['tokens_per_s']:.1f} | {xs} | {xp} | {r['kv_mib']:.1f} | {r['kept_share']:.3f} | "
-            f"{r['new_graphs']} | {peak} |"
+            f"{r['new_graphs']} | {r.get('cudagraph_skips', '')} | {peak} |"
         )
     return lines
 
@@ -292,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             r["x_static_prefill"] = r["prefill_s"] / static["prefill_s"]
         rows.append(r)
         print(json.dumps(r), flush=True)
+        write(rows, args, argv, device, dtype)
 
     gen = torch.Generator().manual_seed(0)
     for P in args.prompt:
@@ -327,6 +338,13 @@ def main(argv: list[str] | None = None) -> int:
                 r["equal_memory_gib"] = args.equal_memory_gib
                 static = r if method == "static" else static
                 record(r, static)
+    write(rows, args, argv, device, dtype, final=True)
+    return 0
+
+
+def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> None:
+    """The table (markdown) and the rows (JSON) into ``args.out``: after every row, so that a run stopped part way
+    (a time limit) keeps what it measured; the final call also prints the table."""
     import transformers
 
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({platform.processor() or 'x86_64'})"
@@ -334,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# `model.generate` with NAtS' fixed-capacity cache and transformers' caches\n\n"
         f"{name}, torch {torch.__version__}, transformers {transformers.__version__}, {dtype}; SmolLM2-135M shape "
         f"(random weights{', fine-tuned scorers' if args.scorers else ', scorers calibrated to the kept share'}), "
-        f"W = {args.window}, {args.new} new tokens (greedy); tokens/s over all sequences of the batch.\n"
+        f"W = {args.window}, {args.new} new tokens (greedy); tokens/s over all sequences of the batch; graph skips: "
+        f"compiled graphs inductor did not CUDA-graph (the log says why).\n"
         f"Command: `python benchmarks/bench_hf_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n"
     )
     main_rows = [r for r in rows if "equal_memory_gib" not in r]
@@ -343,12 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     if eq_rows:
         text += f"\n## Equal KV memory ({args.equal_memory_gib} GiB): the largest batch each cache fits\n\n"
         text += "\n".join(table(eq_rows)) + "\n"
+    if not final:
+        text += "\n(incomplete: the run is still going, or was stopped)\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_hf_decode.md").write_text(text)
-    (out / "bench_hf_decode.json").write_text(json.dumps({"args": vars(args), "device": name, "rows": rows}, indent=1))
-    print(text)
-    return 0
+    (out / "bench_hf_decode.json").write_text(
+        json.dumps({"args": vars(args), "device": name, "complete": final, "rows": rows}, indent=1)
+    )
+    if final:
+        print(text)
 
 
 if __name__ == "__main__":

@@ -130,3 +130,29 @@ def test_decode_benchmark_smoke(tmp_path):
     eq = {r["method"]: r for r in rows if "equal_memory_gib" in r}
     assert set(eq) == {"static", "nats"} and all(r["batch"] >= 1 for r in eq.values())
     assert "Equal KV memory" in (tmp_path / "bench_hf_decode.md").read_text()
+    assert json.loads((tmp_path / "bench_hf_decode.json").read_text())["complete"] is True
+    assert all(isinstance(r["cudagraph_skips"], int) for r in rows)
+
+
+def test_decode_benchmark_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
+    """A run stopped part way (a time limit) leaves the rows it measured in its table, marked incomplete."""
+    import json
+
+    from conftest import load_script
+
+    bench = load_script("benchmarks/bench_hf_decode.py")
+    real, calls = bench.run, []
+
+    def run_then_stop(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what a SIGINT / the time limit does to the third measurement
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench, "run", run_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--smoke", "--out", str(tmp_path), "--methods", "static", "full", "--batch", "1", "2"])
+    saved = json.loads((tmp_path / "bench_hf_decode.json").read_text())
+    assert saved["complete"] is False and [(r["method"], r["batch"]) for r in saved["rows"]] == [("static", 1), ("full", 1)]
+    text = (tmp_path / "bench_hf_decode.md").read_text()
+    assert "| 96 | 1 | full |" in text and "incomplete" in text
