@@ -153,6 +153,9 @@ def test_decode_benchmark_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         bench.main(["--smoke", "--out", str(tmp_path), "--methods", "static", "full", "--batch", "1", "2"])
     saved = json.loads((tmp_path / "bench_hf_decode.json").read_text())
-    assert saved["complete"] is False and [(r["method"], r["batch"]) for r in saved["rows"]] == [("static", 1), ("full", 1)]
+    assert saved["complete"] is False and [(r["method"], r["batch"]) for r in saved["rows"]] == [
+        ("static", 1),
+        ("full", 1),
+    ]
     text = (tmp_path / "bench_hf_decode.md").read_text()
     assert "| 96 | 1 | full |" in text and "incomplete" in text
