@@ -255,9 +255,12 @@ def markdown(runs: dict, rows: list[dict], device: str) -> str:
         c = r["curves"]
         dens = c["train/density"][-1][1] if c["train/density"] else None
         tps = c["train/device/items_per_sec"][-1][1] if c["train/device/items_per_sec"] else None
+        steps, val = m.get("global_step"), m.get("val/ppl")
+        if steps is None and c["train/loss"]:  # no metrics.json: stopped before its end; its CSV says how far
+            steps = f"{c['train/loss'][-1][0] + 1} (stopped)"
+            val = c["val/ppl"][-1][1] if c["val/ppl"] else None
         lines.append(
-            f"| {name} | {m.get('global_step', '-')} | {fmt(m.get('val/ppl'), 4)} | {fmt(dens)} | "
-            f"{fmt(tps and round(tps))} |"
+            f"| {name} | {'-' if steps is None else steps} | {fmt(val, 4)} | {fmt(dens)} | {fmt(tps and round(tps))} |"
         )
     lines.append("")
     lines.append(
@@ -327,7 +330,8 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
         ns = "/".join(str(n) for n in sorted({r["N"] for r in runs.values()}))
         ax.set_title(f"perplexity vs KV {key} (test, N = {ns}); bars: ± 1 sd over seeds", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # no evaluated run (e.g. only stopped ones): no legend
+            ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / f"figure3_ppl_vs_{key}.png", dpi=120)
         plt.close(fig)

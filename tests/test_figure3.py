@@ -194,3 +194,18 @@ def test_report_refuses_a_model_and_seed_twice_and_an_empty_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no training runs"):
         figure3.main([str(tmp_path / "empty"), "--out", str(tmp_path / "out")])
+
+
+def test_a_run_stopped_before_its_end_shows_how_far_it_trained(tmp_path):
+    """A run without metrics.json (stopped, e.g. by a time limit) is listed with the steps and the last
+    validation perplexity of its CSV log, marked stopped; it adds nothing to the tables of evaluations."""
+    import yaml
+
+    run = tmp_path / "long" / "dense"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"seed": 0, "model": {"attention": {"name": "dense"}}}))
+    (run / "csv").mkdir()
+    (run / "csv" / "metrics.csv").write_text("step,train/loss,val/ppl\n24,4.0,\n499,,76.5\n8999,,41.9\n9049,2.2,\n")
+    report = figure3.main([str(tmp_path), "--out", str(tmp_path / "out")])
+    assert report["rows"] == []
+    assert "| dense_s0 | 9050 (stopped) | 41.9 | - | - |" in (tmp_path / "out" / "figure3.md").read_text()
