@@ -392,7 +392,7 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
                 axes[1][c].set_title("type fractions (mean over heads)", fontsize=8)
                 axes[1][c].legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "figure3_kv_layers.png", dpi=110)
+        fig.savefig(out / "figure3_kv_layers.png", dpi=85)  # many panels: small enough for docs/results
         plt.close(fig)
 
 
@@ -417,7 +417,9 @@ def main(argv: list[str] | None = None) -> dict:
         for n, r in runs.items()
     }  # fmt: skip
     payload = {"device": args.device, "rows": rows, "comparisons": comparisons(rows), "runs": slim}
-    (out / "figure3.json").write_text(json.dumps(payload, indent=1))
+    (out / "figure3.json").write_text(
+        json.dumps(payload, separators=(",", ":"))
+    )  # compact: the md is the readable form
     plots(runs, rows, out)
     print((out / "figure3.md").read_text())
     return {"runs": runs, "rows": rows, "comparisons": payload["comparisons"]}

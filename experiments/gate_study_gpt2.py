@@ -448,7 +448,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     setting = caption(runs, args.device)
     (out / "gate_study_gpt2.md").write_text(markdown(rows, setting))
-    (out / "gate_study_gpt2.json").write_text(json.dumps({"setting": setting, "rows": rows, "runs": runs}, indent=1))
+    (out / "gate_study_gpt2.json").write_text(  # compact: the md is the readable form
+        json.dumps({"setting": setting, "rows": rows, "runs": runs}, separators=(",", ":"))
+    )
     plots(rows, out)
     print((out / "gate_study_gpt2.md").read_text())
     return rows
