@@ -69,8 +69,11 @@ def setting(cfg: dict) -> str:
     )
 
 
-def load(folders: list[str]) -> dict:
-    """Per run (``<model>_s<seed>``): its model, seed, training summary, curves and evaluations."""
+def load(folders: list[str], checkpoint: str = "last") -> dict:
+    """Per run (``<model>_s<seed>``): its model, seed, training summary, curves and evaluations (of its final
+    checkpoint, ``eval_<split>/``, or with ``checkpoint="best"`` of its best by validation loss,
+    ``eval_<split>_best/``: callbacks.eval_after's ``checkpoint: best`` entries)."""
+    suffix = "" if checkpoint == "last" else f"_{checkpoint}"
     runs: dict[str, dict] = {}
     for folder in collect.find_runs(folders):
         r = collect.load_run(folder)
@@ -92,8 +95,8 @@ def load(folders: list[str]) -> dict:
             "lambda": att.get("sparsity_lambda") if att.get("name") == "nats" else None,
             "metrics": r["metrics"],
             "curves": {k: collect.curve(r["csv"], k) for k in CURVES},
-            "eval": {s: r["eval"].get(s) for s in ("validation", "test")},
-            "kv_fractions": r["kv_fractions"].get("test"),
+            "eval": {s: r["eval"].get(s + suffix) for s in ("validation", "test")},
+            "kv_fractions": r["kv_fractions"].get("test" + suffix),
         }
     if not runs:
         raise SystemExit(f"no training runs below {', '.join(folders)}")
@@ -185,13 +188,15 @@ def comparisons(rows: list[dict]) -> list[dict]:
     return [compare(test[a], test[b]) for a, b in COMPARISONS if a in test and b in test]
 
 
-def markdown(runs: dict, rows: list[dict], device: str) -> str:
+def markdown(runs: dict, rows: list[dict], device: str, checkpoint: str = "last") -> str:
+    which = "" if checkpoint == "last" else " Evaluations of each run's best checkpoint by validation loss."
     lines = [
         "# Figure 3 at reduced scale: perplexity against KV-cache size",
         "",
         f"Produced by `experiments/figure3.py` from the run folders; trained and evaluated on {device}. Setting: "
         + "; ".join(sorted({r["setting"] for r in runs.values()}))
-        + ".",
+        + "."
+        + which,
         "",
     ]
     full_test = [r for r in rows if r["split"] == "test" and r["policy"] == "full"]
@@ -401,15 +406,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("folders", nargs="+", help="multirun (or run) folders of the study; searched recursively")
     ap.add_argument("--out", default="docs/results", help="folder for the table, the JSON and the plots")
     ap.add_argument("--device", default=None, help="the machine, for the caption (default: what nats-eval recorded)")
+    ap.add_argument(
+        "--checkpoint",
+        choices=("last", "best"),
+        default="last",
+        help="the evaluations of each run's final checkpoint (eval_<split>/) or of its best by validation loss "
+        "(eval_<split>_best/, where callbacks.eval_after made them)",
+    )
     args = ap.parse_args(argv)
-    runs = load(args.folders)
+    runs = load(args.folders, args.checkpoint)
     rows = summarize(runs)
     if args.device is None:  # cuda / cpu, as the evaluations recorded it
         found = {ev["device"] for r in runs.values() for ev in r["eval"].values() if ev and ev.get("device")}
         args.device = ", ".join(sorted(found)) or "an unrecorded device"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "figure3.md").write_text(markdown(runs, rows, args.device))
+    (out / "figure3.md").write_text(markdown(runs, rows, args.device, args.checkpoint))
     kept_curves = ("train/loss", "val/loss", "train/density")  # the JSON keeps these; the plots show the rest
     slim = {
         n: {**{k: v for k, v in r.items() if k not in ("kv_fractions", "curves")},

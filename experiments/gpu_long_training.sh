@@ -2,10 +2,12 @@
 # Longer training (docs/figure3.md, "Longer training"): the dense model and NAtS lambda = 0.05 of the Figure 3
 # study for STEPS optimizer steps (default 10000, 5x the study's tokens; the cosine and the tau schedule stretch
 # with it), side by side: one GPU each where the machine has two or more, else both on GPU 0. Each run evaluates
-# its final checkpoint at its end (the full cache for dense, the learned types for NAtS; the first 512 windows of
-# each split), then the report puts their curves beside each other.
+# at its end its final checkpoint and its best by validation loss (10k steps are ~8 passes over the subset: the
+# dense model overfits after ~5000; the full cache for dense, the learned types for NAtS; the first 512 windows of
+# each split), then the reports put their curves and evaluations beside each other.
 #   bash experiments/gpu_long_training.sh OUT [OVERRIDE...]
-# OUT: run folders OUT/runs/{dense,nats}/, the table and plots in OUT/report/. The same OUT again resumes both runs
+# OUT: run folders OUT/runs/{dense,nats}/, the tables and plots in OUT/report/ (final checkpoints) and
+# OUT/report_best/ (best checkpoints). The same OUT again resumes both runs
 # from their checkpoints/last.ckpt (written every eval_every = 500 steps), so the training may come in pieces
 # (e.g. under a time limit: `timeout 9m bash experiments/gpu_long_training.sh OUT`, then the same line again).
 # OVERRIDE: Hydra overrides for both runs, e.g. data.path=/data/pg19-subset-src.
@@ -41,9 +43,14 @@ for name in $models; do
   gpu=${gpu_ids[k % ${#gpu_ids[@]}]}
   k=$((k + 1))
   case $name in
-    # the dense model's evaluation: its full cache only (the baselines at this length are not the question here)
-    dense) train dense study_fig3_dense "$gpu" "callbacks.eval_after.evals.test.methods=[full]" "$@" ;;
-    nats) train nats study_fig3_nats "$gpu" "$@" ;;
+    # the dense model's evaluation: its full cache only (the baselines at this length are not the question here);
+    # each model also at its best checkpoint by validation loss (where a long run on the subset overfits)
+    dense) train dense study_fig3_dense "$gpu" "callbacks.eval_after.evals.test.methods=[full]" \
+      "++callbacks.eval_after.evals.validation_best={split:validation,methods:[full],checkpoint:best}" \
+      "++callbacks.eval_after.evals.test_best={split:test,methods:[full],checkpoint:best}" "$@" ;;
+    nats) train nats study_fig3_nats "$gpu" \
+      "++callbacks.eval_after.evals.validation_best={split:validation,methods:[nats],checkpoint:best}" \
+      "++callbacks.eval_after.evals.test_best={split:test,methods:[nats],checkpoint:best}" "$@" ;;
   esac
 done
 # a SIGTERM (e.g. from `timeout`) reaches both trainings: each saves its state and stops (nats-train's own handling)
@@ -58,3 +65,4 @@ tail -n 3 "$out"/runs/*/driver.log
 [ $status = 0 ] || { echo "a run failed or stopped: the same command resumes it" && exit 1; }
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
 python experiments/figure3.py "$out/runs" --out "$out/report" ${device:+--device "one $device per run"}
+python experiments/figure3.py "$out/runs" --out "$out/report_best" --checkpoint best ${device:+--device "one $device per run"}

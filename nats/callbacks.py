@@ -404,6 +404,10 @@ class InterruptCheckpoint(Callback):
             trainer.save_checkpoint(self.ckpt_path, weights_only=False)
 
 
+#: what an EvalAfterTraining entry evaluates (its ``checkpoint`` key)
+CHECKPOINTS = ("last", "best")
+
+
 class EvalAfterTraining(Callback):
     """``nats-eval`` of the run's final checkpoint at the end of training, the same code (``nats.eval.run``), once
     per entry of ``evals``, each into ``<run_dir>/eval_<name>/`` (results.json / .md / .csv, kv_fractions.json, the
@@ -411,12 +415,15 @@ class EvalAfterTraining(Callback):
     (conf/callbacks/eval_after.yaml; docs/figure3.md).
 
     evals: name -> nats-eval settings (keys of conf/eval.yaml: split, methods, budgets, max_windows, batch_size,
-        device, precision, ...); ``common`` holds settings for every entry (an entry's own keys win).
+        device, precision, ...); ``common`` holds settings for every entry (an entry's own keys win). One more
+        key, ``checkpoint``: ``last`` (default, the final state) or ``best`` (the run's best checkpoint by
+        validation loss, kept by the ``model_checkpoint`` callback: the point to compare at where a long training
+        overfits).
     data: the run's data config (the windows come from the data the model was trained on).
     block_size, attention: the model's N and attention core, to check the evaluations' plans (methods, budgets)
     before the training starts rather than after it.
-    The checkpoint is the run's ``checkpoints/last.ckpt``, saved first when it does not hold the final step. An
-    entry whose results.json is newer than that checkpoint is skipped (a finished run that is started again does
+    The final checkpoint is the run's ``checkpoints/last.ckpt``, saved first when it does not hold the final
+    step. An entry whose results.json is newer than its checkpoint is skipped (a finished run that is started again does
     not evaluate again). Only rank 0 evaluates."""
 
     def __init__(
@@ -431,6 +438,14 @@ class EvalAfterTraining(Callback):
         super().__init__()
         self.evals = {str(k): dict(v or {}) for k, v in (evals or {}).items()}
         self.common = dict(common or {})
+        self.checkpoints = {}
+        for name in self.evals:
+            which = {**self.common, **self.evals[name]}.get("checkpoint", "last")
+            if which not in CHECKPOINTS:
+                raise ValueError(
+                    f"callbacks.eval_after.evals.{name}.checkpoint={which!r}: choose {' or '.join(CHECKPOINTS)}"
+                )
+            self.checkpoints[name] = which
         self.data = dict(data)
         self.run_dir = Path(run_dir)
         from nats.eval import compose_eval, plan_runs
@@ -445,7 +460,26 @@ class EvalAfterTraining(Callback):
                     raise ValueError(f"callbacks.eval_after.evals.{name}: {err}") from None
 
     def settings(self, name: str) -> dict:
-        return {**self.common, **self.evals[name]}
+        """The nats-eval settings of entry ``name`` (its ``checkpoint`` choice is the callback's, not nats-eval's)."""
+        merged = {**self.common, **self.evals[name]}
+        merged.pop("checkpoint", None)
+        return merged
+
+    def checkpoint_for(self, name: str, trainer) -> Path:
+        """The checkpoint entry ``name`` evaluates: the final one, or the best by validation loss."""
+        if self.checkpoints[name] == "last":
+            return self.final_checkpoint(trainer)
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        mc = trainer.checkpoint_callback
+        best = getattr(mc, "best_model_path", "") if isinstance(mc, ModelCheckpoint) else ""
+        if not best or not Path(best).is_file():
+            raise ValueError(
+                f"callbacks.eval_after.evals.{name}: checkpoint=best needs the run's best checkpoint by validation "
+                f"loss, and there is none (keep the model_checkpoint callback, callbacks=[default,eval_after], and "
+                f"validate at least once: trainer.val_check_interval); or evaluate checkpoint=last"
+            )
+        return Path(best)
 
     def final_checkpoint(self, trainer) -> Path:
         from nats.runs import checkpoint_step
@@ -458,7 +492,7 @@ class EvalAfterTraining(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         if not self.evals:
             return
-        ckpt = self.final_checkpoint(trainer)
+        final = self.final_checkpoint(trainer)  # every rank takes part in saving it
         if not trainer.is_global_zero:
             return
         from nats.eval import compose_eval, run
@@ -466,6 +500,7 @@ class EvalAfterTraining(Callback):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the training's cached blocks, for the evaluation's batches
         for name in self.evals:
+            ckpt = final if self.checkpoints[name] == "last" else self.checkpoint_for(name, trainer)
             out = self.run_dir / f"eval_{name}"
             done = out / "results.json"
             if done.is_file() and done.stat().st_mtime > ckpt.stat().st_mtime:

@@ -104,6 +104,33 @@ def test_eval_after_checks_its_settings_before_training(tmp_path):
     assert ok.settings("test") == {"max_windows": 2, "split": "test"}
 
 
+def test_eval_after_evaluates_the_best_checkpoint_where_asked(tmp_path):
+    """An entry with checkpoint=best evaluates the run's best checkpoint by validation loss (ModelCheckpoint's);
+    the key is the callback's, not passed to nats-eval; a wrong value or a run without a best checkpoint fails
+    with a message naming the fix."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from nats.callbacks import EvalAfterTraining
+
+    data = {"_target_": "nats.data.datamodule.TokenDataModule"}
+    with pytest.raises(ValueError, match=r"evals.test.checkpoint='first': choose last or best"):
+        EvalAfterTraining({"test": {"checkpoint": "first"}}, data, str(tmp_path))
+    ev = EvalAfterTraining({"test": {"split": "test"}, "test_best": {"split": "test", "checkpoint": "best"}}, data,
+                           str(tmp_path))  # fmt: skip
+    assert ev.settings("test_best") == {"split": "test"} and ev.checkpoints == {"test": "last", "test_best": "best"}
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"), monitor="val/loss")
+    trainer = SimpleNamespace(checkpoint_callback=mc)
+    with pytest.raises(ValueError, match="checkpoint=best needs the run's best checkpoint"):
+        ev.checkpoint_for("test_best", trainer)
+    best = tmp_path / "checkpoints" / "best-step500-val3.5900.ckpt"
+    best.parent.mkdir()
+    best.write_bytes(b"")
+    mc.best_model_path = str(best)
+    assert ev.checkpoint_for("test_best", trainer) == best
+
+
 def test_model_names_from_the_config():
     def cfg(**att):
         return {"model": {"attention": att}}
@@ -209,3 +236,44 @@ def test_a_run_stopped_before_its_end_shows_how_far_it_trained(tmp_path):
     report = figure3.main([str(tmp_path), "--out", str(tmp_path / "out")])
     assert report["rows"] == []
     assert "| dense_s0 | 9050 (stopped) | 41.9 | - | - |" in (tmp_path / "out" / "figure3.md").read_text()
+
+
+def test_a_run_evaluates_its_best_checkpoint_end_to_end(tmp_path):
+    """nats-train with an eval_after entry checkpoint=best: the entry's nats-eval reads the best-by-validation
+    checkpoint (ModelCheckpoint's best-step*.ckpt), the other entries the final one."""
+    sweep = tmp_path / "runs"
+    best_entry = "++callbacks.eval_after.evals.test_best={split:test,methods:[full],checkpoint:best}"
+    nats_train_multirun(["experiment=study_fig3_dense", "seed=1", best_entry], sweep, tmp_path, {"eval_every": "1"})
+    run = sweep / "0"
+    best = json.loads((run / "eval_test_best" / "results.json").read_text())
+    final = json.loads((run / "eval_test" / "results.json").read_text())
+    assert Path(best["checkpoint"]).name.startswith("best-step") and Path(final["checkpoint"]).name == "last.ckpt"
+    assert [r["policy"] for r in best["results"]] == ["full"]
+    report = figure3.main([str(sweep), "--out", str(tmp_path / "rep"), "--checkpoint", "best"])
+    (row,) = [r for r in report["rows"] if r["split"] == "test"]  # eval_test_best: full only; eval_test has more
+    assert row["setting"] == "full" and row["ppl_mean"] == pytest.approx(best["results"][0]["ppl"])
+    assert "best checkpoint by validation loss" in (tmp_path / "rep" / "figure3.md").read_text()
+
+
+def test_long_training_script_on_cpu(tmp_path):
+    """experiments/gpu_long_training.sh end to end at a tiny scale (STEPS=2, the tiny model, on the CPU): both
+    runs train, evaluate their final and their best checkpoints, and both reports are written; an unknown MODELS
+    entry stops it before anything runs."""
+    tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "eval_every", "hydra/launcher"))]
+    env = dict(os.environ, STEPS="2", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", OMP_NUM_THREADS="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    script = str(REPO / "experiments" / "gpu_long_training.sh")
+    out = tmp_path / "long"
+    res = subprocess.run(["bash", script, str(out), *tiny, "eval_every=1"], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for name in ("dense", "nats"):
+        best = json.loads((out / "runs" / name / "eval_test_best" / "results.json").read_text())
+        assert Path(best["checkpoint"]).name.startswith("best-step"), name
+        assert (out / "runs" / name / "eval_test" / "results.json").is_file()
+    assert "best checkpoint by validation loss" in (out / "report_best" / "figure3.md").read_text()
+    assert (out / "report" / "figure3_loss.png").is_file()
+    bad = subprocess.run(["bash", script, str(tmp_path / "bad")], env={**env, "MODELS": "dense sparse"}, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "MODELS: unknown run 'sparse' (dense, nats)" in bad.stderr
+    assert not (tmp_path / "bad").exists()
