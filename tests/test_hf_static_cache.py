@@ -138,6 +138,34 @@ def test_new_pool_sizes_and_prompt_lengths_compile_a_few_graphs_not_one_per_prom
     assert graphs[-1] <= 3 and graphs[-3:] == [graphs[-1]] * 3, graphs
 
 
+def test_prefill_reads_a_layers_pool_size_after_queuing_the_next_layer(monkeypatch):
+    """The prefill does not wait for a layer's pool size before the next layer's work is queued (a blocking read
+    per layer idles the GPU at every layer): layer l's pool is allocated during layer l + 1's prefill, the rest at
+    the last layer; the decoding that follows is unchanged (the other tests)."""
+    from nats.hf import static_cache
+
+    order = []
+    real_init, real_size = static_cache.PoolLayout.__init__, static_cache.PoolLayout.size
+
+    def init(self, keep, cap):
+        real_init(self, keep, cap)
+        self.n = sum(1 for o in order if o[0] == "plan")
+        order.append(("plan", self.n))
+
+    def size(self):
+        order.append(("size", self.n))
+        return real_size(self)
+
+    monkeypatch.setattr(static_cache.PoolLayout, "__init__", init)
+    monkeypatch.setattr(static_cache.PoolLayout, "size", size)
+    model = nats_model()
+    cache = StaticPolicyCache(model, "nats", max_new_tokens=NEW)
+    greedy(model, ids(n=PROMPT, b=2), cache)
+    assert model.config.num_hidden_layers == 2
+    assert order == [("plan", 0), ("plan", 1), ("size", 0), ("size", 1)]
+    assert all(layer.ready for layer in cache.layers)
+
+
 def test_errors():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="use_policy_caches"):

@@ -70,6 +70,34 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
+class PoolLayout:
+    """Where each row's segment of a layer's pool lies (``rank``, ``length``, ``cap``, ``start``: device tensors),
+    and the pool's size, read by the host without stopping the stream: the prefill plans layer l's pool, goes on
+    with layer l + 1 and allocates layer l's pool then, when the size has long arrived (a blocking read per layer
+    would leave the GPU idle while the host waited, at every layer of a host-bound prefill)."""
+
+    def __init__(self, keep: Tensor, per_row_cap: Tensor):
+        self.rank = keep.cumsum(1)  # 1-based rank of each kept position in its row
+        self.length = self.rank[:, -1]
+        self.cap = torch.maximum(per_row_cap, self.length)
+        end = self.cap.cumsum(0)
+        self.start = end - self.cap
+        self._event = None
+        if end.device.type == "cuda":  # an asynchronous copy into pinned memory, and an event after it
+            self._host = torch.empty(1, dtype=end.dtype, pin_memory=True)
+            self._host.copy_(end[-1:], non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = end[-1:]
+
+    def size(self) -> int:
+        """Slots the segments take (waits for the copy only, not for the work queued after it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host[0])
+
+
 class StaticPolicyLayer(FixedRowsLayer):
     """One decoder layer's buffers (allocated by the prefill, when the kept tokens are known)."""
 
@@ -116,17 +144,13 @@ class StaticPolicyLayer(FixedRowsLayer):
         raise NotImplementedError("StaticPolicyCache: make a new cache per generate call")
 
     # ------------------------------------------------------------------ storage
-    def allocate(self, keep: Tensor, k: Tensor, v: Tensor, per_row_cap: Tensor, splits: int, track=True) -> None:
-        """Lay out the pool: row r keeps the positions where ``keep[r]`` (``[R, N]``, in order) and gets
-        ``per_row_cap[r]`` slots; k, v ``[R, N, D]``. One host synchronisation (the pool's size)."""
+    def allocate(self, keep: Tensor, k: Tensor, v: Tensor, layout: PoolLayout, splits: int, track=True) -> None:
+        """Lay out the pool: row r keeps the positions where ``keep[r]`` (``[R, N]``, in order) in its segment of
+        `layout`; k, v ``[R, N, D]``. Waits for the layout's size (`PoolLayout.size`), nothing else."""
         R, N, D = k.shape
         dev = k.device
-        rank = keep.cumsum(1)  # 1-based rank of each kept position in its row
-        length = rank[:, -1]
-        cap = torch.maximum(per_row_cap, length)
-        end = cap.cumsum(0)
-        start = end - cap
-        P = _rounded(int(end[-1]) + 1)  # + the scratch slot (the last one) where skipped writes go
+        rank, length, cap, start = layout.rank, layout.length, layout.cap, layout.start
+        P = _rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
         self.k_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)  # zeros: readers may touch unused slots masked
         self.v_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)
         dest = torch.where(keep, start[:, None] + rank - 1, P - 1).reshape(-1)  # dropped positions: the scratch slot
@@ -206,6 +230,7 @@ class StaticPolicyCache(Cache):
             raise ValueError("StaticPolicyCache: pass max_len (the model config has no max_position_embeddings)")
         self.prompt_lengths: Tensor | None = None  # real tokens per sequence, set by the prefill
         self._real_rows: Tensor | None = None  # the same per row (sequence x KV head)
+        self._unallocated: list[tuple] = []  # prefilled layers whose pools are allocated at the next layer
         super().__init__(layers=[StaticPolicyLayer(self, i) for i in range(len(self.cores))])
 
     # ------------------------------------------------------------------ the attention function's entry point
@@ -269,7 +294,18 @@ class StaticPolicyCache(Cache):
             cap = n_keep.sum(1) + self.max_new_tokens
         bound = N + self.max_new_tokens + (core.window if self.rule == "nats" else 0)  # no host sync for the max
         splits = max(1, min(64, math.ceil(2 * _num_sms(q.device) / R), math.ceil(bound / 256)))
-        layer.allocate(n_keep, kr, vr, cap, splits, track=self.track)
+        # the pool is allocated one layer later (PoolLayout), all remaining ones at the last layer
+        job = (layer, core, n_keep, kr, vr, PoolLayout(n_keep, cap), splits, types, sizes, N)
+        self._unallocated.append(job)
+        last = layer.layer_idx == self.n_layer - 1
+        while len(self._unallocated) > (0 if last else 1):
+            self._fill_pool(*self._unallocated.pop(0))
+        return y
+
+    def _fill_pool(self, layer, core, n_keep, kr, vr, layout, splits, types, sizes, N) -> None:
+        """A prefilled layer's buffers: its pool, (NAtS) its ring, (tracking) its sizes so far."""
+        R = kr.shape[0]
+        layer.allocate(n_keep, kr, vr, layout, splits, track=self.track)
         if self.rule == "nats":
             self._load_nats(layer, core, kr, vr, types.reshape(R, N), N)
         elif self.rule == "ring":
@@ -281,7 +317,6 @@ class StaticPolicyCache(Cache):
             layer.peak.copy_(sizes.reshape(R, N).amax(-1))
         layer.real = self._real_rows
         layer.prompt_width = N
-        return y
 
     def _prefill_rows(self, layer, core, q, k, v, hidden, budget):
         """Attention output, keep mask ``[b, Hkv, n]``, (NAtS) types and the cache sizes c_i (spec section 6) of
