@@ -231,6 +231,7 @@ class StaticPolicyCache(Cache):
         self.prompt_lengths: Tensor | None = None  # real tokens per sequence, set by the prefill
         self._real_rows: Tensor | None = None  # the same per row (sequence x KV head)
         self._unallocated: list[tuple] = []  # prefilled layers whose pools are allocated at the next layer
+        self._budgets: Tensor | None = None  # budgeted policies: tokens per sequence, set by the prefill
         super().__init__(layers=[StaticPolicyLayer(self, i) for i in range(len(self.cores))])
 
     # ------------------------------------------------------------------ the attention function's entry point
@@ -266,16 +267,20 @@ class StaticPolicyCache(Cache):
             self._groups = None if bool((pads == 0).all()) else [(slice(b, b + 1), int(pads[b])) for b in range(B)]
         pads, groups = self._pads, self._groups
         core = self.cores[layer.layer_idx]
-        budgets = self._row_budget(self.prompt_lengths) if self.budget is not None else None
+        if self.budget is not None and self._budgets is None:  # the rows' budgets, on the device and the host, once
+            self._budgets = self._row_budget(self.prompt_lengths)
+            self._budgets_host = self._budgets.tolist()
+        budgets = self._budgets
         if groups is None:  # no padding: every row at once
-            y, keep, types, sizes = self._prefill_rows(layer, core, q, k, v, hidden, budgets)
+            top = None if budgets is None else max(self._budgets_host)
+            y, keep, types, sizes = self._prefill_rows(layer, core, q, k, v, hidden, top)
         else:  # left padding: row by row over the real tokens
             y = torch.zeros_like(q)
             keep = torch.zeros(B, Hkv, N, dtype=torch.bool, device=q.device)
             types = torch.full((B, Hkv, N), -1, dtype=torch.long, device=q.device) if self.rule == "nats" else None
             sizes = torch.zeros(B, Hkv, N, dtype=torch.long, device=q.device) if self.track else None
             for rows, p in groups:
-                bb = None if budgets is None else budgets[rows]
+                bb = None if budgets is None else max(self._budgets_host[rows])
                 yb, kb, tb, sb = self._prefill_rows(layer, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
                                                     hidden[rows, p:], bb)  # fmt: skip
                 y[rows, :, p:], keep[rows, :, p:] = yb, kb
@@ -318,9 +323,10 @@ class StaticPolicyCache(Cache):
         layer.real = self._real_rows
         layer.prompt_width = N
 
-    def _prefill_rows(self, layer, core, q, k, v, hidden, budget):
+    def _prefill_rows(self, layer, core, q, k, v, hidden, budget: int | None):
         """Attention output, keep mask ``[b, Hkv, n]``, (NAtS) types and the cache sizes c_i (spec section 6) of
-        unpadded rows."""
+        unpadded rows; ``budget``: the rows' largest budget in tokens (budgeted policies), read by the host once
+        per prefill, not per layer."""
         b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
         Hkv = k.shape[1]
         gqa = Hq != Hkv
@@ -339,7 +345,7 @@ class StaticPolicyCache(Cache):
             return y, keep, types, sizes
         if self.rule == "ring":
             sinks = int(self.options.get("sinks", 4))
-            b = int(budget.max())
+            b = budget
             if b <= sinks:
                 raise ValueError(f"StaticPolicyCache: streaming_llm budget {b} must exceed sinks={sinks}")
             from nats.cache.policies.streaming_llm import streaming_mask  # noqa: PLC0415
@@ -354,7 +360,7 @@ class StaticPolicyCache(Cache):
         everything = torch.ones(b_, Hkv, n, dtype=torch.bool, device=q.device)
         if self.policy == "full":
             return y, everything, None, seen()
-        b = int(budget.max())
+        b = budget
         opts = {key: val for key, val in self.options.items() if key in ("window", "kernel", "pooling", "beta")}
         if self.policy_cls.needs_n_layer:
             opts["n_layer"] = self.n_layer
