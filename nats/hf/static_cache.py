@@ -231,7 +231,8 @@ class StaticPolicyCache(Cache):
         self.prompt_lengths: Tensor | None = None  # real tokens per sequence, set by the prefill
         self._real_rows: Tensor | None = None  # the same per row (sequence x KV head)
         self._unallocated: list[tuple] = []  # prefilled layers whose pools are allocated at the next layer
-        self._budgets: Tensor | None = None  # budgeted policies: tokens per sequence, set by the prefill
+        self._budgets: Tensor | None = None  # budgeted policies: tokens per sequence, set by the prefill ...
+        self._budgets_host: list[int] = []  # ... and the same on the host
         super().__init__(layers=[StaticPolicyLayer(self, i) for i in range(len(self.cores))])
 
     # ------------------------------------------------------------------ the attention function's entry point
