@@ -240,6 +240,8 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
             text += [
                 f"## {method} kept={kept} batch={B} prompt={P}: {label}",
                 prof.key_averages().table(key, row_limit=18),
+                "### the same by host time (cudaGraphLaunch: decode steps replayed as CUDA graphs)",
+                prof.key_averages().table("self_cpu_time_total", row_limit=25),
             ]
     (out / f"profile_{method}_{kept}_b{B}_n{P}.txt").write_text("\n".join(text))
 

@@ -159,3 +159,14 @@ def test_decode_benchmark_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
     ]
     text = (tmp_path / "bench_hf_decode.md").read_text()
     assert "| 96 | 1 | full |" in text and "incomplete" in text
+
+
+def test_decode_benchmark_profile_tables(tmp_path):
+    """--profile writes, per method, the kernel tables of a prefill and of decode steps, each also by host time
+    (where a CUDA-graphed decode shows as cudaGraphLaunch)."""
+    from conftest import load_script
+
+    bench = load_script("benchmarks/bench_hf_decode.py")
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--methods", "full", "--profile"]) == 0
+    text = (tmp_path / "profile_full_None_b1_n96.txt").read_text()
+    assert text.count("### the same by host time") == 2 and "prefill + decode steps" in text
