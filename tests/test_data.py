@@ -445,3 +445,29 @@ def test_dataloader_workers_start_inside_a_joblib_launcher_job():
     assert got[0] == (None, 28)
     assert got[1][1] == 28 and got[1][0] in __import__("multiprocessing").get_all_start_methods()
     assert worker_context(2) is None and worker_context(0) is None
+
+
+def test_every_loader_takes_the_shared_worker_options(monkeypatch):
+    """The token, task and long-context datamodules build their loaders with `worker_options`: inside a joblib job
+    (the process' start method is loky's) each of them starts its workers with the platform's own method."""
+    import multiprocessing as mp
+
+    from nats.data.datamodule import TokenDataModule, worker_options
+    from nats.data.tasks import Match2DataModule
+    from nats.hf.datamodule import LongContextDataModule
+
+    own = mp.get_all_start_methods()[0]
+    monkeypatch.setattr(mp, "get_start_method", lambda allow_none=False: "loky")
+    assert worker_options(2) == {"num_workers": 2, "persistent_workers": True, "multiprocessing_context": own}
+    assert worker_options(0) == {"num_workers": 0, "persistent_workers": False, "multiprocessing_context": None}
+
+    tasks = Match2DataModule(n_train=16, n_test=8, micro_batch_size=4, seed=0, num_workers=1)
+    loaders = [tasks.train_dataloader(), tasks.val_dataloader()]
+    for cls in (TokenDataModule, LongContextDataModule):  # their loader helper alone (no data needed)
+        dm = cls.__new__(cls)
+        dm.num_workers, dm.micro_batch_size = 1, 2
+        args = (list(range(4)), None, 2) if cls is TokenDataModule else (list(range(4)), None)
+        loaders.append(dm._loader(*args))
+    for loader in loaders:
+        ctx = loader.multiprocessing_context
+        assert loader.num_workers == 1 and ctx is not None and ctx.get_start_method() == own, loader

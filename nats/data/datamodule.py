@@ -583,6 +583,16 @@ def worker_context(num_workers: int):
     return None if method is None or method in own else own[0]
 
 
+def worker_options(num_workers: int) -> dict[str, Any]:
+    """A DataLoader's worker settings, the same for every loader of the project: ``num_workers`` processes, kept
+    across epochs, started by `worker_context`'s method."""
+    return {
+        "num_workers": num_workers,
+        "persistent_workers": num_workers > 0,
+        "multiprocessing_context": worker_context(num_workers),
+    }
+
+
 class ResumableDataLoader(DataLoader):
     """A DataLoader Lightning treats as resumable (``state_dict``/``load_state_dict``): its position is derived
     from ``trainer.global_step`` by :class:`ResumableSampler`, so there is no state to save."""
@@ -819,10 +829,8 @@ class TokenDataModule(ResumableDataModule):
             batch_size=batch_size,
             sampler=sampler,
             drop_last=False,
-            num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
-            multiprocessing_context=worker_context(self.num_workers),
+            **worker_options(self.num_workers),
         )
 
     def train_dataloader(self) -> DataLoader:

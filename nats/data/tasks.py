@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 # the resumable training stream, rank split and loader of the token datamodule (written once there)
-from nats.data.datamodule import ResumableDataLoader, ResumableDataModule, worker_context
+from nats.data.datamodule import ResumableDataLoader, ResumableDataModule, worker_options
 
 __all__ = [
     "match2", "match2_positive_rate", "khop_induction", "TaskDataModule", "Match2DataModule",
@@ -191,16 +191,13 @@ class TaskDataModule(ResumableDataModule):
         sampler = self.resumable_sampler()
         return ResumableDataLoader(
             _TrainStream(len(x), self.seed, length=len(sampler) * sampler.world_size), batch_size=self.micro_batch_size,
-            sampler=sampler, collate_fn=_Gather(x, y),
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-            multiprocessing_context=worker_context(self.num_workers),
+            sampler=sampler, collate_fn=_Gather(x, y), **worker_options(self.num_workers),
         )
 
     def _eval_loader(self, name: str) -> DataLoader:
         x, y = self.split(name)
         return DataLoader(_Indices(len(x)), batch_size=self.micro_batch_size, sampler=self.strided_sampler(len(x)),
-                          collate_fn=_Gather(x, y), num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0, multiprocessing_context=worker_context(self.num_workers))
+                          collate_fn=_Gather(x, y), **worker_options(self.num_workers))
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("validation")

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nats.data.datamodule import ResumableDataLoader, ResumableDataModule
+from nats.data.datamodule import ResumableDataLoader, ResumableDataModule, worker_options
 from nats.data.longctx import TASKS, LongContextExample, load_or_build_examples
 from nats.hf.pretrained import load_tokenizer, pretrained_kwargs
 
@@ -228,9 +228,8 @@ class LongContextDataModule(ResumableDataModule):
             batch_size=self.micro_batch_size,
             sampler=sampler,
             collate_fn=collate,
-            num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
+            **worker_options(self.num_workers),
         )
 
     def train_dataloader(self) -> DataLoader:
