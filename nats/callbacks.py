@@ -423,8 +423,8 @@ class EvalAfterTraining(Callback):
     block_size, attention: the model's N and attention core, to check the evaluations' plans (methods, budgets)
     before the training starts rather than after it.
     The final checkpoint is the run's ``checkpoints/last.ckpt``, saved first when it does not hold the final
-    step. An entry whose results.json is newer than its checkpoint is skipped (a finished run that is started again does
-    not evaluate again). Only rank 0 evaluates."""
+    step. An entry whose results.json is newer than its checkpoint is skipped (a finished run that is started again
+    does not evaluate again). Only rank 0 evaluates."""
 
     def __init__(
         self,
@@ -465,10 +465,10 @@ class EvalAfterTraining(Callback):
         merged.pop("checkpoint", None)
         return merged
 
-    def checkpoint_for(self, name: str, trainer) -> Path:
-        """The checkpoint entry ``name`` evaluates: the final one, or the best by validation loss."""
+    def checkpoint_for(self, name: str, trainer, final: Path) -> Path:
+        """The checkpoint entry ``name`` evaluates: ``final`` (`final_checkpoint`), or the best by validation loss."""
         if self.checkpoints[name] == "last":
-            return self.final_checkpoint(trainer)
+            return final
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         mc = trainer.checkpoint_callback
@@ -500,7 +500,7 @@ class EvalAfterTraining(Callback):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the training's cached blocks, for the evaluation's batches
         for name in self.evals:
-            ckpt = final if self.checkpoints[name] == "last" else self.checkpoint_for(name, trainer)
+            ckpt = self.checkpoint_for(name, trainer, final)
             out = self.run_dir / f"eval_{name}"
             done = out / "results.json"
             if done.is_file() and done.stat().st_mtime > ckpt.stat().st_mtime:

@@ -122,13 +122,15 @@ def test_eval_after_evaluates_the_best_checkpoint_where_asked(tmp_path):
     assert ev.settings("test_best") == {"split": "test"} and ev.checkpoints == {"test": "last", "test_best": "best"}
     mc = ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"), monitor="val/loss")
     trainer = SimpleNamespace(checkpoint_callback=mc)
+    final = tmp_path / "checkpoints" / "last.ckpt"
+    assert ev.checkpoint_for("test", trainer, final) == final
     with pytest.raises(ValueError, match="checkpoint=best needs the run's best checkpoint"):
-        ev.checkpoint_for("test_best", trainer)
+        ev.checkpoint_for("test_best", trainer, final)
     best = tmp_path / "checkpoints" / "best-step500-val3.5900.ckpt"
     best.parent.mkdir()
     best.write_bytes(b"")
     mc.best_model_path = str(best)
-    assert ev.checkpoint_for("test_best", trainer) == best
+    assert ev.checkpoint_for("test_best", trainer, final) == best
 
 
 def test_model_names_from_the_config():
