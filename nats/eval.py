@@ -200,7 +200,7 @@ def eval_windows(cfg: DictConfig, n: int, model_vocab_size: int | None = None):
     with open_dict(cfg):
         cfg.data.block_size = n
         cfg.data.max_eval_windows = max_windows
-        cfg.data.eval_windows = check_eval_windows(cfg.get("windows", "spread"), "windows")
+        cfg.data.eval_windows = cfg.get("windows", "spread")  # checked by evaluate, before the checkpoint load
         cfg.model.block_size = n
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
