@@ -17,10 +17,9 @@
 # corpus's token cache (data/gutenberg-*-gpt2/, written by any CPU test run): without network, bring it along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-logs/bench/generation}
+DEST=${1:-logs/bench/generation} # read by gpu_site.sh too
 shift || true
 stages=${*:-kernels hf8k hf32k gpt tests hf8k_large profile}
-DEST=$out
 source benchmarks/gpu_site.sh
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 hf() { # name, bench_hf_decode.py arguments: the whole output in OUT/<name>.log (compile and CUDA-graph warnings
@@ -29,27 +28,27 @@ hf() { # name, bench_hf_decode.py arguments: the whole output in OUT/<name>.log 
   local name=$1
   shift
   echo "== $name"
-  timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_decode.py --out "$out/$name" "$@" >"$out/$name.log" 2>&1 ||
-    echo "($name stopped: exit $?; the rows measured so far are in $out/$name/)"
-  grep -E '^\||^#|skipping cudagraphs' "$out/$name.log" | tail -30
+  timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_decode.py --out "$DEST/$name" "$@" >"$DEST/$name.log" 2>&1 ||
+    echo "($name stopped: exit $?; the rows measured so far are in $DEST/$name/)"
+  grep -E '^\||^#|skipping cudagraphs' "$DEST/$name.log" | tail -30
 }
 for stage in $stages; do
   t0=$(date +%s)
   case $stage in
     kernels) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_cache.py -k "nats_step or triton_pool" \
-      >"$out/kernel_tests.log" 2>&1
-      tail -n 4 "$out/kernel_tests.log" ;;
+      >"$DEST/kernel_tests.log" 2>&1
+      tail -n 4 "$DEST/kernel_tests.log" ;;
     hf8k) hf hf8k --prompt 8192 --batch 1 8 --kept 0.25 0.1 --methods static nats --equal-memory-gib 2 ;;
     hf8k_large) hf hf8k_large --prompt 8192 --batch 32 64 --kept 0.25 --methods static nats ;;
     hf32k) hf hf32k --prompt 32768 --batch 1 8 --kept 0.25 --methods static nats ;;
     profile) hf profile --prompt 8192 --batch 1 --kept 0.25 --methods static nats --profile ;;
     gpt) timeout "${GPT_LIMIT:-150}" python3 benchmarks/bench_decode.py --lengths 8192,32768 --batch 8 \
-      --policies full,nats,streaming_llm --modes graph --out "$out/gpt" >"$out/gpt.log" 2>&1
-      tail -n 12 "$out/gpt.log" ;;
+      --policies full,nats,streaming_llm --modes graph --out "$DEST/gpt" >"$DEST/gpt.log" 2>&1
+      tail -n 12 "$DEST/gpt.log" ;;
     # the failures' tracebacks stay in the log (-rfE: the reason of each in the summary)
     tests) timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu \
-      tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py >"$out/gpu_tests.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_tests.log" | tail -8 ;;
+      tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py >"$DEST/gpu_tests.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$DEST/gpu_tests.log" | tail -8 ;;
     *) echo "unknown stage $stage (kernels hf8k hf32k gpt tests hf8k_large profile)" && exit 2 ;;
   esac
   echo "-- $stage: $(($(date +%s) - t0)) s"

@@ -10,14 +10,14 @@
 # resumes: unfinished runs continue from their last.ckpt, finished ones keep their evaluations (other SEEDS or
 # LAMBDAS need another OUT: the job folders are numbered in sweep order).
 set -euo pipefail
-out=${1:?usage: bash experiments/gpu_figure3.sh OUT [OVERRIDE...]}
+dest=${1:?usage: bash experiments/gpu_figure3.sh OUT [OVERRIDE...]}
 shift
 seeds=${SEEDS:-1}
 lambdas=${LAMBDAS:-0,0.01,0.03,0.05,0.1,0.3,1,3}
 source "$(dirname "$0")/prepare_data.sh"
 prepare_data "$@" # the token cache of the runs' data, once
-nats-train -m experiment=study_fig3_dense seed="$seeds" hydra.sweep.dir="$out/runs/dense" "$@"
+nats-train -m experiment=study_fig3_dense seed="$seeds" hydra.sweep.dir="$dest/runs/dense" "$@"
 nats-train -m experiment=study_fig3_nats model.attention.sparsity_lambda="$lambdas" seed="$seeds" \
-  hydra.sweep.dir="$out/runs/nats" "$@"
+  hydra.sweep.dir="$dest/runs/nats" "$@"
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
-python experiments/figure3.py "$out/runs" --out "$out/report" ${device:+--device "one $device"}
+python experiments/figure3.py "$dest/runs" --out "$dest/report" ${device:+--device "one $device"}

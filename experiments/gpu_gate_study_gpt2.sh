@@ -13,7 +13,7 @@
 # continue from their last.ckpt, finished ones keep their evaluations (other SEEDS or gates need another OUT: the
 # job folders are numbered in sweep order).
 set -euo pipefail
-out=${1:?usage: bash experiments/gpu_gate_study_gpt2.sh OUT [OVERRIDE...]}
+dest=${1:?usage: bash experiments/gpu_gate_study_gpt2.sh OUT [OVERRIDE...]}
 shift
 seeds=${SEEDS:-0}
 dense_gates=${DENSE_GATES-none,headwise,elementwise}
@@ -23,7 +23,7 @@ prepare_data "$@" # the token cache of the runs' data, once
 jobs=()
 multirun() { # kind gates: one multirun, in the background when TOGETHER=1
   local cmd=(nats-train -m "experiment=study_gate_gpt2_$1" "model.attention.output_gate=$2" "seed=$seeds"
-    "hydra.sweep.dir=$out/runs/$1" "${@:3}")
+    "hydra.sweep.dir=$dest/runs/$1" "${@:3}")
   if [ "${TOGETHER:-0}" = 1 ]; then
     "${cmd[@]}" &
     jobs+=($!)
@@ -35,4 +35,4 @@ multirun() { # kind gates: one multirun, in the background when TOGETHER=1
 [ -z "$nats_gates" ] || multirun nats "$nats_gates" "$@"
 for j in "${jobs[@]}"; do wait "$j"; done
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
-python experiments/gate_study_gpt2.py "$out/runs" --out "$out/report" ${device:+--device "one $device"}
+python experiments/gate_study_gpt2.py "$dest/runs" --out "$dest/report" ${device:+--device "one $device"}

@@ -14,7 +14,7 @@
 # MODELS (default "dense nats") chooses the runs, e.g. MODELS=nats to start or resume that one alone; the k-th run
 # takes the k-th GPU of CUDA_VISIBLE_DEVICES (default: all GPUs), cycling when there are fewer GPUs than runs.
 set -euo pipefail
-out=${1:?usage: bash experiments/gpu_long_training.sh OUT [OVERRIDE...]}
+dest=${1:?usage: bash experiments/gpu_long_training.sh OUT [OVERRIDE...]}
 shift
 steps=${STEPS:-10000}
 models=${MODELS:-dense nats}
@@ -33,9 +33,9 @@ pids=()
 train() { # name experiment gpu overrides...
   local name=$1 exp=$2 gpu=$3
   shift 3
-  mkdir -p "$out/runs/$name"
-  CUDA_VISIBLE_DEVICES=$gpu nats-train "experiment=$exp" "trainer.max_steps=$steps" "hydra.run.dir=$out/runs/$name" \
-    "$@" >>"$out/runs/$name/driver.log" 2>&1 &
+  mkdir -p "$dest/runs/$name"
+  CUDA_VISIBLE_DEVICES=$gpu nats-train "experiment=$exp" "trainer.max_steps=$steps" "hydra.run.dir=$dest/runs/$name" \
+    "$@" >>"$dest/runs/$name/driver.log" 2>&1 &
   pids+=($!)
 }
 k=0
@@ -61,8 +61,8 @@ for p in "${pids[@]}"; do
     kill -0 "$p" 2>/dev/null || { status=1 && break; }
   done
 done
-tail -n 3 "$out"/runs/*/driver.log
+tail -n 3 "$dest"/runs/*/driver.log
 [ $status = 0 ] || { echo "a run failed or stopped: the same command resumes it" && exit 1; }
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
-python experiments/figure3.py "$out/runs" --out "$out/report" ${device:+--device "one $device per run"}
-python experiments/figure3.py "$out/runs" --out "$out/report_best" --checkpoint best ${device:+--device "one $device per run"}
+python experiments/figure3.py "$dest/runs" --out "$dest/report" ${device:+--device "one $device per run"}
+python experiments/figure3.py "$dest/runs" --out "$dest/report_best" --checkpoint best ${device:+--device "one $device per run"}
