@@ -69,9 +69,10 @@ def build_model(args, device, dtype):
     return model.eval()
 
 
-def calibrate(model, prompt: torch.Tensor, kept: float) -> None:
+def calibrate(model, prompt: torch.Tensor, kept: float, rows: int = 4) -> None:
     """Per layer, the global-type offset under which a share `kept` of the prompt's tokens is global (locals off,
-    the rest sliding): random scorers then keep about that share of the KV cache."""
+    the rest sliding), over the first `rows` sequences (at most 8k tokens each) together: random scorers then keep
+    about that share of the KV cache, averaged over the batch."""
     from nats.hf import scorers
 
     cores = scorers(model)
@@ -85,7 +86,7 @@ def calibrate(model, prompt: torch.Tensor, kept: float) -> None:
 
         hooks.append(core.scorer.register_forward_hook(hook))
     with torch.no_grad():
-        model(prompt[:1, : min(prompt.shape[1], 8192)])  # each layer calibrated under the earlier layers' types
+        model(prompt[:rows, : min(prompt.shape[1], 8192)])  # each layer calibrated under the earlier layers' types
     for h in hooks:
         h.remove()
 
@@ -217,6 +218,27 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     }
 
 
+def fit_batch(model, method: str, P: int, kept, budget: float, nbytes: float, args, gen, device):
+    """The largest batch (and its random prompt) whose KV buffers fit `budget` bytes, starting from the estimate
+    budget / `nbytes` (one sequence's bytes at the smallest batch): the buffers a cache allocates at prefill are
+    read back (a prefill and one token) and the batch shrinks in proportion until they fit, since a NAtS pool
+    holds what the prompt's types keep, which the estimate does not know exactly."""
+    B = max(1, int(budget // nbytes))
+    for _ in range(4):
+        prompt = torch.randint(0, model.config.vocab_size, (B, P), generator=gen).to(device)
+        if method == "nats":
+            calibrate(model, prompt, kept)
+        cache = cache_maker(model, method, P, new_tokens(method, args), kept)()
+        with attention_of(model, method):
+            generate(model, prompt, cache, 1)
+        used = kv_bytes(cache)
+        del cache
+        if used <= budget or B == 1:
+            return B, prompt
+        B = max(1, min(B - 1, int(B * budget / used)))
+    return B, torch.randint(0, model.config.vocab_size, (B, P), generator=gen).to(device)
+
+
 def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> None:
     """The GPU kernels of one prefill and of 16 decode steps (after `run`'s warm-up), by total time, into
     ``profile_<method>_<kept>_b<B>_n<P>.txt``: what bounds each phase."""
@@ -332,10 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             for (method, kept), nbytes in per_seq.items():
                 if method not in ("static", "nats"):
                     continue
-                B = max(1, int(budget // nbytes))
-                prompt = torch.randint(0, model.config.vocab_size, (B, P), generator=gen).to(device)
-                if method == "nats":
-                    calibrate(model, prompt, kept)
+                B, prompt = fit_batch(model, method, P, kept, budget, nbytes, args, gen, device)
                 r = run(model, method, prompt, args, device, kept)
                 r["equal_memory_gib"] = args.equal_memory_gib
                 static = r if method == "static" else static

@@ -129,9 +129,33 @@ def test_decode_benchmark_smoke(tmp_path):
     assert main[("static", 2)]["x_static"] == 1.0 and main[("nats", 2)]["x_static"] > 0
     eq = {r["method"]: r for r in rows if "equal_memory_gib" in r}
     assert set(eq) == {"static", "nats"} and all(r["batch"] >= 1 for r in eq.values())
+    assert all(r["kv_mib"] <= 0.002 * 1024 or r["batch"] == 1 for r in eq.values())  # the buffers fit the budget
     assert "Equal KV memory" in (tmp_path / "bench_hf_decode.md").read_text()
     assert json.loads((tmp_path / "bench_hf_decode.json").read_text())["complete"] is True
     assert all(isinstance(r["cudagraph_skips"], int) for r in rows)
+
+
+def test_decode_benchmark_batch_fits_the_memory_budget():
+    """The equal-memory batch starts from an estimate of one sequence's bytes; where the estimate is too low (a
+    NAtS pool holds what the prompt's types keep) the batch shrinks until the buffers it allocates fit."""
+    from conftest import load_script
+
+    bench = load_script("benchmarks/bench_hf_decode.py")
+    args = bench.argparse.Namespace(model=None, smoke=True, prompt=[96], new=8, slow_new=8, window=8)
+    model = bench.build_model(args, torch.device("cpu"), torch.float32)
+    attach_nats(model, window=8)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 96), generator=gen)
+    bench.calibrate(model, prompt, 0.5)
+    cache = bench.cache_maker(model, "nats", 96, 8, 0.5)()
+    bench.generate(model, prompt, cache, 1)
+    per_seq = bench.kv_bytes(cache)
+    budget = 6 * per_seq
+    B, prompt = bench.fit_batch(model, "nats", 96, 0.5, budget, per_seq / 3, args, gen, torch.device("cpu"))
+    assert prompt.shape == (B, 96) and 1 <= B < 18  # the estimate (18) did not fit
+    cache = bench.cache_maker(model, "nats", 96, 8, 0.5)()
+    bench.generate(model, prompt, cache, 1)
+    assert bench.kv_bytes(cache) <= budget
 
 
 def test_decode_benchmark_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
