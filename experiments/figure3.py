@@ -275,6 +275,38 @@ def markdown(runs: dict, rows: list[dict], device: str, checkpoint: str = "last"
     return "\n".join(lines) + "\n"
 
 
+def along_training(runs: dict) -> str:
+    """Each NAtS run beside the dense run of its seed at every validation of the training: both validation
+    perplexities, NAtS' gap, and NAtS' training density (the KV share its types keep) averaged over the steps since
+    the previous validation: whether the gap and the KV share move as the training goes on."""
+    dense = {r["seed"]: n for n, r in runs.items() if r["attention"] != "nats" and r["base"] == "dense"}
+    lines = []
+    for name, r in runs.items():
+        if r["attention"] != "nats" or r["seed"] not in dense:
+            continue
+        d = dense[r["seed"]]
+        dv, nv = dict(runs[d]["curves"]["val/ppl"]), dict(r["curves"]["val/ppl"])
+        lines += [
+            f"### {name} beside {d}",
+            "",
+            "| step | dense val ppl | NAtS val ppl | gap | NAtS train density (since the previous validation) |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        prev = -1
+        for step in sorted(set(dv) & set(nv)):
+            if prev >= 0 and step - prev == 1 and (dv[step], nv[step]) == (dv[prev], nv[prev]):
+                continue  # the end of the fit logs its last validation again, a step later
+            dens = [v for s, v in r["curves"]["train/density"] if prev < s <= step]
+            gap = f"{100 * (nv[step] / dv[step] - 1):+.1f}%"
+            dens = fmt(sum(dens) / len(dens) if dens else None)
+            lines.append(f"| {step + 1} | {dv[step]:.2f} | {nv[step]:.2f} | {gap} | {dens} |")
+            prev = step
+        lines.append("")
+    if not lines:
+        return ""
+    return "## Validation along the training\n\n" + "\n".join(lines) + "\n"
+
+
 def plots(runs: dict, rows: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -413,6 +445,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="the evaluations of each run's final checkpoint (eval_<split>/) or of its best by validation loss "
         "(eval_<split>_best/, where callbacks.eval_after made them)",
     )
+    ap.add_argument(
+        "--along-training",
+        action="store_true",
+        help="also a table per NAtS run of its validation perplexity, its gap to the dense run of its seed and its "
+        "training density at every validation (for long trainings)",
+    )
     args = ap.parse_args(argv)
     runs = load(args.folders, args.checkpoint)
     rows = summarize(runs)
@@ -421,7 +459,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.device = ", ".join(sorted(found)) or "an unrecorded device"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "figure3.md").write_text(markdown(runs, rows, args.device, args.checkpoint))
+    along = "\n" + along_training(runs) if args.along_training else ""
+    (out / "figure3.md").write_text(markdown(runs, rows, args.device, args.checkpoint) + along)
     kept_curves = ("train/loss", "val/loss", "train/density")  # the JSON keeps these; the plots show the rest
     slim = {
         n: {**{k: v for k, v in r.items() if k not in ("kv_fractions", "curves")},

@@ -64,5 +64,5 @@ done
 tail -n 3 "$dest"/runs/*/driver.log
 [ $status = 0 ] || { echo "a run failed or stopped: the same command resumes it" && exit 1; }
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
-python experiments/figure3.py "$dest/runs" --out "$dest/report" ${device:+--device "one $device per run"}
-python experiments/figure3.py "$dest/runs" --out "$dest/report_best" --checkpoint best ${device:+--device "one $device per run"}
+python experiments/figure3.py "$dest/runs" --out "$dest/report" --along-training ${device:+--device "one $device per run"}
+python experiments/figure3.py "$dest/runs" --out "$dest/report_best" --checkpoint best --along-training ${device:+--device "one $device per run"}

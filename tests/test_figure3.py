@@ -275,6 +275,8 @@ def test_long_training_script_on_cpu(tmp_path):
         assert (out / "runs" / name / "eval_test" / "results.json").is_file()
     assert "best checkpoint by validation loss" in (out / "report_best" / "figure3.md").read_text()
     assert (out / "report" / "figure3_loss.png").is_file()
+    along = (out / "report" / "figure3.md").read_text().split("## Validation along the training")[1]
+    assert "nats_l0.05_s" in along and "| 2 |" in along  # the second validation's row, NAtS beside dense
     bad = subprocess.run(["bash", script, str(tmp_path / "bad")], env={**env, "MODELS": "dense sparse"}, cwd=REPO,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "MODELS: unknown run 'sparse' (dense, nats)" in bad.stderr
