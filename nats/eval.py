@@ -307,8 +307,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     with tqdm(
         total=len(runs) * len(loader), desc="nats-eval", disable=not cfg.get("progress", True), dynamic_ncols=True
     ) as bar:
-        for run in runs:
+        for i, run in enumerate(runs, 1):
             bar.set_postfix_str(f"{run['label']} B={run['budget']}")
+            t_run = time.time()
             try:
                 results.append(_run_one(model, run, loader, device, "auto", bar))
             except (torch.OutOfMemoryError, RuntimeError) as err:
@@ -320,6 +321,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                     f"{b} windows of N = {n} tokens: lower batch_size={b} (e.g. batch_size={max(1, b // 4)}), or "
                     f"evaluate in precision=bfloat16"
                 ) from err
+            # a line per method and budget, also where the bar is off (callbacks.eval_after): long work shows progress
+            log.info(
+                f"nats-eval {cfg.split} {i}/{len(runs)}: {run['label']} (budget {run['budget']}) ppl "
+                f"{results[-1]['ppl']:.2f} on {results[-1]['windows']} windows in {time.time() - t_run:.1f} s"
+            )
     for r in results:
         r["budget_fraction"] = None if r["budget"] is None else r["budget"] / n
         if r["budget"] is not None:

@@ -135,9 +135,13 @@ def test_eval_sequential_paths_equal_parallel(tmp_path):
         assert a["area"] == pytest.approx(b["area"]) and a["peak"] == pytest.approx(b["peak"])
 
 
-def test_eval_dense_checkpoint_skips_nats_with_a_note(tmp_path):
+def test_eval_dense_checkpoint_skips_nats_with_a_note(tmp_path, caplog):
     ckpt = make_checkpoint(tmp_path / "dense.ckpt", {"name": "dense"}, block_size=64)
-    report = run(eval_cfg(ckpt, tmp_path / "out", ["max_windows=1", "methods=[full,streaming_llm,nats]"]))
+    with caplog.at_level("INFO", logger="nats.eval"):
+        report = run(eval_cfg(ckpt, tmp_path / "out", ["max_windows=1", "methods=[full,streaming_llm,nats]"]))
+    # with the bar off (progress=false, as in callbacks.eval_after) a line per evaluated method and budget
+    done = [m for m in caplog.messages if m.startswith("nats-eval test ")]
+    assert len(done) == 4 and done[0].startswith("nats-eval test 1/4: full") and "4/4: streaming_llm" in done[3]
     # B = 32, 16, 8; N/16 = 4 and N/32 = 2 tokens leave no room besides the 4 sinks: skipped with a note
     assert [r["method"] for r in report["results"]] == ["full"] + ["streaming_llm"] * 3
     assert any("nats: skipped" in n for n in report["notes"])
