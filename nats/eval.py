@@ -226,14 +226,23 @@ def eval_windows(cfg: DictConfig, n: int, model_vocab_size: int | None = None):
     return dataset
 
 
+def _graph(cfg: DictConfig) -> bool | str:
+    """``graph`` (auto | true | false): how the sequential methods decode (`nats.cache.decode.policy_logits`)."""
+    value = cfg.get("graph", "auto")
+    if value not in (True, False, "auto"):
+        raise ValueError(f"graph={value!r} must be auto, true or false (how sequential methods decode)")
+    return value
+
+
 def chunk_rows(n: int, vocab_size: int) -> int:
     """Windows of N tokens whose fp32 logits fit in :data:`LOGITS_BYTES` (at least 1)."""
     return max(1, LOGITS_BYTES // (n * vocab_size * 4))
 
 
-def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar) -> dict[str, Any]:
+def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar, graph="auto") -> dict[str, Any]:
     nll, tokens, windows = 0.0, 0, 0
     area = peak = types = None
+    info: dict[str, str] = {}
     for xb, yb in loader:
         # a batch in chunks of windows whose logits fit in LOGITS_BYTES (windows are evaluated independently)
         rows = chunk_rows(xb.shape[1], model.config.vocab_size)
@@ -246,6 +255,8 @@ def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar)
                 sequential=run["sequential"],
                 budget=run["budget"],
                 backend=backend,
+                graph=graph,
+                info=info,
                 **run["options"],
             )
             nll += float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"))
@@ -271,6 +282,7 @@ def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar)
         "windows": windows,
         "tokens": tokens,
         "per_head": {"area": area.tolist(), "peak": peak.tolist()},
+        "decode": info.get("decode", "parallel"),  # a sequential run: cuda_graph or eager
     }
     if types is not None:
         out["per_head"]["type_fractions"] = (types / windows).tolist()
@@ -281,6 +293,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Load, plan, evaluate; returns the results (nothing written)."""
     _max_windows(cfg)  # before the (slow) checkpoint load
     check_eval_windows(cfg.get("windows", "spread"), "windows")
+    _graph(cfg)
     model, model_cfg = load_checkpoint(cfg.get("ckpt_path"))
     n = int(cfg.block_size) if cfg.get("block_size") else model.config.block_size
     if n > model.config.block_size:
@@ -311,7 +324,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             bar.set_postfix_str(f"{run['label']} B={run['budget']}")
             t_run = time.time()
             try:
-                results.append(_run_one(model, run, loader, device, "auto", bar))
+                results.append(_run_one(model, run, loader, device, "auto", bar, graph=_graph(cfg)))
             except (torch.OutOfMemoryError, RuntimeError) as err:
                 if not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" not in str(err):
                     raise
@@ -324,7 +337,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             # a line per method and budget, also where the bar is off (callbacks.eval_after): long work shows progress
             log.info(
                 f"nats-eval {cfg.split} {i}/{len(runs)}: {run['label']} (budget {run['budget']}) ppl "
-                f"{results[-1]['ppl']:.2f} on {results[-1]['windows']} windows in {time.time() - t_run:.1f} s"
+                f"{results[-1]['ppl']:.2f} on {results[-1]['windows']} windows in {time.time() - t_run:.1f} s "
+                f"({results[-1]['decode']})"
             )
     for r in results:
         r["budget_fraction"] = None if r["budget"] is None else r["budget"] / n

@@ -229,6 +229,40 @@ def test_generate_defaults_to_eager_on_cpu():
         generate_with_caches(model, idx, 4, "nats", greedy=True, graph="yes")
 
 
+def test_sequential_policy_logits_decode_eagerly_on_cpu():
+    """The evaluation's token-by-token loop (`policy_logits(sequential=True)`) says how it decoded; on the CPU it
+    decodes eagerly (graph=auto), refuses graph=True with the reason, and checks the setting."""
+    model = tiny({"name": "dense"})
+    idx = torch.randint(0, V, (2, 12))
+    info = {}
+    seq, _ = policy_logits(model, idx, "h2o", sequential=True, budget=6, info=info)
+    assert info == {"decode": "eager"}
+    assert torch.equal(seq, policy_logits(model, idx, "h2o", sequential=True, budget=6, graph=False)[0])
+    with pytest.raises(ValueError, match="CUDA-graph decoding needs"):
+        policy_logits(model, idx, "h2o", sequential=True, budget=6, graph=True)
+    with pytest.raises(ValueError, match="graph must be"):
+        policy_logits(model, idx, "h2o", sequential=True, budget=6, graph="yes")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("policy", ["h2o", "streaming_llm"])
+def test_sequential_policy_logits_graph_equals_eager(policy):
+    """nats-eval's token-by-token methods on CUDA replay one captured graph per batch (graph=auto): the logits and
+    the caches' KV measurements equal eager decoding's."""
+    torch.manual_seed(0)
+    model = tiny({"name": "dense"}, block_size=96).float().cuda()
+    idx = torch.randint(0, V, (3, 96), device="cuda")
+    info = {}
+    got, caches = policy_logits(model, idx, policy, sequential=True, budget=24, info=info)
+    want, eager = policy_logits(model, idx, policy, sequential=True, budget=24, graph=False)
+    assert info == {"decode": "cuda_graph"}
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    for a, b in zip(caches, eager, strict=True):
+        fa, fb = a.fractions(), b.fractions()
+        assert torch.allclose(fa["area"], fb["area"]) and torch.equal(fa["peak"], fb["peak"])
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("policy", ["nats", "full", "streaming_llm", "h2o", "snapkv"])

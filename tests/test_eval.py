@@ -88,6 +88,7 @@ def test_eval_nats_checkpoint_all_methods(tmp_path):
             area, peak = NF.budget_fractions(b, 32)
             assert rows[(m, b)]["area"] == pytest.approx(area) and rows[(m, b)]["peak"] == pytest.approx(peak)
     assert rows[("h2o", 16)]["sequential"] and not rows[("streaming_llm", 16)]["sequential"]
+    assert rows[("h2o", 16)]["decode"] == "eager" and rows[("streaming_llm", 16)]["decode"] == "parallel"  # CPU
     # nats: measured fractions = mean over layers, heads and windows of kv_cache_sizes of its types
     from nats.attention.nats import collect_types
     from nats.eval import load_checkpoint
@@ -224,6 +225,8 @@ def test_bad_budgets(tmp_path):
         run(eval_cfg(ckpt, out, ["methods=[bogus]"]))
     with pytest.raises(ValueError, match="exceeds the model's block_size"):
         run(eval_cfg(ckpt, out, ["block_size=64"]))
+    with pytest.raises(ValueError, match="graph='sometimes' must be auto, true or false"):
+        run(eval_cfg(ckpt, out, ["graph=sometimes"]))
     assert_nothing_written(out)
 
 

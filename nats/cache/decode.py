@@ -263,13 +263,20 @@ def policy_logits(
     prefill_len: int = 0,
     budget: int | None = None,
     backend: str = "auto",
+    graph: bool | str = "auto",
+    info: dict | None = None,
     **options: Any,
 ):
     """Logits [B, N, V] of idx [B, N] under a cache policy, and the caches (for their measurements).
 
     sequential=False: the `prefill` of all N tokens. sequential=True: `prefill` of the first `prefill_len` tokens
-    (0 = none), then one eager `decode_step` per remaining token (the decode loop; the caches are not planned
-    unless ``reserve=`` is passed, so NAtS' periodic compaction runs as in an open-ended loop)."""
+    (0 = none), then one `decode_step` per remaining token (the decode loop; the caches are not planned unless
+    ``reserve=`` is passed, so NAtS' periodic compaction runs as in an open-ended loop): as replays of a captured
+    CUDA graph (`GraphDecoder`) where the caches allow it (``graph="auto"``, `graph_capturable`: CUDA, the Triton
+    backend, a graph-safe policy; True insists), else eagerly. A dict `info` receives ``decode`` ("cuda_graph" or
+    "eager") of a sequential run."""
+    if graph not in (True, False, "auto"):
+        raise ValueError(f"graph must be true, false or auto, got {graph!r}")
     B, N = idx.shape
     cls = resolve_policy(policy)
     caches = make_caches(model, cls, B, N, budget=budget, backend=backend, **options)
@@ -280,11 +287,19 @@ def policy_logits(
             return prefill(model, caches, idx), caches
         if not 0 <= prefill_len <= N:
             raise ValueError(f"prefill_len must be in [0, {N}], got {prefill_len}")
+        use_graph = graph_capturable(caches) if graph == "auto" else graph
+        if use_graph:
+            decoder = GraphDecoder(model, caches)  # its logits are one buffer, overwritten by the next step
+            step = lambda tok, i: decoder(tok, i).clone()  # noqa: E731
+        else:
+            step = partial(decode_step, model, caches)
+        if info is not None:
+            info["decode"] = "cuda_graph" if use_graph else "eager"
         out = []
         if prefill_len:
             out.append(prefill(model, caches, idx[:, :prefill_len]))
         for i in range(prefill_len, N):
-            out.append(decode_step(model, caches, idx[:, i], i)[:, None])
+            out.append(step(idx[:, i], i)[:, None])
         return torch.cat(out, dim=1), caches
 
 
