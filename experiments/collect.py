@@ -163,6 +163,21 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def runs_from_reports(paths: Iterable[str | os.PathLike]) -> dict[str, dict[str, Any]]:
+    """The runs of earlier reports (the ``runs`` of a study report's JSON, e.g. docs/results/figure3.json), by name:
+    a study pooled from run folders that are no longer at hand and new ones (`figure3.py --runs-from`)."""
+    runs: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"--runs-from {path}: not a readable report JSON ({err})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("runs"), dict):
+            raise SystemExit(f"--runs-from {path}: no 'runs' in it (pass a study report's JSON)")
+        runs.update(data["runs"])
+    return runs
+
+
 def curve(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
     """(step, value) of one column of a run's CSV rows, where it is set."""
     return [(int(r["step"]), float(r[key])) for r in rows if r.get(key) not in (None, "")]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import collect  # experiments/collect.py, beside this script
@@ -69,12 +70,19 @@ def setting(cfg: dict) -> str:
     )
 
 
-def load(folders: list[str], checkpoint: str = "last") -> dict:
+def load(folders: list[str], checkpoint: str = "last", reports: list[str] = ()) -> dict:
     """Per run (``<model>_s<seed>``): its model, seed, training summary, curves and evaluations (of its final
     checkpoint, ``eval_<split>/``, or with ``checkpoint="best"`` of its best by validation loss,
-    ``eval_<split>_best/``: callbacks.eval_after's ``checkpoint: best`` entries)."""
+    ``eval_<split>_best/``: callbacks.eval_after's ``checkpoint: best`` entries). ``reports``: earlier reports'
+    JSON whose runs join them (a run folder replaces a report's run of the same name); such a run has the curves
+    and evaluations the JSON kept (no per-layer KV fractions)."""
     suffix = "" if checkpoint == "last" else f"_{checkpoint}"
     runs: dict[str, dict] = {}
+    for name, r in collect.runs_from_reports(reports).items():
+        curves = {k: [tuple(p) for p in r.get("curves", {}).get(k, [])] for k in CURVES}
+        if not curves["val/ppl"]:
+            curves["val/ppl"] = [(s, math.exp(v)) for s, v in curves["val/loss"]]
+        runs[name] = {**r, "curves": curves, "kv_fractions": r.get("kv_fractions"), "from_report": True}
     for folder in collect.find_runs(folders):
         r = collect.load_run(folder)
         cfg = r["config"]
@@ -83,7 +91,7 @@ def load(folders: list[str], checkpoint: str = "last") -> dict:
         att = cfg["model"]["attention"]
         base, seed = model_name(cfg), cfg.get("seed")
         name = f"{base}_s{seed}"
-        if name in runs:
+        if name in runs and not runs[name].get("from_report"):
             raise SystemExit(f"{name} twice: {runs[name]['dir']} and {folder}; pass the folders of one of them")
         runs[name] = {
             "dir": str(folder),
@@ -99,7 +107,7 @@ def load(folders: list[str], checkpoint: str = "last") -> dict:
             "kv_fractions": r["kv_fractions"].get("test" + suffix),
         }
     if not runs:
-        raise SystemExit(f"no training runs below {', '.join(folders)}")
+        raise SystemExit(f"no training runs below {', '.join(folders) or '(no folder)'}")
     return dict(sorted(runs.items()))
 
 
@@ -435,7 +443,15 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folders", nargs="+", help="multirun (or run) folders of the study; searched recursively")
+    ap.add_argument("folders", nargs="*", help="multirun (or run) folders of the study; searched recursively")
+    ap.add_argument(
+        "--runs-from",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="an earlier report's figure3.json whose runs join the folders' (a folder's run replaces one of the same "
+        "name): seeds whose run folders are gone pooled with new ones",
+    )
     ap.add_argument("--out", default="docs/results", help="folder for the table, the JSON and the plots")
     ap.add_argument("--device", default=None, help="the machine, for the caption (default: what nats-eval recorded)")
     ap.add_argument(
@@ -452,7 +468,9 @@ def main(argv: list[str] | None = None) -> dict:
         "training density at every validation (for long trainings)",
     )
     args = ap.parse_args(argv)
-    runs = load(args.folders, args.checkpoint)
+    if not args.folders and not args.runs_from:
+        ap.error("give run folders, --runs-from JSON, or both")
+    runs = load(args.folders, args.checkpoint, args.runs_from)
     rows = summarize(runs)
     if args.device is None:  # cuda / cpu, as the evaluations recorded it
         found = {ev["device"] for r in runs.values() for ev in r["eval"].values() if ev and ev.get("device")}
@@ -461,10 +479,11 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     along = "\n" + along_training(runs) if args.along_training else ""
     (out / "figure3.md").write_text(markdown(runs, rows, args.device, args.checkpoint) + along)
-    kept_curves = ("train/loss", "val/loss", "train/density")  # the JSON keeps these; the plots show the rest
+    kept_curves = ("train/loss", "val/loss", "train/density")  # the JSON keeps these (and the last tokens/s)
     slim = {
-        n: {**{k: v for k, v in r.items() if k not in ("kv_fractions", "curves")},
-            "curves": {k: v for k, v in r["curves"].items() if k in kept_curves}}
+        n: {**{k: v for k, v in r.items() if k not in ("kv_fractions", "curves", "from_report")},
+            "curves": {**{k: v for k, v in r["curves"].items() if k in kept_curves},
+                       "train/device/items_per_sec": r["curves"]["train/device/items_per_sec"][-1:]}}
         for n, r in runs.items()
     }  # fmt: skip
     payload = {"device": args.device, "rows": rows, "comparisons": comparisons(rows), "runs": slim}

@@ -64,9 +64,13 @@ def run_setting(cfg: dict) -> dict:
     }
 
 
-def load(folders: list[str]) -> dict:
-    """Per run (``<model>_s<seed>``): its model, seed, setting, training summary, evaluations and analysis."""
-    runs: dict[str, dict] = {}
+def load(folders: list[str], reports: list[str] = ()) -> dict:
+    """Per run (``<model>_s<seed>``): its model, seed, setting, training summary, evaluations and analysis.
+    ``reports``: earlier reports' JSON whose runs join them (a run folder replaces a report's run of the same
+    name)."""
+    runs: dict[str, dict] = {  # JSON made the sort key a list
+        n: {**r, "order": tuple(r["order"]), "from_report": True} for n, r in collect.runs_from_reports(reports).items()
+    }
     for folder in collect.find_runs(folders):
         r = collect.load_run(folder)
         cfg = r["config"]
@@ -74,7 +78,7 @@ def load(folders: list[str]) -> dict:
             continue  # not a training run
         base, label, nats, order = model_of(cfg)
         name = f"{base}_s{cfg.get('seed')}"
-        if name in runs:
+        if name in runs and not runs[name].get("from_report"):
             raise SystemExit(f"{name} twice: {runs[name]['folder']} and {folder}; pass the folders of one of them")
         runs[name] = {
             "folder": str(folder),
@@ -90,7 +94,9 @@ def load(folders: list[str]) -> dict:
             "analysis": r["analysis"],
         }
     if not runs:
-        raise SystemExit(f"no training runs below {', '.join(folders)}")
+        raise SystemExit(f"no training runs below {', '.join(folders) or '(no folder)'}")
+    for r in runs.values():
+        r.pop("from_report", None)
     return runs
 
 
@@ -438,11 +444,21 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folders", nargs="+", help="multirun (or run) folders of the study; searched recursively")
+    ap.add_argument("folders", nargs="*", help="multirun (or run) folders of the study; searched recursively")
+    ap.add_argument(
+        "--runs-from",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="an earlier report's gate_study_gpt2.json whose runs join the folders' (a folder's run replaces one "
+        "of the same name): seeds whose run folders are gone pooled with new ones",
+    )
     ap.add_argument("--out", default="docs/results", help="folder for the table, the JSON and the plots")
     ap.add_argument("--device", default=None, help="the machine, for the caption (default: what analysis.json says)")
     args = ap.parse_args(argv)
-    runs = load(args.folders)
+    if not args.folders and not args.runs_from:
+        ap.error("give run folders, --runs-from JSON, or both")
+    runs = load(args.folders, args.runs_from)
     rows = summarize(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

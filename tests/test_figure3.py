@@ -195,6 +195,21 @@ def test_tiny_study_multirun_then_report(tmp_path):
     for name in ("figure3_ppl_vs_area.png", "figure3_ppl_vs_peak.png", "figure3_loss.png", "figure3_kv_layers.png"):
         assert (out / name).stat().st_size > 10_000
 
+    # seeds whose run folders are gone, pooled from the report's JSON with the folders at hand: the same rows;
+    # a folder's run replaces the report's run of the same name
+    pooled = figure3.main([str(runs[0]), "--runs-from", str(out / "figure3.json"), "--out", str(tmp_path / "pooled")])
+    assert pooled["rows"] == json.loads(json.dumps(report["rows"]))
+    assert (
+        pooled["runs"]["dense_s1"]["dir"] == str(runs[0])
+        and "from_report" not in json.loads((tmp_path / "pooled" / "figure3.json").read_text())["runs"]["dense_s2"]
+    )
+    assert "| dense_s2 | 2 |" in (tmp_path / "pooled" / "figure3.md").read_text()  # its training row
+    with pytest.raises(SystemExit, match="not a readable report JSON"):
+        figure3.main(["--runs-from", str(out / "figure3.md"), "--out", str(tmp_path / "bad")])
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no 'runs' in it"):
+        figure3.main(["--runs-from", str(tmp_path / "other.json"), "--out", str(tmp_path / "bad")])
+
 
 def test_a_difference_exceeds_the_spread_only_beyond_two_standard_errors_without_overlap():
     def row(model, ppl):

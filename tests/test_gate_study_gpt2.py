@@ -261,6 +261,26 @@ def test_report_takes_runs_of_other_folders_as_further_seeds(tmp_path):
         gs.main([str(root), str(other), "--out", str(out)])
 
 
+def test_report_pools_the_runs_of_an_earlier_report_with_new_folders(tmp_path):
+    """--runs-from: the runs of an earlier report's JSON (folders no longer at hand) join new run folders; a new
+    folder's run replaces the report's run of the same model and seed (e.g. a seed evaluated later)."""
+    root = tmp_path / "runs"
+    _fake_run(root, "dense", 0, ppl=40.0, sink=0.30)
+    stopped = _fake_run(root, "dense", 1, ppl=99.0, sink=0.30)
+    (stopped / "eval_test" / "results.json").unlink()
+    (stopped / "eval_validation" / "results.json").unlink()
+    gs.main([str(root), "--out", str(tmp_path / "first")])
+    assert "| dense | 0 (1: trained, not evaluated) |" in (tmp_path / "first" / "gate_study_gpt2.md").read_text()
+    later = _fake_run(tmp_path / "later", "dense", 1, ppl=42.0, sink=0.40)
+    report = str(tmp_path / "first" / "gate_study_gpt2.json")
+    gs.main([str(later), "--runs-from", report, "--out", str(tmp_path / "pooled")])
+    text = (tmp_path / "pooled" / "gate_study_gpt2.md").read_text()
+    assert "| dense | 0, 1 | 42.00 ± 1.41 | 41.00 ± 1.41 | +0.0% | 0.3500 ± 0.0707 |" in text
+    assert gs.main(["--runs-from", report, "--out", str(tmp_path / "again")]) == gs.main(
+        [str(root), "--out", str(tmp_path / "first")]
+    )
+
+
 @pytest.mark.slow
 def test_tiny_study_multirun_then_report(tmp_path):
     """nats-train -m over the two study experiments with the headwise gate: each run leaves its evaluations and
