@@ -227,3 +227,32 @@ def test_gpu_compiled_cuda_graph_decoding_equals_eager():
         # one graph, or two where the second prompt's pool has another size (then dynamic: see the CPU test above)
         assert counters["stats"]["unique_graphs"] <= 2, (policy, dict(counters["stats"]))
         assert counters["inductor"]["cudagraph_skips"] == 0, f"{policy}: inductor did not CUDA-graph the decode step"
+
+
+def test_the_compiled_step_takes_few_tensors_per_layer_from_the_cache():
+    """Every tensor the compiled decode step reads is an input of its graph, which dynamo guards before each call:
+    host time at every step, where a batch-1 step is bound by the host. The NAtS cache packs its buffers (keys and
+    values in one pool, the rows' bookkeeping in one integer tensor, the ring in one), so without `track` its step
+    takes four inputs per layer more than transformers' StaticCache's (ring, ring validity, bookkeeping, the
+    scorer's weight and offsets, less one for keys and values in one pool) instead of ten."""
+    inputs = {}
+
+    def counting(name):
+        def backend(gm, example_inputs):
+            inputs[name] = len(example_inputs)
+            return gm.forward
+
+        return backend
+
+    plain, model = tiny_model("llama"), nats_model()
+    prompt = ids(n=PROMPT, b=2)
+    for name, m, cache in (
+        ("static", plain, transformers.StaticCache(config=plain.config, max_cache_len=PROMPT + NEW)),
+        ("nats", model, StaticPolicyCache(model, "nats", max_new_tokens=NEW, track=False)),
+    ):
+        cc = transformers.CompileConfig(fullgraph=True, backend=counting(name), mode=None)
+        cc._compile_all_devices = True
+        torch._dynamo.reset()
+        greedy(m, prompt, cache, compile_config=cc)
+    per_layer = (inputs["nats"] - inputs["static"]) / model.config.num_hidden_layers
+    assert 0 < per_layer <= 4.5, inputs  # (StaticCache's step also takes the attention mask)

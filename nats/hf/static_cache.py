@@ -151,25 +151,41 @@ class StaticPolicyLayer(FixedRowsLayer):
         dev = k.device
         rank, length, cap, start = layout.rank, layout.length, layout.cap, layout.start
         P = _rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
-        self.k_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)  # zeros: readers may touch unused slots masked
-        self.v_pool = torch.zeros(P, D, device=dev, dtype=k.dtype)
+        self.kv_pool = torch.zeros(2, P, D, device=dev, dtype=k.dtype)  # zeros: readers may touch unused slots
         dest = torch.where(keep, start[:, None] + rank - 1, P - 1).reshape(-1)  # dropped positions: the scratch slot
-        self.k_pool.index_copy_(0, dest, k.reshape(-1, D))
-        self.v_pool.index_copy_(0, dest, v.reshape(-1, D))
-        self.start, self.length, self.cap = start, length.clone(), cap
+        self.kv_pool[0].index_copy_(0, dest, k.reshape(-1, D))
+        self.kv_pool[1].index_copy_(0, dest, v.reshape(-1, D))
+        zero = torch.zeros_like(start)
+        self.rows = torch.stack((start, length, cap, zero, zero - 1, zero))
         self.splits = splits
         self.area = torch.zeros(R, dtype=torch.float64, device=dev) if track else None
         self.peak = torch.zeros(R, dtype=torch.long, device=dev) if track else None
-        _mark_static(*(t for t in (self.k_pool, self.v_pool, self.start, self.length, self.cap, self.area, self.peak)
-                       if t is not None))  # fmt: skip
+        _mark_static(*(t for t in (self.kv_pool, self.rows, self.area, self.peak) if t is not None))
         self.ready = True
 
+    # The buffers are packed into few tensors, the named ones being views of them: every tensor the compiled decode
+    # step reads from the cache is a graph input that dynamo guards before each replay, and the guard check is host
+    # time at every step (at batch 1 the step is host-bound). Per layer: kv_pool [2, P, D] (keys, values),
+    # rows [6, R] int64 (segment start, length, capacity, NAtS' global count and pending type, the ring rule's
+    # count), NAtS' ring_kv [2, R, W, D] and ring_valid [R, W], the position counter (and area / peak with track).
+    k_pool = property(lambda self: self.kv_pool[0])
+    v_pool = property(lambda self: self.kv_pool[1])
+    ring_k = property(lambda self: self.ring_kv[0])
+    ring_v = property(lambda self: self.ring_kv[1])
+    start = property(lambda self: self.rows[0])
+    length = property(lambda self: self.rows[1])
+    cap = property(lambda self: self.rows[2])
+    n_global = property(lambda self: self.rows[3])
+    t = property(lambda self: self.rows[4])  # NAtS: the last token's type, its eviction pending (-1: none)
+    count = property(lambda self: self.rows[5])  # the ring rule: tokens written so far
+
     def tensors(self) -> list[Tensor]:
-        names = ("k_pool", "v_pool", "start", "length", "cap", "ring_k", "ring_v", "ring_valid", "n_global", "t")
+        """The buffers the decode step reads and writes (the packed tensors themselves)."""
+        names = ("kv_pool", "rows", "ring_kv", "ring_valid", "cumulative_length", "area", "peak")
         return [getattr(self, n) for n in names if getattr(self, n, None) is not None]
 
     def kv_nbytes(self) -> int:
-        ts = [getattr(self, n, None) for n in ("k_pool", "v_pool", "ring_k", "ring_v")]
+        ts = [getattr(self, n, None) for n in ("kv_pool", "ring_kv")]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
@@ -315,9 +331,8 @@ class StaticPolicyCache(Cache):
         if self.rule == "nats":
             self._load_nats(layer, core, kr, vr, types.reshape(R, N), N)
         elif self.rule == "ring":
-            layer.count = self._real_rows.clone()  # advanced in place by the decode steps
+            layer.count.copy_(self._real_rows)  # advanced in place by the decode steps
             layer.sinks = int(self.options.get("sinks", 4))
-            _mark_static(layer.count)
         if self.track:
             layer.area.copy_(sizes.reshape(R, N).sum(-1).double())
             layer.peak.copy_(sizes.reshape(R, N).amax(-1))
@@ -377,18 +392,16 @@ class StaticPolicyCache(Cache):
         R, _, D = kr.shape
         W = core.window
         dev = kr.device
-        layer.ring_k = torch.zeros(R, W, D, device=dev, dtype=kr.dtype)
-        layer.ring_v = torch.zeros(R, W, D, device=dev, dtype=kr.dtype)
+        layer.ring_kv = torch.zeros(2, R, W, D, device=dev, dtype=kr.dtype)
         layer.ring_valid = torch.zeros(R, W, device=dev, dtype=torch.bool)
         lo = max(0, N - W + 1)
         slots = torch.arange(lo, N, device=dev) % W  # the last W - 1 positions' ring slots (distinct)
         layer.ring_k.index_copy_(1, slots, kr[:, lo:])
         layer.ring_v.index_copy_(1, slots, vr[:, lo:])
         layer.ring_valid.index_copy_(1, slots, tr[:, lo:] == NF.TOKEN_SLIDING)
-        layer.n_global = (tr == NF.TOKEN_GLOBAL).sum(1)
-        layer.t = torch.full((R,), -1, dtype=torch.long, device=dev)  # the last token's type: its eviction is pending
+        torch.sum(tr == NF.TOKEN_GLOBAL, 1, out=layer.n_global)  # t stays -1: no eviction pending
         layer.window = W
-        _mark_static(layer.ring_k, layer.ring_v, layer.ring_valid, layer.n_global, layer.t)
+        _mark_static(layer.ring_kv, layer.ring_valid)
 
     # ------------------------------------------------------------------ decode (compiled by generate)
     def _decode(self, layer, q, k, v, hidden) -> Tensor:
