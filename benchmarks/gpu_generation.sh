@@ -11,6 +11,7 @@
 #   tests    the gpu-marked tests of both paths
 #   hf8k_large  8k prompt, batch 32 / 64, ~25% kept
 #   profile  kernel tables of the 8k batch-1 prefill and decode steps (StaticCache and NAtS)
+#   host     the host's work per decode step at 8k, batch 1 (bench_hf_host.py: guard check, prefill launches)
 # WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
 # (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 480), GPT_LIMIT (150), TEST_LIMIT (200).
 # Each stage's whole output: OUT/<stage>.log. tests/test_generate.py::test_cuda_matches_cpu trains from the embedded
@@ -19,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-logs/bench/generation} # read by gpu_site.sh too
 shift || true
-stages=${*:-kernels hf8k hf32k gpt tests hf8k_large profile}
+stages=${*:-kernels hf8k hf32k gpt tests hf8k_large profile host}
 source benchmarks/gpu_site.sh
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 hf() { # name, bench_hf_decode.py arguments: the whole output in OUT/<name>.log (compile and CUDA-graph warnings
@@ -42,6 +43,9 @@ for stage in $stages; do
     hf8k_large) hf hf8k_large --prompt 8192 --batch 32 64 --kept 0.25 --methods static nats ;;
     hf32k) hf hf32k --prompt 32768 --batch 1 8 --kept 0.25 --methods static nats ;;
     profile) hf profile --prompt 8192 --batch 1 --kept 0.25 --methods static nats --profile ;;
+    host) timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_host.py --prompt 8192 --out "$DEST/host" \
+      >"$DEST/host.log" 2>&1
+      grep -E '^\|' "$DEST/host.log" | tail -4 ;;
     gpt) timeout "${GPT_LIMIT:-150}" python3 benchmarks/bench_decode.py --lengths 8192,32768 --batch 8 \
       --policies full,nats,streaming_llm --modes graph --out "$DEST/gpt" >"$DEST/gpt.log" 2>&1
       tail -n 12 "$DEST/gpt.log" ;;
@@ -49,7 +53,7 @@ for stage in $stages; do
     tests) timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu \
       tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py >"$DEST/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$DEST/gpu_tests.log" | tail -8 ;;
-    *) echo "unknown stage $stage (kernels hf8k hf32k gpt tests hf8k_large profile)" && exit 2 ;;
+    *) echo "unknown stage $stage (kernels hf8k hf32k gpt tests hf8k_large profile host)" && exit 2 ;;
   esac
   echo "-- $stage: $(($(date +%s) - t0)) s"
 done

@@ -194,3 +194,19 @@ def test_decode_benchmark_profile_tables(tmp_path):
     assert bench.main(["--smoke", "--out", str(tmp_path), "--methods", "full", "--profile"]) == 0
     text = (tmp_path / "profile_full_None_b1_n96.txt").read_text()
     assert text.count("### the same by host time") == 2 and "prefill + decode steps" in text
+
+
+def test_host_benchmark_smoke(tmp_path):
+    """benchmarks/bench_hf_host.py on a tiny model on the CPU (generate made to compile the step): both caches'
+    rows, the NAtS cache reading its packed buffers (5 tensors per layer) against StaticCache's 3."""
+    import json
+
+    from conftest import load_script
+
+    bench = load_script("benchmarks/bench_hf_host.py")
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "bench_hf_host.json").read_text())["rows"]}
+    assert set(rows) == {"static", "nats"}
+    assert rows["static"]["cache_tensors"] == 3 * 2 and rows["nats"]["cache_tensors"] == 5 * 2  # 2 layers
+    assert all(r["guard_ms"] > 0 and r["prefill_aten_calls"] > 0 for r in rows.values())
+    assert "| nats | 10 |" in (tmp_path / "bench_hf_host.md").read_text()
