@@ -20,11 +20,12 @@ tokens (``--scorers``: a fine-tuned scorer file, whose types are then used as th
   compiles the decode step the same way); ``streaming_llm`` at the same kept share as NAtS;
 * ``policy_nats``: the older `nats.hf.PolicyCache` (per-layer Python per token; not compiled), for reference.
 
-Per row: prefill seconds (the first token's latency), decode tokens/s over all sequences (the tokens after the
-first), the KV bytes the cache holds at the end (the buffers allocated), the tokens it keeps as a share of those
-seen, the compiled graphs added by the timed run after a warm-up (0 = no recompilation), the ratio to
-``static``'s tokens/s and prefill, and the GPU's peak memory. ``--equal-memory-gib M`` also runs each cache at the
-largest batch whose KV buffers fit M GiB. Writes ``bench_hf_decode.{md,json}`` into ``--out``.
+Per row (the median of ``--repeats`` timed calls, each with a new cache): prefill seconds (the first token's
+latency), decode tokens/s over all sequences (the tokens after the first), the KV bytes the cache holds at the end
+(the buffers allocated), the tokens it keeps as a share of those seen, the compiled graphs added by the timed runs
+after a warm-up (0 = no recompilation), the ratio to ``static``'s tokens/s and prefill, and the GPU's peak memory.
+``--equal-memory-gib M`` also runs each cache at the largest batch whose KV buffers fit M GiB. Writes
+``bench_hf_decode.{md,json}`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import argparse
 import contextlib
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -186,17 +188,21 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         g0 = graphs()
-        t0 = time.perf_counter()
-        generate(model, prompt, make_cache(), 1)  # prefill + one token: the first token's latency
-        sync()
-        t1 = time.perf_counter()
-        cache = make_cache()
-        out = generate(model, prompt, cache, n_new)
-        sync()
-        t2 = time.perf_counter()
+        prefills, decodes = [], []
+        for _ in range(max(1, getattr(args, "repeats", 1))):  # the median of repeated timings
+            t0 = time.perf_counter()
+            generate(model, prompt, make_cache(), 1)  # prefill + one token: the first token's latency
+            sync()
+            t1 = time.perf_counter()
+            cache = make_cache()
+            out = generate(model, prompt, cache, n_new)
+            sync()
+            t2 = time.perf_counter()
+            prefills.append(t1 - t0)
+            decodes.append(max(1e-9, (t2 - t1) - (t1 - t0)))
         new_graphs = graphs() - g0
-    prefill_s = t1 - t0
-    decode_s = max(1e-9, (t2 - t1) - prefill_s)
+    prefill_s = statistics.median(prefills)
+    decode_s = statistics.median(decodes)
     seen = P + n_new - 1
     share = 1.0
     if isinstance(cache, (StaticPolicyCache, PolicyCache)):
@@ -301,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=["static", "full", "nats", "streaming_llm"])
     ap.add_argument("--equal-memory-gib", type=float, default=None)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=3, help="timed generate calls per row; the median is reported")
     ap.add_argument("--profile", action="store_true", help="kernel tables of a prefill and 16 decode steps")
     ap.add_argument("--smoke", action="store_true", help="tiny model, short prompt, CPU: tests the script")
     args = ap.parse_args(argv)
