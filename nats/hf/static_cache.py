@@ -152,9 +152,9 @@ class StaticPolicyLayer(FixedRowsLayer):
         rank, length, cap, start = layout.rank, layout.length, layout.cap, layout.start
         P = _rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
         self.kv_pool = torch.zeros(2, P, D, device=dev, dtype=k.dtype)  # zeros: readers may touch unused slots
-        dest = torch.where(keep, start[:, None] + rank - 1, P - 1).reshape(-1)  # dropped positions: the scratch slot
-        self.kv_pool[0].index_copy_(0, dest, k.reshape(-1, D))
-        self.kv_pool[1].index_copy_(0, dest, v.reshape(-1, D))
+        dest = torch.where(keep, start[:, None] + rank - 1, P - 1)  # [R, N]; dropped positions: the scratch slot
+        self.kv_pool[0].index_put_((dest,), k)  # k, v read in place (a flat copy of each would be one more launch)
+        self.kv_pool[1].index_put_((dest,), v)
         zero = torch.zeros_like(start)
         self.rows = torch.stack((start, length, cap, zero, zero - 1, zero))
         self.splits = splits
