@@ -293,7 +293,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Load, plan, evaluate; returns the results (nothing written)."""
     _max_windows(cfg)  # before the (slow) checkpoint load
     check_eval_windows(cfg.get("windows", "spread"), "windows")
-    _graph(cfg)
+    graph = _graph(cfg)
     model, model_cfg = load_checkpoint(cfg.get("ckpt_path"))
     n = int(cfg.block_size) if cfg.get("block_size") else model.config.block_size
     if n > model.config.block_size:
@@ -324,7 +324,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             bar.set_postfix_str(f"{run['label']} B={run['budget']}")
             t_run = time.time()
             try:
-                results.append(_run_one(model, run, loader, device, "auto", bar, graph=_graph(cfg)))
+                results.append(_run_one(model, run, loader, device, "auto", bar, graph=graph))
             except (torch.OutOfMemoryError, RuntimeError) as err:
                 if not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" not in str(err):
                     raise
