@@ -254,6 +254,19 @@ class GraphDecoder:
         return self.logits
 
 
+def check_graph(graph: bool | str) -> None:
+    """``graph`` of the decode loops: True, False or "auto"."""
+    if graph not in (True, False, "auto"):
+        raise ValueError(f"graph must be true, false or auto, got {graph!r}")
+
+
+def decoder(model, caches: list[LayerCache], graph: bool | str):
+    """The decode step through `caches` and whether it replays a CUDA graph: a `GraphDecoder` where ``graph`` is
+    True, or "auto" and the caches allow it (`graph_capturable`), else eager `decode_step`."""
+    use_graph = graph_capturable(caches) if graph == "auto" else graph
+    return (GraphDecoder(model, caches) if use_graph else partial(decode_step, model, caches)), use_graph
+
+
 def policy_logits(
     model,
     idx: Tensor,
@@ -275,8 +288,7 @@ def policy_logits(
     CUDA graph (`GraphDecoder`) where the caches allow it (``graph="auto"``, `graph_capturable`: CUDA, the Triton
     backend, a graph-safe policy; True insists), else eagerly. A dict `info` receives ``decode`` ("cuda_graph" or
     "eager") of a sequential run."""
-    if graph not in (True, False, "auto"):
-        raise ValueError(f"graph must be true, false or auto, got {graph!r}")
+    check_graph(graph)
     B, N = idx.shape
     cls = resolve_policy(policy)
     caches = make_caches(model, cls, B, N, budget=budget, backend=backend, **options)
@@ -287,19 +299,15 @@ def policy_logits(
             return prefill(model, caches, idx), caches
         if not 0 <= prefill_len <= N:
             raise ValueError(f"prefill_len must be in [0, {N}], got {prefill_len}")
-        use_graph = graph_capturable(caches) if graph == "auto" else graph
-        if use_graph:
-            decoder = GraphDecoder(model, caches)  # its logits are one buffer, overwritten by the next step
-            step = lambda tok, i: decoder(tok, i).clone()  # noqa: E731
-        else:
-            step = partial(decode_step, model, caches)
+        step, use_graph = decoder(model, caches, graph)
         if info is not None:
             info["decode"] = "cuda_graph" if use_graph else "eager"
         out = []
         if prefill_len:
             out.append(prefill(model, caches, idx[:, :prefill_len]))
         for i in range(prefill_len, N):
-            out.append(step(idx[:, i], i)[:, None])
+            logits = step(idx[:, i], i)  # a graph's logits are one buffer, overwritten by the next step
+            out.append((logits.clone() if use_graph else logits)[:, None])
         return torch.cat(out, dim=1), caches
 
 
@@ -384,8 +392,7 @@ def generate_with_caches(
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 or null (no cut), got {top_k}")
-    if graph not in (True, False, "auto"):
-        raise ValueError(f"graph must be true, false or auto, got {graph!r}")
+    check_graph(graph)
     check_model(model)
     B, T = idx.shape
     if T < 1:
@@ -414,8 +421,7 @@ def generate_with_caches(
         reserve=max_new_tokens,
         **options,
     )
-    use_graph = graph_capturable(caches) if graph == "auto" else graph
-    step = GraphDecoder(model, caches) if use_graph else partial(decode_step, model, caches)
+    step, use_graph = decoder(model, caches, graph)
     out = [idx]
     with eval_mode(model):
         logits = prefill(model, caches, idx)[:, -1]
