@@ -60,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     cc._compile_all_devices = True  # generate compiles on CUDA only otherwise
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
-    inputs: dict[str, int] = {}
 
     def generate(cache, n: int, ids=prompt):
         with torch.no_grad():

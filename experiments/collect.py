@@ -178,6 +178,24 @@ def runs_from_reports(paths: Iterable[str | os.PathLike]) -> dict[str, dict[str,
     return runs
 
 
+def add_run_sources(ap: argparse.ArgumentParser, report: str) -> None:
+    """A study report's inputs: run folders and earlier reports' JSON (``report``: its file name, for the help)."""
+    ap.add_argument("folders", nargs="*", help="multirun (or run) folders of the study; searched recursively")
+    ap.add_argument(
+        "--runs-from",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help=f"an earlier report's {report} whose runs join the folders' (a folder's run replaces one of the same "
+        "name): seeds whose run folders are gone pooled with new ones",
+    )
+
+
+def check_run_sources(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.folders and not args.runs_from:
+        ap.error("give run folders, --runs-from JSON, or both")
+
+
 def curve(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
     """(step, value) of one column of a run's CSV rows, where it is set."""
     return [(int(r["step"]), float(r[key])) for r in rows if r.get(key) not in (None, "")]

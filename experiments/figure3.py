@@ -77,12 +77,13 @@ def load(folders: list[str], checkpoint: str = "last", reports: list[str] = ()) 
     JSON whose runs join them (a run folder replaces a report's run of the same name); such a run has the curves
     and evaluations the JSON kept (no per-layer KV fractions)."""
     suffix = "" if checkpoint == "last" else f"_{checkpoint}"
-    runs: dict[str, dict] = {}
+    reported: dict[str, dict] = {}
     for name, r in collect.runs_from_reports(reports).items():
         curves = {k: [tuple(p) for p in r.get("curves", {}).get(k, [])] for k in CURVES}
         if not curves["val/ppl"]:
             curves["val/ppl"] = [(s, math.exp(v)) for s, v in curves["val/loss"]]
-        runs[name] = {**r, "curves": curves, "kv_fractions": r.get("kv_fractions"), "from_report": True}
+        reported[name] = {**r, "curves": curves, "kv_fractions": r.get("kv_fractions")}
+    runs: dict[str, dict] = {}
     for folder in collect.find_runs(folders):
         r = collect.load_run(folder)
         cfg = r["config"]
@@ -91,7 +92,7 @@ def load(folders: list[str], checkpoint: str = "last", reports: list[str] = ()) 
         att = cfg["model"]["attention"]
         base, seed = model_name(cfg), cfg.get("seed")
         name = f"{base}_s{seed}"
-        if name in runs and not runs[name].get("from_report"):
+        if name in runs:
             raise SystemExit(f"{name} twice: {runs[name]['dir']} and {folder}; pass the folders of one of them")
         runs[name] = {
             "dir": str(folder),
@@ -106,6 +107,7 @@ def load(folders: list[str], checkpoint: str = "last", reports: list[str] = ()) 
             "eval": {s: r["eval"].get(s + suffix) for s in ("validation", "test")},
             "kv_fractions": r["kv_fractions"].get("test" + suffix),
         }
+    runs = {**reported, **runs}  # a folder's run replaces the report's of the same name
     if not runs:
         raise SystemExit(f"no training runs below {', '.join(folders) or '(no folder)'}")
     return dict(sorted(runs.items()))
@@ -443,15 +445,7 @@ def plots(runs: dict, rows: list[dict], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folders", nargs="*", help="multirun (or run) folders of the study; searched recursively")
-    ap.add_argument(
-        "--runs-from",
-        action="append",
-        default=[],
-        metavar="JSON",
-        help="an earlier report's figure3.json whose runs join the folders' (a folder's run replaces one of the same "
-        "name): seeds whose run folders are gone pooled with new ones",
-    )
+    collect.add_run_sources(ap, "figure3.json")
     ap.add_argument("--out", default="docs/results", help="folder for the table, the JSON and the plots")
     ap.add_argument("--device", default=None, help="the machine, for the caption (default: what nats-eval recorded)")
     ap.add_argument(
@@ -468,8 +462,7 @@ def main(argv: list[str] | None = None) -> dict:
         "training density at every validation (for long trainings)",
     )
     args = ap.parse_args(argv)
-    if not args.folders and not args.runs_from:
-        ap.error("give run folders, --runs-from JSON, or both")
+    collect.check_run_sources(ap, args)
     runs = load(args.folders, args.checkpoint, args.runs_from)
     rows = summarize(runs)
     if args.device is None:  # cuda / cpu, as the evaluations recorded it
@@ -481,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "figure3.md").write_text(markdown(runs, rows, args.device, args.checkpoint) + along)
     kept_curves = ("train/loss", "val/loss", "train/density")  # the JSON keeps these (and the last tokens/s)
     slim = {
-        n: {**{k: v for k, v in r.items() if k not in ("kv_fractions", "curves", "from_report")},
+        n: {**{k: v for k, v in r.items() if k not in ("kv_fractions", "curves")},
             "curves": {**{k: v for k, v in r["curves"].items() if k in kept_curves},
                        "train/device/items_per_sec": r["curves"]["train/device/items_per_sec"][-1:]}}
         for n, r in runs.items()

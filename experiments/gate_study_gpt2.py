@@ -68,9 +68,8 @@ def load(folders: list[str], reports: list[str] = ()) -> dict:
     """Per run (``<model>_s<seed>``): its model, seed, setting, training summary, evaluations and analysis.
     ``reports``: earlier reports' JSON whose runs join them (a run folder replaces a report's run of the same
     name)."""
-    runs: dict[str, dict] = {  # JSON made the sort key a list
-        n: {**r, "order": tuple(r["order"]), "from_report": True} for n, r in collect.runs_from_reports(reports).items()
-    }
+    reported = {n: {**r, "order": tuple(r["order"])} for n, r in collect.runs_from_reports(reports).items()}
+    runs: dict[str, dict] = {}  # (JSON made the sort key `order` a list)
     for folder in collect.find_runs(folders):
         r = collect.load_run(folder)
         cfg = r["config"]
@@ -78,7 +77,7 @@ def load(folders: list[str], reports: list[str] = ()) -> dict:
             continue  # not a training run
         base, label, nats, order = model_of(cfg)
         name = f"{base}_s{cfg.get('seed')}"
-        if name in runs and not runs[name].get("from_report"):
+        if name in runs:
             raise SystemExit(f"{name} twice: {runs[name]['folder']} and {folder}; pass the folders of one of them")
         runs[name] = {
             "folder": str(folder),
@@ -93,10 +92,9 @@ def load(folders: list[str], reports: list[str] = ()) -> dict:
             "eval": {s: r["eval"].get(s) for s in ("validation", "test")},
             "analysis": r["analysis"],
         }
+    runs = {**reported, **runs}  # a folder's run replaces the report's of the same name
     if not runs:
         raise SystemExit(f"no training runs below {', '.join(folders) or '(no folder)'}")
-    for r in runs.values():
-        r.pop("from_report", None)
     return runs
 
 
@@ -444,20 +442,11 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folders", nargs="*", help="multirun (or run) folders of the study; searched recursively")
-    ap.add_argument(
-        "--runs-from",
-        action="append",
-        default=[],
-        metavar="JSON",
-        help="an earlier report's gate_study_gpt2.json whose runs join the folders' (a folder's run replaces one "
-        "of the same name): seeds whose run folders are gone pooled with new ones",
-    )
+    collect.add_run_sources(ap, "gate_study_gpt2.json")
     ap.add_argument("--out", default="docs/results", help="folder for the table, the JSON and the plots")
     ap.add_argument("--device", default=None, help="the machine, for the caption (default: what analysis.json says)")
     args = ap.parse_args(argv)
-    if not args.folders and not args.runs_from:
-        ap.error("give run folders, --runs-from JSON, or both")
+    collect.check_run_sources(ap, args)
     runs = load(args.folders, args.runs_from)
     rows = summarize(runs)
     out = Path(args.out)
