@@ -151,9 +151,11 @@ def attention_of(model, method: str):
         model.config._attn_implementation = impl
 
 
-def generate(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
+def generate(model, prompt: torch.Tensor, cache, n: int, compile_config=None) -> torch.Tensor:
+    """`n` greedy tokens after `prompt` through `cache` (``compile_config``: how generate compiles the step)."""
     from nats.hf.compat import cache_kwargs
 
+    extra = {} if compile_config is None else {"compile_config": compile_config}
     with torch.no_grad():
         return model.generate(
             prompt,
@@ -161,6 +163,7 @@ def generate(model, prompt: torch.Tensor, cache, n: int) -> torch.Tensor:
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
+            **extra,
             **cache_kwargs(model, cache),
         )
 

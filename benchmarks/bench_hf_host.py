@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from nats.hf import attach_nats
-    from nats.hf.compat import cache_kwargs
 
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
@@ -62,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = prompt.to(device)
 
     def generate(cache, n: int, ids=prompt):
-        with torch.no_grad():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, compile_config=cc, **cache_kwargs(model, cache))  # fmt: skip
+        return hf.generate(model, ids, cache, n, compile_config=cc)
 
     rows = []
     for method in ("static", "nats"):
