@@ -38,6 +38,7 @@ import math
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as _fx_config
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
@@ -46,6 +47,7 @@ from nats import functional as NF
 from nats.cache import get_cache_class
 from nats.cache import static_ops as ops
 from nats.hf.cache import FixedRowsLayer
+from nats_kernels.nats_attention import reference as _ref
 
 POLICIES = ("full", "nats", "streaming_llm", "snapkv", "pyramidkv")
 _RULE = {"full": "append", "snapkv": "append", "pyramidkv": "append", "streaming_llm": "ring", "nats": "nats"}
@@ -70,26 +72,105 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
-class PoolLayout:
-    """Where each row's segment of a layer's pool lies (``rank``, ``length``, ``cap``, ``start``: device tensors),
-    and the pool's size, read by the host without stopping the stream: the prefill plans layer l's pool, goes on
-    with layer l + 1 and allocates layer l's pool then, when the size has long arrived (a blocking read per layer
-    would leave the GPU idle while the host waited, at every layer of a host-bound prefill)."""
+def _plan_rows(keep: Tensor, cap: Tensor, n_global: Tensor | None = None, count: Tensor | None = None):
+    """The segments of rows keeping the positions where ``keep`` (``[..., N]`` bool, rows flattened to ``[R, N]``),
+    ``cap`` ``[R]`` slots planned each: (the flat keep mask; ``rank`` ``[R, N]``, each kept position's 1-based rank
+    in its row; the rows' bookkeeping ``[6, R]`` (start, length, cap (at least the length), ``n_global``, -1 (no
+    eviction pending), ``count``; zeros where not given); ``end`` ``[1]``, the slots all segments take)."""
+    keep = keep.reshape(-1, keep.shape[-1])
+    rank = keep.cumsum(1)
+    length = rank[:, -1]
+    cap = torch.maximum(cap, length)
+    end = cap.cumsum(0)
+    start = end - cap
+    zero = torch.zeros_like(start)
+    n_global, count = (zero if t is None else t for t in (n_global, count))
+    return keep, rank, torch.stack((start, length, cap, n_global, zero - 1, count)), end[-1:]
 
-    def __init__(self, keep: Tensor, per_row_cap: Tensor):
-        self.rank = keep.cumsum(1)  # 1-based rank of each kept position in its row
-        self.length = self.rank[:, -1]
-        self.cap = torch.maximum(per_row_cap, self.length)
-        end = self.cap.cumsum(0)
-        self.start = end - self.cap
+
+def _nats_rows(types: Tensor, k: Tensor, v: Tensor, window: int, max_new: int, track: bool):
+    """A NAtS layer's state after the prompt from its integer types ``[B, Hkv, N]`` (-1 on left padding), keys and
+    values ``[B, Hkv, N, D]`` (rows r = b * Hkv + h): what is kept (the globals, and the locals after a row's last
+    global) and its segments (`_plan_rows`, ``cap`` = kept + ``max_new``); the ring of the last W - 1 positions
+    (slot = position mod W, valid where sliding); with ``track`` the sum and the maximum of the cache sizes c_i
+    (spec section 6). Pure tensor code (compiled on CUDA as one graph: `_compiled`)."""
+    N, D = types.shape[-1], k.shape[-1]
+    types, k, v = types.reshape(-1, N), k.reshape(-1, N, D), v.reshape(-1, N, D)
+    R = types.shape[0]
+    pos = torch.arange(N, device=types.device)
+    isg = types == NF.TOKEN_GLOBAL
+    last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(-1, keepdim=True)
+    keep = isg | ((types == NF.TOKEN_LOCAL) & (pos > last_g))
+    keep, rank, rows, end = _plan_rows(keep, keep.sum(1) + max_new, n_global=isg.sum(1))
+    lo = max(0, N - window + 1)
+    slots = torch.arange(lo, N, device=types.device) % window  # the last W - 1 positions' ring slots (distinct)
+    ring_kv = k.new_zeros(2, R, window, D)
+    ring_kv[0].index_copy_(1, slots, k[:, lo:])
+    ring_kv[1].index_copy_(1, slots, v[:, lo:])
+    ring_valid = torch.zeros(R, window, dtype=torch.bool, device=types.device)
+    ring_valid.index_copy_(1, slots, types[:, lo:] == NF.TOKEN_SLIDING)
+    area = peak = None
+    if track:
+        sizes = _ref.kv_cache_sizes(types, window)  # 0 on padding (-1 is no type)
+        area, peak = sizes.sum(-1).double(), sizes.amax(-1)
+    return keep, rank, rows, end, ring_kv, ring_valid, area, peak
+
+
+def _pool_fill(keep: Tensor, rank: Tensor, rows: Tensor, k: Tensor, v: Tensor, size: int) -> Tensor:
+    """The pool ``[2, size, D]`` (keys, values) holding row r's kept positions (``keep``, ``rank``, ``rows``:
+    `_plan_rows`; k, v ``[B, Hkv, N, D]``) in order from its start; dropped positions go to the scratch slot, the
+    last one. The rest is zeros: readers may touch unused slots."""
+    R, N = keep.shape
+    D = k.shape[-1]
+    dest = torch.where(keep, rows[0, :, None] + rank - 1, size - 1)  # [R, N]
+    pool = k.new_zeros(2, size, D)
+    pool[0].index_put_((dest,), k.reshape(R, N, D))
+    pool[1].index_put_((dest,), v.reshape(R, N, D))
+    return pool
+
+
+_COMPILED: dict[Any, Any] = {}
+PREFILL_BACKEND = "inductor"  # torch.compile's backend for the prefill's bookkeeping (tests: "aot_eager")
+
+
+def _compiled(fn, on: bool):
+    """``fn`` compiled (one graph, every size dynamic: a new prompt length or batch compiles nothing), or ``fn``.
+
+    At batch 1 a prefill is bound by the host: about forty small operations per layer of bookkeeping, each a
+    kernel launch with its Python around it, cost more host time than the layer's attention takes on the GPU;
+    compiled, they are a few fused kernels behind one guard check. Traced without duck sizing and with sizes of 1
+    not specialised, so that a batch of one, or a batch as large as the number of KV heads, needs no graph of its
+    own."""
+    if not on:
+        return fn
+    key = (fn, PREFILL_BACKEND)
+    if key not in _COMPILED:
+        compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend=PREFILL_BACKEND)
+
+        def call(*args):
+            with _fx_config.patch(use_duck_shape=False, backed_size_oblivious=True):
+                return compiled(*args)
+
+        _COMPILED[key] = call
+    return _COMPILED[key]
+
+
+class PoolLayout:
+    """Where each row's segment of a layer's pool lies (`_plan_rows`: ``keep``, ``rank``, ``rows``, device
+    tensors), and the pool's size, read by the host without stopping the stream: the prefill plans layer l's pool,
+    goes on with layer l + 1 and allocates layer l's pool then, when the size has long arrived (a blocking read per
+    layer would leave the GPU idle while the host waited, at every layer of a host-bound prefill)."""
+
+    def __init__(self, keep: Tensor, rank: Tensor, rows: Tensor, end: Tensor):
+        self.keep, self.rank, self.rows = keep, rank, rows
         self._event = None
         if end.device.type == "cuda":  # an asynchronous copy into pinned memory, and an event after it
             self._host = torch.empty(1, dtype=end.dtype, pin_memory=True)
-            self._host.copy_(end[-1:], non_blocking=True)
+            self._host.copy_(end, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = end[-1:]
+            self._host = end
 
     def size(self) -> int:
         """Slots the segments take (waits for the copy only, not for the work queued after it)."""
@@ -144,22 +225,10 @@ class StaticPolicyLayer(FixedRowsLayer):
         raise NotImplementedError("StaticPolicyCache: make a new cache per generate call")
 
     # ------------------------------------------------------------------ storage
-    def allocate(self, keep: Tensor, k: Tensor, v: Tensor, layout: PoolLayout, splits: int, track=True) -> None:
-        """Lay out the pool: row r keeps the positions where ``keep[r]`` (``[R, N]``, in order) in its segment of
-        `layout`; k, v ``[R, N, D]``. Waits for the layout's size (`PoolLayout.size`), nothing else."""
-        R, N, D = k.shape
-        dev = k.device
-        rank, length, cap, start = layout.rank, layout.length, layout.cap, layout.start
-        P = _rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
-        self.kv_pool = torch.zeros(2, P, D, device=dev, dtype=k.dtype)  # zeros: readers may touch unused slots
-        dest = torch.where(keep, start[:, None] + rank - 1, P - 1)  # [R, N]; dropped positions: the scratch slot
-        self.kv_pool[0].index_put_((dest,), k)  # k, v read in place (a flat copy of each would be one more launch)
-        self.kv_pool[1].index_put_((dest,), v)
-        zero = torch.zeros_like(start)
-        self.rows = torch.stack((start, length, cap, zero, zero - 1, zero))
-        self.splits = splits
-        self.area = torch.zeros(R, dtype=torch.float64, device=dev) if track else None
-        self.peak = torch.zeros(R, dtype=torch.long, device=dev) if track else None
+    def allocate(self, pool: Tensor, rows: Tensor, splits: int, area: Tensor | None, peak: Tensor | None) -> None:
+        """Take the layer's pool ``[2, P, D]`` (`_pool_fill`), its rows' bookkeeping ``[6, R]`` and, where the
+        cache sizes are tracked, their sum and maximum over the prompt ``[R]`` (advanced by the decode steps)."""
+        self.kv_pool, self.rows, self.splits, self.area, self.peak = pool, rows, splits, area, peak
         _mark_static(*(t for t in (self.kv_pool, self.rows, self.area, self.peak) if t is not None))
         self.ready = True
 
@@ -203,6 +272,10 @@ class StaticPolicyCache(Cache):
         max_len: the longest sequence (prompt + new tokens); the size of the attention mask ``generate`` builds
             (default ``config.max_position_embeddings``).
         track: record each decode step's cache size for `fractions` (two small device ops per layer and step).
+        compile_prefill: run the prefill's bookkeeping per layer (what is kept, the segments, the pool and ring
+            writes) as two graphs compiled by ``torch.compile`` (sizes dynamic: compiled once, on the first
+            prompt) instead of some forty small operations: ``"auto"`` (default) on CUDA, where a batch-1 prefill
+            is otherwise bound by the host; True / False.
         **options: the policy's options (``sinks=`` for streaming_llm; ``window=``, ``kernel=``, ``pooling=`` for
             snapkv / pyramidkv; NAtS' window comes from its scorers).
     """
@@ -216,6 +289,7 @@ class StaticPolicyCache(Cache):
         budget: int | float | None = None,
         max_len: int | None = None,
         track: bool = True,
+        compile_prefill: bool | str = "auto",
         **options: Any,
     ):
         from nats.hf.hooks import routed_cores  # noqa: PLC0415
@@ -240,6 +314,11 @@ class StaticPolicyCache(Cache):
         self.budget, self.options = budget, dict(options)
         self.max_new_tokens = int(max_new_tokens)
         self.track = track
+        if compile_prefill not in ("auto", True, False):
+            raise ValueError(
+                f"StaticPolicyCache: compile_prefill must be 'auto', True or False, got {compile_prefill!r}"
+            )
+        self.compile_prefill = compile_prefill
         self.n_head, self.n_layer = config.num_attention_heads, len(self.cores)
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         if self.max_len < 1:
@@ -293,56 +372,66 @@ class StaticPolicyCache(Cache):
             y, keep, types, sizes = self._prefill_rows(layer, core, q, k, v, hidden, top)
         else:  # left padding: row by row over the real tokens
             y = torch.zeros_like(q)
-            keep = torch.zeros(B, Hkv, N, dtype=torch.bool, device=q.device)
-            types = torch.full((B, Hkv, N), -1, dtype=torch.long, device=q.device) if self.rule == "nats" else None
-            sizes = torch.zeros(B, Hkv, N, dtype=torch.long, device=q.device) if self.track else None
+            nats = self.rule == "nats"
+            keep = None if nats else torch.zeros(B, Hkv, N, dtype=torch.bool, device=q.device)
+            types = torch.full((B, Hkv, N), -1, dtype=torch.long, device=q.device) if nats else None  # -1: padding
+            sizes = torch.zeros(B, Hkv, N, dtype=torch.long, device=q.device) if self.track and not nats else None
             for rows, p in groups:
                 bb = None if budgets is None else max(self._budgets_host[rows])
                 yb, kb, tb, sb = self._prefill_rows(layer, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
                                                     hidden[rows, p:], bb)  # fmt: skip
-                y[rows, :, p:], keep[rows, :, p:] = yb, kb
-                if sizes is not None:
-                    sizes[rows, :, p:] = sb
-                if types is not None:
-                    types[rows, :, p:] = tb
+                y[rows, :, p:] = yb
+                for whole, part in ((keep, kb), (types, tb), (sizes, sb)):
+                    if whole is not None:
+                        whole[rows, :, p:] = part
         R = B * Hkv
-        kr, vr = k.reshape(R, N, D), v.reshape(R, N, D)
-        n_keep = keep.reshape(R, N)
         if self._real_rows is None:  # [R] real prompt tokens per row, the same for every layer
             self._real_rows = self.prompt_lengths.repeat_interleave(Hkv)
-        if self.rule == "ring":
-            cap = budgets.repeat_interleave(Hkv)
+        on = self._compile_on(q.device)
+        ring = area = peak = None
+        if self.rule == "nats":  # keep mask, segments, ring, sizes: one compiled graph on CUDA
+            keep, rank, rows, end, ring_kv, ring_valid, area, peak = _compiled(_nats_rows, on)(
+                types, k, v, core.window, self.max_new_tokens, self.track
+            )
+            ring = (ring_kv, ring_valid, core.window)
         else:
-            cap = n_keep.sum(1) + self.max_new_tokens
+            cap = budgets.repeat_interleave(Hkv) if self.rule == "ring" else keep.sum(-1).view(R) + self.max_new_tokens
+            count = self._real_rows if self.rule == "ring" else None  # the ring rule's tokens so far
+            keep, rank, rows, end = _compiled(_plan_rows, on)(keep, cap, None, count)
+            if self.track:
+                area, peak = sizes.reshape(R, N).sum(-1).double(), sizes.reshape(R, N).amax(-1)
         bound = N + self.max_new_tokens + (core.window if self.rule == "nats" else 0)  # no host sync for the max
         splits = max(1, min(64, math.ceil(2 * _num_sms(q.device) / R), math.ceil(bound / 256)))
         # the pool is allocated one layer later (PoolLayout), all remaining ones at the last layer
-        job = (layer, core, n_keep, kr, vr, PoolLayout(n_keep, cap), splits, types, sizes, N)
-        self._unallocated.append(job)
+        layout = PoolLayout(keep, rank, rows, end)
+        self._unallocated.append((layer, layout, k, v, splits, ring, area, peak, N, on))
         last = layer.layer_idx == self.n_layer - 1
         while len(self._unallocated) > (0 if last else 1):
             self._fill_pool(*self._unallocated.pop(0))
         return y
 
-    def _fill_pool(self, layer, core, n_keep, kr, vr, layout, splits, types, sizes, N) -> None:
-        """A prefilled layer's buffers: its pool, (NAtS) its ring, (tracking) its sizes so far."""
-        R = kr.shape[0]
-        layer.allocate(n_keep, kr, vr, layout, splits, track=self.track)
-        if self.rule == "nats":
-            self._load_nats(layer, core, kr, vr, types.reshape(R, N), N)
+    def _compile_on(self, device: torch.device) -> bool:
+        """Whether the prefill's bookkeeping runs compiled (`_compiled`): ``compile_prefill``, "auto" = on CUDA."""
+        c = self.compile_prefill
+        return device.type == "cuda" if c == "auto" else bool(c)
+
+    def _fill_pool(self, layer, layout, k, v, splits, ring, area, peak, N, on) -> None:
+        """A prefilled layer's buffers: its pool, its bookkeeping, (NAtS) its ring, (tracking) its sizes so far."""
+        size = _rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
+        pool = _compiled(_pool_fill, on)(layout.keep, layout.rank, layout.rows, k, v, size)
+        layer.allocate(pool, layout.rows, splits, area, peak)
+        if ring is not None:
+            layer.ring_kv, layer.ring_valid, layer.window = ring
+            _mark_static(layer.ring_kv, layer.ring_valid)
         elif self.rule == "ring":
-            layer.count.copy_(self._real_rows)  # advanced in place by the decode steps
             layer.sinks = int(self.options.get("sinks", 4))
-        if self.track:
-            layer.area.copy_(sizes.reshape(R, N).sum(-1).double())
-            layer.peak.copy_(sizes.reshape(R, N).amax(-1))
         layer.real = self._real_rows
         layer.prompt_width = N
 
     def _prefill_rows(self, layer, core, q, k, v, hidden, budget: int | None):
-        """Attention output, keep mask ``[b, Hkv, n]``, (NAtS) types and the cache sizes c_i (spec section 6) of
-        unpadded rows; ``budget``: the rows' largest budget in tokens (budgeted policies), read by the host once
-        per prefill, not per layer."""
+        """Attention output, keep mask ``[b, Hkv, n]`` and the cache sizes c_i (spec section 6) of unpadded rows,
+        or (NAtS) the output and the types; ``budget``: the rows' largest budget in tokens (budgeted policies),
+        read by the host once per prefill, not per layer."""
         b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
         Hkv = k.shape[1]
         gqa = Hq != Hkv
@@ -353,12 +442,7 @@ class StaticPolicyCache(Cache):
         if self.rule == "nats":
             types = core.hard_types(hidden)  # [b, Hkv, n], token 0 global
             y = NF.nats_attention_types(q, k, v, types, core.window, backend=getattr(core, "backend", "auto"))
-            pos = torch.arange(n, device=q.device)
-            isg = types == NF.TOKEN_GLOBAL
-            last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(-1, keepdim=True)
-            keep = isg | ((types == NF.TOKEN_LOCAL) & (pos > last_g))
-            sizes = NF.kv_cache_sizes(types, core.window) if self.track else None
-            return y, keep, types, sizes
+            return y, None, types, None  # what is kept follows from the types (`_nats_rows`)
         if self.rule == "ring":
             sinks = int(self.options.get("sinks", 4))
             b = budget
@@ -369,7 +453,7 @@ class StaticPolicyCache(Cache):
             mask = streaming_mask(n, b, sinks, device=q.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
             pos = torch.arange(n, device=q.device)
-            keep = ((pos < sinks) | (pos > n - 1 - (b - sinks))).expand(b_, Hkv, n)
+            keep = ((pos < sinks) | (pos > n - 1 - (b - sinks))).expand(b_, Hkv, n).contiguous()  # strides as padded
             sizes = seen()
             return y, keep, None, None if sizes is None else sizes.clamp(max=b)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -387,21 +471,6 @@ class StaticPolicyCache(Cache):
             dtype=q.dtype, layer_idx=layer.layer_idx, budget=b, backend="torch", track=False, **opts,
         )  # fmt: skip
         return y, selector.keep_mask(q, k), None, seen()  # the prefill reads every prompt key
-
-    def _load_nats(self, layer, core, kr, vr, tr, N):
-        R, _, D = kr.shape
-        W = core.window
-        dev = kr.device
-        layer.ring_kv = torch.zeros(2, R, W, D, device=dev, dtype=kr.dtype)
-        layer.ring_valid = torch.zeros(R, W, device=dev, dtype=torch.bool)
-        lo = max(0, N - W + 1)
-        slots = torch.arange(lo, N, device=dev) % W  # the last W - 1 positions' ring slots (distinct)
-        layer.ring_k.index_copy_(1, slots, kr[:, lo:])
-        layer.ring_v.index_copy_(1, slots, vr[:, lo:])
-        layer.ring_valid.index_copy_(1, slots, tr[:, lo:] == NF.TOKEN_SLIDING)
-        torch.sum(tr == NF.TOKEN_GLOBAL, 1, out=layer.n_global)  # t stays -1: no eviction pending
-        layer.window = W
-        _mark_static(layer.ring_kv, layer.ring_valid)
 
     # ------------------------------------------------------------------ decode (compiled by generate)
     def _decode(self, layer, q, k, v, hidden) -> Tensor:
