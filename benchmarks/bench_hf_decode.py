@@ -18,6 +18,8 @@ tokens (``--scorers``: a fine-tuned scorer file, whose types are then used as th
 * ``static``: transformers' ``StaticCache`` (SDPA; ``generate`` compiles the decode step, CUDA graphs);
 * ``full``, ``nats``, ``streaming_llm``: `nats.hf.StaticPolicyCache` (fixed-capacity buffers; ``generate``
   compiles the decode step the same way); ``streaming_llm`` at the same kept share as NAtS;
+* ``nats_eager_prefill``: ``nats`` with the prefill's bookkeeping run op by op (``compile_prefill=False``; on
+  CUDA ``nats`` compiles it);
 * ``policy_nats``: the older `nats.hf.PolicyCache` (per-layer Python per token; not compiled), for reference.
 
 Per row (the median of ``--repeats`` timed calls, each with a new cache): prefill seconds (the first token's
@@ -53,7 +55,7 @@ SMOLLM2 = dict(
     tie_word_embeddings=True,
 )
 TINY = dict(SMOLLM2, vocab_size=256, hidden_size=72, intermediate_size=128, num_hidden_layers=2)
-COMPILED = ("static", "full", "nats", "streaming_llm")
+NATS = ("nats", "nats_eager_prefill", "policy_nats")  # the methods whose scorers are calibrated to a kept share
 
 
 def build_model(args, device, dtype):
@@ -134,7 +136,10 @@ def cache_maker(model, method: str, P: int, n_new: int, kept: float | None):
         if method == "policy_nats":
             return PolicyCache(model, "nats", max_len=P + n_new, track=False)
         extra = {"budget": budget} if method == "streaming_llm" else {}
-        return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new, track=False, **extra)
+        if method == "nats_eager_prefill":
+            extra = {"compile_prefill": False}
+        policy = "nats" if method == "nats_eager_prefill" else method
+        return StaticPolicyCache(model, policy, max_new_tokens=n_new, max_len=P + n_new, track=False, **extra)
 
     return make
 
@@ -235,7 +240,7 @@ def fit_batch(model, method: str, P: int, kept, budget: float, nbytes: float, ar
     B = max(1, int(budget // nbytes))
     for _ in range(4):
         prompt = torch.randint(0, model.config.vocab_size, (B, P), generator=gen).to(device)
-        if method == "nats":
+        if method in NATS:
             calibrate(model, prompt, kept)
         cache = cache_maker(model, method, P, new_tokens(method, args), kept)()
         with attention_of(model, method):
@@ -345,9 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             prompt = base[:B]
             static = None
             for method in args.methods:
-                shares = args.kept if method in ("nats", "streaming_llm", "policy_nats") else [None]
+                shares = args.kept if method in (*NATS, "streaming_llm") else [None]
                 for kept in shares:
-                    if method in ("nats", "policy_nats") and kept is not None:
+                    if method in NATS and kept is not None:
                         calibrate(model, prompt, kept)
                     r = run(model, method, prompt, args, device, kept)
                     static = r if method == "static" else static
