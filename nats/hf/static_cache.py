@@ -138,9 +138,9 @@ def _compiled(fn, on: bool):
 
     At batch 1 a prefill is bound by the host: about forty small operations per layer of bookkeeping, each a
     kernel launch with its Python around it, cost more host time than the layer's attention takes on the GPU;
-    compiled, they are a few fused kernels behind one guard check. Traced without duck sizing and with sizes of 1
-    not specialised, so that a batch of one, or a batch as large as the number of KV heads, needs no graph of its
-    own."""
+    compiled, they are a few fused kernels behind one guard check. Traced without duck sizing, so that a batch as
+    large as the number of KV heads needs no graph of its own; a batch of one has its own (sizes of 1 are
+    specialised)."""
     if not on:
         return fn
     key = (fn, PREFILL_BACKEND)
@@ -148,7 +148,7 @@ def _compiled(fn, on: bool):
         compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend=PREFILL_BACKEND)
 
         def call(*args):
-            with _fx_config.patch(use_duck_shape=False, backed_size_oblivious=True):
+            with _fx_config.patch(use_duck_shape=False):
                 return compiled(*args)
 
         _COMPILED[key] = call
