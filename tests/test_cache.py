@@ -570,9 +570,12 @@ def test_triton_nats_step_matches_torch(dtype):
     ref = {k: v.clone() for k, v in state.items()}
     out = {k: v.clone() for k, v in state.items()}
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    names = ("ring_k", "ring_v", "ring_valid", "k_pool", "v_pool")
-    static_ops.nats_step(x, w, bias, pos, ref["t"], k_new, v_new, *[ref[k] for k in names], start, ref["length"],
-                         ref["n_global"], cap)  # fmt: skip
+    # the op takes the buffers packed, as the cache holds them (rows [6, R], ring [2, R, W, D], pool [2, P, D])
+    rows = torch.stack((start, ref["length"], cap, ref["n_global"], ref["t"], torch.zeros_like(cap)))
+    ring_kv, kv_pool = torch.stack((ref["ring_k"], ref["ring_v"])), torch.stack((ref["k_pool"], ref["v_pool"]))
+    static_ops.nats_step(x, w, bias, pos, rows, k_new, v_new, ring_kv, ref["ring_valid"], kv_pool)
+    ref.update(t=rows[4], length=rows[1], n_global=rows[3], ring_k=ring_kv[0], ring_v=ring_kv[1], k_pool=kv_pool[0],
+               v_pool=kv_pool[1])  # fmt: skip
     out = {k: v.to(dev) for k, v in out.items()}
     args = [t.to(dev) for t in (x, w, bias, pos)]
     nats_step(*args, out["t"], k_new.to(dev), v_new.to(dev), out["ring_k"], out["ring_v"], out["ring_valid"],

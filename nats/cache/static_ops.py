@@ -47,32 +47,31 @@ def _(q, k_pool, v_pool, start, length, ring_k, ring_v, ring_valid, splits):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op(
-    "nats::nats_step",
-    mutates_args=("t", "ring_k", "ring_v", "ring_valid", "k_pool", "v_pool", "length", "n_global"),
-)
+@torch.library.custom_op("nats::nats_step", mutates_args=("rows", "ring_kv", "ring_valid", "kv_pool"))
 def nats_step(
     x: Tensor,
     w_s: Tensor,
     bias: Tensor,
     pos: Tensor,
-    t: Tensor,
+    rows: Tensor,
     k_new: Tensor,
     v_new: Tensor,
-    ring_k: Tensor,
-    ring_v: Tensor,
+    ring_kv: Tensor,
     ring_valid: Tensor,
-    k_pool: Tensor,
-    v_pool: Tensor,
-    start: Tensor,
-    length: Tensor,
-    n_global: Tensor,
-    cap: Tensor,
+    kv_pool: Tensor,
 ) -> None:
-    """One step's bookkeeping before the attention: first the eviction the previous token asked for
-    (``t`` holds its type on entry; -1: none), then this token's type from the scorer (``x [B, C] . w_s[3 Hkv,
-    C]``, rounded to x's dtype as the Linear's output, ``+ bias``; argmax), ring write and append. Its expired ring
-    slot (``pos - W``'s) is the new token's, so the eviction needs no ring work. The Triton kernel on CUDA."""
+    """One step's bookkeeping before the attention: first the eviction the previous token asked for (the pending
+    type ``t`` on entry; -1: none), then this token's type from the scorer (``x [B, C] . w_s[3 Hkv, C]``, rounded to
+    x's dtype as the Linear's output, ``+ bias``; argmax), ring write and append. Its expired ring slot (``pos -
+    W``'s) is the new token's, so the eviction needs no ring work. The Triton kernel on CUDA.
+
+    The buffers come packed, as the cache holds them: ``rows`` ``[6, R]`` (segment start, length, capacity, global
+    count, pending type, -), ``ring_kv`` ``[2, R, W, D]``, ``kv_pool`` ``[2, P, D]`` (keys, values). Each is one
+    mutated argument: an op that mutated several views of one tensor would break the functionalization of a
+    compiled step (inductor copies each mutated argument back, and the copies of aliasing views overwrite each
+    other's writes)."""
+    start, length, cap, n_global, t = rows[0], rows[1], rows[2], rows[3], rows[4]
+    ring_k, ring_v, k_pool, v_pool = ring_kv[0], ring_kv[1], kv_pool[0], kv_pool[1]
     if attention.resolve_backend("auto", k_new.device) == "triton":
         from nats_kernels.nats_attention.decode import nats_step as kernel  # noqa: PLC0415
 
@@ -90,5 +89,5 @@ def nats_step(
 
 
 @nats_step.register_fake
-def _(x, w_s, bias, pos, t, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, n_global, cap):
+def _(x, w_s, bias, pos, rows, k_new, v_new, ring_kv, ring_valid, kv_pool):
     return None

@@ -483,9 +483,8 @@ class StaticPolicyCache(Cache):
         if self.rule == "nats":
             core = self.cores[layer.layer_idx]
             x = hidden.reshape(B, -1)
-            ops.nats_step(x, core.scorer.weight, core.type_bias, pos, layer.t, kr, vr, layer.ring_k, layer.ring_v,
-                          layer.ring_valid, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.n_global,
-                          layer.cap)  # fmt: skip
+            ops.nats_step(x, core.scorer.weight, core.type_bias, pos, layer.rows, kr, vr, layer.ring_kv,
+                          layer.ring_valid, layer.kv_pool)  # fmt: skip
             size = layer.length + layer.ring_valid.sum(1)
             y = ops.pool_attention(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
                                    layer.ring_v, layer.ring_valid, layer.splits)  # fmt: skip
