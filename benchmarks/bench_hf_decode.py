@@ -18,8 +18,6 @@ tokens (``--scorers``: a fine-tuned scorer file, whose types are then used as th
 * ``static``: transformers' ``StaticCache`` (SDPA; ``generate`` compiles the decode step, CUDA graphs);
 * ``full``, ``nats``, ``streaming_llm``: `nats.hf.StaticPolicyCache` (fixed-capacity buffers; ``generate``
   compiles the decode step the same way); ``streaming_llm`` at the same kept share as NAtS;
-* ``nats_eager_prefill``: ``nats`` with the prefill's bookkeeping run op by op (``compile_prefill=False``; on
-  CUDA ``nats`` compiles it);
 * ``policy_nats``: the older `nats.hf.PolicyCache` (per-layer Python per token; not compiled), for reference.
 
 Per row (the median of ``--repeats`` timed calls, each with a new cache): prefill seconds (the first token's
@@ -55,7 +53,7 @@ SMOLLM2 = dict(
     tie_word_embeddings=True,
 )
 TINY = dict(SMOLLM2, vocab_size=256, hidden_size=72, intermediate_size=128, num_hidden_layers=2)
-NATS = ("nats", "nats_eager_prefill", "policy_nats")  # the methods whose scorers are calibrated to a kept share
+NATS = ("nats", "policy_nats")  # the methods whose scorers are calibrated to a kept share
 
 
 def build_model(args, device, dtype):
@@ -136,10 +134,7 @@ def cache_maker(model, method: str, P: int, n_new: int, kept: float | None):
         if method == "policy_nats":
             return PolicyCache(model, "nats", max_len=P + n_new, track=False)
         extra = {"budget": budget} if method == "streaming_llm" else {}
-        if method == "nats_eager_prefill":
-            extra = {"compile_prefill": False}
-        policy = "nats" if method == "nats_eager_prefill" else method
-        return StaticPolicyCache(model, policy, max_new_tokens=n_new, max_len=P + n_new, track=False, **extra)
+        return StaticPolicyCache(model, method, max_new_tokens=n_new, max_len=P + n_new, track=False, **extra)
 
     return make
 

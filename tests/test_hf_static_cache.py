@@ -200,8 +200,7 @@ def decode_24(model, policy: str, kw: dict, prompt, compile_config=None):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_compiled_cuda_graph_decoding_equals_eager():
-    """The Triton kernels under generate's own compilation (reduce-overhead: CUDA graphs) and the prefill's
-    bookkeeping compiled by inductor (the defaults on CUDA) on a GPU, against all of it eager: compiled once
+    """The Triton kernels under generate's own compilation (reduce-overhead: CUDA graphs) on a GPU: compiled once
     (twice where the prompts' pools differ in size), really CUDA-graphed (no inductor skip), token for token the
     eager decoding. Each compiled call gets a new
     cache and, in turn, another prompt: a graph replaying buffers of an earlier cache would repeat that prompt's
@@ -215,7 +214,7 @@ def test_gpu_compiled_cuda_graph_decoding_equals_eager():
         if policy != "nats":
             model = use_policy_caches(model)
 
-        eager = [decode_24(model, policy, {**kw, "compile_prefill": False}, p) for p in prompts]  # all eager
+        eager = [decode_24(model, policy, kw, p) for p in prompts]
         assert not torch.equal(eager[0][:, 200:], eager[1][:, 200:]), "the two prompts must decode differently"
         torch._dynamo.reset()
         counters.clear()
@@ -225,9 +224,8 @@ def test_gpu_compiled_cuda_graph_decoding_equals_eager():
             assert torch.equal(got, eager[i]), (
                 f"{policy}, prompt {i}: compiled differs from eager at {first_difference(got, eager[i])}"
             )
-        # the prefill's two compiled graphs (compile_prefill, on CUDA by default), and one decode graph, or two where
-        # the second prompt's pool has another size (then dynamic: see the CPU test above)
-        assert counters["stats"]["unique_graphs"] <= 2 + 2, (policy, dict(counters["stats"]))
+        # one graph, or two where the second prompt's pool has another size (then dynamic: see the CPU test above)
+        assert counters["stats"]["unique_graphs"] <= 2, (policy, dict(counters["stats"]))
         assert counters["inductor"]["cudagraph_skips"] == 0, f"{policy}: inductor did not CUDA-graph the decode step"
 
 
@@ -258,40 +256,6 @@ def test_the_compiled_step_takes_few_tensors_per_layer_from_the_cache():
         greedy(m, prompt, cache, compile_config=cc)
     per_layer = (inputs["nats"] - inputs["static"]) / model.config.num_hidden_layers
     assert 0 < per_layer <= 4.5, inputs  # (StaticCache's step also takes the attention mask)
-
-
-@pytest.mark.parametrize(
-    "policy,kw", [("nats", {}), ("streaming_llm", {"budget": 12}), ("snapkv", {"budget": 20, "window": 4})]
-)
-def test_compiled_prefill_equals_eager_and_compiles_once(monkeypatch, policy, kw):
-    """The prefill's bookkeeping compiled (`compile_prefill=True`; on CUDA by default) as whole graphs (fullgraph:
-    a graph break fails), sizes dynamic: the same tokens and kept counts as the eager bookkeeping for plain and
-    left-padded batches, and after the first prompt no prompt length, batch or padding compiles anything new but
-    a batch of one."""
-    from torch._dynamo.utils import counters
-
-    from nats.hf import static_cache
-
-    monkeypatch.setattr(static_cache, "PREFILL_BACKEND", "aot_eager")  # dynamo's capture without inductor's build
-    model = nats_model() if policy == "nats" else use_policy_caches(tiny_model("llama"))
-    torch._dynamo.reset()
-    counters.clear()
-    graphs = []
-    for seed, n, b, pad in ((1, PROMPT, 2, 0), (2, 33, 3, 0), (3, 52, 2, 5), (4, 47, 1, 0), (5, 41, 1, 0)):
-        prompt = ids(n=n, b=b, seed=seed)
-        mask = torch.ones_like(prompt)
-        mask[0, :pad] = 0
-        runs = {}
-        for on in (False, True):
-            cache = StaticPolicyCache(model, policy, max_new_tokens=NEW, compile_prefill=on, **kw)
-            runs[on] = (greedy(model, prompt, cache, mask=mask), cache.kept(), cache.fractions()["area"])
-        assert torch.equal(runs[True][0], runs[False][0]), (policy, seed)
-        assert torch.equal(runs[True][1], runs[False][1]) and torch.equal(runs[True][2], runs[False][2])
-        graphs.append(counters["stats"]["unique_graphs"])
-    # the rows' plan and the pool fill; a batch of one has its own pair (dynamo specialises sizes of 1)
-    assert graphs == [2, 2, 2, 4, 4], graphs
-    with pytest.raises(ValueError, match="compile_prefill"):
-        StaticPolicyCache(model, policy, max_new_tokens=NEW, compile_prefill="yes", **kw)
 
 
 def test_inductor_compiled_step_equals_eager_with_several_rows():

@@ -38,7 +38,6 @@ import math
 from typing import Any
 
 import torch
-import torch.fx.experimental._config as _fx_config
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
@@ -93,7 +92,7 @@ def _nats_rows(types: Tensor, k: Tensor, v: Tensor, window: int, max_new: int, t
     values ``[B, Hkv, N, D]`` (rows r = b * Hkv + h): what is kept (the globals, and the locals after a row's last
     global) and its segments (`_plan_rows`, ``cap`` = kept + ``max_new``); the ring of the last W - 1 positions
     (slot = position mod W, valid where sliding); with ``track`` the sum and the maximum of the cache sizes c_i
-    (spec section 6). Pure tensor code (compiled on CUDA as one graph: `_compiled`)."""
+    (spec section 6)."""
     N, D = types.shape[-1], k.shape[-1]
     types, k, v = types.reshape(-1, N), k.reshape(-1, N, D), v.reshape(-1, N, D)
     R = types.shape[0]
@@ -127,32 +126,6 @@ def _pool_fill(keep: Tensor, rank: Tensor, rows: Tensor, k: Tensor, v: Tensor, s
     pool[0].index_put_((dest,), k.reshape(R, N, D))
     pool[1].index_put_((dest,), v.reshape(R, N, D))
     return pool
-
-
-_COMPILED: dict[Any, Any] = {}
-PREFILL_BACKEND = "inductor"  # torch.compile's backend for the prefill's bookkeeping (tests: "aot_eager")
-
-
-def _compiled(fn, on: bool):
-    """``fn`` compiled (one graph, every size dynamic: a new prompt length or batch compiles nothing), or ``fn``.
-
-    At batch 1 a prefill is bound by the host: about forty small operations per layer of bookkeeping, each a
-    kernel launch with its Python around it, cost more host time than the layer's attention takes on the GPU;
-    compiled, they are a few fused kernels behind one guard check. Traced without duck sizing, so that a batch as
-    large as the number of KV heads needs no graph of its own; a batch of one has its own (sizes of 1 are
-    specialised)."""
-    if not on:
-        return fn
-    key = (fn, PREFILL_BACKEND)
-    if key not in _COMPILED:
-        compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend=PREFILL_BACKEND)
-
-        def call(*args):
-            with _fx_config.patch(use_duck_shape=False):
-                return compiled(*args)
-
-        _COMPILED[key] = call
-    return _COMPILED[key]
 
 
 class PoolLayout:
@@ -272,10 +245,6 @@ class StaticPolicyCache(Cache):
         max_len: the longest sequence (prompt + new tokens); the size of the attention mask ``generate`` builds
             (default ``config.max_position_embeddings``).
         track: record each decode step's cache size for `fractions` (two small device ops per layer and step).
-        compile_prefill: run the prefill's bookkeeping per layer (what is kept, the segments, the pool and ring
-            writes) as two graphs compiled by ``torch.compile`` (sizes dynamic: compiled once, on the first
-            prompt) instead of some forty small operations: ``"auto"`` (default) on CUDA, where a batch-1 prefill
-            is otherwise bound by the host; True / False.
         **options: the policy's options (``sinks=`` for streaming_llm; ``window=``, ``kernel=``, ``pooling=`` for
             snapkv / pyramidkv; NAtS' window comes from its scorers).
     """
@@ -289,7 +258,6 @@ class StaticPolicyCache(Cache):
         budget: int | float | None = None,
         max_len: int | None = None,
         track: bool = True,
-        compile_prefill: bool | str = "auto",
         **options: Any,
     ):
         from nats.hf.hooks import routed_cores  # noqa: PLC0415
@@ -314,11 +282,6 @@ class StaticPolicyCache(Cache):
         self.budget, self.options = budget, dict(options)
         self.max_new_tokens = int(max_new_tokens)
         self.track = track
-        if compile_prefill not in ("auto", True, False):
-            raise ValueError(
-                f"StaticPolicyCache: compile_prefill must be 'auto', True or False, got {compile_prefill!r}"
-            )
-        self.compile_prefill = compile_prefill
         self.n_head, self.n_layer = config.num_attention_heads, len(self.cores)
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         if self.max_len < 1:
@@ -387,38 +350,32 @@ class StaticPolicyCache(Cache):
         R = B * Hkv
         if self._real_rows is None:  # [R] real prompt tokens per row, the same for every layer
             self._real_rows = self.prompt_lengths.repeat_interleave(Hkv)
-        on = self._compile_on(q.device)
         ring = area = peak = None
-        if self.rule == "nats":  # keep mask, segments, ring, sizes: one compiled graph on CUDA
-            keep, rank, rows, end, ring_kv, ring_valid, area, peak = _compiled(_nats_rows, on)(
+        if self.rule == "nats":  # keep mask, segments, ring, sizes
+            keep, rank, rows, end, ring_kv, ring_valid, area, peak = _nats_rows(
                 types, k, v, core.window, self.max_new_tokens, self.track
             )
             ring = (ring_kv, ring_valid, core.window)
         else:
             cap = budgets.repeat_interleave(Hkv) if self.rule == "ring" else keep.sum(-1).view(R) + self.max_new_tokens
             count = self._real_rows if self.rule == "ring" else None  # the ring rule's tokens so far
-            keep, rank, rows, end = _compiled(_plan_rows, on)(keep, cap, None, count)
+            keep, rank, rows, end = _plan_rows(keep, cap, None, count)
             if self.track:
                 area, peak = sizes.reshape(R, N).sum(-1).double(), sizes.reshape(R, N).amax(-1)
         bound = N + self.max_new_tokens + (core.window if self.rule == "nats" else 0)  # no host sync for the max
         splits = max(1, min(64, math.ceil(2 * _num_sms(q.device) / R), math.ceil(bound / 256)))
         # the pool is allocated one layer later (PoolLayout), all remaining ones at the last layer
         layout = PoolLayout(keep, rank, rows, end)
-        self._unallocated.append((layer, layout, k, v, splits, ring, area, peak, N, on))
+        self._unallocated.append((layer, layout, k, v, splits, ring, area, peak, N))
         last = layer.layer_idx == self.n_layer - 1
         while len(self._unallocated) > (0 if last else 1):
             self._fill_pool(*self._unallocated.pop(0))
         return y
 
-    def _compile_on(self, device: torch.device) -> bool:
-        """Whether the prefill's bookkeeping runs compiled (`_compiled`): ``compile_prefill``, "auto" = on CUDA."""
-        c = self.compile_prefill
-        return device.type == "cuda" if c == "auto" else bool(c)
-
-    def _fill_pool(self, layer, layout, k, v, splits, ring, area, peak, N, on) -> None:
+    def _fill_pool(self, layer, layout, k, v, splits, ring, area, peak, N) -> None:
         """A prefilled layer's buffers: its pool, its bookkeeping, (NAtS) its ring, (tracking) its sizes so far."""
         size = _rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
-        pool = _compiled(_pool_fill, on)(layout.keep, layout.rank, layout.rows, k, v, size)
+        pool = _pool_fill(layout.keep, layout.rank, layout.rows, k, v, size)
         layer.allocate(pool, layout.rows, splits, area, peak)
         if ring is not None:
             layer.ring_kv, layer.ring_valid, layer.window = ring
