@@ -276,3 +276,58 @@ def test_inductor_compiled_step_equals_eager_with_several_rows():
     assert torch.equal(got, eager), first_difference(got, eager)
     assert torch.equal(caches[1].kept(), caches[0].kept())
     assert torch.equal(caches[1].fractions()["area"], caches[0].fractions()["area"])
+
+
+@pytest.mark.parametrize(
+    "n,pads,device",
+    [(37, (0, 0), "cpu"), (37, (0, 9), "cpu"), (5, (0, 2), "cpu"),
+     pytest.param(3000, (0, 700), "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                     reason="needs a CUDA GPU")])],
+)  # fmt: skip
+def test_triton_prefill_writes_equal_the_torch_ones(n, pads, device):
+    """`prefill_cache.prefill_rows` / `prefill_pool` (NAtS' prefill writes fused into two kernels) against the
+    PyTorch reference `_nats_rows` / `_pool_fill`: the rows' bookkeeping, the pool's size, the ring and the pool,
+    for left-padded rows (types -1), keys and values in the transposed layout transformers makes, and a prompt
+    shorter than the window. On the CPU through Triton's interpreter; on a GPU at 3,000 tokens in bf16."""
+    from nats.hf import static_cache
+    from nats_kernels.nats_attention.prefill_cache import prefill_pool, prefill_rows
+
+    torch.manual_seed(n + sum(pads))
+    B, H, D, W, new = 2, 3, 16, 8, 5
+    types = torch.randint(0, 3, (B, H, n))
+    types[..., 0] = 0
+    for b, p in enumerate(pads):
+        types[b, :, :p] = -1
+        types[b, :, p] = 0  # a row's first real token is global
+    k = torch.randn(B, n, H, D).transpose(1, 2)  # [B, H, n, D], not contiguous
+    v = torch.randn(B, n, H, D).transpose(1, 2)
+    if device == "cuda":  # bf16, as generate's prefill
+        types, k, v = types.cuda(), k.cuda().bfloat16(), v.cuda().bfloat16()
+    keep, rank, rows, end, ring, ring_valid, _, _ = static_cache._nats_rows(types, k, v, W, new, False)
+    size = int(end) + 3
+    pool = static_cache._pool_fill(keep, rank, rows, k, v, size)
+    t_rows, t_end, t_ring, t_valid, last_g = prefill_rows(types, k, v, W, new)
+    t_pool = prefill_pool(types, k, v, t_rows, last_g, size)
+    assert torch.equal(t_end, end)
+    assert torch.equal(t_rows, rows)  # the starts, written by prefill_pool, included
+    assert torch.equal(t_valid, ring_valid) and torch.equal(t_ring, ring)
+    assert torch.equal(t_pool[:, :-1], pool[:, :-1])  # the last slot takes the reference's skipped writes
+    assert int(rows[1].min()) < n  # something was dropped
+
+
+@pytest.mark.parametrize("pad", [0, 7])
+def test_triton_prefill_generates_as_the_torch_prefill(pad):
+    """StaticPolicyCache(prefill_kernel="triton") generates the same tokens and keeps and records the same as the
+    default PyTorch prefill, also for a left-padded batch."""
+    model = nats_model()
+    prompt = ids(n=PROMPT, b=2, seed=3)
+    mask = torch.ones_like(prompt)
+    mask[1, :pad] = 0
+    runs = {}
+    for kernel in ("torch", "triton"):
+        cache = StaticPolicyCache(model, "nats", max_new_tokens=NEW, prefill_kernel=kernel)
+        runs[kernel] = (greedy(model, prompt, cache, mask=mask), cache.kept(), cache.fractions()["area"])
+    for a, b in zip(runs["torch"], runs["triton"], strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="prefill_kernel"):
+        StaticPolicyCache(model, "nats", max_new_tokens=NEW, prefill_kernel="cuda")

@@ -129,13 +129,13 @@ def _pool_fill(keep: Tensor, rank: Tensor, rows: Tensor, k: Tensor, v: Tensor, s
 
 
 class PoolLayout:
-    """Where each row's segment of a layer's pool lies (`_plan_rows`: ``keep``, ``rank``, ``rows``, device
-    tensors), and the pool's size, read by the host without stopping the stream: the prefill plans layer l's pool,
-    goes on with layer l + 1 and allocates layer l's pool then, when the size has long arrived (a blocking read per
-    layer would leave the GPU idle while the host waited, at every layer of a host-bound prefill)."""
+    """A layer's planned pool: its rows' bookkeeping (``rows``, device tensors), ``fill(size)``, which makes the pool
+    of that many slots, and the pool's size, read by the host without stopping the stream: the prefill plans layer
+    l's pool, goes on with layer l + 1 and allocates layer l's pool then, when the size has long arrived (a blocking
+    read per layer would leave the GPU idle while the host waited, at every layer of a host-bound prefill)."""
 
-    def __init__(self, keep: Tensor, rank: Tensor, rows: Tensor, end: Tensor):
-        self.keep, self.rank, self.rows = keep, rank, rows
+    def __init__(self, rows: Tensor, end: Tensor, fill):
+        self.rows, self.fill = rows, fill
         self._event = None
         if end.device.type == "cuda":  # an asynchronous copy into pinned memory, and an event after it
             self._host = torch.empty(1, dtype=end.dtype, pin_memory=True)
@@ -245,6 +245,9 @@ class StaticPolicyCache(Cache):
         max_len: the longest sequence (prompt + new tokens); the size of the attention mask ``generate`` builds
             (default ``config.max_position_embeddings``).
         track: record each decode step's cache size for `fractions` (two small device ops per layer and step).
+        prefill_kernel: how NAtS' prefill writes the cache: ``"torch"`` (default; some thirty small operations per
+            layer) or ``"triton"`` (two fused launches per layer, `nats_kernels.nats_attention.prefill_cache`; for
+            a prefill bound by its launches, as at batch 1; to be measured before it becomes the default).
         **options: the policy's options (``sinks=`` for streaming_llm; ``window=``, ``kernel=``, ``pooling=`` for
             snapkv / pyramidkv; NAtS' window comes from its scorers).
     """
@@ -258,6 +261,7 @@ class StaticPolicyCache(Cache):
         budget: int | float | None = None,
         max_len: int | None = None,
         track: bool = True,
+        prefill_kernel: str = "torch",
         **options: Any,
     ):
         from nats.hf.hooks import routed_cores  # noqa: PLC0415
@@ -282,6 +286,9 @@ class StaticPolicyCache(Cache):
         self.budget, self.options = budget, dict(options)
         self.max_new_tokens = int(max_new_tokens)
         self.track = track
+        if prefill_kernel not in ("torch", "triton"):
+            raise ValueError(f"StaticPolicyCache: prefill_kernel must be 'torch' or 'triton', got {prefill_kernel!r}")
+        self.prefill_kernel = prefill_kernel
         self.n_head, self.n_layer = config.num_attention_heads, len(self.cores)
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         if self.max_len < 1:
@@ -351,31 +358,41 @@ class StaticPolicyCache(Cache):
         if self._real_rows is None:  # [R] real prompt tokens per row, the same for every layer
             self._real_rows = self.prompt_lengths.repeat_interleave(Hkv)
         ring = area = peak = None
-        if self.rule == "nats":  # keep mask, segments, ring, sizes
+        if self.rule == "nats" and self.prefill_kernel == "triton":  # two launches: prefill_cache.py
+            from nats_kernels.nats_attention.prefill_cache import prefill_pool, prefill_rows  # noqa: PLC0415
+
+            rows, end, ring_kv, ring_valid, last_g = prefill_rows(types, k, v, core.window, self.max_new_tokens)
+            ring = (ring_kv, ring_valid, core.window)
+            if self.track:
+                sizes = _ref.kv_cache_sizes(types.reshape(R, N), core.window)
+                area, peak = sizes.sum(-1).double(), sizes.amax(-1)
+            fill = lambda size: prefill_pool(types, k, v, rows, last_g, size)  # noqa: E731
+        elif self.rule == "nats":  # keep mask, segments, ring, sizes
             keep, rank, rows, end, ring_kv, ring_valid, area, peak = _nats_rows(
                 types, k, v, core.window, self.max_new_tokens, self.track
             )
             ring = (ring_kv, ring_valid, core.window)
+            fill = lambda size: _pool_fill(keep, rank, rows, k, v, size)  # noqa: E731
         else:
             cap = budgets.repeat_interleave(Hkv) if self.rule == "ring" else keep.sum(-1).view(R) + self.max_new_tokens
             count = self._real_rows if self.rule == "ring" else None  # the ring rule's tokens so far
             keep, rank, rows, end = _plan_rows(keep, cap, None, count)
             if self.track:
                 area, peak = sizes.reshape(R, N).sum(-1).double(), sizes.reshape(R, N).amax(-1)
+            fill = lambda size: _pool_fill(keep, rank, rows, k, v, size)  # noqa: E731
         bound = N + self.max_new_tokens + (core.window if self.rule == "nats" else 0)  # no host sync for the max
         splits = max(1, min(64, math.ceil(2 * _num_sms(q.device) / R), math.ceil(bound / 256)))
         # the pool is allocated one layer later (PoolLayout), all remaining ones at the last layer
-        layout = PoolLayout(keep, rank, rows, end)
-        self._unallocated.append((layer, layout, k, v, splits, ring, area, peak, N))
+        self._unallocated.append((layer, PoolLayout(rows, end, fill), splits, ring, area, peak, N))
         last = layer.layer_idx == self.n_layer - 1
         while len(self._unallocated) > (0 if last else 1):
             self._fill_pool(*self._unallocated.pop(0))
         return y
 
-    def _fill_pool(self, layer, layout, k, v, splits, ring, area, peak, N) -> None:
+    def _fill_pool(self, layer, layout, splits, ring, area, peak, N) -> None:
         """A prefilled layer's buffers: its pool, its bookkeeping, (NAtS) its ring, (tracking) its sizes so far."""
         size = _rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
-        pool = _pool_fill(layout.keep, layout.rank, layout.rows, k, v, size)
+        pool = layout.fill(size)
         layer.allocate(pool, layout.rows, splits, area, peak)
         if ring is not None:
             layer.ring_kv, layer.ring_valid, layer.window = ring
