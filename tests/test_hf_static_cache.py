@@ -303,7 +303,7 @@ def test_triton_prefill_writes_equal_the_torch_ones(n, pads, device):
     v = torch.randn(B, n, H, D).transpose(1, 2)
     if device == "cuda":  # bf16, as generate's prefill
         types, k, v = types.cuda(), k.cuda().bfloat16(), v.cuda().bfloat16()
-    keep, rank, rows, end, ring, ring_valid, _, _ = static_cache._nats_rows(types, k, v, W, new, False)
+    keep, rank, rows, end, ring, ring_valid = static_cache._nats_rows(types, k, v, W, new)
     size = int(end) + 3
     pool = static_cache._pool_fill(keep, rank, rows, k, v, size)
     t_rows, t_end, t_ring, t_valid, last_g = prefill_rows(types, k, v, W, new)

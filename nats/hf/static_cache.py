@@ -45,6 +45,7 @@ from transformers.cache_utils import Cache
 from nats import functional as NF
 from nats.cache import get_cache_class
 from nats.cache import static_ops as ops
+from nats.cache.policies.nats import kept_after_prompt
 from nats.hf.cache import FixedRowsLayer
 from nats_kernels.nats_attention import reference as _ref
 
@@ -87,19 +88,15 @@ def _plan_rows(keep: Tensor, cap: Tensor, n_global: Tensor | None = None, count:
     return keep, rank, torch.stack((start, length, cap, n_global, zero - 1, count)), end[-1:]
 
 
-def _nats_rows(types: Tensor, k: Tensor, v: Tensor, window: int, max_new: int, track: bool):
+def _nats_rows(types: Tensor, k: Tensor, v: Tensor, window: int, max_new: int):
     """A NAtS layer's state after the prompt from its integer types ``[B, Hkv, N]`` (-1 on left padding), keys and
-    values ``[B, Hkv, N, D]`` (rows r = b * Hkv + h): what is kept (the globals, and the locals after a row's last
-    global) and its segments (`_plan_rows`, ``cap`` = kept + ``max_new``); the ring of the last W - 1 positions
-    (slot = position mod W, valid where sliding); with ``track`` the sum and the maximum of the cache sizes c_i
-    (spec section 6)."""
+    values ``[B, Hkv, N, D]`` (rows r = b * Hkv + h): what is kept (`kept_after_prompt`) and its segments
+    (`_plan_rows`, ``cap`` = kept + ``max_new``); the ring of the last W - 1 positions (slot = position mod W,
+    valid where sliding)."""
     N, D = types.shape[-1], k.shape[-1]
     types, k, v = types.reshape(-1, N), k.reshape(-1, N, D), v.reshape(-1, N, D)
     R = types.shape[0]
-    pos = torch.arange(N, device=types.device)
-    isg = types == NF.TOKEN_GLOBAL
-    last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(-1, keepdim=True)
-    keep = isg | ((types == NF.TOKEN_LOCAL) & (pos > last_g))
+    keep, isg = kept_after_prompt(types)
     keep, rank, rows, end = _plan_rows(keep, keep.sum(1) + max_new, n_global=isg.sum(1))
     lo = max(0, N - window + 1)
     slots = torch.arange(lo, N, device=types.device) % window  # the last W - 1 positions' ring slots (distinct)
@@ -108,11 +105,7 @@ def _nats_rows(types: Tensor, k: Tensor, v: Tensor, window: int, max_new: int, t
     ring_kv[1].index_copy_(1, slots, v[:, lo:])
     ring_valid = torch.zeros(R, window, dtype=torch.bool, device=types.device)
     ring_valid.index_copy_(1, slots, types[:, lo:] == NF.TOKEN_SLIDING)
-    area = peak = None
-    if track:
-        sizes = _ref.kv_cache_sizes(types, window)  # 0 on padding (-1 is no type)
-        area, peak = sizes.sum(-1).double(), sizes.amax(-1)
-    return keep, rank, rows, end, ring_kv, ring_valid, area, peak
+    return keep, rank, rows, end, ring_kv, ring_valid
 
 
 def _pool_fill(keep: Tensor, rank: Tensor, rows: Tensor, k: Tensor, v: Tensor, size: int) -> Tensor:
@@ -357,28 +350,25 @@ class StaticPolicyCache(Cache):
         R = B * Hkv
         if self._real_rows is None:  # [R] real prompt tokens per row, the same for every layer
             self._real_rows = self.prompt_lengths.repeat_interleave(Hkv)
-        ring = area = peak = None
+        ring = area = peak = rank = None
+        if self.rule == "nats" and self.track:
+            sizes = _ref.kv_cache_sizes(types.reshape(R, N), core.window)  # 0 on padding (-1 is no type)
+        if self.track:
+            area, peak = sizes.reshape(R, N).sum(-1).double(), sizes.reshape(R, N).amax(-1)
         if self.rule == "nats" and self.prefill_kernel == "triton":  # two launches: prefill_cache.py
             from nats_kernels.nats_attention.prefill_cache import prefill_pool, prefill_rows  # noqa: PLC0415
 
             rows, end, ring_kv, ring_valid, last_g = prefill_rows(types, k, v, core.window, self.max_new_tokens)
             ring = (ring_kv, ring_valid, core.window)
-            if self.track:
-                sizes = _ref.kv_cache_sizes(types.reshape(R, N), core.window)
-                area, peak = sizes.sum(-1).double(), sizes.amax(-1)
             fill = lambda size: prefill_pool(types, k, v, rows, last_g, size)  # noqa: E731
-        elif self.rule == "nats":  # keep mask, segments, ring, sizes
-            keep, rank, rows, end, ring_kv, ring_valid, area, peak = _nats_rows(
-                types, k, v, core.window, self.max_new_tokens, self.track
-            )
+        elif self.rule == "nats":  # keep mask, segments, ring
+            keep, rank, rows, end, ring_kv, ring_valid = _nats_rows(types, k, v, core.window, self.max_new_tokens)
             ring = (ring_kv, ring_valid, core.window)
-            fill = lambda size: _pool_fill(keep, rank, rows, k, v, size)  # noqa: E731
         else:
             cap = budgets.repeat_interleave(Hkv) if self.rule == "ring" else keep.sum(-1).view(R) + self.max_new_tokens
             count = self._real_rows if self.rule == "ring" else None  # the ring rule's tokens so far
             keep, rank, rows, end = _plan_rows(keep, cap, None, count)
-            if self.track:
-                area, peak = sizes.reshape(R, N).sum(-1).double(), sizes.reshape(R, N).amax(-1)
+        if rank is not None:  # the PyTorch plan: its pool fill
             fill = lambda size: _pool_fill(keep, rank, rows, k, v, size)  # noqa: E731
         bound = N + self.max_new_tokens + (core.window if self.rule == "nats" else 0)  # no host sync for the max
         splits = max(1, min(64, math.ceil(2 * _num_sms(q.device) / R), math.ceil(bound / 256)))

@@ -49,6 +49,16 @@ from nats.cache.registry import register_cache
 GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
 
 
+def kept_after_prompt(types: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a NAtS cache keeps of a prompt in its pool, from integer types ``[R, N]`` (-1: no token, e.g. left
+    padding): every global and the locals after the row's last global (the sliding tokens live in the ring).
+    Returns (keep, is_global), both bool ``[R, N]``."""
+    pos = torch.arange(types.shape[-1], device=types.device)
+    isg = types == GLOBAL
+    last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(-1, keepdim=True)
+    return isg | ((types == LOCAL) & (pos > last_g)), isg
+
+
 def append_token(t, pos, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, scratch) -> None:
     """Admit one token per row r (types ``t [R]``, key/value ``[R, D]``): every row writes ring slot ``pos % W``
     (valid where sliding; the old occupant's window has ended), and global / local tokens are appended to their
@@ -294,10 +304,7 @@ class NAtSCache(LayerCache):
         B, H, N, D = k.shape
         R, W = self.rows, self.window
         t = types.reshape(R, N).to(torch.long)
-        pos = torch.arange(N, device=self.device)
-        isg = t == GLOBAL
-        last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(1)  # [R]
-        keep = isg | ((t == LOCAL) & (pos[None, :] > last_g[:, None]))
+        keep, isg = kept_after_prompt(t)
         length = keep.sum(1)
         self.length.copy_(length)
         self.n_global.copy_(isg.sum(1))
