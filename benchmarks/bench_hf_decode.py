@@ -137,10 +137,9 @@ def cache_maker(model, method: str, P: int, n_new: int, kept: float | None):
             return StaticCache(config=model.config, max_cache_len=P + n_new)
         if method == "policy_nats":
             return PolicyCache(model, "nats", max_len=P + n_new, track=False)
-        extra = {"budget": budget} if method == "streaming_llm" else {}
-        policy = "nats" if method == "nats_triton_prefill" else method
+        policy, extra = method, {"budget": budget} if method == "streaming_llm" else {}
         if method == "nats_triton_prefill":
-            extra = {"prefill_kernel": "triton"}
+            policy, extra = "nats", {"prefill_kernel": "triton"}
         return StaticPolicyCache(model, policy, max_new_tokens=n_new, max_len=P + n_new, track=False, **extra)
 
     return make
