@@ -18,8 +18,8 @@ tokens (``--scorers``: a fine-tuned scorer file, whose types are then used as th
 * ``static``: transformers' ``StaticCache`` (SDPA; ``generate`` compiles the decode step, CUDA graphs);
 * ``full``, ``nats``, ``streaming_llm``: `nats.hf.StaticPolicyCache` (fixed-capacity buffers; ``generate``
   compiles the decode step the same way); ``streaming_llm`` at the same kept share as NAtS;
-* ``nats_triton_prefill``: ``nats`` whose prefill writes the cache with two fused Triton launches per layer
-  (``prefill_kernel="triton"``) instead of the default PyTorch operations;
+* ``nats_torch_prefill``: ``nats`` whose prefill writes the cache with PyTorch operations
+  (``prefill_kernel="torch"``, the reference) instead of the default two fused Triton launches per layer;
 * ``policy_nats``: the older `nats.hf.PolicyCache` (per-layer Python per token; not compiled), for reference.
 
 Per row (the median of ``--repeats`` timed calls, each with a new cache): prefill seconds (the first token's
@@ -57,7 +57,7 @@ SMOLLM2 = dict(
     tie_word_embeddings=True,
 )
 TINY = dict(SMOLLM2, vocab_size=256, hidden_size=72, intermediate_size=128, num_hidden_layers=2)
-NATS = ("nats", "nats_triton_prefill", "policy_nats")  # the methods whose scorers are calibrated to a kept share
+NATS = ("nats", "nats_torch_prefill", "policy_nats")  # the methods whose scorers are calibrated to a kept share
 
 
 def build_model(args, device, dtype):
@@ -138,8 +138,8 @@ def cache_maker(model, method: str, P: int, n_new: int, kept: float | None):
         if method == "policy_nats":
             return PolicyCache(model, "nats", max_len=P + n_new, track=False)
         policy, extra = method, {"budget": budget} if method == "streaming_llm" else {}
-        if method == "nats_triton_prefill":
-            policy, extra = "nats", {"prefill_kernel": "triton"}
+        if method == "nats_torch_prefill":
+            policy, extra = "nats", {"prefill_kernel": "torch"}
         return StaticPolicyCache(model, policy, max_new_tokens=n_new, max_len=P + n_new, track=False, **extra)
 
     return make

@@ -7,10 +7,12 @@ NAtS' `nats.hf.StaticPolicyCache`, on any device.
 At batch 1 a decode step replayed as a CUDA graph is bound by the host: before each call dynamo checks the guards
 of the compiled step (per graph input: every tensor the step reads from the model and the cache; after a second
 prompt length the step is compiled with dynamic sizes, whose shape guards are checked too), and ``generate`` runs
-its own Python around it. Per method: the cache tensors the step reads, the guard check and the bytecode before
+its own Python around it. Per method (``nats``: the default Triton prefill writes; ``nats_torch_prefill``: the
+PyTorch ones): the cache tensors the step reads, the guard check and the bytecode before
 the graph per step (profiler events "TorchDynamo Cache Lookup" and "Pregraph bytecode", averaged over 16 steps
 after warm-up calls with two prompt lengths, as a user's calls bring; under the profiler, so larger than without
-it), and the operator calls of one prefill. On the CPU ``generate`` is made to compile the step as it does on
+it), the operator calls and kernel launches of one prefill, its wall time without the profiler, and (file
+``python_prefill_<method>.txt``) its Python functions by own time. On the CPU ``generate`` is made to compile the step as it does on
 CUDA (inductor, no CUDA graphs): the guards are the same host code on both. Writes ``bench_hf_host.{md,json}``
 into ``--out``.
 """
@@ -20,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -64,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return hf.generate(model, ids, cache, n, compile_config=cc)
 
     rows = []
-    for method in ("static", "nats"):
-        kept = args.kept if method == "nats" else None
+    for method in ("static", "nats", "nats_torch_prefill"):
+        kept = args.kept if method in hf.NATS else None
         if kept:
             hf.calibrate(model, prompt, kept)
         make = hf.cache_maker(model, method, args.prompt, n_new, kept)
@@ -80,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                 generate(make(), 1)
             calls = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
             launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx"))
+            prefill_ms = _prefill_ms(lambda: generate(make(), 1), device)
+            _python_profile(lambda: generate(make(), 1), Path(args.out) / f"python_prefill_{method}.txt")
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 generate(make(), n_new)
             cache = make()
@@ -95,10 +101,40 @@ def main(argv: list[str] | None = None) -> int:
             "pregraph_ms": per_step["Pregraph bytecode"],
             "prefill_aten_calls": calls,
             "prefill_kernel_launches": launches if device.type == "cuda" else None,
+            "prefill_ms": prefill_ms,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     write(rows, args, device, argv)
     return 0
+
+
+def _prefill_ms(call, device, repeats: int = 7) -> float:
+    """The median wall time of a prefill (generate with one new token), without the profiler."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _python_profile(call, path: Path, top: int = 40) -> None:
+    """The Python functions of one prefill by own and by cumulative time (cProfile): where the host's time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(call)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(2 * top)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(buf.getvalue())
 
 
 def _cache_tensors(layer) -> list[torch.Tensor]:
@@ -120,13 +156,13 @@ def write(rows: list[dict], args, device, argv) -> None:
         f"batch 1, NAtS kept {args.kept}, W = {args.window}; per decode step under the profiler.",
         f"Command: `python benchmarks/bench_hf_host.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n",
         "| method | cache tensors read by the step | guard check ms / step | pregraph bytecode ms / step | "
-        "prefill operator calls | prefill kernel launches |",
-        "|---|---:|---:|---:|---:|---:|",
+        "prefill operator calls | prefill kernel launches | prefill ms (no profiler, median of 7) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['cache_tensors']} | {fmt(r['guard_ms'])} | {fmt(r['pregraph_ms'])} | "
-            f"{r['prefill_aten_calls']} | {fmt(r['prefill_kernel_launches'])} |"
+            f"{r['prefill_aten_calls']} | {fmt(r['prefill_kernel_launches'])} | {fmt(r['prefill_ms'])} |"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_generation.sh OUT_DIR [STAGE...]
 # STAGE (default: all of them, in this order):
 #   kernels  the decode kernels' tests
-#   hf8k     8k prompt, batch 1 / 8, ~25% and ~10% kept (NAtS also with the fused Triton prefill writes),
-#            then the equal-KV-memory rows (2 GiB)
+#   hf8k     8k prompt, batch 1 / 8, ~25% and ~10% kept (NAtS also with the PyTorch prefill writes)
+#   hf8k_eq  8k prompt, equal KV memory (2 GiB): the largest batch StaticCache and NAtS (~25% / ~10% kept) fit
 #   hf32k    32k prompt, batch 1 / 8, ~25% kept
 #   gpt      the GPT path at 8k / 32k, batch 8, CUDA graphs
 #   tests    the gpu-marked tests of both paths
@@ -21,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-logs/bench/generation} # read by gpu_site.sh too
 shift || true
-stages=${*:-kernels hf8k hf32k gpt tests hf8k_large profile host}
+stages=${*:-kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host}
 source benchmarks/gpu_site.sh
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 hf() { # name, bench_hf_decode.py arguments: the whole output in OUT/<name>.log (compile and CUDA-graph warnings
@@ -40,11 +40,12 @@ for stage in $stages; do
     kernels) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_cache.py -k "nats_step or triton_pool" \
       >"$DEST/kernel_tests.log" 2>&1
       tail -n 4 "$DEST/kernel_tests.log" ;;
-    hf8k) hf hf8k --prompt 8192 --batch 1 8 --kept 0.25 0.1 --methods static nats nats_triton_prefill \
-      --equal-memory-gib 2 ;;
+    hf8k) hf hf8k --prompt 8192 --batch 1 8 --kept 0.25 0.1 --methods static nats nats_torch_prefill \
+ ;;
+    hf8k_eq) hf hf8k_eq --prompt 8192 --batch 1 --kept 0.25 0.1 --methods static nats --equal-memory-gib 2 ;;
     hf8k_large) hf hf8k_large --prompt 8192 --batch 32 64 --kept 0.25 --methods static nats ;;
     hf32k) hf hf32k --prompt 32768 --batch 1 8 --kept 0.25 --methods static nats ;;
-    profile) hf profile --prompt 8192 --batch 1 --kept 0.25 --methods static nats nats_triton_prefill --profile ;;
+    profile) hf profile --prompt 8192 --batch 1 --kept 0.25 --methods static nats nats_torch_prefill --profile ;;
     host) timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_host.py --prompt 8192 --out "$DEST/host" \
       >"$DEST/host.log" 2>&1
       grep -E '^\|' "$DEST/host.log" | tail -4 ;;
@@ -55,7 +56,7 @@ for stage in $stages; do
     tests) timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu \
       tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py >"$DEST/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$DEST/gpu_tests.log" | tail -8 ;;
-    *) echo "unknown stage $stage (kernels hf8k hf32k gpt tests hf8k_large profile host)" && exit 2 ;;
+    *) echo "unknown stage $stage (kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host)" && exit 2 ;;
   esac
   echo "-- $stage: $(($(date +%s) - t0)) s"
 done

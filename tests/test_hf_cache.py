@@ -206,7 +206,8 @@ def test_host_benchmark_smoke(tmp_path):
     bench = load_script("benchmarks/bench_hf_host.py")
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = {r["method"]: r for r in json.loads((tmp_path / "bench_hf_host.json").read_text())["rows"]}
-    assert set(rows) == {"static", "nats"}
+    assert set(rows) == {"static", "nats", "nats_torch_prefill"}
     assert rows["static"]["cache_tensors"] == 3 * 2 and rows["nats"]["cache_tensors"] == 5 * 2  # 2 layers
-    assert all(r["guard_ms"] > 0 and r["prefill_aten_calls"] > 0 for r in rows.values())
+    assert all(r["guard_ms"] > 0 and r["prefill_aten_calls"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
     assert "| nats | 10 |" in (tmp_path / "bench_hf_host.md").read_text()
+    assert "_prefill" in (tmp_path / "python_prefill_nats.txt").read_text()  # StaticPolicyCache._prefill's line

@@ -329,5 +329,7 @@ def test_triton_prefill_generates_as_the_torch_prefill(pad):
         runs[kernel] = (greedy(model, prompt, cache, mask=mask), cache.kept(), cache.fractions()["area"])
     for a, b in zip(runs["torch"], runs["triton"], strict=True):
         assert torch.equal(a, b)
+    default = StaticPolicyCache(model, "nats", max_new_tokens=NEW)  # "auto": Triton for CUDA tensors only
+    assert default.prefill_kernel == "auto" and not default._triton_prefill(prompt.float())
     with pytest.raises(ValueError, match="prefill_kernel"):
         StaticPolicyCache(model, "nats", max_new_tokens=NEW, prefill_kernel="cuda")
