@@ -4,17 +4,17 @@ NAtS' `nats.hf.StaticPolicyCache`, on any device.
     python benchmarks/bench_hf_host.py --out logs/bench/hf_host                  # SmolLM2-135M's shape, 30 layers
     python benchmarks/bench_hf_host.py --device cpu --prompt 256                 # the same on the CPU (compiled too)
 
-At batch 1 a decode step replayed as a CUDA graph is bound by the host: before each call dynamo checks the guards
-of the compiled step (per graph input: every tensor the step reads from the model and the cache; after a second
-prompt length the step is compiled with dynamic sizes, whose shape guards are checked too), and ``generate`` runs
-its own Python around it. Per method (``nats``: the default Triton prefill writes; ``nats_torch_prefill``: the
-PyTorch ones): the cache tensors the step reads, the guard check and the bytecode before
-the graph per step (profiler events "TorchDynamo Cache Lookup" and "Pregraph bytecode", averaged over 16 steps
-after warm-up calls with two prompt lengths, as a user's calls bring; under the profiler, so larger than without
-it), the operator calls and kernel launches of one prefill, its wall time without the profiler, and (file
-``python_prefill_<method>.txt``) its Python functions by own time. On the CPU ``generate`` is made to compile the step as it does on
-CUDA (inductor, no CUDA graphs): the guards are the same host code on both. Writes ``bench_hf_host.{md,json}``
-into ``--out``.
+At batch 1 a decode step replayed as a CUDA graph is bound by the host: before each call dynamo checks the guards of
+the compiled step (per graph input: every tensor the step reads from the model and the cache; after a second prompt
+length the step is compiled with dynamic sizes, whose shape guards are checked too), and ``generate`` runs its own
+Python around it. Per method (``nats``: the default Triton prefill writes; ``nats_torch_prefill``: the PyTorch
+ones): the cache tensors the step reads, the guard check and the bytecode before the graph per step (profiler events
+"TorchDynamo Cache Lookup" and "Pregraph bytecode", averaged over 16 steps after warm-up calls with two prompt
+lengths, as a user's calls bring; under the profiler, so larger than without it), the operator calls and kernel
+launches of one prefill, its wall time without the profiler, and (file ``python_prefill_<method>.txt``) its Python
+functions by own and by cumulative time. On the CPU ``generate`` is made to compile the step as it does on CUDA
+(inductor, no CUDA graphs): the guards are the same host code on both. Writes ``bench_hf_host.{md,json}`` into
+``--out``.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
 from nats.attention.registry import decodable_attention
-from nats.cache.decode import policy_logits
+from nats.cache.decode import check_graph, policy_logits
 from nats.cache.registry import get_cache_class
 from nats.data.datamodule import check_eval_windows
 from nats.functional import budget_fractions
@@ -229,8 +229,7 @@ def eval_windows(cfg: DictConfig, n: int, model_vocab_size: int | None = None):
 def _graph(cfg: DictConfig) -> bool | str:
     """``graph`` (auto | true | false): how the sequential methods decode (`nats.cache.decode.policy_logits`)."""
     value = cfg.get("graph", "auto")
-    if value not in (True, False, "auto"):
-        raise ValueError(f"graph={value!r} must be auto, true or false (how sequential methods decode)")
+    check_graph(value)
     return value
 
 

@@ -225,7 +225,7 @@ def test_generate_defaults_to_eager_on_cpu():
     assert info == {"decode": "eager"} and out.shape == (1, 10)
     with pytest.raises(ValueError, match="CUDA-graph decoding needs"):
         generate_with_caches(model, idx, 4, "nats", greedy=True, graph=True)
-    with pytest.raises(ValueError, match="graph must be"):
+    with pytest.raises(ValueError, match="graph='yes' must be auto, true or false"):
         generate_with_caches(model, idx, 4, "nats", greedy=True, graph="yes")
 
 
@@ -240,7 +240,7 @@ def test_sequential_policy_logits_decode_eagerly_on_cpu():
     assert torch.equal(seq, policy_logits(model, idx, "h2o", sequential=True, budget=6, graph=False)[0])
     with pytest.raises(ValueError, match="CUDA-graph decoding needs"):
         policy_logits(model, idx, "h2o", sequential=True, budget=6, graph=True)
-    with pytest.raises(ValueError, match="graph must be"):
+    with pytest.raises(ValueError, match="graph='yes' must be auto, true or false"):
         policy_logits(model, idx, "h2o", sequential=True, budget=6, graph="yes")
 
 

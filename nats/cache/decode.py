@@ -255,9 +255,9 @@ class GraphDecoder:
 
 
 def check_graph(graph: bool | str) -> None:
-    """``graph`` of the decode loops: True, False or "auto"."""
+    """``graph`` of the decode loops (and nats-eval's key of that name): True, False or "auto"."""
     if graph not in (True, False, "auto"):
-        raise ValueError(f"graph must be true, false or auto, got {graph!r}")
+        raise ValueError(f"graph={graph!r} must be auto, true or false (how sequential methods decode)")
 
 
 def decoder(model, caches: list[LayerCache], graph: bool | str):
