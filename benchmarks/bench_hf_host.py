@@ -104,8 +104,89 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_ms": prefill_ms,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
-    write(rows, args, device, argv)
+    parts = prefill_parts(model, prompt, args, device)
+    write(rows, args, device, argv, parts)
     return 0
+
+
+def prefill_parts(model, prompt: torch.Tensor, args, device, layers: int = 30) -> list[dict]:
+    """Host and GPU time of each piece of one layer's prefill attention, each piece called ``layers`` times in a row
+    on the first layer's real inputs (the prompt's hidden states, queries, keys and values): the host time is the
+    loop's time before the GPU is waited for (what a host-bound prefill pays per layer), the GPU time the events'
+    time around the same loop. StaticCache's attention is one SDPA call; NAtS' is the scorer's types, the NAtS
+    kernel's plan and attention, and the cache's rows and pool writes (Triton kernels on CUDA; PyTorch on the CPU)."""
+    import torch.nn.functional as F
+
+    from nats import functional as NF
+    from nats.hf import scorers
+    from nats.hf import static_cache as sc
+
+    cfg = model.config
+    core = scorers(model)[0]
+    B, N = prompt.shape
+    Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = cfg.hidden_size // Hq
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = next(model.parameters()).dtype
+    q, k, v = (torch.randn(B, h, N, D, generator=g, device=device, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    W, new = core.window, 256
+    with torch.no_grad():
+        x = model.model.layers[0].input_layernorm(model.model.embed_tokens(prompt))  # the first scorer's input
+        types = core.hard_types(x)
+        triton = device.type == "cuda" and NF.triton_available()
+        if triton:
+            from nats_kernels.nats_attention.prefill_cache import prefill_pool, prefill_rows
+
+            rows, end, _, _, last_g = prefill_rows(types, k, v, W, new)
+            size = int(end) + 1
+            writes = {
+                "NAtS: rows and ring (prefill_rows)": lambda: prefill_rows(types, k, v, W, new),
+                "NAtS: pool (prefill_pool)": lambda: prefill_pool(types, k, v, rows, last_g, size),
+            }
+        else:
+            keep, rank, rows, end, _, _ = sc._nats_rows(types, k, v, W, new)
+            size = int(end) + 1
+            writes = {
+                "NAtS: rows and ring (PyTorch)": lambda: sc._nats_rows(types, k, v, W, new),
+                "NAtS: pool (PyTorch)": lambda: sc._pool_fill(keep, rank, rows, k, v, size),
+            }
+        pieces = {
+            "StaticCache: SDPA (causal, GQA)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                      enable_gqa=True),
+            "NAtS: scorer types (hard_types)": lambda: core.hard_types(x),
+            "NAtS: attention (nats_attention_types)": lambda: NF.nats_attention_types(q, k, v, types, W),
+            **writes,
+        }  # fmt: skip
+        out = []
+        for name, fn in pieces.items():
+            for _ in range(3):  # warm-up: compiled, autotuned
+                fn()
+            _sync(device)
+            host, gpu = [], []
+            for _ in range(5):
+                start = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+                stop = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+                if start is not None:
+                    start.record()
+                t0 = time.perf_counter()
+                for _ in range(layers):
+                    fn()
+                host.append((time.perf_counter() - t0) * 1e6 / layers)
+                if stop is not None:
+                    stop.record()
+                _sync(device)
+                if start is not None:
+                    gpu.append(start.elapsed_time(stop) * 1e3 / layers)
+            out.append(
+                {"part": name, "host_us": statistics.median(host), "gpu_us": statistics.median(gpu) if gpu else None}
+            )
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _prefill_ms(call, device, repeats: int = 7) -> float:
@@ -144,7 +225,7 @@ def _cache_tensors(layer) -> list[torch.Tensor]:
     return [t for t in (getattr(layer, n, None) for n in ("keys", "values", "cumulative_length")) if torch.is_tensor(t)]
 
 
-def write(rows: list[dict], args, device, argv) -> None:
+def write(rows: list[dict], args, device, argv, parts: list[dict] | None = None) -> None:
     import transformers
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'x86_64'})"
@@ -164,10 +245,24 @@ def write(rows: list[dict], args, device, argv) -> None:
             f"| {r['method']} | {r['cache_tensors']} | {fmt(r['guard_ms'])} | {fmt(r['pregraph_ms'])} | "
             f"{r['prefill_aten_calls']} | {fmt(r['prefill_kernel_launches'])} | {fmt(r['prefill_ms'])} |"
         )
+    if parts:
+        lines += [
+            "",
+            "One layer's prefill attention piece by piece (each called 30 times in a row on the first layer's inputs, "
+            "the median of 5 loops; host: the loop's time before the GPU is waited for; GPU: CUDA events around "
+            "it; microseconds per call):",
+            "",
+            "| piece | host us / call | GPU us / call |",
+            "|---|---:|---:|",
+        ]
+        lines += [
+            f"| {p['part']} | {p['host_us']:.1f} | {'-' if p['gpu_us'] is None else round(p['gpu_us'], 1)} |"
+            for p in parts
+        ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_hf_host.md").write_text("\n".join(lines) + "\n")
-    (out / "bench_hf_host.json").write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+    (out / "bench_hf_host.json").write_text(json.dumps({"device": name, "rows": rows, "parts": parts}, indent=1))
     print("\n".join(lines))
 
 
