@@ -249,7 +249,7 @@ class StaticPolicyCache(Cache):
         prefill_kernel: how NAtS' prefill writes the cache: ``"triton"`` (two fused launches per layer,
             `nats_kernels.nats_attention.prefill_cache`), ``"torch"`` (some thirty small PyTorch operations per
             layer, the kernels' reference) or ``"auto"`` (default: Triton for CUDA tensors where the kernels
-            import, else PyTorch). On an H100 the Triton writes cut the 8k prefill by 18-40% at batch 1 and
+            import, else PyTorch). On an H100 the Triton writes cut the 8k prefill by 19-45% at batch 1 and
             11-18% at batch 8 (docs/results/bench_hf_decode_h100.md).
         **options: the policy's options (``sinks=`` for streaming_llm; ``window=``, ``kernel=``, ``pooling=`` for
             snapkv / pyramidkv; NAtS' window comes from its scorers).
