@@ -11,10 +11,11 @@ Python around it. Per method (``nats``: the default Triton prefill writes; ``nat
 ones): the cache tensors the step reads, the guard check and the bytecode before the graph per step (profiler events
 "TorchDynamo Cache Lookup" and "Pregraph bytecode", averaged over 16 steps after warm-up calls with two prompt
 lengths, as a user's calls bring; under the profiler, so larger than without it), the operator calls and kernel
-launches of one prefill, its wall time without the profiler, and (file ``python_prefill_<method>.txt``) its Python
-functions by own and by cumulative time. On the CPU ``generate`` is made to compile the step as it does on CUDA
-(inductor, no CUDA graphs): the guards are the same host code on both. Writes ``bench_hf_host.{md,json}`` into
-``--out``.
+launches of one prefill, its wall time without the profiler and the host time spent in the attention function, and
+(file ``python_prefill_<method>.txt``) its Python functions by own and by cumulative time. On the CPU ``generate``
+is made to compile the step as it does on CUDA (inductor, no CUDA graphs): the guards are the same host code on
+both. Then one layer's prefill attention piece by piece (host and GPU time per call). Writes
+``bench_hf_host.{md,json}`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             calls = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
             launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx"))
             prefill_ms = _prefill_ms(lambda: generate(make(), 1), device)
+            attention_ms = _attention_ms(model, lambda: generate(make(), 1), device)
             _python_profile(lambda: generate(make(), 1), Path(args.out) / f"python_prefill_{method}.txt")
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 generate(make(), n_new)
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_aten_calls": calls,
             "prefill_kernel_launches": launches if device.type == "cuda" else None,
             "prefill_ms": prefill_ms,
+            "prefill_attention_ms": attention_ms,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     parts = prefill_parts(model, prompt, args, device)
@@ -203,6 +206,32 @@ def _prefill_ms(call, device, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+def _attention_ms(model, call, device, repeats: int = 5) -> float:
+    """The host time a prefill spends in the model's attention function, all layers together (the function
+    transformers looks up by ``config._attn_implementation``, wrapped with a timer; median of `repeats` calls)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = model.config._attn_implementation
+    inner, spent = ALL_ATTENTION_FUNCTIONS[name], []
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        spent[-1] += time.perf_counter() - t0
+        return out
+
+    AttentionInterface.register(name, timed)
+    try:
+        for _ in range(repeats):
+            _sync(device)
+            spent.append(0.0)
+            call()
+    finally:
+        AttentionInterface.register(name, inner)
+    return statistics.median(spent) * 1e3
+
+
 def _python_profile(call, path: Path, top: int = 40) -> None:
     """The Python functions of one prefill by own and by cumulative time (cProfile): where the host's time goes."""
     import cProfile
@@ -237,13 +266,15 @@ def write(rows: list[dict], args, device, argv, parts: list[dict] | None = None)
         f"batch 1, NAtS kept {args.kept}, W = {args.window}; per decode step under the profiler.",
         f"Command: `python benchmarks/bench_hf_host.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n",
         "| method | cache tensors read by the step | guard check ms / step | pregraph bytecode ms / step | "
-        "prefill operator calls | prefill kernel launches | prefill ms (no profiler, median of 7) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "prefill operator calls | prefill kernel launches | prefill ms (no profiler, median of 7) | "
+        "of which host ms in the attention function (all layers, median of 5) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['cache_tensors']} | {fmt(r['guard_ms'])} | {fmt(r['pregraph_ms'])} | "
-            f"{r['prefill_aten_calls']} | {fmt(r['prefill_kernel_launches'])} | {fmt(r['prefill_ms'])} |"
+            f"{r['prefill_aten_calls']} | {fmt(r['prefill_kernel_launches'])} | {fmt(r['prefill_ms'])} | "
+            f"{fmt(r['prefill_attention_ms'])} |"
         )
     if parts:
         lines += [

@@ -209,5 +209,6 @@ def test_host_benchmark_smoke(tmp_path):
     assert set(rows) == {"static", "nats", "nats_torch_prefill"}
     assert rows["static"]["cache_tensors"] == 3 * 2 and rows["nats"]["cache_tensors"] == 5 * 2  # 2 layers
     assert all(r["guard_ms"] > 0 and r["prefill_aten_calls"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
+    assert all(0 < r["prefill_attention_ms"] < r["prefill_ms"] for r in rows.values())  # the attention's host time
     assert "| nats | 10 |" in (tmp_path / "bench_hf_host.md").read_text()
     assert "_prefill" in (tmp_path / "python_prefill_nats.txt").read_text()  # StaticPolicyCache._prefill's line
