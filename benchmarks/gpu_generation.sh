@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_generation.sh OUT_DIR [STAGE...]
 # STAGE (default: all of them, in this order):
 #   kernels  the decode kernels' tests
-#   hf8k     8k prompt, batch 1 / 8, ~25% and ~10% kept (NAtS also with the PyTorch prefill writes)
+#   hf8k     8k prompt, batch 1 / 8, ~25% and ~10% kept: DynamicCache, StaticCache, NAtS (also with the PyTorch
+#            prefill writes)
 #   hf8k_eq  8k prompt, equal KV memory (2 GiB): the largest batch StaticCache and NAtS (~25% / ~10% kept) fit
 #   hf32k    32k prompt, batch 1 / 8, ~25% kept
 #   gpt      the GPT path at 8k / 32k, batch 8, CUDA graphs
@@ -40,8 +41,8 @@ for stage in $stages; do
     kernels) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_cache.py -k "nats_step or triton_pool" \
       >"$DEST/kernel_tests.log" 2>&1
       tail -n 4 "$DEST/kernel_tests.log" ;;
-    hf8k) hf hf8k --prompt 8192 --batch 1 8 --kept 0.25 0.1 --methods static nats nats_torch_prefill \
- ;;
+    hf8k) hf hf8k --prompt 8192 --batch 1 8 --kept 0.25 0.1 --methods static dynamic nats \
+      nats_torch_prefill ;;
     hf8k_eq) hf hf8k_eq --prompt 8192 --batch 1 --kept 0.25 0.1 --methods static nats --equal-memory-gib 2 ;;
     hf8k_large) hf hf8k_large --prompt 8192 --batch 32 64 --kept 0.25 --methods static nats ;;
     hf32k) hf hf32k --prompt 32768 --batch 1 8 --kept 0.25 --methods static nats ;;
