@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def prefill_parts(model, prompt: torch.Tensor, args, device, layers: int = 30) -> list[dict]:
-    """Host and GPU time of each piece of one layer's prefill attention, each piece called ``layers`` times in a row
-    on the first layer's real inputs (the prompt's hidden states, queries, keys and values): the host time is the
+def prefill_parts(model, prompt: torch.Tensor, args, device) -> list[dict]:
+    """Host and GPU time of each piece of one layer's prefill attention, each piece called ``args.layers`` times in a
+    row on the first layer's real inputs (the prompt's hidden states, queries, keys and values): the host time is the
     loop's time before the GPU is waited for (what a host-bound prefill pays per layer), the GPU time the events'
     time around the same loop. StaticCache's attention is one SDPA call; NAtS' is the scorer's types, the NAtS
     kernel's plan and attention, and the cache's rows and pool writes (Triton kernels on CUDA; PyTorch on the CPU)."""
@@ -172,14 +172,14 @@ def prefill_parts(model, prompt: torch.Tensor, args, device, layers: int = 30) -
                 if start is not None:
                     start.record()
                 t0 = time.perf_counter()
-                for _ in range(layers):
+                for _ in range(args.layers):
                     fn()
-                host.append((time.perf_counter() - t0) * 1e6 / layers)
+                host.append((time.perf_counter() - t0) * 1e6 / args.layers)
                 if stop is not None:
                     stop.record()
                 _sync(device)
                 if start is not None:
-                    gpu.append(start.elapsed_time(stop) * 1e3 / layers)
+                    gpu.append(start.elapsed_time(stop) * 1e3 / args.layers)
             out.append(
                 {"part": name, "host_us": statistics.median(host), "gpu_us": statistics.median(gpu) if gpu else None}
             )
@@ -196,12 +196,10 @@ def _prefill_ms(call, device, repeats: int = 7) -> float:
     """The median wall time of a prefill (generate with one new token), without the profiler."""
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         t0 = time.perf_counter()
         call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -279,9 +277,9 @@ def write(rows: list[dict], args, device, argv, parts: list[dict] | None = None)
     if parts:
         lines += [
             "",
-            "One layer's prefill attention piece by piece (each called 30 times in a row on the first layer's inputs, "
-            "the median of 5 loops; host: the loop's time before the GPU is waited for; GPU: CUDA events around "
-            "it; microseconds per call):",
+            f"One layer's prefill attention piece by piece (each called {args.layers} times in a row on the first "
+            "layer's inputs, the median of 5 loops; host: the loop's time before the GPU is waited for; GPU: CUDA "
+            "events around it; microseconds per call):",
             "",
             "| piece | host us / call | GPU us / call |",
             "|---|---:|---:|",

@@ -133,13 +133,13 @@ class PoolLayout:
     l's pool, goes on with layer l + 1 and allocates layer l's pool then, when the size has long arrived (a blocking
     read per layer would leave the GPU idle while the host waited, at every layer of a host-bound prefill)."""
 
-    def __init__(self, rows: Tensor, end: Tensor, fill, host: Tensor | None = None, stream=None):
-        """``host``: a slot of pinned memory ``[1]`` for the size (default: a new one), ``stream``: the current
-        CUDA stream (default: looked up); the prefill passes both, made once for all its layers."""
+    def __init__(self, rows: Tensor, end: Tensor, fill, host: Tensor | None, stream):
+        """``end`` ``[1]``: the size on the device; for CUDA, ``host``: a slot of pinned memory ``[1]`` the size is
+        copied into and ``stream``: the current CUDA stream (the prefill makes both once for all its layers)."""
         self.rows, self.fill = rows, fill
         self._event = None
         if end.device.type == "cuda":  # an asynchronous copy into pinned memory, and an event after it
-            self._host = torch.empty(1, dtype=end.dtype, pin_memory=True) if host is None else host
+            self._host = host
             self._host.copy_(end, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record(stream)
@@ -301,7 +301,8 @@ class StaticPolicyCache(Cache):
         self.prompt_lengths: Tensor | None = None  # real tokens per sequence, set by the prefill
         self._real_rows: Tensor | None = None  # the same per row (sequence x KV head)
         self._unallocated: list[tuple] = []  # prefilled layers whose pools are allocated at the next layer
-        self._sizes_host: Tensor | None = None  # CUDA: the layers' pool sizes, copied into pinned memory
+        self._sizes_host: Tensor | None = None  # CUDA: the layers' pool sizes, copied into pinned memory ...
+        self._stream = None  # ... on this stream (both set by the first prefilled layer)
         self._budgets: Tensor | None = None  # budgeted policies: tokens per sequence, set by the prefill ...
         self._budgets_host: list[int] = []  # ... and the same on the host
         super().__init__(layers=[StaticPolicyLayer(self, i) for i in range(len(self.cores))])
