@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         ev = {e.key: e for e in prof.key_averages()}
         per_step = {k: ev[k].cpu_time_total / ev[k].count / 1e3 if k in ev else None
                     for k in ("TorchDynamo Cache Lookup", "Pregraph bytecode")}  # fmt: skip
-        inputs = sum(t.numel() > 0 for layer in cache.layers for t in _cache_tensors(layer))
+        inputs = len({id(t) for layer in cache.layers for t in _cache_tensors(layer) if t.numel() > 0})  # distinct
         rows.append({
             "method": method,
             "cache_tensors": inputs,

@@ -198,7 +198,8 @@ def test_decode_benchmark_profile_tables(tmp_path):
 
 def test_host_benchmark_smoke(tmp_path):
     """benchmarks/bench_hf_host.py on a tiny model on the CPU (generate made to compile the step): both caches'
-    rows, the NAtS cache reading its packed buffers (5 tensors per layer) against StaticCache's 3."""
+    rows, the NAtS cache reading its packed buffers (4 tensors per layer, one position counter for all layers)
+    against StaticCache's 3 per layer."""
     import json
 
     from conftest import load_script
@@ -207,8 +208,8 @@ def test_host_benchmark_smoke(tmp_path):
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = {r["method"]: r for r in json.loads((tmp_path / "bench_hf_host.json").read_text())["rows"]}
     assert set(rows) == {"static", "nats", "nats_torch_prefill"}
-    assert rows["static"]["cache_tensors"] == 3 * 2 and rows["nats"]["cache_tensors"] == 5 * 2  # 2 layers
+    assert rows["static"]["cache_tensors"] == 3 * 2 and rows["nats"]["cache_tensors"] == 4 * 2 + 1  # 2 layers
     assert all(r["guard_ms"] > 0 and r["prefill_aten_calls"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
     assert all(0 < r["prefill_attention_ms"] < r["prefill_ms"] for r in rows.values())  # the attention's host time
-    assert "| nats | 10 |" in (tmp_path / "bench_hf_host.md").read_text()
+    assert "| nats | 9 |" in (tmp_path / "bench_hf_host.md").read_text()
     assert "_prefill" in (tmp_path / "python_prefill_nats.txt").read_text()  # StaticPolicyCache._prefill's line

@@ -165,7 +165,10 @@ class StaticPolicyLayer(FixedRowsLayer):
         super().__init__()
         self.owner, self.layer_idx = owner, layer_idx
         self.max_cache_len = owner.max_len
-        self.cumulative_length = torch.tensor(0, dtype=torch.long)  # tokens per row so far, padding included
+        # tokens per row so far, padding included: one tensor for all layers (layer 0's; the others share it), which
+        # layer 0 advances; the compiled step then reads one position counter, not one per layer (each is a guarded
+        # graph input, host time at every step)
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)
         self.pending: tuple[Tensor, Tensor] | None = None
         self.ready = False  # prefilled
 
@@ -173,15 +176,22 @@ class StaticPolicyLayer(FixedRowsLayer):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.n_kv_head = key_states.shape[:2]
-        self.cumulative_length = self.cumulative_length.to(self.device)
-        _mark_static(self.cumulative_length)
+        if self.layer_idx == 0:
+            self.cumulative_length = self.cumulative_length.to(self.device)
+            _mark_static(self.cumulative_length)
+        else:  # the layers run in order: layer 0 holds the counter already
+            first = self.owner.layers[0]
+            if not first.is_initialized:
+                raise RuntimeError("StaticPolicyCache: layer 0 must be updated before the others")
+            self.cumulative_length = first.cumulative_length
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending = (key_states, value_states)
-        self.cumulative_length.add_(key_states.shape[-2])
+        if self.layer_idx == 0:  # the shared counter: the later layers of the same forward see it advanced
+            self.cumulative_length.add_(key_states.shape[-2])
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
