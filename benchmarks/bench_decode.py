@@ -15,8 +15,9 @@ being the model's forward with the caches (`nats.cache.decode.decode_step`), tim
 * `full`: every key (Triton pool kernel); `full (sdpa)`: every key through torch SDPA/FlashAttention on a
   contiguous cache, eager only (the usual implementation; its shapes grow, so it cannot be captured);
 * `nats`: synthetic types near 10 % density: per KV head a global rate drawn from U(0.05, 0.13), locals at
-  rate 0.03, the rest sliding (token 0 global), for the prompt and for the decoded tokens (the scorer still runs
-  in every step, its argmax is replaced by the synthetic type); head sizes therefore differ;
+  rate 0.03, the rest sliding (token 0 global), for the prompt and for the decoded tokens; head sizes therefore
+  differ. The scorer still runs in every step: the append kernel computes its logits and then takes the synthetic
+  type, read from a table at the device position (`SyntheticTypes`), so the step launches no extra kernel;
 * `streaming_llm` and `h2o` with a budget of NAtS' kept share of L after the prompt (the mean over layers,
   sequences and KV heads; `--budget-frac` sets another share).
 
@@ -90,11 +91,17 @@ def synthetic_types(
 
 
 class SyntheticTypes:
-    """Stands in for a NAtS core while decoding: the scorer still runs (its cost stays in the step), but the
-    types are those of a table [T, B, H] of synthetic types indexed by the decode position (graph-safe)."""
+    """Stands in for a NAtS core while decoding: the types are those of a table of synthetic types [B, H, T] at
+    positions offset..offset + T - 1, looked up at the decode position on the device (graph-safe), while the
+    scorer still runs (its cost stays in the step). The fused (Triton) step reads the table in its append kernel
+    (``forced_types``: the kernel computes the scorer's logits, then takes the table's type; no extra launch); the
+    torch step reads one-hot logits of the table's row (``type_logits``, with the scorer's times 0)."""
 
     def __init__(self, core, types: torch.Tensor, offset: int, pos: torch.Tensor):
         self.core, self.window, self.backend, self.pos = core, core.window, core.backend, pos
+        self.scorer, self.type_bias = core.scorer, core.type_bias  # what the fused step's kernel reads
+        B, H, T = types.shape
+        self.forced_types = (types.permute(2, 0, 1).reshape(T, B * H).long().contiguous(), offset)  # [T, R]
         self.table = F.one_hot(types.permute(2, 0, 1), 3).float() * 10.0  # [T, B, H, 3]
         self.offset = offset
 

@@ -501,6 +501,27 @@ def test_decode_benchmark_helpers_on_cpu():
             assert int(c.n_global[0]) == int((types[0, 0] == 0).sum()) + 1 and int(c.n_global[1]) == int(
                 (types[0, 1] == 0).sum()
             )
+    # the Triton step takes the same synthetic types, from the table its append kernel reads at the device position
+    runs = {}
+    for backend in ("torch", "triton"):
+        caches = make_caches(model, "nats", B, L + 8, backend=backend, track=False)
+        bench.fill(caches, "nats", L, torch.Generator().manual_seed(1), types)
+        pos = torch.tensor([L])
+        for c in caches:
+            c.core = bench.SyntheticTypes(c.core, later, L, pos)
+        token = torch.zeros(B, dtype=torch.long)
+        for _ in range(L, L + 8):
+            logits = decode_step(model, caches, token, pos)
+            token = logits.argmax(-1)
+            pos += 1
+        runs[backend] = logits, caches
+    (ref, ref_caches), (out, caches) = runs["torch"], runs["triton"]
+    assert torch.allclose(out, ref, atol=1e-4, rtol=0)
+    for a, b in zip(ref_caches, caches):  # the same tokens kept (their keys differ by the attention's rounding)
+        for name in ("start", "length", "n_global", "ring_valid"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert torch.allclose(a.k_pool[:-1], b.k_pool[:-1], atol=1e-4, rtol=0)
+    assert int(caches[0].n_global[0]) == int((types[0, 0] == 0).sum()) + 1  # the synthetic global at L + 3
 
 
 def test_nats_fused_triton_step_equals_torch_step():
@@ -586,3 +607,203 @@ def test_triton_nats_step_matches_torch(dtype):
             a, b = a[:-1], b[:-1]  # the scratch slot holds whatever skipped writes left
         assert torch.equal(a, b), k
     assert set(ref["t"].tolist()) <= {0, 1, 2} and int(ref["t"][1]) == 2  # row 1 was full: kept as sliding
+
+
+# ----------------------------------------------------------------------------------------------------
+# the fused step's scorer and strided key/value reads (nats_append), against the torch step
+# ----------------------------------------------------------------------------------------------------
+def assert_same_nats_state(a: NAtSCache, b: NAtSCache) -> None:
+    """Two NAtS caches hold the same tokens: metadata, pool segments and valid ring slots (scratch slots aside)."""
+    for name in ("start", "cap", "length", "n_global", "ring_valid", "type_counts"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for r in range(a.rows):
+        s, n = int(a.start[r]), int(a.length[r])
+        assert torch.equal(a.k_pool[s : s + n], b.k_pool[s : s + n]), r
+        assert torch.equal(a.v_pool[s : s + n], b.v_pool[s : s + n]), r
+        valid = a.ring_valid[r]
+        assert torch.equal(a.ring_k[r][valid], b.ring_k[r][valid]), r
+        assert torch.equal(a.ring_v[r][valid], b.ring_v[r][valid]), r
+
+
+@pytest.mark.parametrize("override", [None, "types", "table"])
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_nats_fused_step_with_model_projections_equals_torch_step(pos_emb, override):
+    """The Triton step (nats_append: the scorer's type computed in the kernel, k and v read through their strides;
+    the pool attention; nats_evict) fed q, k, v as Attention.project makes them (views of the fused qkv output,
+    whose layout differs between learned positions and RoPE; GQA) equals the torch step: the same types (ties, the
+    type offsets, token 0), cache state and output. ``types``: the step's types= argument; ``table``: a core's
+    forced_types read at the device position after a prompt (-1: the scorer's type)."""
+    from types import SimpleNamespace
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, the real kernel on a GPU
+    B, N, W = 2, 9, 3
+    P = 5 if override == "table" else 0  # prompt tokens loaded before the steps
+    model = tiny({"name": "nats", "window": W}, n_layer=1, pos_emb=pos_emb).float().to(dev)
+    attn, core = model.blocks[0].attn, model.blocks[0].attn.core
+    H, Hkv, D, C = attn.n_head, attn.n_kv_head, attn.head_dim, model.config.n_embd
+    assert Hkv < H
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        w = torch.randn(3 * Hkv, C, generator=gen)
+        w[1] = w[0]  # KV head 0: equal global and local logits, the tie goes to the first maximum (global)
+        core.scorer.weight.copy_(w)
+        core.type_bias.copy_(torch.tensor([0.4, 0.4, -0.3]))  # equal offsets on global and local keep the tie
+    caches = [
+        NAtSCache(batch=B, n_head=H, n_kv_head=Hkv, head_dim=D, max_len=P + N, window=W, backend=be, check_every=2,
+                  init_capacity=1, device=dev, core=core)
+        for be in ("torch", "triton")
+    ]  # fmt: skip
+    ref, fused = caches
+    table = torch.randint(-1, 3, (N, B * Hkv), generator=gen).to(dev)
+    if P:
+        prompt = torch.randint(0, 3, (B, Hkv, P), generator=gen)
+        prompt[..., 0] = 0
+        k0, v0 = torch.randn(B, Hkv, P, D, generator=gen), torch.randn(B, Hkv, P, D, generator=gen)
+        for c in caches:
+            c.load(k0.to(dev), v0.to(dev), prompt.to(dev))
+    if override == "table":
+        fused.core = SimpleNamespace(scorer=core.scorer, type_bias=core.type_bias, forced_types=(table, P))
+    raw, unbiased = [], []  # the scorer's argmax without token 0's rule, and without the offsets
+    with torch.no_grad():
+        for i in range(N):
+            pos = torch.tensor([P + i], device=dev)
+            x = torch.randn(B, 1, C, generator=gen).to(dev)
+            q, k, v = attn.project(x, model.rope, pos)
+            row = (H + 2 * Hkv) * D if pos_emb == "learned" else (H + Hkv) * D  # RoPE writes q and k anew
+            assert not k.is_contiguous() and k.stride()[:2] == (row, D) and v.stride()[:2] == ((H + 2 * Hkv) * D, D)
+            z = core.type_logits(x).reshape(B * Hkv, 3)
+            raw.append(z.argmax(-1))
+            unbiased.append((z - core.type_bias).argmax(-1))
+            scored = ref.types_of(x, pos)
+            if override is None:
+                want, kw = scored, {}
+            elif override == "types":
+                want = torch.randint(0, 3, (B * Hkv,), generator=gen).to(dev)
+                kw = {"types": want.view(B, Hkv)}
+            else:
+                want, kw = torch.where(table[i] >= 0, table[i], scored), {}
+            y_ref = ref.step(q, k, v, x, pos, types=want.view(B, Hkv))
+            y = fused.step(q, k, v, x, pos, **kw)
+            assert torch.equal(fused._t, want), i
+            assert torch.allclose(y, y_ref, atol=1e-5, rtol=0), i
+            assert_same_nats_state(ref, fused)
+    if override is None:  # the cases the kernel must get right occurred
+        assert (raw[0] != 0).any()  # token 0: global although the scorer says otherwise
+        assert any(not torch.equal(u, r) for u, r in zip(unbiased[1:], raw[1:]))  # the offsets change a type
+        counts = fused.type_counts.view(B, Hkv, 3)
+        assert (counts.sum((0, 1)) > 0).all()  # all three types occur
+        assert counts[:, 0, 1].sum() == 0 and counts[:, 0, 0].sum() > B  # the tie of KV head 0 goes to global
+    if override == "table":
+        assert (table == -1).any() and (table >= 0).any()
+
+
+def bf16_alternatives(z: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Float32 logits z kept as they are or rounded to bf16 by the wrong rules (bf16 is float32's upper half)."""
+    bits = z.view(torch.int32).to(torch.int64)
+    upper = (1 << 32) - (1 << 16)
+    as_float = lambda b: (b & upper).to(torch.int32).view(torch.float32)  # noqa: E731
+    return {"float32": z, "truncated": as_float(bits), "ties away": as_float(bits + 0x8000)}
+
+
+@pytest.mark.parametrize("bias", [(0.0, 0.0, 0.0), (0.0, 2**-7, 0.0)])
+def test_nats_kernels_scorer_rounds_like_the_linear(bias):
+    """Both fused kernels' scorer (nats_append of the GPT cache, nats_step of the fixed-capacity cache) against
+    NAtSAttention.type_logits in bf16 + argmax, on logits built exactly: x . w is exact in float32, and only its
+    rounding to bf16 (to nearest, ties to even) decides the type. Head 0: 1 + 2^-10 against 1 + 2^-9 (both 1 in
+    bf16: a tie, global; unrounded, local); head 1: 1 against 1 + 2^-8 + 2^-10 (to nearest: local; truncated: a
+    tie); head 2: 1 against 1 + 2^-8, a midpoint (ties to even: a tie; ties away from zero: local); head 3: an exact
+    local/sliding tie (local). The offsets (0, 2^-7, 0) make heads 0 and 2 local."""
+    from nats.attention.nats import NAtSAttention
+    from nats.attention.registry import AttentionDims
+    from nats_kernels.nats_attention.decode import nats_append, nats_step
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    B, Hkv, C, D, W = 1, 4, 8, 8, 4
+    R = B * Hkv
+    dims = AttentionDims(n_embd=C, n_head=Hkv, n_kv_head=Hkv, head_dim=D, block_size=16, layer_idx=0, n_layer=1)
+    core = NAtSAttention(dims, window=W, backend="reference").eval()
+    x = torch.tensor([[1, 2**-8, 2**-9, 2**-10, 1, 0, 0, 0]])  # [B, C]
+    w = torch.zeros(3 * Hkv, C)
+    w[0, [0, 3]] = w[1, [0, 2]] = 1  # head 0: z = (1 + 2^-10, 1 + 2^-9, 0)
+    w[3, 0] = w[4, [0, 1, 3]] = 1  # head 1: z = (1, 1 + 2^-8 + 2^-10, 0)
+    w[6, 0] = w[7, [0, 1]] = 1  # head 2: z = (1, 1 + 2^-8, 0)
+    w[10, 4] = w[11, 4] = 1  # head 3: z = (0, 1, 1)
+    with torch.no_grad():
+        core.scorer.weight.copy_(w)
+        core.type_bias.copy_(torch.tensor(bias))
+    core, x = core.to(dev, torch.bfloat16), x.to(dev, torch.bfloat16)
+    w_s, b = core.scorer.weight, core.type_bias
+    with torch.no_grad():
+        want = core.type_logits(x[:, None]).argmax(-1).reshape(R)
+        exact = x.float() @ w_s.float().T  # exact: every partial sum fits float32
+    # without the offsets the types are (0, 1, 0, 1): a kernel that ignored them would fail the second case
+    assert want.tolist() == ([1, 1, 1, 1] if bias[1] else [0, 1, 0, 1])
+    if not bias[1]:
+        for name, z in bf16_alternatives(exact).items():  # each wrong rounding picks another type somewhere
+            assert not torch.equal(z.view(R, 3).argmax(-1), want), name
+    ring_k = torch.zeros(R, W, D, device=dev, dtype=torch.bfloat16)
+    cap = torch.full((R,), 4, device=dev)
+    start = torch.arange(R, device=dev) * 4
+    k_new = torch.randn(B, Hkv, 1, D).to(dev, torch.bfloat16)
+    for pos, types in ((5, want), (0, torch.zeros_like(want))):  # token 0 is global
+        pos = torch.tensor([pos], device=dev)
+        t = torch.zeros(R, dtype=torch.long, device=dev)
+        pool = torch.zeros(4 * R + 1, D, device=dev, dtype=torch.bfloat16)
+        nats_append(x, w_s, b, None, pos, t, k_new, k_new, ring_k.clone(), ring_k.clone(),
+                    torch.zeros(R, W, dtype=torch.bool, device=dev), pool, pool.clone(), start,
+                    torch.zeros(R, dtype=torch.long, device=dev))  # fmt: skip
+        assert torch.equal(t, types), ("nats_append", int(pos))
+        t = torch.full((R,), -1, device=dev)  # no eviction pending
+        nats_step(x, w_s, b, pos, t, k_new.view(R, D), k_new.view(R, D), ring_k.clone(), ring_k.clone(),
+                  torch.zeros(R, W, dtype=torch.bool, device=dev), pool, pool.clone(), start,
+                  torch.zeros(R, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev),
+                  cap)  # fmt: skip
+        assert torch.equal(t, types), ("nats_step", int(pos))
+
+
+def test_nats_fused_step_launches_only_its_three_kernels(monkeypatch):
+    """One fused step of a layer runs no torch compute besides the copy of q into the pool attention's [R, G, D]
+    rows: the scorer, the type offsets and the key/value rows are all taken by nats_append, so the launches are
+    nats_append, the pool attention (its two kernels) and nats_evict. Ops that only make views or allocate do not
+    launch a kernel and are not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import nats_kernels.nats_attention.decode as kernels
+
+    free = set(
+        "view _unsafe_view reshape transpose permute t slice select split split_with_sizes expand unsqueeze squeeze "
+        "alias as_strided detach empty empty_like".split()
+    )
+    launches, ops, inside = [], [], [False]
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0] and func.__name__.split(".")[0] not in free:
+                ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for name in ("_nats_append_kernel", "_pool_decode_kernel", "_combine_kernel", "_nats_evict_kernel"):
+        kernel = getattr(kernels, name)
+
+        def run(*args, _run=kernel.run, _name=name, **kw):
+            launches.append(_name)
+            inside[0] = True  # the interpreter's own tensor work is the kernel's
+            try:
+                return _run(*args, **kw)
+            finally:
+                inside[0] = False
+
+        monkeypatch.setattr(kernel, "run", run)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny({"name": "nats", "window": 3}, n_layer=1).to(dev, torch.bfloat16)
+    attn = model.blocks[0].attn
+    cache = make_caches(model, "nats", 2, 8, backend="triton", track=False)[0]
+    cache.auto_maintain = False  # host bookkeeping between steps, not part of the step
+    with torch.no_grad():
+        pos = torch.tensor([0], device=dev)
+        x = torch.randn(2, 1, model.config.n_embd, device=dev, dtype=torch.bfloat16)
+        q, k, v = attn.project(x, model.rope, pos)
+        with Ops():
+            cache.step(q, k, v, x, pos)
+    assert launches == ["_nats_append_kernel", "_pool_decode_kernel", "_combine_kernel", "_nats_evict_kernel"]
+    assert ops == ["clone.default"], ops

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     mod = types.ModuleType("decode_for_sm90")
     sys.modules[mod.__name__] = mod
     exec(compile(src, sys.argv[1], "exec"), mod.__dict__)
-    P, B, L, I8 = "*fp32", "*bf16", "*i64", "*i8"
+    P, B, L, I8, I = "*fp32", "*bf16", "*i64", "*i8", "i32"
     C = "constexpr"
     kernels = {
         "_nats_step_kernel": (
@@ -38,9 +38,12 @@ SCRIPT = textwrap.dedent(
             [dict(HKV=3, C=576, BLOCK_C=1024, W=64, D=64, BLOCK_D=64)],
         ),
         "_nats_append_kernel": (
-            dict(Z=P, TIN=L, POS=L, TOUT=L, KNEW=B, VNEW=B, RK=B, RV=B, RVALID=I8, KP=B, VP=B, START=L, LENGTH=L,
-                 CAP=L, HAS_LOGITS=C, HAS_CAP=C, W=C, D=C, BLOCK_D=C),
-            [dict(HAS_LOGITS=a, HAS_CAP=b, W=16, D=64, BLOCK_D=64) for a in (True, False) for b in (True, False)],
+            dict(X=B, WS=B, BIAS=P, TYPES=L, POS=L, TOUT=L, KNEW=B, VNEW=B, RK=B, RV=B, RVALID=I8, KP=B, VP=B,
+                 START=L, LENGTH=L, CAP=L, stride_xb=I, stride_kb=I, stride_kh=I, stride_vb=I, stride_vh=I,
+                 types_stride=I, types_from=I, HKV=C, C=C, BLOCK_C=C, HAS_SCORER=C, HAS_TYPES=C, HAS_CAP=C, W=C,
+                 D=C, BLOCK_D=C),
+            [dict(HKV=12, C=768, BLOCK_C=1024, HAS_SCORER=s, HAS_TYPES=t, HAS_CAP=c, W=16, D=64, BLOCK_D=64)
+             for s, t in ((True, False), (False, True), (True, True)) for c in (True, False)],
         ),
         "_nats_evict_kernel": (
             dict(T=L, POS=L, KP=B, VP=B, START=L, LENGTH=L, NGLOBAL=L, RVALID=I8, W=C, D=C, BLOCK_D=C),
@@ -68,4 +71,4 @@ def test_the_fused_decode_kernels_compile_for_sm90():
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("this Triton install has no ptxas to compile for CUDA")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split().count("ok") == 6
+    assert proc.stdout.split().count("ok") == 8

@@ -195,8 +195,8 @@ def triton_pool_attention(
 
 
 # ----------------------------------------------------------------------------------------------------
-# NAtS cache maintenance, fused: one launch before the attention (type, ring write, append), one after (evict);
-# the fixed-capacity cache's step below does the three in one launch from the same helpers
+# NAtS cache maintenance, fused: one launch before the attention (the scorer's type, ring write, append), one after
+# (evict); the fixed-capacity cache's step below does the three in one launch from the same helpers
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _type_of(z0, z1, z2, pos):
@@ -204,6 +204,38 @@ def _type_of(z0, z1, z2, pos):
     t = tl.where(z1 > z0, 1, 0)
     t = tl.where(z2 > tl.maximum(z0, z1), 2, t)
     return tl.where(pos == 0, 0, t)
+
+
+@triton.jit
+def _scorer_type(XB, WH, BIAS, pos, C: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The type the NAtS scorer gives one token in one KV head (``NAtSAttention.type_logits`` in eval mode, then
+    the argmax): XB points at the token's input x [C], WH at the head's three scorer rows W_s[3h : 3h + 3] [3, C].
+    Each logit x . w is summed in float32 and rounded to x's dtype, as the Linear's output is, before the offset
+    BIAS[j] is added in float32: in bf16 the rounding alone can make two logits equal and so change the argmax."""
+    offs_c = tl.arange(0, BLOCK_C)
+    cmask = offs_c < C
+    x = tl.load(XB + offs_c, mask=cmask, other=0.0).to(tl.float32)
+    w0 = tl.load(WH + offs_c, mask=cmask, other=0.0).to(tl.float32)
+    w1 = tl.load(WH + C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+    w2 = tl.load(WH + 2 * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
+    dt = XB.dtype.element_ty
+    z0 = _rounded(tl.sum(x * w0, axis=0), dt) + tl.load(BIAS)
+    z1 = _rounded(tl.sum(x * w1, axis=0), dt) + tl.load(BIAS + 1)
+    z2 = _rounded(tl.sum(x * w2, axis=0), dt) + tl.load(BIAS + 2)
+    return _type_of(z0, z1, z2, pos)
+
+
+@triton.jit
+def _rounded(z, dt: tl.constexpr):
+    """A float32 scalar rounded to the dtype dt (to nearest, ties to even) and back to float32. For bf16 the
+    rounding is written out on the bits (bf16 is float32's upper half): it is what the GPU's conversion does, and
+    Triton's CPU interpreter, which runs the tests, truncates in ``.to(tl.bfloat16)`` instead."""
+    if dt == tl.bfloat16:
+        bits = z.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return z.to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -237,8 +269,10 @@ def _drop_locals(r, KP, VP, START, LENGTH, NGLOBAL, offs_d, dmask, D: tl.constex
 
 @triton.jit
 def _nats_append_kernel(
-    Z,
-    TIN,
+    X,
+    WS,
+    BIAS,
+    TYPES,
     POS,
     TOUT,
     KNEW,
@@ -251,25 +285,44 @@ def _nats_append_kernel(
     START,
     LENGTH,
     CAP,
-    HAS_LOGITS: tl.constexpr,
+    stride_xb,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    types_stride,
+    types_from,
+    HKV: tl.constexpr,
+    C: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_SCORER: tl.constexpr,
+    HAS_TYPES: tl.constexpr,
     HAS_CAP: tl.constexpr,
     W: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     r = tl.program_id(0)
+    b = r // HKV
+    h = r % HKV
     pos = tl.load(POS)
-    if HAS_LOGITS:  # t = argmax(z) (first maximum on ties, like torch.argmax); token 0 is global
-        t = _type_of(tl.load(Z + r * 3), tl.load(Z + r * 3 + 1), tl.load(Z + r * 3 + 2), pos).to(tl.int64)
-    else:
-        t = tl.load(TIN + r).to(tl.int64)
+    if HAS_SCORER:
+        t = _scorer_type(X + b * stride_xb, WS + (3 * h) * C, BIAS, pos, C, BLOCK_C)
+    if HAS_TYPES:  # row pos - types_from of the table (types_stride 0: one row, whatever the position)
+        given = tl.load(TYPES + (pos - types_from) * types_stride + r)
+        if HAS_SCORER:  # -1 keeps the scorer's type; it also keeps the scorer's work from being compiled away
+            t = tl.where(given >= 0, given, t)
+        else:
+            t = given
+    t = t.to(tl.int64)
     if HAS_CAP:  # a full segment keeps the token as a sliding one (fixed-capacity caches)
         t = tl.where((t != 2) & (tl.load(LENGTH + r) >= tl.load(CAP + r)), 2, t)
     tl.store(TOUT + r, t)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    k = tl.load(KNEW + r * D + offs_d, mask=dmask)
-    v = tl.load(VNEW + r * D + offs_d, mask=dmask)
+    # the new key and value are read where the projection wrote them (strided views, no copy)
+    k = tl.load(KNEW + b * stride_kb + h * stride_kh + offs_d, mask=dmask)
+    v = tl.load(VNEW + b * stride_vb + h * stride_vh + offs_d, mask=dmask)
     _admit(r, t, pos, k, v, RK, RV, RVALID, KP, VP, START, LENGTH, offs_d, dmask, W, D)
 
 
@@ -287,16 +340,78 @@ def _nats_evict_kernel(
     tl.store(RVALID + r.to(tl.int64) * W + ((pos + 1) % W).to(tl.int64), (t * 0).to(tl.int8))
 
 
+def _rows_view(t: torch.Tensor, B: int, H: int, what: str) -> torch.Tensor:
+    """k or v of one token, [B, H, 1, D] or [B, H, D], as [B, H, D] with unit stride along D (a view when it has)."""
+    if t.dim() == 4:
+        if t.shape[2] != 1:
+            raise ValueError(f"{what} must hold one token, got {t.shape[2]}")
+        t = t[:, :, 0]
+    if t.dim() != 3 or tuple(t.shape[:2]) != (B, H):
+        raise ValueError(f"{what} must be [B={B}, Hkv={H}, (1,) D], got {tuple(t.shape)}")
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def nats_append(
-    z, types, pos, t_out, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, cap=None
+    x,
+    w_s,
+    bias,
+    types,
+    pos,
+    t_out,
+    k_new,
+    v_new,
+    ring_k,
+    ring_v,
+    ring_valid,
+    k_pool,
+    v_pool,
+    start,
+    length,
+    cap=None,
+    types_from=None,
 ):
-    """Type (argmax of z [R, 3], or the given types [R]), ring write and segment append for one token; with
-    ``cap`` ([R]) a row whose segment is full keeps the token as a sliding one."""
+    """One token's type, ring write and segment append for every row r = b * Hkv + h, in one launch.
+
+    The type is the scorer's: argmax of ``x [B, C] . w_s [3 Hkv, C]^T`` (each logit rounded to x's dtype, as the
+    Linear's output) plus ``bias [3]``, token 0 global; x may be None when ``types`` are given. ``types`` (int64)
+    override it: ``[R]`` for this token, or with ``types_from`` a table ``[T, R]`` whose row ``pos - types_from``
+    is read on the device (no launch of its own, graph-safe). With both, a type >= 0 replaces the scorer's and -1
+    keeps it, and the scorer runs either way. With ``cap`` ([R]) a row whose segment is full keeps the token as a
+    sliding one. ``k_new``, ``v_new``: ``[B, Hkv, 1, D]`` or ``[B, Hkv, D]``, read through their strides (e.g.
+    views of a fused qkv projection). ``t_out [R]`` receives the types."""
     R, W, D = ring_k.shape
-    has_logits = z is not None
+    has_scorer, has_types = x is not None, types is not None
+    if not (has_scorer or has_types):
+        raise ValueError("nats_append needs the scorer's input x or the types")
+    B = k_new.shape[0]
+    if R % B:
+        raise ValueError(f"k_new's batch {B} does not divide the cache's {R} rows")
+    H = R // B
+    k_new, v_new = _rows_view(k_new, B, H, "k_new"), _rows_view(v_new, B, H, "v_new")
+    if has_scorer:
+        x = x.reshape(B, -1)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        C = x.shape[1]
+        if tuple(w_s.shape) != (3 * H, C):
+            raise ValueError(f"the scorer's weight must be [3 * Hkv = {3 * H}, C = {C}], got {tuple(w_s.shape)}")
+        w_s = w_s.contiguous()
+    else:
+        x, w_s, bias, C = k_new, k_new, k_new, 1  # unused placeholders
+    if has_types:
+        if types_from is None:
+            types_stride, types_from = 0, 0
+            types = types.reshape(R)
+        else:
+            types_stride = R
+            types = types.reshape(-1, R)
+        types = types.contiguous()
+    else:
+        types, types_stride, types_from = t_out, 0, 0  # unused placeholder
     _nats_append_kernel[(R,)](
-        z if has_logits else types,
-        types if not has_logits else z,
+        x,
+        w_s,
+        bias,
+        types,
         pos,
         t_out,
         k_new,
@@ -309,7 +424,18 @@ def nats_append(
         start,
         length,
         cap if cap is not None else length,
-        HAS_LOGITS=has_logits,
+        x.stride(0),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        types_stride,
+        int(types_from),
+        HKV=H,
+        C=C,
+        BLOCK_C=triton.next_power_of_2(C),
+        HAS_SCORER=has_scorer,
+        HAS_TYPES=has_types,
         HAS_CAP=cap is not None,
         W=W,
         D=D,
@@ -374,19 +500,8 @@ def _nats_step_kernel(
     #    slot is this token's slot, rewritten below.
     if tl.load(T + r) == 0:
         _drop_locals(r, KP, VP, START, LENGTH, NGLOBAL, offs_d, dmask, D)
-    # 2. the type: argmax of the scorer's logits x . W_s (rounded to the model's dtype, as the Linear's output)
-    #    plus the inference offsets; a full segment keeps the token as sliding
-    offs_c = tl.arange(0, BLOCK_C)
-    cmask = offs_c < C
-    x = tl.load(X + b * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
-    w0 = tl.load(WS + (3 * h) * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
-    w1 = tl.load(WS + (3 * h + 1) * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
-    w2 = tl.load(WS + (3 * h + 2) * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
-    dt = X.dtype.element_ty
-    z0 = tl.sum(x * w0, axis=0).to(dt).to(tl.float32) + tl.load(BIAS)
-    z1 = tl.sum(x * w1, axis=0).to(dt).to(tl.float32) + tl.load(BIAS + 1)
-    z2 = tl.sum(x * w2, axis=0).to(dt).to(tl.float32) + tl.load(BIAS + 2)
-    t = _type_of(z0, z1, z2, pos)
+    # 2. the type from the scorer (x [B, C] contiguous); a full segment keeps the token as sliding
+    t = _scorer_type(X + b * C, WS + (3 * h) * C, BIAS, pos, C, BLOCK_C)
     t = tl.where((t != 2) & (tl.load(LENGTH + r) >= tl.load(CAP + r)), 2, t).to(tl.int64)
     tl.store(T + r, t)
     # 3. ring write (valid where sliding) and, for global / local tokens, the segment append

@@ -238,25 +238,58 @@ class NAtSCache(LayerCache):
         self.ring_valid.index_fill_(1, (pos + 1) % W, False)
         return self._out(y)
 
+    def _scorer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The core's scorer weight [3 Hkv, C] and type offsets [3] (those of `NAtSAttention.type_logits` in eval
+        mode, which the fused step's kernel applies itself), or None when the core has no NAtS scorer."""
+        w = getattr(getattr(self.core, "scorer", None), "weight", None)
+        bias = getattr(self.core, "type_bias", None)
+        if w is None or bias is None:
+            return None
+        if w.dim() != 2 or w.shape[0] != 3 * self.n_kv_head:
+            raise ValueError(
+                f"nats cache: the core's scorer must have 3 * n_kv_head = {3 * self.n_kv_head} outputs, "
+                f"got a weight of shape {tuple(w.shape)}"
+            )
+        return w, bias
+
     def _step_fused(self, q, k, v, x, pos, types):
-        """The same step with the Triton backend: two fused launches around the attention kernel."""
+        """The same step with the Triton backend in three launches per layer: ``nats_append`` (the type from the
+        core's scorer, computed in the kernel, then the ring write and the segment append; k and v are read where
+        the projection wrote them), the pool attention and ``nats_evict``.
+
+        Types that replace the scorer's argmax come from ``types`` or, for synthetic benchmarks, from the core's
+        ``forced_types``: a pair (table [T, R] int64 on the device, first position p0) whose row ``pos - p0``
+        holds the types of position ``pos`` (-1: the scorer's), read by the kernel at the device position. The
+        scorer runs whenever the core has one, so an override leaves the step's work as it is."""
         from nats_kernels.nats_attention.decode import nats_append, nats_evict  # noqa: PLC0415
 
-        R = self.rows
-        if types is None:
+        if k.shape[2] != 1:
+            raise ValueError(f"step() takes one token, got {k.shape[2]}")
+        scorer = self._scorer() if x is not None else None
+        types_from = None
+        if types is not None:
+            types = types.reshape(self.rows).to(device=self.device, dtype=torch.long)
+        elif getattr(self.core, "forced_types", None) is not None:
+            types, types_from = self.core.forced_types
+        if types is None and scorer is None:
             if self.core is None:
                 raise ValueError("nats cache: step() without types= needs the layer's NAtS core (core=...)")
-            z, tin = self.core.type_logits(x).reshape(R, 3).contiguous(), None
-        else:
-            z, tin = None, types.reshape(R).to(device=self.device, dtype=torch.long).contiguous()
-        kr, vr = self._kv_rows(k).contiguous(), self._kv_rows(v).contiguous()
+            if x is None:
+                raise ValueError("nats cache: step() without types= needs the block's input x for the scorer")
+            raise ValueError(
+                f"nats cache: step() without types= needs a NAtS core with a scorer and type_bias, got "
+                f"{type(self.core).__name__}"
+            )
+        w_s, bias = scorer if scorer is not None else (None, None)
         nats_append(
-            z,
-            tin,
+            x if scorer is not None else None,
+            w_s,
+            bias,
+            types,
             pos,
             self._t,
-            kr,
-            vr,
+            k,
+            v,
             self.ring_k,
             self.ring_v,
             self.ring_valid,
@@ -264,6 +297,7 @@ class NAtSCache(LayerCache):
             self.v_pool,
             self.start,
             self.length,
+            types_from=types_from,
         )
         if self.track:
             self._record(self.length + self.ring_valid.sum(1))
