@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             calls = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
             launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx"))
             prefill_ms = _prefill_ms(lambda: generate(make(), 1), device)
-            attention_ms = _attention_ms(model, lambda: generate(make(), 1), device)
+            attention_ms, attention_parts = _attention_ms(model, lambda: generate(make(), 1), device)
             _python_profile(lambda: generate(make(), 1), Path(args.out) / f"python_prefill_{method}.txt")
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 generate(make(), n_new)
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_kernel_launches": launches if device.type == "cuda" else None,
             "prefill_ms": prefill_ms,
             "prefill_attention_ms": attention_ms,
+            "prefill_attention_parts_ms": attention_parts,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     parts = prefill_parts(model, prompt, args, device)
@@ -204,30 +205,55 @@ def _prefill_ms(call, device, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def _attention_ms(model, call, device, repeats: int = 5) -> float:
+# the parts of NAtS' prefill attention timed in situ beside the whole attention function (class, method)
+_INSITU_PARTS = {
+    "types_and_attention": ("nats.hf.static_cache:StaticPolicyCache", "_prefill_rows"),
+    "pool_size_wait": ("nats.hf.static_cache:PoolLayout", "size"),
+    "pool_fill_and_allocate": ("nats.hf.static_cache:StaticPolicyCache", "_fill_pool"),
+}
+
+
+def _attention_ms(model, call, device, repeats: int = 5) -> tuple[float, dict[str, float]]:
     """The host time a prefill spends in the model's attention function, all layers together (the function
-    transformers looks up by ``config._attn_implementation``, wrapped with a timer; median of `repeats` calls)."""
+    transformers looks up by ``config._attn_implementation``, wrapped with a timer; median of `repeats` calls), and
+    the same for the parts of the fixed-capacity caches' prefill in `_INSITU_PARTS` (0 where a method does not run;
+    the pool fill includes the wait for the pool's size)."""
+    import importlib
+
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = model.config._attn_implementation
     inner, spent = ALL_ATTENTION_FUNCTIONS[name], []
+    parts: dict[str, list[float]] = {part: [] for part in _INSITU_PARTS}
 
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = inner(*args, **kwargs)
-        spent[-1] += time.perf_counter() - t0
-        return out
+    def timer(fn, acc):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            acc[-1] += time.perf_counter() - t0
+            return out
 
-    AttentionInterface.register(name, timed)
+        return timed
+
+    patched = []
+    for part, (where, method) in _INSITU_PARTS.items():
+        module, cls = where.split(":")
+        owner = getattr(importlib.import_module(module), cls)
+        patched.append((owner, method, owner.__dict__[method]))
+        setattr(owner, method, timer(owner.__dict__[method], parts[part]))
+    AttentionInterface.register(name, timer(inner, spent))
     try:
         for _ in range(repeats):
             _sync(device)
-            spent.append(0.0)
+            for acc in (spent, *parts.values()):
+                acc.append(0.0)
             call()
     finally:
         AttentionInterface.register(name, inner)
-    return statistics.median(spent) * 1e3
+        for owner, method, fn in patched:
+            setattr(owner, method, fn)
+    return statistics.median(spent) * 1e3, {part: statistics.median(v) * 1e3 for part, v in parts.items()}
 
 
 def _python_profile(call, path: Path, top: int = 40) -> None:
@@ -274,6 +300,15 @@ def write(rows: list[dict], args, device, argv, parts: list[dict] | None = None)
             f"{r['prefill_aten_calls']} | {fmt(r['prefill_kernel_launches'])} | {fmt(r['prefill_ms'])} | "
             f"{fmt(r['prefill_attention_ms'])} |"
         )
+    lines += [
+        "",
+        "In situ, host ms of the prefill's attention function spent in (all layers, median of 5): "
+        + "; ".join(
+            f"{r['method']}: " + ", ".join(f"{k} {v:.3f}" for k, v in r["prefill_attention_parts_ms"].items())
+            for r in rows
+            if any(r["prefill_attention_parts_ms"].values())
+        ),
+    ]
     if parts:
         lines += [
             "",

@@ -211,5 +211,9 @@ def test_host_benchmark_smoke(tmp_path):
     assert rows["static"]["cache_tensors"] == 3 * 2 and rows["nats"]["cache_tensors"] == 4 * 2 + 1  # 2 layers
     assert all(r["guard_ms"] > 0 and r["prefill_aten_calls"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
     assert all(0 < r["prefill_attention_ms"] < r["prefill_ms"] for r in rows.values())  # the attention's host time
+    parts = {name: r["prefill_attention_parts_ms"] for name, r in rows.items()}
+    assert all(v > 0 for v in parts["nats"].values()) and not any(parts["static"].values())  # NAtS' parts only
+    timed = parts["nats"]["types_and_attention"] + parts["nats"]["pool_fill_and_allocate"]
+    assert timed < rows["nats"]["prefill_attention_ms"]  # parts of the attention function's time
     assert "| nats | 9 |" in (tmp_path / "bench_hf_host.md").read_text()
     assert "_prefill" in (tmp_path / "python_prefill_nats.txt").read_text()  # StaticPolicyCache._prefill's line

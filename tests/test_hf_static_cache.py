@@ -317,9 +317,15 @@ def test_triton_prefill_writes_equal_the_torch_ones(n, pads, device):
 
 
 @pytest.mark.parametrize("pad", [0, 7])
-def test_triton_prefill_generates_as_the_torch_prefill(pad):
+def test_triton_prefill_generates_as_the_torch_prefill(pad, monkeypatch):
     """StaticPolicyCache(prefill_kernel="triton") generates the same tokens and keeps and records the same as the
-    default PyTorch prefill, also for a left-padded batch."""
+    default PyTorch prefill, also for a left-padded batch; its attention takes the types from the scorer's logits
+    in the plan kernel (`nats_prefill_scored`), the PyTorch prefill from `hard_types`."""
+    import nats_kernels.nats_attention as kernels
+
+    scored = kernels.nats_prefill_scored
+    calls = []
+    monkeypatch.setattr(kernels, "nats_prefill_scored", lambda *a, **kw: calls.append(1) or scored(*a, **kw))
     model = nats_model()
     prompt = ids(n=PROMPT, b=2, seed=3)
     mask = torch.ones_like(prompt)
@@ -328,6 +334,7 @@ def test_triton_prefill_generates_as_the_torch_prefill(pad):
     for kernel in ("torch", "triton"):
         cache = StaticPolicyCache(model, "nats", max_new_tokens=NEW, prefill_kernel=kernel)
         runs[kernel] = (greedy(model, prompt, cache, mask=mask), cache.kept(), cache.fractions()["area"])
+        assert len(calls) == (0 if kernel == "torch" else model.config.num_hidden_layers * (1 if pad == 0 else 2))
     for a, b in zip(runs["torch"], runs["triton"], strict=True):
         assert torch.equal(a, b)
     default = StaticPolicyCache(model, "nats", max_new_tokens=NEW)  # "auto": Triton for CUDA tensors only

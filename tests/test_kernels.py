@@ -349,6 +349,34 @@ def test_prefill_matches_reference(N, W, D, dtype, mix):
     assert rel_rms(o, ref) < (1e-4 if dtype == torch.float32 else 3e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_from_scorer_logits_takes_hard_types_argmax(dtype):
+    """`nats_prefill_scored` / `compact_plan(bias=)`: the types are NAtSAttention.hard_types' (argmax of the
+    logits in float32 plus the offsets, first maximum on ties, token 0 global) read through the strides of the
+    scorer's output [B, N, Hkv * 3]; the attention equals `nats_prefill` with those types."""
+    from nats_kernels.nats_attention import nats_prefill_scored
+
+    B, H, N, D, W = 2, 2, 97, 32, 7
+    gen = torch.Generator().manual_seed(11)
+    z = torch.randn(B, N, H * 3, generator=gen).to(dtype)
+    bias = torch.tensor([0.25, -0.25, 0.125])  # moves some argmaxes (checked below); exact in float16
+    z[0, 5:9] = -bias.repeat(H)  # three-way ties after the offsets: the first maximum (global)
+    z[1, 5:9] = torch.tensor([-1.0, 0.25, -0.125] * H)  # local and sliding tie after the offsets: local
+    z[0, 0] = torch.tensor([-5.0, 5.0, 0.0] * H)  # token 0 would be local: it is global
+    logits = z.view(B, N, H, 3).transpose(1, 2).to(DEVICE)  # [B, H, N, 3], strided
+    want = (z.float().view(B, N, H, 3).transpose(1, 2) + bias).argmax(-1)
+    want[..., 0] = 0
+    assert not torch.equal(want, z.float().view(B, N, H, 3).transpose(1, 2).argmax(-1))  # the offsets matter
+    types, _ = compact_plan(logits, W, bias=bias.to(DEVICE))
+    assert types.dtype == torch.int8 and torch.equal(types.long().cpu(), want)
+    q, k, v, _, _ = make_inputs(B, 4, H, N, D, dtype, "uniform", seed=3)
+    o, t2 = nats_prefill_scored(q, k, v, logits, bias.to(DEVICE), W)
+    assert torch.equal(t2, types)
+    assert torch.equal(o, nats_prefill(q, k, v, want.to(DEVICE), W))
+    with pytest.raises(ValueError, match="bias"):
+        compact_plan(logits, W, bias=bias.double().to(DEVICE))
+
+
 def test_prefill_int8_types_and_training_forward_agree():
     q, k, v, _, types = make_inputs(1, 2, 2, 75, 32, torch.float32, "sparse", seed=5)
     o1 = nats_prefill(q, k, v, types.to(torch.int8), 9)

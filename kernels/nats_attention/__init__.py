@@ -3,7 +3,8 @@
 - ``triton_nats_attention(q, k, v, type_weights, window)``: fused training attention, differentiable in
   q, k, v and type_weights exactly as NATS_SPEC.md section 3 (forward.py, backward.py, autograd.py).
 - ``nats_prefill(q, k, v, types, window)``: inference prefill with hard integer types, cost proportional
-  to the kept entries (prefill.py).
+  to the kept entries (prefill.py); ``nats_prefill_scored(q, k, v, logits, bias, window)``: the same from a
+  scorer's logits, whose argmax the plan kernel takes (the types come back too).
 
 The Triton kernels are imported lazily, on first access of one of these names, so that importing the
 reference (``nats_kernels.nats_attention.reference``) needs neither Triton nor a GPU. Without a CUDA GPU
@@ -26,6 +27,7 @@ def triton_supports(q) -> bool:
 _LAZY = {
     "triton_nats_attention": ".autograd",
     "nats_prefill": ".prefill",
+    "nats_prefill_scored": ".prefill",
     "compact_plan": ".plan",
 }
 

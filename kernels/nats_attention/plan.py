@@ -46,13 +46,20 @@ def _min_fn(a, b):
 
 
 @triton.jit
-def _load_type(TW, stw_n, stw_c, offs, ok, FROM_WEIGHTS: tl.constexpr):
-    """Hard type at positions ``offs`` (3 where not ``ok``): argmax (first maximum) of (g, l, s)."""
+def _load_type(TW, BIAS, stw_n, stw_c, offs, ok, FROM_WEIGHTS: tl.constexpr, SCORED: tl.constexpr):
+    """Hard type at positions ``offs`` (3 where not ``ok``): argmax (first maximum) of (g, l, s); from a scorer's
+    logits (``SCORED``): of the logits in float32 plus the offsets ``BIAS`` [3], token 0 global."""
     if FROM_WEIGHTS:
         g = tl.load(TW + offs * stw_n, mask=ok, other=0.0)
         lo = tl.load(TW + offs * stw_n + stw_c, mask=ok, other=0.0)
         s = tl.load(TW + offs * stw_n + 2 * stw_c, mask=ok, other=0.0)
+        if SCORED:  # as NAtSAttention.type_logits in eval: the Linear's output in float32, plus the offsets
+            g = g.to(tl.float32) + tl.load(BIAS)
+            lo = lo.to(tl.float32) + tl.load(BIAS + 1)
+            s = s.to(tl.float32) + tl.load(BIAS + 2)
         t = tl.where((g >= lo) & (g >= s), 0, tl.where(lo >= s, 1, 2))
+        if SCORED:
+            t = tl.where(offs == 0, 0, t)
     else:
         t = tl.load(TW + offs * stw_n, mask=ok, other=0).to(tl.int32)
     return tl.where(ok, t, 3)
@@ -61,6 +68,7 @@ def _load_type(TW, stw_n, stw_c, offs, ok, FROM_WEIGHTS: tl.constexpr):
 @triton.jit
 def _plan_kernel(
     TW,
+    BIAS,
     T,
     PLAN,
     stw_b,
@@ -72,6 +80,7 @@ def _plan_kernel(
     W,
     CH: tl.constexpr,
     FROM_WEIGHTS: tl.constexpr,
+    SCORED: tl.constexpr,
     COMPACT: tl.constexpr,
 ):
     head = tl.program_id(0)
@@ -94,9 +103,9 @@ def _plan_kernel(
     for c0 in range(0, N, CH):
         offs = c0 + tl.arange(0, CH)
         ok = offs < N
-        t = _load_type(tw, stw_n, stw_c, offs, ok, FROM_WEIGHTS)
+        t = _load_type(tw, BIAS, stw_n, stw_c, offs, ok, FROM_WEIGHTS, SCORED)
         tl.store(t_out + offs, t.to(tl.int8), mask=ok)
-        t_prev = _load_type(tw, stw_n, stw_c, offs - 1, ok & (offs >= 1), FROM_WEIGHTS)
+        t_prev = _load_type(tw, BIAS, stw_n, stw_c, offs - 1, ok & (offs >= 1), FROM_WEIGHTS, SCORED)
         cand = tl.where(t_prev == 0, offs - 1, -1)
         pv = tl.maximum(tl.associative_scan(cand, 0, _max_fn), run)
         tl.store(P + offs, pv, mask=ok)
@@ -125,13 +134,13 @@ def _plan_kernel(
     for c0 in range(0, N, CH):
         offs = N - 1 - (c0 + tl.arange(0, CH))  # descending positions
         ok = offs >= 0
-        t_next = _load_type(tw, stw_n, stw_c, offs + 1, ok & (offs + 1 < N), FROM_WEIGHTS)
+        t_next = _load_type(tw, BIAS, stw_n, stw_c, offs + 1, ok & (offs + 1 < N), FROM_WEIGHTS, SCORED)
         cand = tl.where(t_next == 0, offs + 1, N - 1)
         ev = tl.minimum(tl.associative_scan(cand, 0, _min_fn), run)
         tl.store(E + offs, ev, mask=ok)
         run = tl.minimum(run, tl.min(cand, axis=0))
         if COMPACT:
-            t = _load_type(tw, stw_n, stw_c, offs, ok, FROM_WEIGHTS)
+            t = _load_type(tw, BIAS, stw_n, stw_c, offs, ok, FROM_WEIGHTS, SCORED)
             is_l = (t == 1).to(tl.int32)
             is_s = (t == 2).to(tl.int32)
             dest_l = n_g + n_l - (r_l + tl.cumsum(is_l, 0))
@@ -150,7 +159,7 @@ def _plan_kernel(
             r_o += tl.sum(is_o, axis=0)
 
 
-def _launch(type_info: torch.Tensor, window: int, compact: bool):
+def _launch(type_info: torch.Tensor, window: int, compact: bool, bias: torch.Tensor | None = None):
     from_weights = type_info.is_floating_point()
     if from_weights:
         B, H, N, _ = type_info.shape
@@ -165,6 +174,7 @@ def _launch(type_info: torch.Tensor, window: int, compact: bool):
     ch = 64 if INTERPRET else min(2048, max(128, triton.next_power_of_2(N)))
     _plan_kernel[(B * H,)](
         type_info.detach(),
+        types if bias is None else bias.contiguous(),
         types,
         plan,
         *strides,
@@ -173,6 +183,7 @@ def _launch(type_info: torch.Tensor, window: int, compact: bool):
         window,
         CH=ch,
         FROM_WEIGHTS=from_weights,
+        SCORED=bias is not None,
         COMPACT=compact,
         num_warps=4,
     )
@@ -185,8 +196,13 @@ def type_indices(type_info: torch.Tensor):
     return types, plan[:, :, E_ROW].contiguous(), plan[:, :, P_ROW].contiguous()
 
 
-def compact_plan(type_info: torch.Tensor, window: int):
+def compact_plan(type_info: torch.Tensor, window: int, bias: torch.Tensor | None = None):
     """(types int8 [B, H, N], plan int32 [B, H, PLAN_ROWS, N]) for the attention kernels (module doc).
 
-    ``window`` is the sliding window W >= 1 (it sets the LIM of the sliding tokens)."""
-    return _launch(type_info, window, compact=True)
+    ``window`` is the sliding window W >= 1 (it sets the LIM of the sliding tokens). With ``bias`` (float32 [3]),
+    ``type_info`` [B, H, N, 3] holds a NAtS scorer's logits (any float dtype and strides, e.g. a view of the
+    Linear's output [B, N, H * 3]) and the types are those of ``NAtSAttention.hard_types``: the argmax of the
+    logits in float32 plus ``bias``, token 0 global."""
+    if bias is not None and (not type_info.is_floating_point() or bias.dtype != torch.float32 or bias.numel() != 3):
+        raise ValueError("compact_plan: bias= takes float32 [3] offsets for float logits [B, H, N, 3]")
+    return _launch(type_info, window, compact=True, bias=bias)

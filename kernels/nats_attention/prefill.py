@@ -37,3 +37,35 @@ def nats_prefill(
     with torch.no_grad():
         o, _ = nats_forward(q, k, v, plan, W, sm_scale, store_lse=False)
     return o
+
+
+def nats_prefill_scored(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    window: int,
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NAtS attention output [B,Hq,N,D] and the types (int8 [B,Hkv,N]) of a scorer's logits: ``logits``
+    [B,Hkv,N,3] (the Linear's output in the model's dtype, any strides: a view of [B, N, Hkv * 3]) and the float32
+    offsets ``bias`` [3], the types being ``NAtSAttention.hard_types``' (argmax of the float32 logits plus
+    ``bias``, token 0 global). The plan kernel takes the argmax itself: at batch 1 the prefill is bound by its
+    launches, and the scorer's own float / add / argmax / token-0 operations were four more per layer."""
+    B, HQ, N, D = q.shape
+    HKV = k.shape[1]
+    if HQ % HKV != 0 or k.shape != v.shape or tuple(logits.shape) != (B, HKV, N, 3):
+        raise ValueError(
+            f"expected q [B,Hq,N,D], k/v [B,Hkv,N,D], logits [B,Hkv,N,3]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(logits.shape)}"
+        )
+    check_head_dim(D)
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    W = clamp_window(window, N)
+    types, plan = compact_plan(logits, W, bias=bias)
+    with torch.no_grad():
+        o, _ = nats_forward(q, k, v, plan, W, sm_scale, store_lse=False)
+    return o, types

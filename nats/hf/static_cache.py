@@ -376,7 +376,7 @@ class StaticPolicyCache(Cache):
             self._real_rows = self.prompt_lengths.repeat_interleave(Hkv)
         ring = area = peak = rank = None
         if self.rule == "nats" and self.track:
-            sizes = _ref.kv_cache_sizes(types.reshape(R, N), core.window)  # 0 on padding (-1 is no type)
+            sizes = _ref.kv_cache_sizes(types.reshape(R, N).long(), core.window)  # 0 on padding (-1: no type)
         if self.track:
             area, peak = sizes.reshape(R, N).sum(-1).double(), sizes.reshape(R, N).amax(-1)
         if self.rule == "nats" and self._triton_prefill(k):  # two launches: prefill_cache.py
@@ -415,6 +415,19 @@ class StaticPolicyCache(Cache):
             return self.prefill_kernel == "triton"
         return k.is_cuda and NF.triton_available()
 
+    def _scored_prefill(self, q: Tensor, k: Tensor, backend: str) -> bool:
+        """Whether NAtS' prefill runs the Triton attention from the scorer's logits (`nats_prefill_scored`): with
+        the Triton writes (on the CPU only where asked for, through Triton's interpreter), a head dim and dtype the
+        kernels take, and a core that does not insist on the PyTorch reference."""
+        from nats_kernels.nats_attention import HEAD_DIMS  # noqa: PLC0415
+
+        return (
+            self._triton_prefill(k)
+            and backend != "reference"
+            and q.shape[-1] in HEAD_DIMS
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        )
+
     def _fill_pool(self, layer, layout, splits, ring, area, peak, N) -> None:
         """A prefilled layer's buffers: its pool, its bookkeeping, (NAtS) its ring, (tracking) its sizes so far."""
         size = _rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
@@ -440,8 +453,17 @@ class StaticPolicyCache(Cache):
             return torch.arange(1, n + 1, device=q.device).expand(b_, Hkv, n) if self.track else None
 
         if self.rule == "nats":
+            backend = getattr(core, "backend", "auto")
+            if self._scored_prefill(q, k, backend):
+                # the plan kernel takes the scorer's argmax (hard_types' float, offsets, argmax and token 0 are
+                # four launches per layer less, at batch 1 where the prefill is bound by its launches)
+                from nats_kernels.nats_attention import nats_prefill_scored  # noqa: PLC0415
+
+                logits = core.scorer(hidden).view(b_, n, Hkv, 3).transpose(1, 2)  # [b, Hkv, n, 3]
+                y, types = nats_prefill_scored(q, k, v, logits, core.type_bias, core.window)  # int8 types
+                return y, None, types, None
             types = core.hard_types(hidden)  # [b, Hkv, n], token 0 global
-            y = NF.nats_attention_types(q, k, v, types, core.window, backend=getattr(core, "backend", "auto"))
+            y = NF.nats_attention_types(q, k, v, types, core.window, backend=backend)
             return y, None, types, None  # what is kept follows from the types (`_nats_rows`)
         if self.rule == "ring":
             sinks = int(self.options.get("sinks", 4))
