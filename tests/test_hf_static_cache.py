@@ -316,11 +316,17 @@ def test_triton_prefill_writes_equal_the_torch_ones(n, pads, device):
     assert int(rows[1].min()) < n  # something was dropped
 
 
-@pytest.mark.parametrize("pad", [0, 7])
-def test_triton_prefill_generates_as_the_torch_prefill(pad, monkeypatch):
+@pytest.mark.parametrize(
+    "pad,device",
+    [(0, "cpu"), (7, "cpu"),
+     pytest.param(7, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])],
+)  # fmt: skip
+def test_triton_prefill_generates_as_the_torch_prefill(pad, device, monkeypatch):
     """StaticPolicyCache(prefill_kernel="triton") generates the same tokens and keeps and records the same as the
     default PyTorch prefill, also for a left-padded batch; its attention takes the types from the scorer's logits
-    in the plan kernel (`nats_prefill_scored`), the PyTorch prefill from `hard_types`."""
+    in the plan kernel (`nats_prefill_scored`), the PyTorch prefill from `hard_types`. On a GPU in bf16 (the
+    model's type offsets then in bf16 too)."""
     import nats_kernels.nats_attention as kernels
 
     scored = kernels.nats_prefill_scored
@@ -330,6 +336,8 @@ def test_triton_prefill_generates_as_the_torch_prefill(pad, monkeypatch):
     prompt = ids(n=PROMPT, b=2, seed=3)
     mask = torch.ones_like(prompt)
     mask[1, :pad] = 0
+    if device == "cuda":
+        model, prompt, mask = model.to("cuda", torch.bfloat16), prompt.cuda(), mask.cuda()
     runs = {}
     for kernel in ("torch", "triton"):
         cache = StaticPolicyCache(model, "nats", max_new_tokens=NEW, prefill_kernel=kernel)

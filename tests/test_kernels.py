@@ -350,7 +350,8 @@ def test_prefill_matches_reference(N, W, D, dtype, mix):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_prefill_from_scorer_logits_takes_hard_types_argmax(dtype):
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])  # a bf16 model's type_bias buffer
+def test_prefill_from_scorer_logits_takes_hard_types_argmax(dtype, bias_dtype):
     """`nats_prefill_scored` / `compact_plan(bias=)`: the types are NAtSAttention.hard_types' (argmax of the
     logits in float32 plus the offsets, first maximum on ties, token 0 global) read through the strides of the
     scorer's output [B, N, Hkv * 3]; the attention equals `nats_prefill` with those types."""
@@ -359,12 +360,12 @@ def test_prefill_from_scorer_logits_takes_hard_types_argmax(dtype):
     B, H, N, D, W = 2, 2, 97, 32, 7
     gen = torch.Generator().manual_seed(11)
     z = torch.randn(B, N, H * 3, generator=gen).to(dtype)
-    bias = torch.tensor([0.25, -0.25, 0.125])  # moves some argmaxes (checked below); exact in float16
-    z[0, 5:9] = -bias.repeat(H)  # three-way ties after the offsets: the first maximum (global)
+    bias = torch.tensor([0.25, -0.25, 0.125], dtype=bias_dtype)  # moves some argmaxes (checked below); exact
+    z[0, 5:9] = -bias.float().repeat(H)  # three-way ties after the offsets: the first maximum (global)
     z[1, 5:9] = torch.tensor([-1.0, 0.25, -0.125] * H)  # local and sliding tie after the offsets: local
     z[0, 0] = torch.tensor([-5.0, 5.0, 0.0] * H)  # token 0 would be local: it is global
     logits = z.view(B, N, H, 3).transpose(1, 2).to(DEVICE)  # [B, H, N, 3], strided
-    want = (z.float().view(B, N, H, 3).transpose(1, 2) + bias).argmax(-1)
+    want = (z.float().view(B, N, H, 3).transpose(1, 2) + bias.float()).argmax(-1)
     want[..., 0] = 0
     assert not torch.equal(want, z.float().view(B, N, H, 3).transpose(1, 2).argmax(-1))  # the offsets matter
     types, _ = compact_plan(logits, W, bias=bias.to(DEVICE))
@@ -374,7 +375,7 @@ def test_prefill_from_scorer_logits_takes_hard_types_argmax(dtype):
     assert torch.equal(t2, types)
     assert torch.equal(o, nats_prefill(q, k, v, want.to(DEVICE), W))
     with pytest.raises(ValueError, match="bias"):
-        compact_plan(logits, W, bias=bias.double().to(DEVICE))
+        compact_plan(logits, W, bias=torch.zeros(2, device=DEVICE))
 
 
 def test_prefill_int8_types_and_training_forward_agree():

@@ -54,9 +54,9 @@ def _load_type(TW, BIAS, stw_n, stw_c, offs, ok, FROM_WEIGHTS: tl.constexpr, SCO
         lo = tl.load(TW + offs * stw_n + stw_c, mask=ok, other=0.0)
         s = tl.load(TW + offs * stw_n + 2 * stw_c, mask=ok, other=0.0)
         if SCORED:  # as NAtSAttention.type_logits in eval: the Linear's output in float32, plus the offsets
-            g = g.to(tl.float32) + tl.load(BIAS)
-            lo = lo.to(tl.float32) + tl.load(BIAS + 1)
-            s = s.to(tl.float32) + tl.load(BIAS + 2)
+            g = g.to(tl.float32) + tl.load(BIAS).to(tl.float32)
+            lo = lo.to(tl.float32) + tl.load(BIAS + 1).to(tl.float32)
+            s = s.to(tl.float32) + tl.load(BIAS + 2).to(tl.float32)
         t = tl.where((g >= lo) & (g >= s), 0, tl.where(lo >= s, 1, 2))
         if SCORED:
             t = tl.where(offs == 0, 0, t)
@@ -199,10 +199,11 @@ def type_indices(type_info: torch.Tensor):
 def compact_plan(type_info: torch.Tensor, window: int, bias: torch.Tensor | None = None):
     """(types int8 [B, H, N], plan int32 [B, H, PLAN_ROWS, N]) for the attention kernels (module doc).
 
-    ``window`` is the sliding window W >= 1 (it sets the LIM of the sliding tokens). With ``bias`` (float32 [3]),
+    ``window`` is the sliding window W >= 1 (it sets the LIM of the sliding tokens). With ``bias`` (float [3]: a
+    model's ``type_bias`` buffer, in the model's dtype),
     ``type_info`` [B, H, N, 3] holds a NAtS scorer's logits (any float dtype and strides, e.g. a view of the
     Linear's output [B, N, H * 3]) and the types are those of ``NAtSAttention.hard_types``: the argmax of the
     logits in float32 plus ``bias``, token 0 global."""
-    if bias is not None and (not type_info.is_floating_point() or bias.dtype != torch.float32 or bias.numel() != 3):
-        raise ValueError("compact_plan: bias= takes float32 [3] offsets for float logits [B, H, N, 3]")
+    if bias is not None and (not type_info.is_floating_point() or not bias.is_floating_point() or bias.numel() != 3):
+        raise ValueError("compact_plan: bias= takes float [3] offsets (added in float32) for float logits [B, H, N, 3]")
     return _launch(type_info, window, compact=True, bias=bias)

@@ -49,10 +49,11 @@ def nats_prefill_scored(
     sm_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NAtS attention output [B,Hq,N,D] and the types (int8 [B,Hkv,N]) of a scorer's logits: ``logits``
-    [B,Hkv,N,3] (the Linear's output in the model's dtype, any strides: a view of [B, N, Hkv * 3]) and the float32
-    offsets ``bias`` [3], the types being ``NAtSAttention.hard_types``' (argmax of the float32 logits plus
-    ``bias``, token 0 global). The plan kernel takes the argmax itself: at batch 1 the prefill is bound by its
-    launches, and the scorer's own float / add / argmax / token-0 operations were four more per layer."""
+    [B,Hkv,N,3] (the Linear's output in the model's dtype, any strides: a view of [B, N, Hkv * 3]) and the
+    offsets ``bias`` [3] (any float dtype, added in float32), the types being ``NAtSAttention.hard_types``'
+    (argmax of the float32 logits plus ``bias``, token 0 global). The plan kernel takes the argmax itself: at
+    batch 1 the prefill is bound by its launches, and the scorer's own float / add / argmax / token-0 operations
+    were four more per layer."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     if HQ % HKV != 0 or k.shape != v.shape or tuple(logits.shape) != (B, HKV, N, 3):
