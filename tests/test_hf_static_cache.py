@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf_nats import ids, tiny_model  # noqa: E402
 
+import nats_kernels  # noqa: E402
 from nats.hf import PolicyCache, StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
 from nats.hf.compat import cache_kwargs  # noqa: E402
 
@@ -30,6 +31,10 @@ def greedy(model, prompt, cache, mask=None, n=NEW, compile_config=None, **kw):
             **kw,
             **cache_kwargs(model, cache),
         )
+
+
+# Triton kernels on CPU tensors run only in Triton's interpreter, which the package chooses where there is no GPU
+interpreted = pytest.mark.skipif(not nats_kernels.INTERPRET, reason="Triton on CPU tensors needs its interpreter")
 
 
 def nats_model(arch="llama"):
@@ -281,7 +286,8 @@ def test_inductor_compiled_step_equals_eager_with_several_rows():
 
 @pytest.mark.parametrize(
     "n,pads,device",
-    [(37, (0, 0), "cpu"), (37, (0, 9), "cpu"), (5, (0, 2), "cpu"),
+    [pytest.param(37, (0, 0), "cpu", marks=interpreted), pytest.param(37, (0, 9), "cpu", marks=interpreted),
+     pytest.param(5, (0, 2), "cpu", marks=interpreted),
      pytest.param(3000, (0, 700), "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                                      reason="needs a CUDA GPU")])],
 )  # fmt: skip
@@ -318,7 +324,7 @@ def test_triton_prefill_writes_equal_the_torch_ones(n, pads, device):
 
 @pytest.mark.parametrize(
     "pad,device",
-    [(0, "cpu"), (7, "cpu"),
+    [pytest.param(0, "cpu", marks=interpreted), pytest.param(7, "cpu", marks=interpreted),
      pytest.param(7, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                          reason="needs a CUDA GPU")])],
 )  # fmt: skip
@@ -346,6 +352,6 @@ def test_triton_prefill_generates_as_the_torch_prefill(pad, device, monkeypatch)
     for a, b in zip(runs["torch"], runs["triton"], strict=True):
         assert torch.equal(a, b)
     default = StaticPolicyCache(model, "nats", max_new_tokens=NEW)  # "auto": Triton for CUDA tensors only
-    assert default.prefill_kernel == "auto" and not default._triton_prefill(prompt.float())
+    assert default.prefill_kernel == "auto" and not default._triton_prefill(prompt.cpu().float())
     with pytest.raises(ValueError, match="prefill_kernel"):
         StaticPolicyCache(model, "nats", max_new_tokens=NEW, prefill_kernel="cuda")
