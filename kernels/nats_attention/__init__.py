@@ -19,9 +19,15 @@ HEAD_DIMS = (16, 32, 64, 128)  # head dims the Triton kernels are built for
 def triton_supports(q) -> bool:
     """Whether the Triton training kernel takes queries like ``q`` (a CUDA tensor, fp16/bf16/fp32, a head dim
     in HEAD_DIMS); ``backend="auto"`` uses the reference otherwise (e.g. float64 checks, tiny heads)."""
+    return q.is_cuda and triton_takes(q)
+
+
+def triton_takes(q) -> bool:
+    """Whether the kernels are built for queries of ``q``'s dtype (fp16/bf16/fp32) and head dim (HEAD_DIMS), on
+    any device (on the CPU Triton's interpreter runs them)."""
     import torch
 
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] in HEAD_DIMS
+    return q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] in HEAD_DIMS
 
 
 _LAZY = {

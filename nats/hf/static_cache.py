@@ -419,14 +419,9 @@ class StaticPolicyCache(Cache):
         """Whether NAtS' prefill runs the Triton attention from the scorer's logits (`nats_prefill_scored`): with
         the Triton writes (on the CPU only where asked for, through Triton's interpreter), a head dim and dtype the
         kernels take, and a core that does not insist on the PyTorch reference."""
-        from nats_kernels.nats_attention import HEAD_DIMS  # noqa: PLC0415
+        from nats_kernels.nats_attention import triton_takes  # noqa: PLC0415
 
-        return (
-            self._triton_prefill(k)
-            and backend != "reference"
-            and q.shape[-1] in HEAD_DIMS
-            and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        )
+        return self._triton_prefill(k) and backend != "reference" and triton_takes(q)
 
     def _fill_pool(self, layer, layout, splits, ring, area, peak, N) -> None:
         """A prefilled layer's buffers: its pool, its bookkeeping, (NAtS) its ring, (tracking) its sizes so far."""
