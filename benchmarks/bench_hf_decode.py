@@ -25,7 +25,9 @@ tokens (``--scorers``: a fine-tuned scorer file, whose types are then used as th
 Per row (the median of ``--repeats`` timed calls, each with a new cache): prefill seconds (the first token's
 latency), decode tokens/s over all sequences (the tokens after the first), the KV bytes the cache holds at the end
 (the buffers allocated), the tokens it keeps as a share of those seen, the compiled graphs added by the timed runs
-after a warm-up (0 = no recompilation), the ratio to ``static``'s tokens/s and prefill, and the GPU's peak memory.
+after a warm-up (0 = no recompilation), the ratio to ``static``'s tokens/s and prefill (the prefill ratio of
+timings taken side by side: a ``StaticCache`` prefill is timed again before each of the row's timed prefills),
+and the GPU's peak memory.
 ``--equal-memory-gib M`` also runs each cache at the largest batch whose KV buffers fit M GiB. Writes
 ``bench_hf_decode.{md,json}`` into ``--out``.
 """
@@ -178,7 +180,9 @@ def new_tokens(method: str, args) -> int:
     return args.new if method not in ("dynamic", "policy_nats") else min(args.new, args.slow_new)
 
 
-def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | None) -> dict:
+def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | None, static_prefill=None) -> dict:
+    """One row; ``static_prefill``: a function timing one StaticCache prefill of the same prompt, called before each
+    of this row's timed prefills (the row's prefill ratio then compares timings taken side by side)."""
     from nats.hf import PolicyCache, StaticPolicyCache
 
     B, P = prompt.shape
@@ -197,8 +201,10 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         g0 = graphs()
-        prefills, decodes = [], []
+        prefills, decodes, beside = [], [], []
         for _ in range(max(1, getattr(args, "repeats", 1))):  # the median of repeated timings
+            if static_prefill is not None:
+                beside.append(static_prefill())
             t0 = time.perf_counter()
             generate(model, prompt, make_cache(), 1)  # prefill + one token: the first token's latency
             sync()
@@ -216,7 +222,9 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     share = 1.0
     if isinstance(cache, (StaticPolicyCache, PolicyCache)):
         share = float(cache.kept().double().mean()) / seen
+    extra = {"static_prefill_s": statistics.median(beside)} if beside else {}
     return {
+        **extra,
         "method": method,
         "prompt": P,
         "batch": B,
@@ -339,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         """Keep and print a row, with its ratios to the StaticCache row of the same setting (`static`, None: none)."""
         if static is not None:
             r["x_static"] = r["tokens_per_s"] / static["tokens_per_s"]
-            r["x_static_prefill"] = r["prefill_s"] / static["prefill_s"]
+            r["x_static_prefill"] = r["prefill_s"] / r.get("static_prefill_s", static["prefill_s"])
         rows.append(r)
         print(json.dumps(r), flush=True)
         write(rows, args, argv, device, dtype)
@@ -355,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                 for kept in shares:
                     if method in NATS and kept is not None:
                         calibrate(model, prompt, kept)
-                    r = run(model, method, prompt, args, device, kept)
+                    timer = None if static is None else static_prefill_timer(model, prompt, args, device)
+                    r = run(model, method, prompt, args, device, kept, timer)
                     static = r if method == "static" else static
                     record(r, static)
                     if args.profile:
@@ -377,6 +386,25 @@ def main(argv: list[str] | None = None) -> int:
                 record(r, static)
     write(rows, args, argv, device, dtype, final=True)
     return 0
+
+
+def static_prefill_timer(model, prompt: torch.Tensor, args, device):
+    """A function that times one prefill through transformers' ``StaticCache`` (seconds): the rows after the static
+    one time it before each of their own prefills, so that their prefill ratio is of timings taken side by side (a
+    host's speed drifts over a run, and at batch 1 the prefill is bound by the host)."""
+    make = cache_maker(model, "static", prompt.shape[1], new_tokens("static", args), None)
+
+    def once() -> float:
+        with attention_of(model, "static"):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            generate(model, prompt, make(), 1)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+    return once
 
 
 def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> None:

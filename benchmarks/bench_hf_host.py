@@ -143,9 +143,19 @@ def prefill_parts(model, prompt: torch.Tensor, args, device) -> list[dict]:
 
             rows, end, _, _, last_g = prefill_rows(types, k, v, W, new)
             size = int(end) + 1
+            from nats_kernels.nats_attention.prefill_cache import prefill_kernels
+
+            w_s = core.scorer.weight
+            logits = F.linear(x, w_s).view(B, N, Hkv, 3).transpose(1, 2)
+            direct = prefill_kernels(q, k, v, logits, core.type_bias, W, new)
+            _, d_types, d_rows, _, _, _, d_last = direct.attend(q, k, v, logits, core.type_bias)
             writes = {
                 "NAtS: rows and ring (prefill_rows)": lambda: prefill_rows(types, k, v, W, new),
                 "NAtS: pool (prefill_pool)": lambda: prefill_pool(types, k, v, rows, last_g, size),
+                "NAtS direct: scorer's Linear, plan, attention, rows and ring (PrefillKernels.attend)": lambda: (
+                    direct.attend(q, k, v, F.linear(x, w_s).view(B, N, Hkv, 3).transpose(1, 2), core.type_bias)
+                ),
+                "NAtS direct: pool (PrefillKernels.pool)": lambda: direct.pool(d_types, k, v, d_rows, d_last, size),
             }
         else:
             keep, rank, rows, end, _, _ = sc._nats_rows(types, k, v, W, new)
@@ -208,6 +218,7 @@ def _prefill_ms(call, device, repeats: int = 7) -> float:
 # the parts of NAtS' prefill attention timed in situ beside the whole attention function (class, method)
 _INSITU_PARTS = {
     "types_and_attention": ("nats.hf.static_cache:StaticPolicyCache", "_prefill_rows"),
+    "direct_scorer_attention_rows": ("nats.hf.static_cache:StaticPolicyCache", "_prefill_direct"),
     "pool_size_wait": ("nats.hf.static_cache:PoolLayout", "size"),
     "pool_fill_and_allocate": ("nats.hf.static_cache:StaticPolicyCache", "_fill_pool"),
 }

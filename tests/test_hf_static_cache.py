@@ -323,6 +323,54 @@ def test_triton_prefill_writes_equal_the_torch_ones(n, pads, device):
 
 
 @pytest.mark.parametrize(
+    "n,D,device",
+    [pytest.param(37, 16, "cpu", marks=interpreted),
+     pytest.param(3000, 64, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                              reason="needs a CUDA GPU")])],
+)  # fmt: skip
+def test_prefill_kernels_equal_the_kernels_one_by_one(n, D, device):
+    """`prefill_cache.PrefillKernels` (a prefill's layers through one object, launched directly after the first
+    layer on a GPU) gives, layer after layer, what `nats_prefill_scored`, `prefill_rows` and `prefill_pool` give;
+    tensors it cannot take as they are (unaligned, keys and values strided differently) get None (the cache then
+    calls those functions)."""
+    from nats_kernels.nats_attention import nats_prefill_scored
+    from nats_kernels.nats_attention.prefill_cache import prefill_kernels, prefill_pool, prefill_rows
+
+    B, Hq, H, W, new = 2, 6, 3, 8, 5
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(n)
+
+    def layer():  # transformers' layouts: q, k, v [B, N, H, D] transposed, the scorer's logits a view of [B, N, 3H]
+        q, k, v = (torch.randn(B, n, h, D, generator=g).to(device, dt).transpose(1, 2) for h in (Hq, H, H))
+        logits = (torch.randn(B, n, 3 * H, generator=g) * 2).to(device, dt).view(B, n, H, 3).transpose(1, 2)
+        return q, k, v, logits
+
+    bias = torch.tensor([0.0, 0.5, 1.0], device=device, dtype=dt)
+    first = None
+    for _ in range(3):
+        q, k, v, logits = layer()
+        kernels = prefill_kernels(q, k, v, logits, bias, W, new)
+        first = first or kernels
+        assert kernels is first  # one object for the layers of a kind
+        o, types, rows, end, ring, valid, last_g = kernels.attend(q, k, v, logits, bias)
+        size = int(end) + 3
+        pool = kernels.pool(types, k, v, rows, last_g, size)
+        o_ref, t_ref = nats_prefill_scored(q, k, v, logits, bias, W)
+        rows_ref, end_ref, ring_ref, valid_ref, last_ref = prefill_rows(t_ref, k, v, W, new)
+        pool_ref = prefill_pool(t_ref, k, v, rows_ref, last_ref, size)
+        assert torch.equal(o, o_ref) and torch.equal(types, t_ref)
+        for a, b in ((rows, rows_ref), (end, end_ref), (ring, ring_ref), (valid, valid_ref), (last_g, last_ref)):
+            assert torch.equal(a, b)
+        assert torch.equal(pool, pool_ref)
+        assert int(types.eq(0).sum()) > B * H and int(types.eq(2).sum()) > 0  # all three types occur
+    if device == "cuda":  # the later layers were launched directly
+        assert all(b._kernel is not None for b in (first._plan, first._fwd, first._rows, first._pool))
+    odd = torch.empty(q.numel() + 1, device=device, dtype=dt)[1:].view(B, n, Hq, D).transpose(1, 2)
+    assert prefill_kernels(odd.copy_(q), k, v, logits, bias, W, new) is None  # 2 or 4 bytes off: unaligned
+    assert prefill_kernels(q, k, v.contiguous(), logits, bias, W, new) is None
+
+
+@pytest.mark.parametrize(
     "pad,device",
     [pytest.param(0, "cpu", marks=interpreted), pytest.param(7, "cpu", marks=interpreted),
      pytest.param(7, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -331,13 +379,16 @@ def test_triton_prefill_writes_equal_the_torch_ones(n, pads, device):
 def test_triton_prefill_generates_as_the_torch_prefill(pad, device, monkeypatch):
     """StaticPolicyCache(prefill_kernel="triton") generates the same tokens and keeps and records the same as the
     default PyTorch prefill, also for a left-padded batch; its attention takes the types from the scorer's logits
-    in the plan kernel (`nats_prefill_scored`), the PyTorch prefill from `hard_types`. On a GPU in bf16 (the
-    model's type offsets then in bf16 too)."""
+    in the plan kernel: an unpadded batch through `prefill_cache.PrefillKernels` (every layer's kernels in one
+    object), a padded one row by row through `nats_prefill_scored`; the PyTorch prefill from `hard_types`. On a GPU
+    in bf16 (the model's type offsets then in bf16 too)."""
     import nats_kernels.nats_attention as kernels
+    from nats_kernels.nats_attention import prefill_cache
 
-    scored = kernels.nats_prefill_scored
-    calls = []
+    scored, direct = kernels.nats_prefill_scored, prefill_cache.prefill_kernels
+    calls, direct_calls = [], []
     monkeypatch.setattr(kernels, "nats_prefill_scored", lambda *a, **kw: calls.append(1) or scored(*a, **kw))
+    monkeypatch.setattr(prefill_cache, "prefill_kernels", lambda *a, **kw: direct_calls.append(1) or direct(*a, **kw))
     model = nats_model()
     prompt = ids(n=PROMPT, b=2, seed=3)
     mask = torch.ones_like(prompt)
@@ -348,7 +399,10 @@ def test_triton_prefill_generates_as_the_torch_prefill(pad, device, monkeypatch)
     for kernel in ("torch", "triton"):
         cache = StaticPolicyCache(model, "nats", max_new_tokens=NEW, prefill_kernel=kernel)
         runs[kernel] = (greedy(model, prompt, cache, mask=mask), cache.kept(), cache.fractions()["area"])
-        assert len(calls) == (0 if kernel == "torch" else model.config.num_hidden_layers * (1 if pad == 0 else 2))
+        layers = model.config.num_hidden_layers
+        assert len(calls) == (0 if kernel == "torch" or pad == 0 else layers * 2)
+        assert len(direct_calls) == (layers if kernel == "triton" and pad == 0 else 0)
+        calls.clear(), direct_calls.clear()
     for a, b in zip(runs["torch"], runs["triton"], strict=True):
         assert torch.equal(a, b)
     default = StaticPolicyCache(model, "nats", max_new_tokens=NEW)  # "auto": Triton for CUDA tensors only

@@ -12,13 +12,20 @@ per layer instead of some thirty small PyTorch operations (the batch-1 prefill i
 
 The PyTorch reference is ``nats.hf.static_cache._nats_rows`` / ``_pool_fill`` (tests/test_hf_static_cache.py
 compares them, also through ``generate``). Rows r = b * Hkv + h; types ``[B, Hkv, N]`` with -1 on left padding.
+
+`prefill_kernels` gives the whole NAtS layer of a prefill from a scorer's logits (plan, attention, rows and ring,
+then the pool) as `PrefillKernels`, whose kernels are launched directly (`_launch.Bound`) once the first layer has
+gone through Triton's launcher: the layers of a prefill share every shape, and at batch 1 the prefill waits for the
+host's Python per layer, not for the GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
+from nats_kernels.nats_attention import _env
 from nats_kernels.nats_attention._env import tl, triton
+from nats_kernels.nats_attention._launch import Bound
 
 BLOCK_N = 128
 
@@ -72,7 +79,7 @@ def _rows_kernel(T, K, V, ROWS, END, LAST_G, RING, RING_VALID, R, N, HKV, skb, s
         tl.store(RING_VALID + r * W + s, (t == 2).to(tl.int8), mask=smask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # the pool's size differs per layer: one compiled kernel for all
 def _pool_kernel(T, K, V, ROWS, LAST_G, POOL, R, N, HKV, skb, skh, skn, P, D,
                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     r = tl.program_id(0)
@@ -142,3 +149,100 @@ def prefill_pool(types: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
                        size, D, BLOCK_N=BLOCK_N, BLOCK_R=min(1024, triton.next_power_of_2(R)),
                        BLOCK_D=triton.next_power_of_2(D))  # fmt: skip
     return pool
+
+
+class PrefillKernels:
+    """The NAtS prefill of a fixed-capacity cache for layers of one kind (`prefill_kernels`): `attend` (the plan
+    from the scorer's logits, the attention, the rows and the ring: three launches) and `pool` (one), each launched
+    directly after its first call (`_launch.Bound`), with the layer's shapes, strides and launch parameters worked
+    out once here rather than at every layer."""
+
+    def __init__(self, key: tuple):
+        from nats_kernels.nats_attention.forward import _nats_fwd_kernel  # noqa: PLC0415
+        from nats_kernels.nats_attention.plan import PLAN_ROWS, _plan_kernel  # noqa: PLC0415
+
+        q_shape, q_stride, k_shape, k_stride, _, l_stride, dtype, _, _, window, max_new, device = key
+        B, Hq, N, D = q_shape
+        H = k_shape[1]
+        R, W = B * H, _env.clamp_window(window, N)
+        self.B, self.Hq, self.H, self.N, self.D, self.R = B, Hq, H, N, D, R
+        self.dtype, self.device, self.ring_w, self.max_new = dtype, device, int(window), int(max_new)
+        self.plan_shape = (B, H, PLAN_ROWS, N)
+        # the launches' integer arguments, fixed for the kind: the plan's (logits' strides, N, Hkv, W), the
+        # forward's (q, k, v, o strides, N, W, scale, Hq, group; o is stored [B, N, Hq, D]), the cache rows'
+        self._plan_ints = (*l_stride, N, H, W)
+        ks = k_stride[:3]
+        self._fwd_ints = (*q_stride[:3], *ks, *ks, N * Hq * D, D, Hq * D, N, W, D**-0.5 * 1.4426950408889634, Hq,
+                          Hq // H)  # fmt: skip
+        self._rows_ints = (R, N, H, *ks, self.max_new, self.ring_w, D)
+        self._pool_ints = (R, N, H, *ks)
+        ch = 64 if _env.INTERPRET else min(2048, max(128, triton.next_power_of_2(N)))  # as plan.compact_plan
+        self._plan = Bound(_plan_kernel, (R,), CH=ch, FROM_WEIGHTS=True, SCORED=True, COMPACT=True, num_warps=4)
+        bf = _env.blocks_first(B * Hq)
+        self._fwd = Bound(_nats_fwd_kernel, lambda meta: _env.block_grid(B * Hq, N, meta["BLOCK_M"], bf),
+                          HEAD_DIM=D, DOT_PREC=_env.dot_precision(dtype), BLOCKS_FIRST=bf, STORE_LSE=False)  # fmt: skip
+        bd = triton.next_power_of_2(D)
+        self._rows = Bound(_rows_kernel, (R,), BLOCK_N=BLOCK_N, BLOCK_W=min(32, triton.next_power_of_2(self.ring_w)),
+                           BLOCK_D=bd)  # fmt: skip
+        self._pool = Bound(_pool_kernel, (R,), BLOCK_N=BLOCK_N, BLOCK_R=min(1024, triton.next_power_of_2(R)),
+                           BLOCK_D=bd)  # fmt: skip
+
+    @staticmethod
+    def key(q, k, v, logits, bias, window: int, max_new: int) -> tuple | None:
+        """What makes two layers' calls alike (shapes, strides, dtypes, window, device); None where the direct
+        launches do not take the tensors as they are: a last stride other than 1, keys and values strided
+        differently, or a tensor not 16-byte aligned (Triton specialises on the alignment)."""
+        ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | logits.data_ptr() | bias.data_ptr()
+        if ptrs % 16 or q.stride(-1) != 1 or k.stride(-1) != 1 or k.stride() != v.stride() or v.shape != k.shape:
+            return None
+        if not bias.is_contiguous():
+            return None
+        return (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(logits.shape), logits.stride(), q.dtype,
+                logits.dtype, bias.dtype, int(window), int(max_new), q.device)  # fmt: skip
+
+    def attend(self, q, k, v, logits, bias):
+        """(attention output ``[B, Hq, N, D]`` (stored as ``[B, N, Hq, D]``), int8 types ``[B, Hkv, N]``, rows
+        ``[6, R]`` without the starts, end ``[1]``, ring ``[2, R, W, D]``, ring validity ``[R, W]``, last global
+        ``[R]``): `nats_prefill_scored` and `prefill_rows` in one call."""
+        B, Hq, N, D, H, R, W, dev = self.B, self.Hq, self.N, self.D, self.H, self.R, self.ring_w, self.device
+        o = _env.empty((B, N, Hq, D), self.dtype, dev).transpose(1, 2)
+        types = torch.empty((B, H, N), dtype=torch.int8, device=dev)
+        plan = torch.empty(self.plan_shape, dtype=torch.int32, device=dev)
+        self._plan(logits, bias, types, plan, *self._plan_ints)
+        self._fwd(q, k, v, o, o, plan, *self._fwd_ints)
+        ints = torch.zeros(7 * R + 1, dtype=torch.long, device=dev)  # rows [6, R], last global [R], end [1]
+        rows, last_g, end = ints[: 6 * R].view(6, R), ints[6 * R : 7 * R], ints[7 * R :]
+        ring = torch.empty(2, R, W, D, dtype=self.dtype, device=dev)
+        ring_valid = torch.empty(R, W, dtype=torch.bool, device=dev)
+        self._rows(types, k, v, rows, end, last_g, ring, ring_valid.view(torch.int8), *self._rows_ints)
+        return o, types, rows, end, ring, ring_valid, last_g
+
+    def pool(self, types, k, v, rows, last_g, size: int) -> torch.Tensor:
+        """`prefill_pool` for the outputs of `attend`."""
+        pool = torch.zeros(2, size, self.D, dtype=self.dtype, device=self.device)
+        self._pool(types, k, v, rows, last_g, pool, *self._pool_ints, size, self.D)
+        return pool
+
+
+_KERNELS: dict[tuple, PrefillKernels] = {}
+
+
+def prefill_kernels(q, k, v, logits, bias, window: int, max_new: int) -> PrefillKernels | None:
+    """The `PrefillKernels` of a NAtS layer's prefill: q ``[B, Hq, N, D]``, k, v ``[B, Hkv, N, D]``, a scorer's
+    logits ``[B, Hkv, N, 3]`` and offsets ``bias`` [3] (as `nats_prefill_scored`), ``window``, ``max_new`` (as
+    `prefill_rows`); one per kind of layer, kept for later prefills. None where the tensors are not laid out as the
+    direct launches take them (`PrefillKernels.key`): `nats_prefill_scored` and `prefill_rows` serve those."""
+    key = PrefillKernels.key(q, k, v, logits, bias, window, max_new)
+    if key is None:
+        return None
+    kernels = _KERNELS.get(key)
+    if kernels is None:
+        from nats_kernels.nats_attention.prefill import _check  # noqa: PLC0415
+
+        _check(q, k, v, logits, "logits [B,Hkv,N,3]", 4)
+        if int(window) < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if len(_KERNELS) >= 64:  # prompt lengths come and go: keep the latest kinds
+            _KERNELS.pop(next(iter(_KERNELS)))
+        kernels = _KERNELS[key] = PrefillKernels(key)
+    return kernels

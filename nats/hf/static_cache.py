@@ -354,7 +354,12 @@ class StaticPolicyCache(Cache):
             self._budgets = self._row_budget(self.prompt_lengths)
             self._budgets_host = self._budgets.tolist()
         budgets = self._budgets
-        if groups is None:  # no padding: every row at once
+        direct = None
+        if groups is None and self.rule == "nats":  # NAtS without padding: the direct kernels where they apply
+            direct = self._prefill_direct(core, q, k, v, hidden)
+        if direct is not None:
+            y, types, rows, end, ring_kv, ring_valid, fill = direct
+        elif groups is None:  # no padding: every row at once
             top = None if budgets is None else max(self._budgets_host)
             y, keep, types, sizes = self._prefill_rows(layer, core, q, k, v, hidden, top)
         else:  # left padding: row by row over the real tokens
@@ -379,7 +384,9 @@ class StaticPolicyCache(Cache):
             sizes = _ref.kv_cache_sizes(types.reshape(R, N).long(), core.window)  # 0 on padding (-1: no type)
         if self.track:
             area, peak = sizes.reshape(R, N).sum(-1).double(), sizes.reshape(R, N).amax(-1)
-        if self.rule == "nats" and self._triton_prefill(k):  # two launches: prefill_cache.py
+        if direct is not None:  # done by the direct kernels
+            ring = (ring_kv, ring_valid, core.window)
+        elif self.rule == "nats" and self._triton_prefill(k):  # two launches: prefill_cache.py
             from nats_kernels.nats_attention.prefill_cache import prefill_pool, prefill_rows  # noqa: PLC0415
 
             rows, end, ring_kv, ring_valid, last_g = prefill_rows(types, k, v, core.window, self.max_new_tokens)
@@ -422,6 +429,23 @@ class StaticPolicyCache(Cache):
         from nats_kernels.nats_attention import triton_takes  # noqa: PLC0415
 
         return self._triton_prefill(k) and backend != "reference" and triton_takes(q)
+
+    def _prefill_direct(self, core, q, k, v, hidden):
+        """NAtS' prefill of one unpadded layer by `prefill_cache.PrefillKernels` (where `_scored_prefill` holds and
+        the tensors are laid out for it): (output, int8 types, rows, end, ring, ring validity, the pool's fill);
+        else None. The scorer's Linear, then four Triton launches whose launch parameters are worked out once per
+        kind of layer, and no other operation: at batch 1 the prefill is bound by the host's work per layer."""
+        if not self._scored_prefill(q, k, getattr(core, "backend", "auto")):
+            return None
+        from nats_kernels.nats_attention.prefill_cache import prefill_kernels  # noqa: PLC0415
+
+        B, N, H = q.shape[0], q.shape[2], k.shape[1]
+        logits = F.linear(hidden, core.scorer.weight, core.scorer.bias).view(B, N, H, 3).transpose(1, 2)
+        kernels = prefill_kernels(q, k, v, logits, core.type_bias, core.window, self.max_new_tokens)
+        if kernels is None:
+            return None
+        y, types, rows, end, ring_kv, ring_valid, last_g = kernels.attend(q, k, v, logits, core.type_bias)
+        return y, types, rows, end, ring_kv, ring_valid, lambda size: kernels.pool(types, k, v, rows, last_g, size)
 
     def _fill_pool(self, layer, layout, splits, ring, area, peak, N) -> None:
         """A prefilled layer's buffers: its pool, its bookkeeping, (NAtS) its ring, (tracking) its sizes so far."""
