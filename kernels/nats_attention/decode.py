@@ -24,6 +24,7 @@ import torch
 
 # chooses Triton's CPU interpreter when there is no GPU (before any @triton.jit runs)
 from nats_kernels.nats_attention._env import INTERPRET, tl, triton
+from nats_kernels.nats_attention.plan import first_max
 
 BLOCK_N = 64
 MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split count); the combine reads up to 64
@@ -201,9 +202,7 @@ def triton_pool_attention(
 @triton.jit
 def _type_of(z0, z1, z2, pos):
     """A token's type from its three scorer logits: the first maximum (like torch.argmax); token 0 is global."""
-    t = tl.where(z1 > z0, 1, 0)
-    t = tl.where(z2 > tl.maximum(z0, z1), 2, t)
-    return tl.where(pos == 0, 0, t)
+    return tl.where(pos == 0, 0, first_max(z0, z1, z2))
 
 
 @triton.jit

@@ -46,6 +46,13 @@ def _min_fn(a, b):
 
 
 @triton.jit
+def first_max(a, b, c):
+    """0, 1 or 2: the first maximum of (a, b, c), as ``torch.argmax`` breaks ties: the hard type of a token's
+    (global, local, sliding) weights or logits, for the plan here and the decode steps (``decode.py``)."""
+    return tl.where((a >= b) & (a >= c), 0, tl.where(b >= c, 1, 2))
+
+
+@triton.jit
 def _load_type(TW, BIAS, stw_n, stw_c, offs, ok, FROM_WEIGHTS: tl.constexpr, SCORED: tl.constexpr):
     """Hard type at positions ``offs`` (3 where not ``ok``): argmax (first maximum) of (g, l, s); from a scorer's
     logits (``SCORED``): of the logits in float32 plus the offsets ``BIAS`` [3], token 0 global."""
@@ -57,7 +64,7 @@ def _load_type(TW, BIAS, stw_n, stw_c, offs, ok, FROM_WEIGHTS: tl.constexpr, SCO
             g = g.to(tl.float32) + tl.load(BIAS).to(tl.float32)
             lo = lo.to(tl.float32) + tl.load(BIAS + 1).to(tl.float32)
             s = s.to(tl.float32) + tl.load(BIAS + 2).to(tl.float32)
-        t = tl.where((g >= lo) & (g >= s), 0, tl.where(lo >= s, 1, 2))
+        t = first_max(g, lo, s)
         if SCORED:
             t = tl.where(offs == 0, 0, t)
     else:
