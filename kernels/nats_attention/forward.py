@@ -315,6 +315,13 @@ def _nats_fwd_kernel(
         tl.store(LSE + pid_bh * N + offs_m, m_i + tl.math.log2(l_safe), mask=row_ok)
 
 
+def forward_launch(heads: int, N: int, D: int, dtype, store_lse: bool):
+    """(grid, constexprs) of ``_nats_fwd_kernel`` for ``heads`` = batch x query heads, N queries, head dim D."""
+    bf = _env.blocks_first(heads)
+    grid = lambda meta: _env.block_grid(heads, N, meta["BLOCK_M"], bf)  # noqa: E731
+    return grid, dict(HEAD_DIM=D, DOT_PREC=dot_precision(dtype), BLOCKS_FIRST=bf, STORE_LSE=store_lse)
+
+
 def nats_forward(q, k, v, plan, window: int, sm_scale: float | None = None, store_lse: bool = True):
     """o [B,Hq,N,D] (stored as [B,N,Hq,D]) and lse2 [B,Hq,N] fp32 (log2-sum-exp2 of sm_scale*log2(e)*q.k over
     the visible keys; None unless ``store_lse``), for the int32 ``plan`` [B,Hkv,PLAN_ROWS,N] of
@@ -329,8 +336,7 @@ def nats_forward(q, k, v, plan, window: int, sm_scale: float | None = None, stor
     W = _env.clamp_window(window, N)
     o = _env.empty_bnhd(q.shape, q.dtype, q.device)
     lse = _env.empty((B, HQ, N), torch.float32, q.device) if store_lse else o
-    bf = _env.blocks_first(B * HQ)
-    grid = lambda meta: _env.block_grid(B * HQ, N, meta["BLOCK_M"], bf)
+    grid, meta = forward_launch(B * HQ, N, D, q.dtype, store_lse)
     _nats_fwd_kernel[grid](
         q,
         k,
@@ -355,9 +361,6 @@ def nats_forward(q, k, v, plan, window: int, sm_scale: float | None = None, stor
         sm_scale * 1.4426950408889634,
         HQ,
         HQ // HKV,
-        HEAD_DIM=D,
-        DOT_PREC=dot_precision(q.dtype),
-        BLOCKS_FIRST=bf,
-        STORE_LSE=store_lse,
+        **meta,
     )
     return o, (lse if store_lse else None)

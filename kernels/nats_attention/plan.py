@@ -166,6 +166,11 @@ def _plan_kernel(
             r_o += tl.sum(is_o, axis=0)
 
 
+def chunk(n: int) -> int:
+    """The plan kernel's chunk CH for a sequence of n (64 in the interpreter)."""
+    return 64 if INTERPRET else min(2048, max(128, triton.next_power_of_2(n)))
+
+
 def _launch(type_info: torch.Tensor, window: int, compact: bool, bias: torch.Tensor | None = None):
     from_weights = type_info.is_floating_point()
     if from_weights:
@@ -178,7 +183,6 @@ def _launch(type_info: torch.Tensor, window: int, compact: bool, bias: torch.Ten
     window = clamp_window(window, N)
     types = torch.empty((B, H, N), dtype=torch.int8, device=dev)
     plan = torch.empty((B, H, PLAN_ROWS, N), dtype=torch.int32, device=dev)
-    ch = 64 if INTERPRET else min(2048, max(128, triton.next_power_of_2(N)))
     _plan_kernel[(B * H,)](
         type_info.detach(),
         types if bias is None else bias.contiguous(),
@@ -188,7 +192,7 @@ def _launch(type_info: torch.Tensor, window: int, compact: bool, bias: torch.Ten
         N,
         H,
         window,
-        CH=ch,
+        CH=chunk(N),
         FROM_WEIGHTS=from_weights,
         SCORED=bias is not None,
         COMPACT=compact,

@@ -109,6 +109,16 @@ def _pool_kernel(T, K, V, ROWS, LAST_G, POOL, R, N, HKV, skb, skh, skn, P, D,
         done += tl.sum(keep.to(tl.int64), axis=0)
 
 
+def _rows_meta(window: int, D: int) -> dict:
+    """The rows kernel's block sizes for a ring of ``window`` slots and head dim D."""
+    return dict(BLOCK_N=BLOCK_N, BLOCK_W=min(32, triton.next_power_of_2(window)), BLOCK_D=triton.next_power_of_2(D))
+
+
+def _pool_meta(R: int, D: int) -> dict:
+    """The pool kernel's block sizes for R rows and head dim D."""
+    return dict(BLOCK_N=BLOCK_N, BLOCK_R=min(1024, triton.next_power_of_2(R)), BLOCK_D=triton.next_power_of_2(D))
+
+
 def _checked(types: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     B, H, N, D = k.shape
     if tuple(types.shape) != (B, H, N) or v.shape != k.shape or k.stride() != v.stride():
@@ -132,8 +142,7 @@ def prefill_rows(types: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     ring = torch.empty(2, R, W, D, dtype=k.dtype, device=dev)
     ring_valid = torch.empty(R, W, dtype=torch.bool, device=dev)
     _rows_kernel[(R,)](t, k, v, rows, end, last_g, ring, ring_valid.view(torch.int8), R, N, types.shape[1],
-                       k.stride(0), k.stride(1), k.stride(2), int(max_new), W, D, BLOCK_N=BLOCK_N,
-                       BLOCK_W=min(32, triton.next_power_of_2(W)), BLOCK_D=triton.next_power_of_2(D))  # fmt: skip
+                       k.stride(0), k.stride(1), k.stride(2), int(max_new), W, D, **_rows_meta(W, D))  # fmt: skip
     return rows, end, ring, ring_valid, last_g
 
 
@@ -146,8 +155,7 @@ def prefill_pool(types: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
     D = k.shape[-1]
     pool = torch.zeros(2, size, D, dtype=k.dtype, device=k.device)
     _pool_kernel[(R,)](t, k, v, rows, last_g, pool, R, N, types.shape[1], k.stride(0), k.stride(1), k.stride(2),
-                       size, D, BLOCK_N=BLOCK_N, BLOCK_R=min(1024, triton.next_power_of_2(R)),
-                       BLOCK_D=triton.next_power_of_2(D))  # fmt: skip
+                       size, D, **_pool_meta(R, D))  # fmt: skip
     return pool
 
 
@@ -158,8 +166,8 @@ class PrefillKernels:
     out once here rather than at every layer."""
 
     def __init__(self, key: tuple):
-        from nats_kernels.nats_attention.forward import _nats_fwd_kernel  # noqa: PLC0415
-        from nats_kernels.nats_attention.plan import PLAN_ROWS, _plan_kernel  # noqa: PLC0415
+        from nats_kernels.nats_attention.forward import _nats_fwd_kernel, forward_launch  # noqa: PLC0415
+        from nats_kernels.nats_attention.plan import PLAN_ROWS, _plan_kernel, chunk  # noqa: PLC0415
 
         q_shape, q_stride, k_shape, k_stride, _, l_stride, dtype, _, _, window, max_new, device = key
         B, Hq, N, D = q_shape
@@ -176,16 +184,11 @@ class PrefillKernels:
                           Hq // H)  # fmt: skip
         self._rows_ints = (R, N, H, *ks, self.max_new, self.ring_w, D)
         self._pool_ints = (R, N, H, *ks)
-        ch = 64 if _env.INTERPRET else min(2048, max(128, triton.next_power_of_2(N)))  # as plan.compact_plan
-        self._plan = Bound(_plan_kernel, (R,), CH=ch, FROM_WEIGHTS=True, SCORED=True, COMPACT=True, num_warps=4)
-        bf = _env.blocks_first(B * Hq)
-        self._fwd = Bound(_nats_fwd_kernel, lambda meta: _env.block_grid(B * Hq, N, meta["BLOCK_M"], bf),
-                          HEAD_DIM=D, DOT_PREC=_env.dot_precision(dtype), BLOCKS_FIRST=bf, STORE_LSE=False)  # fmt: skip
-        bd = triton.next_power_of_2(D)
-        self._rows = Bound(_rows_kernel, (R,), BLOCK_N=BLOCK_N, BLOCK_W=min(32, triton.next_power_of_2(self.ring_w)),
-                           BLOCK_D=bd)  # fmt: skip
-        self._pool = Bound(_pool_kernel, (R,), BLOCK_N=BLOCK_N, BLOCK_R=min(1024, triton.next_power_of_2(R)),
-                           BLOCK_D=bd)  # fmt: skip
+        self._plan = Bound(_plan_kernel, (R,), CH=chunk(N), FROM_WEIGHTS=True, SCORED=True, COMPACT=True, num_warps=4)
+        grid, meta = forward_launch(B * Hq, N, D, dtype, store_lse=False)
+        self._fwd = Bound(_nats_fwd_kernel, grid, **meta)
+        self._rows = Bound(_rows_kernel, (R,), **_rows_meta(self.ring_w, D))
+        self._pool = Bound(_pool_kernel, (R,), **_pool_meta(R, D))
 
     @staticmethod
     def key(q, k, v, logits, bias, window: int, max_new: int) -> tuple | None:
