@@ -111,6 +111,20 @@ def test_misuse_is_refused():
             model.generate(ids(n=8, b=1), max_new_tokens=4, num_beams=2, **cache_kwargs(model, greedy_beams))
 
 
+def test_padded_batch_is_refused_naming_the_cache_that_takes_one():
+    """PolicyCache holds one unpadded sequence per row: a left-padded batch is refused with the fix, the
+    StaticPolicyCache that takes one (tests/test_hf_static_cache.py: padded rows equal each prompt alone)."""
+    model = attach_nats(tiny_model("llama"), window=4)
+    prompt = ids(n=PROMPT, b=2)
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0
+    cache = PolicyCache(model, "nats", max_len=PROMPT + NEW, backend="torch")
+    with pytest.raises(NotImplementedError) as err, torch.no_grad():
+        model.generate(prompt, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **cache_kwargs(model, cache))
+    msg = str(err.value)
+    assert "padded" in msg and "StaticPolicyCache" in msg and "left-padded" in msg, msg
+
+
 def test_decode_benchmark_smoke(tmp_path):
     """benchmarks/bench_hf_decode.py end to end on a tiny model: transformers' caches and the fixed-capacity ones
     through generate, at two batch sizes, the kept share calibrated, and the equal-memory mode."""

@@ -32,8 +32,17 @@ from nats import ops
 ATTN_IMPLEMENTATION = "nats"
 
 
-def _check_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int) -> None:
-    """NAtS is causal over one unpadded sequence per row: refuse masks that are anything else (padding)."""
+_POLICY_CACHE_PADDING = (
+    "PolicyCache holds one unpadded sequence per row. For a left-padded batch use nats.hf.StaticPolicyCache, "
+    "which takes one: model.generate(ids, attention_mask=mask, max_new_tokens=n, "
+    "past_key_values=StaticPolicyCache(model, policy, max_new_tokens=n)) (cache= from transformers 5.24 on); "
+    "or generate each sequence alone"
+)
+
+
+def _check_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, what: str = "") -> None:
+    """NAtS is causal over one unpadded sequence per row: refuse masks that are anything else (padding).
+    ``what``: the fix to name instead of the default (PolicyCache: StaticPolicyCache takes left-padded batches)."""
     if attention_mask is None:
         return
     m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
@@ -42,7 +51,7 @@ def _check_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int) -> 
     if not torch.equal(m, causal.expand_as(m)):
         raise NotImplementedError(
             "nats attention (transformers): the attention mask is not plain causal (padded or packed batches); "
-            "NAtS runs over unpadded sequences only: pass sequences of equal length without padding"
+            + (what or "NAtS runs over unpadded sequences only: pass sequences of equal length without padding")
         )
 
 
@@ -86,7 +95,7 @@ def nats_attention_forward(
         y = cache.attend(module.layer_idx, query, hidden, attention_mask if N > 1 else None)
         return y.transpose(1, 2).contiguous(), None
     if policy_cache:  # the cache's policy attends over what it keeps (spec section 5)
-        _check_mask(attention_mask, N, cache.layers[module.layer_idx].seen)
+        _check_mask(attention_mask, N, cache.layers[module.layer_idx].seen, _POLICY_CACHE_PADDING)
         y = cache.attend(module.layer_idx, query, hidden)
         return y.transpose(1, 2).contiguous(), None
     Nk = key.shape[-2]
