@@ -4,18 +4,35 @@
 specialisation (dtypes, 16-byte alignment, divisibility and size of the integers), builds the cache key, looks the
 compiled kernel up and then calls the binary's launcher. On an H100 host the cache's pool write (one allocation, one
 launch) took 52.6 us of host time per call through Triton's launcher and 28.1 launched directly
-(``python benchmarks/bench_hf_host.py --prompt 8192``, its pieces table). A batch-1 prefill is bound by its host
-time, and NAtS' makes four Triton launches per layer.
+(``python benchmarks/bench_hf_host.py --prompt 8192``, its pieces table; the launch alone 18.5 against 6.6 us). A
+batch-1 prefill is bound by its host time, and NAtS' makes four Triton launches per layer.
 
 `Bound` takes its first launch through Triton (which compiles or autotunes, and launches), keeps the compiled kernel
 and calls the binary's launcher directly afterwards. It serves calls whose arguments differ only in their tensors'
 data: the same dtypes, shapes, strides and integers, tensors aligned alike (as the layers of one prefill, which
 `prefill_cache.PrefillKernels` checks before it uses its `Bound` launches); Triton's specialisation is then the
-first call's. Where direct launching does not apply (Triton's interpreter, a Triton without ``triton.knobs``, or a
-launch hook installed, e.g. by a profiler) every call goes through Triton's launcher.
+first call's.
+
+The direct call uses Triton's private API: the compiled kernel's ``run`` (the binary's launcher) called with the
+positional arguments Triton's own launcher (``JITFunction.run``) passes, ``Autotuner.best_config``,
+``driver.active``. ``pyproject.toml`` bounds Triton to the versions tested (3.6 on the GPUs, 3.9 in the CPU
+interpreter), and at its first direct launch `Bound` checks (`mismatch`) that the installed Triton still works that
+way: Triton's launcher calls ``kernel.run`` in the order used here, the launcher takes the grid, stream, function and
+metadata before the kernel's arguments, the compiled kernel expects as many arguments as `Bound` passes and every
+private attribute used is there. Where anything differs, or a direct call raises, every later call of that `Bound`
+goes through Triton's launcher (same results, the host time of Triton's launcher) and the reason is logged once
+(logger ``nats_kernels``). Every call goes through Triton's launcher too under Triton's interpreter, with a Triton
+without ``triton.knobs`` (before 3.4), with a launch hook installed (e.g. by a profiler), or with
+``NATS_KERNELS_DIRECT_LAUNCH=0`` (read at import; `DIRECT`).
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import re
 
 from ._env import INTERPRET, triton
 
@@ -25,7 +42,92 @@ try:
     from triton.runtime.driver import driver as _driver
     from triton.runtime.jit import JITFunction as _JITFunction
 except ImportError:  # Triton < 3.4: no direct launches
-    _knobs = _driver = None
+    _knobs = _driver = _Autotuner = _JITFunction = None
+
+log = logging.getLogger("nats_kernels")
+
+# NATS_KERNELS_DIRECT_LAUNCH=0: every launch goes through Triton's launcher (e.g. to time both, or if a Triton
+# version misbehaves in a way the checks do not see)
+DIRECT = os.environ.get("NATS_KERNELS_DIRECT_LAUNCH", "1") != "0"
+
+# How Triton's launcher (JITFunction.run) calls the compiled kernel in the versions tested (3.4 to 3.9), whitespace
+# aside; `Bound.__call__` makes the same call with its own grid, stream, no launch metadata and no hooks.
+TRITON_CALL = (
+    "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
+    "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())"
+)
+# the binary launcher's (``kernel.run``'s) leading parameters: (grid x, y, z, stream, function, *args) in
+# Triton 3.4-3.6's CUDA launcher, the same plus (metadata, launch metadata, enter hook, exit hook) in later ones
+LAUNCHER_HEAD = ("gridx", "gridy", "gridz", "stream", "function")
+LAUNCHER_PARAMS = (5, 9)
+
+_logged: set[str] = set()
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def _say(reason: str, level: int = logging.WARNING) -> None:
+    """Log why launches go through Triton's launcher, once per reason and process."""
+    if reason not in _logged:
+        _logged.add(reason)
+        log.log(level, "Triton kernels are launched through Triton's launcher, not directly: %s", reason)
+
+
+@functools.cache
+def triton_mismatch() -> str | None:
+    """Why the installed Triton's launcher differs from what `Bound` does (None: it does not), checked once."""
+    version = getattr(triton, "__version__", "?")
+    if _knobs is None:
+        return f"Triton {version} has no triton.knobs (direct launches need 3.4 or later)"
+    try:
+        source = inspect.getsource(_JITFunction.run)
+    except (OSError, TypeError) as e:
+        return f"the source of Triton {version}'s launcher (JITFunction.run) cannot be read ({e})"
+    if _squash(TRITON_CALL) not in _squash(source):
+        return f"Triton {version}'s launcher (JITFunction.run) no longer calls {TRITON_CALL}"
+    runtime = getattr(_knobs, "runtime", None)
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        if not hasattr(runtime, name):
+            return f"Triton {version} has no triton.knobs.runtime.{name}"
+    return None
+
+
+def launcher_mismatch(run) -> str | None:
+    """Why a compiled kernel's binary launcher (``kernel.run``) does not take (grid x, y, z, stream, function, ...,
+    *args) as `Bound` passes them (None: it does)."""
+    try:
+        params = list(inspect.signature(run).parameters.values())
+    except (TypeError, ValueError) as e:
+        return f"the compiled kernel's launcher has no readable signature ({e})"
+    positional = [p.name.lower() for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if not rest or len(positional) not in LAUNCHER_PARAMS or tuple(positional[:5]) != LAUNCHER_HEAD:
+        return f"the compiled kernel's launcher takes ({', '.join(str(p) for p in params)})"
+    return None
+
+
+def mismatch(kernel, n_args: int) -> str | None:
+    """Why `Bound` should not launch ``kernel`` (a compiled kernel taking ``n_args`` arguments) directly: the
+    installed Triton (`triton_mismatch`), a missing private attribute, the launcher's signature or the number of
+    arguments. None where the direct launch matches Triton's."""
+    reason = triton_mismatch()
+    if reason is not None:
+        return reason
+    missing = [a for a in ("run", "function", "packed_metadata") if not hasattr(kernel, a)]
+    if missing:
+        return f"the compiled kernel has no {', '.join(missing)}"
+    for name in ("get_current_device", "get_current_stream"):
+        if not callable(getattr(_driver.active, name, None)):
+            return f"Triton's active driver has no {name}"
+    reason = launcher_mismatch(kernel.run)
+    if reason is not None:
+        return reason
+    signature = getattr(getattr(kernel, "src", None), "signature", None)
+    if isinstance(signature, dict) and len(signature) != n_args:
+        return f"the compiled kernel takes {len(signature)} arguments, {n_args} would be passed"
+    return None
 
 
 def _hooked() -> bool:
@@ -40,28 +142,53 @@ class Bound:
     ``fn``: a ``@triton.jit`` function or an ``@triton.autotune`` over one; ``grid``: a tuple, or a function of the
     meta-parameters (``meta`` and the chosen autotune config's); ``meta``: the constexpr parameters and launch
     options (``num_warps``), fixed for every call. ``bound(*args)`` launches with the non-constexpr arguments, in
-    the kernel's order."""
+    the kernel's order. ``direct``: False launches every call through Triton's launcher; None (the default) follows
+    `DIRECT`. After the first call, `direct` says whether later calls launch directly and `reason` why not."""
 
-    def __init__(self, fn, grid, **meta):
+    def __init__(self, fn, grid, *, direct: bool | None = None, **meta):
         self.fn, self.grid, self.meta = fn, grid, meta
         self._kernel = None  # the compiled kernel, after the first launch, where direct launches apply
-        self._direct = not INTERPRET and _knobs is not None
+        self._direct = (DIRECT if direct is None else direct) and not INTERPRET and _knobs is not None
+        self.reason: str | None = None  # why calls go through Triton's launcher, where a check or a call failed
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls after the first launch the compiled kernel directly."""
+        return self._kernel is not None
 
     def __call__(self, *args) -> None:
         kernel = self._kernel
         if kernel is None or _hooked():
             self._first(args)
             return
-        kernel.run(*self._grid, self._stream(self._device), kernel.function, kernel.packed_metadata, None, None, None,
-                   *args, *self._tail)  # fmt: skip
+        try:
+            kernel.run(*self._grid, self._stream(self._device), kernel.function, kernel.packed_metadata, None, None,
+                       None, *args, *self._tail)  # fmt: skip
+        except Exception as e:  # noqa: BLE001  (Triton's launcher below raises again if the launch itself fails)
+            self._fall_back(f"a direct launch raised {type(e).__name__}: {e}")
+            self.fn[self.grid](*args, **self.meta)
+
+    def _fall_back(self, reason: str) -> None:
+        self._kernel, self._direct, self.reason = None, False, reason
+        _say(reason)
 
     def _first(self, args) -> None:
         kernel = self.fn[self.grid](*args, **self.meta)
-        if not self._direct or self._kernel is not None or kernel is None or _hooked():
+        if not self._direct or self._kernel is not None or kernel is None:
+            return
+        reason = triton_mismatch()
+        if reason is not None:
+            self._fall_back(reason)
+            return
+        if _hooked():
             return
         jit, config = self.fn, {}
         if isinstance(jit, _Autotuner):  # the config it chose (for these arguments' autotune key)
-            config, jit = dict(jit.best_config.kwargs), jit.fn
+            best = getattr(jit, "best_config", None)
+            if not isinstance(getattr(best, "kwargs", None), dict):
+                self._fall_back("the autotuner has no best_config with its kwargs")
+                return
+            config, jit = dict(best.kwargs), jit.fn
         if not isinstance(jit, _JITFunction):  # e.g. heuristics, which choose per call: keep Triton's launcher
             self._direct = False
             return
@@ -69,6 +196,10 @@ class Bound:
         full = {**self.meta, **config}
         if len(args) > len(names) or any(n not in full for n in names[len(args) :]):
             self._direct = False  # defaults or unexpected parameters: keep Triton's launcher
+            return
+        reason = mismatch(kernel, len(names))
+        if reason is not None:
+            self._fall_back(reason)
             return
         self._tail = tuple(full[n] for n in names[len(args) :])
         grid = self.grid(full) if callable(self.grid) else tuple(self.grid)
@@ -78,4 +209,4 @@ class Bound:
         self._kernel = kernel
 
 
-__all__ = ["Bound", "triton"]
+__all__ = ["DIRECT", "Bound", "launcher_mismatch", "mismatch", "triton", "triton_mismatch"]
