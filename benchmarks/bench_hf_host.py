@@ -3,6 +3,7 @@ NAtS' `nats.hf.StaticPolicyCache`, on any device.
 
     python benchmarks/bench_hf_host.py --out logs/bench/hf_host                  # SmolLM2-135M's shape, 30 layers
     python benchmarks/bench_hf_host.py --device cpu --prompt 256                 # the same on the CPU (compiled too)
+    python benchmarks/bench_hf_host.py --prompt 8192 --out logs/bench/hf_host    # the pieces, direct vs Triton's
 
 At batch 1 a decode step replayed as a CUDA graph is bound by the host: before each call dynamo checks the guards of
 the compiled step (per graph input: every tensor the step reads from the model and the cache; after a second prompt
@@ -118,7 +119,9 @@ def prefill_parts(model, prompt: torch.Tensor, args, device) -> list[dict]:
     row on the first layer's real inputs (the prompt's hidden states, queries, keys and values): the host time is the
     loop's time before the GPU is waited for (what a host-bound prefill pays per layer), the GPU time the events'
     time around the same loop. StaticCache's attention is one SDPA call; NAtS' is the scorer's types, the NAtS
-    kernel's plan and attention, and the cache's rows and pool writes (Triton kernels on CUDA; PyTorch on the CPU)."""
+    kernel's plan and attention, and the cache's rows and pool writes (Triton kernels on CUDA; PyTorch on the CPU). On
+    CUDA the prefill's `PrefillKernels` pieces twice: launched directly after their first call, and through Triton's
+    launcher (``direct=False``), with how each kernel was launched (a failed check of the direct launch shows)."""
     import torch.nn.functional as F
 
     from nats import functional as NF
@@ -143,12 +146,15 @@ def prefill_parts(model, prompt: torch.Tensor, args, device) -> list[dict]:
 
             rows, end, _, _, last_g = prefill_rows(types, k, v, W, new)
             size = int(end) + 1
-            from nats_kernels.nats_attention.prefill_cache import prefill_kernels
+            from nats_kernels.nats_attention.prefill_cache import PrefillKernels, prefill_kernels
 
             w_s = core.scorer.weight
             logits = F.linear(x, w_s).view(B, N, Hkv, 3).transpose(1, 2)
             direct = prefill_kernels(q, k, v, logits, core.type_bias, W, new)
             _, d_types, d_rows, _, _, _, d_last = direct.attend(q, k, v, logits, core.type_bias)
+            # the same kernels, every launch through Triton's launcher (what NATS_KERNELS_DIRECT_LAUNCH=0 gives)
+            through = PrefillKernels(PrefillKernels.key(q, k, v, logits, core.type_bias, W, new), direct=False)
+            through.attend(q, k, v, logits, core.type_bias)
             writes = {
                 "NAtS: rows and ring (prefill_rows)": lambda: prefill_rows(types, k, v, W, new),
                 "NAtS: pool (prefill_pool)": lambda: prefill_pool(types, k, v, rows, last_g, size),
@@ -156,6 +162,13 @@ def prefill_parts(model, prompt: torch.Tensor, args, device) -> list[dict]:
                     direct.attend(q, k, v, F.linear(x, w_s).view(B, N, Hkv, 3).transpose(1, 2), core.type_bias)
                 ),
                 "NAtS direct: pool (PrefillKernels.pool)": lambda: direct.pool(d_types, k, v, d_rows, d_last, size),
+                "NAtS Triton's launcher: scorer's Linear, plan, attention, rows and ring (PrefillKernels.attend, "
+                "direct=False)": lambda: through.attend(
+                    q, k, v, F.linear(x, w_s).view(B, N, Hkv, 3).transpose(1, 2), core.type_bias
+                ),
+                "NAtS Triton's launcher: pool (PrefillKernels.pool, direct=False)": lambda: through.pool(
+                    d_types, k, v, d_rows, d_last, size
+                ),
             }
         else:
             keep, rank, rows, end, _, _ = sc._nats_rows(types, k, v, W, new)
@@ -194,6 +207,9 @@ def prefill_parts(model, prompt: torch.Tensor, args, device) -> list[dict]:
             out.append(
                 {"part": name, "host_us": statistics.median(host), "gpu_us": statistics.median(gpu) if gpu else None}
             )
+            print(json.dumps(out[-1]), flush=True)
+        if triton:  # how the "direct" rows launched (Triton's launcher where the installed Triton failed a check)
+            out.append({"part": "launches", "direct": direct.launches, "through": through.launches})
             print(json.dumps(out[-1]), flush=True)
     return out
 
@@ -333,6 +349,13 @@ def write(rows: list[dict], args, device, argv, parts: list[dict] | None = None)
         lines += [
             f"| {p['part']} | {p['host_us']:.1f} | {'-' if p['gpu_us'] is None else round(p['gpu_us'], 1)} |"
             for p in parts
+            if "host_us" in p
+        ]
+        lines += [
+            f"\nLaunches of the 'NAtS direct' rows: {', '.join(f'{k} {v}' for k, v in p['direct'].items())}; of the "
+            f"'Triton's launcher' rows: {', '.join(f'{k} {v}' for k, v in p['through'].items())}."
+            for p in parts
+            if p["part"] == "launches"
         ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -163,9 +163,10 @@ class PrefillKernels:
     """The NAtS prefill of a fixed-capacity cache for layers of one kind (`prefill_kernels`): `attend` (the plan
     from the scorer's logits, the attention, the rows and the ring: three launches) and `pool` (one), each launched
     directly after its first call (`_launch.Bound`), with the layer's shapes, strides and launch parameters worked
-    out once here rather than at every layer."""
+    out once here rather than at every layer. ``direct=False``: every launch through Triton's launcher (as with
+    ``NATS_KERNELS_DIRECT_LAUNCH=0``; the benchmarks time both)."""
 
-    def __init__(self, key: tuple):
+    def __init__(self, key: tuple, direct: bool | None = None):
         from nats_kernels.nats_attention.forward import _nats_fwd_kernel, forward_launch  # noqa: PLC0415
         from nats_kernels.nats_attention.plan import PLAN_ROWS, _plan_kernel, chunk  # noqa: PLC0415
 
@@ -184,11 +185,20 @@ class PrefillKernels:
                           Hq // H)  # fmt: skip
         self._rows_ints = (R, N, H, *ks, self.max_new, self.ring_w, D)
         self._pool_ints = (R, N, H, *ks)
-        self._plan = Bound(_plan_kernel, (R,), CH=chunk(N), FROM_WEIGHTS=True, SCORED=True, COMPACT=True, num_warps=4)
+        self._plan = Bound(_plan_kernel, (R,), direct=direct, CH=chunk(N), FROM_WEIGHTS=True, SCORED=True,
+                           COMPACT=True, num_warps=4)  # fmt: skip
         grid, meta = forward_launch(B * Hq, N, D, dtype, store_lse=False)
-        self._fwd = Bound(_nats_fwd_kernel, grid, **meta)
-        self._rows = Bound(_rows_kernel, (R,), **_rows_meta(self.ring_w, D))
-        self._pool = Bound(_pool_kernel, (R,), **_pool_meta(R, D))
+        self._fwd = Bound(_nats_fwd_kernel, grid, direct=direct, **meta)
+        self._rows = Bound(_rows_kernel, (R,), direct=direct, **_rows_meta(self.ring_w, D))
+        self._pool = Bound(_pool_kernel, (R,), direct=direct, **_pool_meta(R, D))
+
+    @property
+    def launches(self) -> dict[str, str]:
+        """How each kernel is launched after its first call: "direct", or "Triton's launcher" with the reason
+        where a check or a direct call failed."""
+        bounds = {"plan": self._plan, "attention": self._fwd, "rows": self._rows, "pool": self._pool}
+        return {k: "direct" if b.direct else "Triton's launcher" + (f" ({b.reason})" if b.reason else "")
+                for k, b in bounds.items()}  # fmt: skip
 
     @staticmethod
     def key(q, k, v, logits, bias, window: int, max_new: int) -> tuple | None:
