@@ -9,7 +9,7 @@ machine (docs/hf_finetune.md):
     python experiments/build_hf_examples.py eval data.num_examples=32         # the test examples, 32 per task
 
 `finetune` composes train.yaml with experiment=finetune_smollm2_nats (plus overrides) and builds its training and
-validation sets as `nats.hf.datamodule.LongContextDataModule` does; `eval` composes eval_hf.yaml (plus overrides)
+validation sets as `nats.finetune.datamodule.LongContextDataModule` does; `eval` composes eval_hf.yaml (plus overrides)
 and builds `data` as `nats-eval-hf` does. Each prints the file and its example count; an existing file is read.
 """
 

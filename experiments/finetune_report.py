@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from nats.hf.analysis import FinetuneRun, load_finetune_run, plot_distillation, plot_finetune_layers
+from nats.finetune.analysis import FinetuneRun, load_finetune_run, plot_distillation, plot_finetune_layers
 
 
 def read_run(run: Path) -> FinetuneRun:
@@ -116,7 +116,7 @@ def report(run: Path, out: Path, name: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        # the notebook's plots (nats.hf.analysis): the distillation curve, the learned KV per layer and KV head
+        # the notebook's plots (nats.finetune.analysis): the distillation curve, the learned KV per layer and KV head
         figures = {"loss": plot_distillation(ft)}
         if stats:
             figures["kv_layers"] = plot_finetune_layers(ft)

@@ -49,7 +49,7 @@ eval)
   SC=${SCORERS:-$DEST/run/scorers.pt}
   [ -f "$SC" ] || { echo "no $SC: run the train mode first, or set SCORERS"; exit 2; }
   t0=$(date +%s)
-  python3 -m nats.hf.evaluate "scorers=$SC" "${PG[@]}" \
+  python3 -m nats.eval_hf "scorers=$SC" "${PG[@]}" \
     "methods=[${METHODS:-full,nats,snapkv,pyramidkv,streaming_llm}]" 'budgets=[0.5,0.25,0.125]' \
     progress=false "hydra.run.dir=$DEST/eval" "$@" 2>&1 | grep -v -i warn | tail -30
   echo "nats-eval-hf: $(( $(date +%s) - t0 )) s"

@@ -28,8 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from nats.data.longctx import read_examples_file  # noqa: E402
 from nats.hf import attach_nats, load_nats_state_dict, nats_density, nats_stats  # noqa: E402
-from nats.hf.evaluate import read_scorers, run_window  # noqa: E402
-from nats.hf.pretrained import SMOLLM2, load_pretrained  # noqa: E402
+from nats.hf.pretrained import SMOLLM2, load_pretrained, read_scorers, run_window  # noqa: E402  # noqa: E402
 
 FRACTIONS = ("frac_global", "frac_local", "frac_sliding")
 

@@ -7,7 +7,7 @@ The runs' rows (``results.jsonl``, one per method, budget and example) are put t
 replacing an earlier one's for the same method, budget, task and example: e.g. the baselines of one run (they do
 not depend on the NAtS scorers) with ``full`` and ``nats`` of a later run with better scorers. Every file must
 hold the same examples (the same prompts) for the methods it is taken for. Writes ``<name>.md`` (the table of
-`nats.hf.evaluate`, then the KV target checked: NAtS at <= ``--target-kv`` of the KV cache within
+`nats.finetune.evaluate`, then the KV target checked: NAtS at <= ``--target-kv`` of the KV cache within
 ``--target-points`` of the full cache's mean accuracy, the baselines at that budget losing >= ``--baseline-loss``,
 with a paired bootstrap interval of each method's difference to the full cache),
 ``<name>.png`` (accuracy against KV kept and KV area) and ``<name>_kv_fractions.json``.
@@ -23,7 +23,7 @@ import argparse
 import json
 from pathlib import Path
 
-from nats.hf.evaluate import _name, kv_fractions, markdown_table, plot, read_rows, row_key, summarize
+from nats.finetune.evaluate import _name, kv_fractions, markdown_table, plot, read_rows, row_key, summarize
 
 
 def merge(files: list[Path], nats: list[tuple[str, Path]] = ()) -> tuple[list[dict], list[dict], list[str], str]:

@@ -8,7 +8,7 @@ examples (docs/kvpress.md).
 The runs' rows are merged as `experiments/hf_study_table.py` merges them (a later file's row replaces an earlier
 one's for the same method, budget, task and example; the prompts must agree). Writes ``<name>.md``:
 
-* the table of `nats.hf.evaluate` (accuracy per task, mean, KV area / peak / kept);
+* the table of `nats.finetune.evaluate` (accuracy per task, mean, KV area / peak / kept);
 * every method against the full cache: the mean difference on the examples both ran and its paired 95% bootstrap
   interval;
 * each ``--pair A=B`` (method@budget, no budget for unbudgeted ones; e.g. the project's method = kvpress'):
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_study_table import merge  # noqa: E402
 
-from nats.hf.evaluate import _name, markdown_table, plot, summarize  # noqa: E402
+from nats.finetune.evaluate import _name, markdown_table, plot, summarize  # noqa: E402
 
 
 def parse_method(text: str) -> tuple[str, float | None]:

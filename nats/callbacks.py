@@ -409,7 +409,7 @@ CHECKPOINTS = ("last", "best")
 
 
 class EvalAfterTraining(Callback):
-    """``nats-eval`` of the run's final checkpoint at the end of training, the same code (``nats.eval.run``), once
+    """``nats-eval`` of the run's final checkpoint at the end of training, the same code (``nats.evaluation.run``), once
     per entry of ``evals``, each into ``<run_dir>/eval_<name>/`` (results.json / .md / .csv, kv_fractions.json, the
     plots). A study's training runs thus leave their evaluations in their own folders, whatever launcher ran them
     (conf/callbacks/eval_after.yaml; docs/figure3.md).
@@ -448,7 +448,7 @@ class EvalAfterTraining(Callback):
             self.checkpoints[name] = which
         self.data = dict(data)
         self.run_dir = Path(run_dir)
-        from nats.eval import compose_eval, plan_runs
+        from nats.evaluation import compose_eval, plan_runs
 
         for name in self.evals:  # a mistyped key or an unusable budget fails now, not after the training
             cfg = compose_eval(self.settings(name))
@@ -495,7 +495,7 @@ class EvalAfterTraining(Callback):
         final = self.final_checkpoint(trainer)  # every rank takes part in saving it
         if not trainer.is_global_zero:
             return
-        from nats.eval import compose_eval, run
+        from nats.evaluation import compose_eval, run
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the training's cached blocks, for the evaluation's batches

@@ -330,7 +330,7 @@ def from_pretrained(name_or_path: str | os.PathLike, map_location: Any = "cpu", 
 # ----------------------------------------------------------------------------------------------------
 def load_checkpoint(path: str | os.PathLike | None) -> PretrainedGPT:
     """The model of a nats-train (LitGPT) Lightning checkpoint, any architecture; clear errors otherwise.
-    (nats.eval.load_checkpoint also refuses the models that the KV caches cannot decode.)"""
+    (nats.evaluation.load_checkpoint also refuses the models that the KV caches cannot decode.)"""
     if path is not None and Path(path).is_dir():
         raise ValueError(f"{path} is a folder, not a checkpoint file: {_CKPT_HINT}")
     model_cfg, weights = read_model_checkpoint(path, str(path), _CKPT_HINT)

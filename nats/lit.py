@@ -25,7 +25,7 @@ LEGACY_OPTIMIZER_KEYS = {"weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
 
 def check_optim_keys(optim: Mapping[str, Any], valid: tuple[str, ...], listed: tuple[str, ...] | None = None) -> None:
     """Unknown keys of `optim` are an error that names the closest valid key of each and lists ``listed`` (default:
-    ``valid``). Shared by every LightningModule's `optim` node (`optimizer_config`, `nats.hf.lit`)."""
+    ``valid``). Shared by every LightningModule's `optim` node (`optimizer_config`, `nats.finetune.lit`)."""
     unknown = sorted(set(optim) - set(valid))
     if unknown:
         hints = [

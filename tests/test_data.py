@@ -454,7 +454,7 @@ def test_every_loader_takes_the_shared_worker_options(monkeypatch):
 
     from nats.data.datamodule import TokenDataModule, worker_options
     from nats.data.tasks import Match2DataModule
-    from nats.hf.datamodule import LongContextDataModule
+    from nats.finetune.datamodule import LongContextDataModule
 
     own = mp.get_all_start_methods()[0]
     monkeypatch.setattr(mp, "get_start_method", lambda allow_none=False: "loky")

@@ -16,7 +16,7 @@ import torch
 
 from conftest import DATA_DIR, compose
 from nats import functional as NF
-from nats.eval import OUTPUT_FILES, run
+from nats.evaluation import OUTPUT_FILES, run
 from nats.lit import LitGPT
 
 TINY = {"vocab_size": 50304, "n_head": 4, "n_kv_head": 2, "n_embd": 32}
@@ -50,7 +50,7 @@ def eval_cfg(ckpt, out: Path, overrides=()):
 def reference_ppl(ckpt: Path, n: int, windows: int, split: str = "test") -> tuple[float, torch.Tensor]:
     """exp(mean NLL) of the checkpoint's own parallel forward over the first `windows` windows; and the windows."""
     from nats.data.datamodule import TokenDataModule
-    from nats.eval import load_checkpoint
+    from nats.evaluation import load_checkpoint
 
     model, _ = load_checkpoint(ckpt)
     model.eval()
@@ -91,7 +91,7 @@ def test_eval_nats_checkpoint_all_methods(tmp_path):
     assert rows[("h2o", 16)]["decode"] == "eager" and rows[("streaming_llm", 16)]["decode"] == "parallel"  # CPU
     # nats: measured fractions = mean over layers, heads and windows of kv_cache_sizes of its types
     from nats.attention.nats import collect_types
-    from nats.eval import load_checkpoint
+    from nats.evaluation import load_checkpoint
 
     model, _ = load_checkpoint(ckpt)
     types = collect_types(model, x)
@@ -138,7 +138,7 @@ def test_eval_sequential_paths_equal_parallel(tmp_path):
 
 def test_eval_dense_checkpoint_skips_nats_with_a_note(tmp_path, caplog):
     ckpt = make_checkpoint(tmp_path / "dense.ckpt", {"name": "dense"}, block_size=64)
-    with caplog.at_level("INFO", logger="nats.eval"):
+    with caplog.at_level("INFO", logger="nats.evaluation"):
         report = run(eval_cfg(ckpt, tmp_path / "out", ["max_windows=1", "methods=[full,streaming_llm,nats]"]))
     # with the bar off (progress=false, as in callbacks.eval_after) a line per evaluated method and budget
     done = [m for m in caplog.messages if m.startswith("nats-eval test ")]
@@ -310,7 +310,7 @@ def test_the_studies_evaluate_the_first_windows():
 def test_the_loss_of_a_batch_is_computed_in_chunks(tmp_path, monkeypatch):
     """A batch whose logits would exceed LOGITS_BYTES runs as chunks of windows: the same perplexity, and the
     policy never sees more windows at once than fit."""
-    import nats.eval as E
+    import nats.evaluation as E
 
     ckpt = make_checkpoint(tmp_path / "dense.ckpt", {"name": "dense"})
     common = ["max_windows=4", "batch_size=4", "methods=[full]"]
@@ -331,7 +331,7 @@ def test_the_loss_of_a_batch_is_computed_in_chunks(tmp_path, monkeypatch):
 
 
 def test_out_of_memory_names_the_setting_to_lower(tmp_path, monkeypatch):
-    import nats.eval as E
+    import nats.evaluation as E
 
     ckpt = make_checkpoint(tmp_path / "dense.ckpt", {"name": "dense"})
 

@@ -1,5 +1,5 @@
-"""nats.hf.analysis: a synthetic nats-eval-hf run folder, written by the runner's own
-summary writer (`nats.hf.evaluate.write_summary`) from rows with known per layer x KV head fractions, and a
+"""nats.finetune.analysis: a synthetic nats-eval-hf run folder, written by the runner's own
+summary writer (`nats.finetune.evaluate.write_summary`) from rows with known per layer x KV head fractions, and a
 synthetic fine-tuning run (csv/metrics.csv, nats_stats.json), read back into tables, arrays and figures; the errors
 for folders that are not such runs; notebooks/hf_kv_budgets.ipynb executed headless on its own offline demo."""
 
@@ -18,8 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 pytest.importorskip("transformers")
 
-from nats.hf import analysis as A  # noqa: E402
-from nats.hf import evaluate as E  # noqa: E402
+from nats.finetune import analysis as A  # noqa: E402
+from nats.finetune import evaluate as E  # noqa: E402
 
 TASKS = ["passkey", "niah"]
 NATS_AREA = np.array([[0.5, 0.3], [0.2, 0.3], [0.2, 0.2]])  # [layer, kv_head], the mean of the two rows below

@@ -19,9 +19,9 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from nats.data.longctx import LongContextExample  # noqa: E402
+from nats.finetune import evaluate as E  # noqa: E402
 from nats.hf import attach_nats, nats_state_dict  # noqa: E402
-from nats.hf import evaluate as E  # noqa: E402
-from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
+from nats.hf.pretrained import read_scorers, save_tiny_random_llama  # noqa: E402
 from nats.train import compose_config  # noqa: E402
 
 WINDOW, BUDGET = 8, 0.25
@@ -236,9 +236,9 @@ def test_read_scorers_of_a_lightning_checkpoint(pretrained, tmp_path):
     sd = torch.load(pretrained / "finetune_run" / "scorers.pt", weights_only=True)
     ckpt = tmp_path / "last.ckpt"
     torch.save({"state_dict": {f"model.{k}": v for k, v in sd.items()}, "hyper_parameters": {"window": 12}}, ckpt)
-    got, window = E.read_scorers(ckpt)
+    got, window = read_scorers(ckpt)
     assert window == 12 and got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
-    assert E.read_scorers(pretrained / "finetune_run" / "scorers.pt")[1] is None
+    assert read_scorers(pretrained / "finetune_run" / "scorers.pt")[1] is None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -294,18 +294,20 @@ def test_window_must_be_known(pretrained, tmp_path):
 
 
 def test_resume_argv(tmp_path):
+    from nats.eval_hf import resume_argv
+
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "overrides.yaml").write_text("- scorers=a.pt\n- budgets=[0.5]\n")
-    got = E.resume_argv([f"resume={tmp_path}", "budgets=[0.25]"])
+    got = resume_argv([f"resume={tmp_path}", "budgets=[0.25]"])
     assert got == ["scorers=a.pt", "budgets=[0.25]", f"hydra.run.dir={tmp_path}"]
     with pytest.raises(FileNotFoundError, match="not a nats-eval-hf run folder"):
-        E.resume_argv([f"resume={tmp_path / 'nope'}"])
+        resume_argv([f"resume={tmp_path / 'nope'}"])
 
 
 def test_ruler_tasks_are_scored_by_their_answers():
     """nats.data.longctx.ruler's tasks list their answers in meta: all of them for the word tasks, any one for QA."""
     from nats.data.longctx import LongContextExample
-    from nats.hf.evaluate import score
+    from nats.finetune.evaluate import score
 
     words = LongContextExample("common_words", [1], [2], {"answers": ["apple", "pear", "plum"], "match": "all"})
     assert score(words, [], "Answer: apple, plum and pear", 0)[0] == 1.0

@@ -24,9 +24,9 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from nats import functional as NF  # noqa: E402
+from nats.finetune.datamodule import LongContextDataModule, _TrainSamples, collate  # noqa: E402
+from nats.finetune.lit import LitNAtSDistill, finetune_lr_at  # noqa: E402
 from nats.hf import attach_nats, load_nats_state_dict, nats_density, nats_state_dict, set_force_type  # noqa: E402
-from nats.hf.datamodule import LongContextDataModule, _TrainSamples, collate  # noqa: E402
-from nats.hf.lit import LitNAtSDistill, finetune_lr_at  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 from nats.train import build, compose_config, run  # noqa: E402
 

@@ -18,7 +18,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from nats.data.longctx import LongContextExample  # noqa: E402
 from nats.data.longctx import longbench as L  # noqa: E402
 from nats.data.longctx import tasks as D  # noqa: E402
-from nats.hf import evaluate as E  # noqa: E402
+from nats.finetune import evaluate as E  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 from nats.train import compose_config  # noqa: E402
 

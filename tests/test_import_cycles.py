@@ -1,15 +1,21 @@
-"""No import cycles between the modules of the `nats` package.
+"""No import cycles between the modules of the `nats` package, and layers that only point down: no module of the
+library imports an entry point (the module of a console script: `nats.train`, `nats.eval`, `nats.eval_hf`, ...).
 
 Static: every module under ``nats/`` is parsed with ``ast`` and each ``import`` / ``from ... import`` naming a nats
 module becomes an edge, wherever it stands (module level or inside a function: a deferred import is still a cycle,
 only one that Python happens to tolerate). Imports under ``if TYPE_CHECKING:`` never run and are left out, and so is
 the implicit import of a module's parent package. ``from nats.a import b`` is an edge to ``nats.a.b`` when that is a
 module, else to ``nats.a``. A failure prints every cycle, with the import lines that make it.
+
+The entry points are the modules that pyproject.toml's ``[project.scripts]`` name: each instantiates and wires what
+the library offers, and nothing imports them (a function the library needs from one belongs in the library, e.g.
+`nats.evaluation` under `nats.eval`). Scripts, tests and notebooks outside the package may import them.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import REPO
@@ -184,3 +190,46 @@ def test_no_import_cycles_in_nats():
     if report:
         print(f"import cycles in nats/:\n{report}")
     assert not cycles, f"import cycles in nats/ (an import inside a function counts too):\n{report}"
+
+
+def entry_points(pyproject: Path = REPO / "pyproject.toml") -> set[str]:
+    """The modules of the console scripts of ``[project.scripts]`` (``nats-eval-hf = "nats.eval_hf:main"``)."""
+    text = pyproject.read_text(encoding="utf-8")
+    section = re.search(r"^\[project\.scripts\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    assert section, "pyproject.toml has no [project.scripts]"
+    return set(re.findall(r'^[\w-]+\s*=\s*"([\w.]+):\w+"', section.group(1), re.M))
+
+
+def layer_violations(graph: dict[str, dict[str, list[str]]], entries: set[str]) -> list[str]:
+    """``"a -> b  (file:line, ...)"`` for every import of an entry point `b` by a module `a` (an entry point
+    included: they import the library, not each other)."""
+    return [
+        f"{module} -> {target}  ({', '.join(lines)})"
+        for module in sorted(graph)
+        for target, lines in sorted(graph[module].items())
+        if target in entries
+    ]
+
+
+def test_the_layer_rule_sees_entry_points_and_function_level_imports(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[project.scripts]\nx-run = "nats.run:main"\n\n[tool.other]\ny = 1\n')
+    pkg = tmp_path / "nats"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "run.py").write_text("from nats import lib\n")
+    (pkg / "lib.py").write_text("def f():\n    from nats.run import main\n")
+    entries = entry_points(tmp_path / "pyproject.toml")
+    assert entries == {"nats.run"}
+    graph = import_graph(module_files(pkg), base=tmp_path)
+    assert layer_violations(graph, entries) == ["nats.lib -> nats.run  (nats/lib.py:2)"]
+
+
+def test_no_module_imports_an_entry_point():
+    """Layers point down: entry points import the library; no module of nats imports an entry point, not even
+    inside a function."""
+    entries = entry_points()
+    assert {"nats.train", "nats.eval", "nats.eval_hf", "nats.generate", "nats.prepare"} <= entries
+    graph = import_graph(module_files())
+    assert entries <= set(graph), f"pyproject.toml names entry points that are not modules: {entries - set(graph)}"
+    bad = layer_violations(graph, entries)
+    assert not bad, "modules of nats import an entry point (move what they need into the library):\n" + "\n".join(bad)

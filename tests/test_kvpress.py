@@ -1,4 +1,4 @@
-"""kvpress as the judge of the baselines (nats.hf.kvpress_methods, docs/kvpress.md), on a tiny random
+"""kvpress as the judge of the baselines (nats.finetune.kvpress_methods, docs/kvpress.md), on a tiny random
 Llama on the CPU. Skipped where kvpress is not installed (it is an optional extra in an environment of its own:
 kvpress 0.5.5 needs transformers < 5.3; CI does not install it).
 
@@ -24,8 +24,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 kvpress = pytest.importorskip("kvpress")
 
-from nats.hf import evaluate as E  # noqa: E402
-from nats.hf import kvpress_methods as K  # noqa: E402
+from nats.finetune import evaluate as E  # noqa: E402
+from nats.finetune import kvpress_methods as K  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 from nats.train import compose_config  # noqa: E402
 

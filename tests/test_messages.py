@@ -190,7 +190,7 @@ def test_odd_rope_head_dimension_shows_the_value_and_the_fix():
 
 @pytest.mark.parametrize("value", [0, -1])
 def test_eval_max_windows_below_one_names_max_windows(tmp_path, value):
-    from nats.eval import evaluate
+    from nats.evaluation import evaluate
 
     cfg = compose(
         [f"ckpt_path={tmp_path}/missing.ckpt", f"max_windows={value}", "progress=false"], tmp_path, config_name="eval"
@@ -207,7 +207,7 @@ def test_eval_model_vocabulary_smaller_than_the_data(tmp_path):
     not an IndexError from the embedding."""
     from test_eval import make_checkpoint
 
-    from nats.eval import evaluate
+    from nats.evaluation import evaluate
 
     ckpt = make_checkpoint(tmp_path / "small.ckpt", {"name": "dense"}, vocab_size=1000)
     cfg = compose(

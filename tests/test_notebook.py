@@ -27,7 +27,7 @@ def test_notebook_is_stored_without_outputs(path):
 def test_notebook_runs_on_a_trained_and_evaluated_model(tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
-    from nats.eval import run as run_eval
+    from nats.evaluation import run as run_eval
     from nats.train import run as run_train
 
     n = torch.get_num_threads()

@@ -30,7 +30,7 @@ def sparsity_loss(density: torch.Tensor, sparsity_lambda: float, n_layer: int) -
     layer's rho per (sequence, KV head), ``[B, Hkv]``. Summed over the model's ``n_layer`` layers it is lambda times
     the mean of rho over sequences, layers and KV heads. This is what ``sparsity_lambda`` means everywhere: in the
     native model (`NAtSAttention`'s auxiliary loss, which the GPT sums and `nats.lit.LitGPT` adds to the
-    cross-entropy) and in the distillation of a pretrained model's scorers (`nats.hf.lit.LitNAtSDistill`, which
+    cross-entropy) and in the distillation of a pretrained model's scorers (`nats.finetune.lit.LitNAtSDistill`, which
     adds it to the MSE). Its default is the config's, ``conf/model/attention/nats.yaml``."""
     return sparsity_lambda * density.mean() / n_layer
 
@@ -67,7 +67,10 @@ class NAtSAttention(AttentionCore):
     ):
         super().__init__(dims)
         if not isinstance(window, int) or window < 1:
-            raise ValueError(f"nats attention: window must be an integer >= 1, got {window!r}")
+            raise ValueError(
+                f"model.attention.window={window!r}: nats attention's sliding window must be an integer >= 1 (the "
+                "tokens a sliding token stays visible for), e.g. model.attention.window=16"
+            )
         if tau <= 0:
             raise ValueError(f"nats attention: tau must be > 0, got {tau}")
         if sparsity_lambda < 0:

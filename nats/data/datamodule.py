@@ -611,7 +611,7 @@ class ResumableDataModule(L.LightningDataModule):
     (`ResumableSampler`, `ResumableDataLoader`). Evaluation reads every item once (`StridedSampler`).
 
     Subclasses set ``micro_batch_size`` and give `_one_pass_batches`; `TokenDataModule`,
-    `nats.data.tasks.TaskDataModule` and `nats.hf.datamodule.LongContextDataModule` are written on it.
+    `nats.data.tasks.TaskDataModule` and `nats.finetune.datamodule.LongContextDataModule` are written on it.
     """
 
     micro_batch_size: int

@@ -1,7 +1,7 @@
 """Read and plot a `nats-eval-hf` run folder and a NAtS fine-tuning run (the notebook
 ``notebooks/hf_kv_budgets.ipynb``).
 
-    from nats.hf import analysis as A
+    from nats.finetune import analysis as A
 
     run = A.load_eval_run("logs/eval_hf/runs/<run>")      # summary.json + kv_fractions.json (+ run.json)
     print(A.format_table(run))                             # accuracy per task and method @ budget, KV fractions
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from nats.hf.evaluate import KV_FRACTIONS, PLOT, RESULTS, SETTINGS, SUMMARY, _name
+from nats.finetune.evaluate import KV_FRACTIONS, PLOT, RESULTS, SETTINGS, SUMMARY, _name
 
 TYPES = ("global", "local", "sliding")
 #: the per layer x KV head arrays of kv_fractions.json
@@ -348,101 +348,81 @@ def plot_finetune_layers(ft: FinetuneRun, run: EvalRun | None = None):
 def demo_runs(root: str | Path, n_layer: int = 4, steps: int = 6, quiet: bool = True) -> tuple[Path, Path]:
     """``(eval run, fine-tuning run)`` under `root`: a random `n_layer`-layer Llama (hidden 64, 4 heads / 2 KV
     heads) with a byte-level BPE tokenizer trained on the data generators' text, its NAtS scorers (W = 16)
-    fine-tuned for `steps` steps (csv logger), and `nats-eval-hf` on 2 examples each of passkey, niah and variable
-    tracking (280-320 tokens) with full, nats, streaming_llm, snapkv and pyramidkv at budgets 0.5 and 0.25. The
-    model is random: every accuracy is ~0, only the KV fractions mean something. Reused if already there.
-    ``quiet``: without the runs' log messages, warnings and progress bars (restored afterwards)."""
-    import logging
-    import warnings
+    fine-tuned for `steps` steps by ``nats-train`` (csv logger), and ``nats-eval-hf`` on 2 examples each of
+    passkey, niah and variable tracking (280-320 tokens) with full, nats, streaming_llm, snapkv and pyramidkv at
+    budgets 0.5 and 0.25: the two commands run as a user runs them (:func:`demo_commands`), each in a process of
+    its own. The model is random: every accuracy is ~0, only the KV fractions mean something. Reused if already
+    there. ``quiet``: the commands' output is kept (and shown only if one fails)."""
+    import subprocess
+    import sys
 
-    import matplotlib
-    import matplotlib.pyplot as plt
-    from transformers.utils import logging as hf_logging
-
-    import nats.train  # noqa: F401 - Lightning sets its loggers' levels when first imported
-
-    loggers = {name: logging.getLogger(name) for name in ("nats", "lightning.pytorch", "lightning.fabric")}
-    levels = {name: lg.level for name, lg in loggers.items()}
-    bars = hf_logging.is_progress_bar_enabled()
-    backend = matplotlib.get_backend()  # keep the notebook's backend whatever the runner does
-    try:
-        with warnings.catch_warnings():
-            if quiet:
-                warnings.simplefilter("ignore")
-                hf_logging.disable_progress_bar()
-                for lg in loggers.values():
-                    lg.setLevel(logging.WARNING)
-            return _demo_runs(Path(root), n_layer, steps)
-    finally:
-        for name, lg in loggers.items():
-            lg.setLevel(levels[name])
-        if bars:
-            hf_logging.enable_progress_bar()
-        plt.switch_backend(backend)
-
-
-def _demo_runs(root: Path, n_layer: int, steps: int) -> tuple[Path, Path]:
-
-    from nats.hf import evaluate as E
+    from nats.finetune.evaluate import SUMMARY
     from nats.hf.pretrained import save_tiny_random_llama
-    from nats.train import compose_config
-    from nats.train import run as run_train
 
-    model, ft, ev, data = root / "model", root / "finetune", root / "eval", root / "data"
+    root = Path(root)
+    model, ft, ev = root / "model", root / "finetune", root / "eval"
     if not (model / "config.json").is_file():
         save_tiny_random_llama(model, n_layer=n_layer)
+    train, evaluate = demo_commands(root, steps)
+    for done, (module, overrides) in ((ft / "scorers.pt", train), (ev / SUMMARY, evaluate)):
+        if done.is_file():
+            continue
+        cmd = [sys.executable, "-m", module, *overrides]
+        res = subprocess.run(cmd, capture_output=quiet, text=True, check=False)
+        if res.returncode != 0:
+            output = f":\n{(res.stdout or '')[-2000:]}{(res.stderr or '')[-4000:]}" if quiet else ""
+            raise RuntimeError(f"the demo's command failed (exit status {res.returncode}): {' '.join(cmd)}{output}")
+    return ev, ft
+
+
+def demo_commands(root: str | Path, steps: int = 6) -> tuple[tuple[str, list[str]], tuple[str, list[str]]]:
+    """The demo's two commands as ``(module, overrides)``: ``nats-train`` fine-tuning the scorers of the model in
+    ``root/model`` into ``root/finetune``, then ``nats-eval-hf`` of those scorers into ``root/eval``."""
+    root = Path(root)
+    model, ft, ev, data = root / "model", root / "finetune", root / "eval", root / "data"
     common = [f"paths.data_dir={data}", f"hf_model.name_or_path={model}", "hf_model.max_context=512"]
     common += ["data.pg19_path=null"]
-    if not (ft / "scorers.pt").is_file():
-        run_train(
-            compose_config(
-                [
-                    *common,
-                    f"paths.output_dir={ft}",
-                    f"paths.log_dir={ft}/logs",
-                    "experiment=finetune_smollm2_nats",
-                    "trainer=cpu",
-                    "trainer.enable_progress_bar=false",
-                    "+trainer.enable_model_summary=false",
-                    "data.max_length=384",
-                    "data.min_length=320",
-                    "data.tasks=[passkey,niah]",
-                    "data.num_examples=4",
-                    "data.num_val_examples=1",
-                    "module.window=16",
-                    "module.init_std=0.5",
-                    "global_batch_size=1",
-                    f"trainer.max_steps={steps}",
-                    f"optim.max_steps={steps}",
-                    "eval_every=2",
-                    "logger=csv",
-                    "trainer.log_every_n_steps=1",
-                    "callbacks.progress_bar=null",
-                    "callbacks.throughput=null",
-                    "final_validation=false",
-                ]
-            )
-        )
-    if not (ev / SUMMARY).is_file():
-        E.run(
-            compose_config(
-                [
-                    *common,
-                    f"paths.output_dir={ev}",
-                    f"paths.log_dir={ev}/logs",
-                    f"scorers={ft / 'scorers.pt'}",
-                    "methods=[full,nats,streaming_llm,snapkv,pyramidkv]",
-                    "budgets=[0.5,0.25]",
-                    "data.tasks=[passkey,niah,variable_tracking]",
-                    "data.num_examples=2",
-                    "data.max_length=320",
-                    "data.min_length=280",
-                    "answer_margin=2",
-                    "device=cpu",
-                    "backend=torch",
-                    "progress=false",
-                ],
-                "eval_hf",
-            )
-        )
-    return ev, ft
+    train = [
+        *common,
+        f"hydra.run.dir={ft}",
+        f"paths.output_dir={ft}",
+        f"paths.log_dir={ft}/logs",
+        "experiment=finetune_smollm2_nats",
+        "trainer=cpu",
+        "trainer.enable_progress_bar=false",
+        "+trainer.enable_model_summary=false",
+        "data.max_length=384",
+        "data.min_length=320",
+        "data.tasks=[passkey,niah]",
+        "data.num_examples=4",
+        "data.num_val_examples=1",
+        "module.window=16",
+        "module.init_std=0.5",
+        "global_batch_size=1",
+        f"trainer.max_steps={steps}",
+        f"optim.max_steps={steps}",
+        "eval_every=2",
+        "logger=csv",
+        "trainer.log_every_n_steps=1",
+        "callbacks.progress_bar=null",
+        "callbacks.throughput=null",
+        "final_validation=false",
+    ]
+    evaluate = [
+        *common,
+        f"hydra.run.dir={ev}",
+        f"paths.output_dir={ev}",
+        f"paths.log_dir={ev}/logs",
+        f"scorers={ft / 'scorers.pt'}",
+        "methods=[full,nats,streaming_llm,snapkv,pyramidkv]",
+        "budgets=[0.5,0.25]",
+        "data.tasks=[passkey,niah,variable_tracking]",
+        "data.num_examples=2",
+        "data.max_length=320",
+        "data.min_length=280",
+        "answer_margin=2",
+        "device=cpu",
+        "backend=torch",
+        "progress=false",
+    ]
+    return ("nats.train", train), ("nats.eval_hf", evaluate)

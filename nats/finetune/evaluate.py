@@ -1,9 +1,5 @@
-"""`nats-eval-hf`: long-context accuracy against KV budget of a Hugging Face model (docs/hf_eval.md).
-
-    nats-eval-hf scorers=logs/finetune_smollm2_nats/runs/<run>/scorers.pt
-    nats-eval-hf hf_model=smollm2_135m scorers=<run>/scorers.pt methods=[full,nats,snapkv,h2o,streaming_llm] \
-        budgets=[0.5,0.25,0.125]
-    nats-eval-hf resume=logs/eval_hf/runs/<run>       # continue an interrupted run in its folder
+"""Long-context accuracy against KV budget of a Hugging Face model: the library of `nats-eval-hf` (its entry point
+is `nats.eval_hf`; docs/hf_eval.md).
 
 The pretrained model (``hf_model``, `nats.hf.pretrained.load_pretrained`), with NAtS attached and its fine-tuned
 scorer weights loaded when ``scorers`` is given (else `use_policy_caches`), answers the long-context examples of
@@ -43,23 +39,20 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from nats.attention.nats import check_type_bias, set_type_bias
 from nats.cache.registry import get_cache_class
 from nats.data.longctx import LongContextExample, load_or_build_examples
 from nats.data.longctx.longbench import fingerprint, load_longbench
-from nats.data.longctx.scoring import (  # noqa: F401 (nats.hf.evaluate.score & co. stay importable)
+from nats.data.longctx.scoring import (  # noqa: F401 (nats.finetune.evaluate.score & co. stay importable)
     _round,
     budget_tokens,
     key_of,
@@ -70,10 +63,10 @@ from nats.data.longctx.scoring import (  # noqa: F401 (nats.hf.evaluate.score & 
     score,
     token_accuracy,
 )
-from nats.eval import configured_methods
+from nats.evaluation import configured_methods
 from nats.hf.compat import cache_kwargs
-from nats.hf.pretrained import PRETRAINED_KEYS
-from nats.utils import CONF_DIR, atomic_path, atomic_write, resolve_device
+from nats.hf.pretrained import PRETRAINED_KEYS, prepare_model, type_bias_of
+from nats.utils import atomic_path, atomic_write, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +95,7 @@ def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
     """The (method, budget fraction) runs; raises on unknown methods, `nats` without scorers and bad budgets."""
     runs = []
     for method, pcfg, cls, options in configured_methods(cfg):
-        if pcfg.get("kvpress"):  # a kvpress press (conf/kvpress/*.yaml; nats.hf.kvpress_methods)
+        if pcfg.get("kvpress"):  # a kvpress press (conf/kvpress/*.yaml; nats.finetune.kvpress_methods)
             runs += _plan_kvpress(cfg, method, pcfg)
             continue
         if not cls.decodable:
@@ -135,7 +128,7 @@ def _budgets(cfg: DictConfig, method: str) -> list[float]:
 
 def _plan_kvpress(cfg: DictConfig, method: str, pcfg: DictConfig) -> list[dict[str, Any]]:
     """The runs of a kvpress method (``kvpress: <press>`` in its config), at every budget; kvpress must import."""
-    from nats.hf.kvpress_methods import PRESSES, kvpress_module
+    from nats.finetune.kvpress_methods import PRESSES, kvpress_module
 
     press = str(pcfg.kvpress)
     if press not in PRESSES:
@@ -166,7 +159,7 @@ def check_budgets(runs: list[dict[str, Any]], examples: list[LongContextExample]
         if run["budget"] is None:
             continue
         if "press" in run:
-            from nats.hf.kvpress_methods import check_budget as check  # noqa: PLC0415
+            from nats.finetune.kvpress_methods import check_budget as check  # noqa: PLC0415
 
             def check(b, n, _check=check, _press=run["press"], **options):
                 _check(_press, b, n, **options)
@@ -192,70 +185,6 @@ def load_model(hf_model: DictConfig, device: torch.device) -> tuple[Any, Any]:
     from nats.hf.pretrained import load_pretrained, pretrained_kwargs  # transformers, imported when needed
 
     return load_pretrained(**pretrained_kwargs(hf_model), device=device)
-
-
-def read_scorers(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int | None]:
-    """``(scorer state dict, window W or None)`` of a ``scorers.pt`` (`nats.hf.nats_state_dict`) or of a
-    fine-tuning run's Lightning checkpoint (its ``model.``-prefixed scorer keys and ``hyper_parameters.window``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"scorers={path} does not exist: pass <fine-tuning run>/scorers.pt (or its .ckpt)")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any failure to read is the same problem for the user
-        raise ValueError(f"scorers={path} is not a readable torch file ({type(err).__name__}: {err})") from err
-    window = None
-    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):  # a Lightning checkpoint
-        window = (obj.get("hyper_parameters") or {}).get("window")
-        obj = {k.removeprefix("model."): v for k, v in obj["state_dict"].items() if ".nats_scorer." in k}
-    if not isinstance(obj, dict) or not obj or not all(".nats_scorer." in k for k in obj):
-        raise ValueError(f"scorers={path} holds no NAtS scorer weights (keys '...nats_scorer...'): not a scorers.pt")
-    return obj, window
-
-
-def run_window(path: Path) -> int | None:
-    """The window W of the fine-tuning run that wrote `path`: its nats_stats.json or .hydra/config.yaml."""
-    stats = path.parent / "nats_stats.json"
-    if stats.is_file():
-        return json.loads(stats.read_text()).get("window")
-    config = path.parent / ".hydra" / "config.yaml"
-    if config.is_file():
-        return OmegaConf.select(OmegaConf.load(config), "module.window")
-    return None
-
-
-def prepare_model(cfg: DictConfig, model: Any) -> int | None:
-    """Attach NAtS and load the scorer weights (``scorers`` given), else route attention through the policy caches;
-    returns the NAtS window W (None without scorers)."""
-    from nats.hf import attach_nats, load_nats_state_dict, use_policy_caches
-
-    if not cfg.get("scorers"):
-        if type_bias_of(cfg):
-            raise ValueError("type_bias offsets NAtS scorers' logits: pass scorers=<run>/scorers.pt or drop type_bias")
-        use_policy_caches(model)
-        return None
-    path = Path(cfg.scorers)
-    state, window = read_scorers(path)
-    window = cfg.get("window") or window or run_window(path)
-    if not window:
-        raise ValueError(
-            f"the NAtS window W of scorers={path} is not known (no nats_stats.json or .hydra/config.yaml beside "
-            "it): pass window=W (module.window of its fine-tuning run)"
-        )
-    attach_nats(model, window=int(window))  # its prefill kernel: Triton on CUDA, the reference elsewhere
-    try:
-        load_nats_state_dict(model, state)
-    except KeyError as err:
-        raise ValueError(f"scorers={path} does not fit hf_model={cfg.hf_model.name_or_path}: {err}") from None
-    set_type_bias(model, type_bias_of(cfg))
-    model.eval()
-    return int(window)
-
-
-def type_bias_of(cfg: DictConfig) -> list[float] | None:
-    """The NAtS inference type-logit offsets of the run (``type_bias``), None if unset or all zero."""
-    bias = check_type_bias(cfg.get("type_bias"))
-    return bias if any(bias) else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -296,8 +225,8 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
     """Answer one example with `run`'s method and budget; its score and KV measurements (a row)."""
     from nats.hf import PolicyCache
 
-    if "press" in run:  # kvpress: its press on a transformers DynamicCache (nats.hf.kvpress_methods)
-        from nats.hf.kvpress_methods import evaluate_one as evaluate_press  # noqa: PLC0415
+    if "press" in run:  # kvpress: its press on a transformers DynamicCache (nats.finetune.kvpress_methods)
+        from nats.finetune.kvpress_methods import evaluate_one as evaluate_press  # noqa: PLC0415
 
         return evaluate_press(model, tokenizer, example, run, cfg)
     prompt = example.prompt_ids
@@ -602,42 +531,3 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     log.info(markdown_table(summary, tasks, header))
     log.info(f"outputs in {out.resolve()}")
     return {"summary": summary, "rows": rows, "computed": computed}
-
-
-def resume_argv(argv: list[str]) -> list[str]:
-    """``resume=<run folder>`` replaced by the run's own overrides (``.hydra/overrides.yaml``), the given ones
-    (which win) and ``hydra.run.dir=<run folder>``."""
-    import yaml
-
-    values = [a.split("=", 1)[1] for a in argv if a.startswith("resume=")]
-    if not values:
-        return argv
-    folder = Path(values[-1])
-    saved_file = folder / ".hydra" / "overrides.yaml"
-    if not saved_file.is_file():
-        raise FileNotFoundError(f"resume={folder}: {saved_file} not found, so it is not a nats-eval-hf run folder")
-    given = [a for a in argv if not a.startswith("resume=")]
-    keys = {a.split("=", 1)[0].lstrip("+~") for a in given}
-    saved = [str(o) for o in yaml.safe_load(saved_file.read_text()) or []]
-    return [o for o in saved if o.split("=", 1)[0].lstrip("+~") not in keys] + given + [f"hydra.run.dir={folder}"]
-
-
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval_hf")
-def _hydra_main(cfg: DictConfig) -> None:
-    if cfg.get("print_config"):
-        print(OmegaConf.to_yaml(cfg))
-    run(cfg)
-
-
-def main() -> None:
-    """`nats-eval-hf`; ``resume=<run folder>`` continues that run in its folder."""
-    try:
-        argv = resume_argv(sys.argv[1:])
-    except FileNotFoundError as err:
-        sys.exit(f"nats-eval-hf: {err}")
-    sys.argv = [sys.argv[0], *argv]
-    _hydra_main()
-
-
-if __name__ == "__main__":
-    main()

@@ -244,7 +244,7 @@ def accounting(prompt_len: int, kept: int, fed: int) -> dict[str, float]:
 
 
 def evaluate_one(model, tokenizer, example, run: dict[str, Any], cfg) -> dict[str, Any]:
-    """`nats.hf.evaluate.evaluate_one` for a kvpress method: the same row (score and KV measurements)."""
+    """`nats.finetune.evaluate.evaluate_one` for a kvpress method: the same row (score and KV measurements)."""
     from nats.data.longctx import scoring as E
 
     prompt = example.prompt_ids

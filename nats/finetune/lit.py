@@ -7,7 +7,7 @@ them so that the NAtS model (the student) reproduces the same model with dense a
     loss = MSE(student final hidden states, teacher final hidden states; answer span) + lambda * mean(rho)
 
 The hidden states are the decoder's output after its final norm (``model.model(...).last_hidden_state``, not the
-logits); the answer span is the positions that predict the answer tokens (`nats.hf.datamodule.answer_mask`); the
+logits); the answer span is the positions that predict the answer tokens (`nats.finetune.datamodule.answer_mask`); the
 sparsity term is the native model's, `nats.attention.nats.sparsity_loss` summed over the layers: lambda times the
 mean KV density rho (the area fraction, differentiable in the scorers) over sequences, layers and KV heads, which is
 `nats.hf.nats_density` (logged as ``train/density``). ``sparsity_lambda`` has no default here: the experiment config

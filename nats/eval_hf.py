@@ -1,0 +1,56 @@
+"""`nats-eval-hf`: long-context accuracy against KV budget of a Hugging Face model (docs/hf_eval.md); the work is
+`nats.finetune.evaluate.run`.
+
+    nats-eval-hf scorers=logs/finetune_smollm2_nats/runs/<run>/scorers.pt
+    nats-eval-hf hf_model=smollm2_135m scorers=<run>/scorers.pt methods=[full,nats,snapkv,h2o,streaming_llm] \
+        budgets=[0.5,0.25,0.125]
+    nats-eval-hf resume=logs/eval_hf/runs/<run>       # continue an interrupted run in its folder
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from nats.cli import check_hf_model, console, guarded
+from nats.finetune.evaluate import run
+from nats.utils import CONF_DIR
+
+
+def resume_argv(argv: list[str]) -> list[str]:
+    """``resume=<run folder>`` replaced by the run's own overrides (``.hydra/overrides.yaml``), the given ones
+    (which win) and ``hydra.run.dir=<run folder>``."""
+    import yaml
+
+    values = [a.split("=", 1)[1] for a in argv if a.startswith("resume=")]
+    if not values:
+        return argv
+    folder = Path(values[-1])
+    saved_file = folder / ".hydra" / "overrides.yaml"
+    if not saved_file.is_file():
+        raise FileNotFoundError(f"resume={folder}: {saved_file} not found, so it is not a nats-eval-hf run folder")
+    given = [a for a in argv if not a.startswith("resume=")]
+    keys = {a.split("=", 1)[0].lstrip("+~") for a in given}
+    saved = [str(o) for o in yaml.safe_load(saved_file.read_text()) or []]
+    return [o for o in saved if o.split("=", 1)[0].lstrip("+~") not in keys] + given + [f"hydra.run.dir={folder}"]
+
+
+def _job(cfg: DictConfig) -> dict:
+    check_hf_model(cfg)  # a model not on this machine: one line with the fix, before transformers' retries
+    return run(cfg)
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval_hf")
+def _hydra_main(cfg: DictConfig) -> None:
+    guarded("nats-eval-hf", cfg, _job)  # one line on the console for a failure (nats.cli)
+
+
+def main() -> None:
+    """`nats-eval-hf`; ``resume=<run folder>`` continues that run in its folder."""
+    console("nats-eval-hf", "eval_hf", _hydra_main, lambda argv, notes: resume_argv(argv))
+
+
+if __name__ == "__main__":
+    main()
