@@ -26,3 +26,17 @@ def _interpret() -> bool:
 
 
 INTERPRET = _interpret()  # True: the kernels run in Triton's CPU interpreter
+
+
+def triton_cache_dir() -> str:
+    """Triton's own default cache folder: ``$TRITON_HOME/.triton/cache``, ``~/.triton/cache`` without TRITON_HOME."""
+    return os.path.join(os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache")
+
+
+# Compiled kernels and the kernels' autotune choices (nats_attention/_env.autotune) are kept in Triton's cache
+# folder. Unset, torch.compile sets TRITON_CACHE_DIR to a folder under the system's temporary folder
+# (/tmp/torchinductor_<user>/triton/<device>) when it compiles its first Triton kernel, which a cluster's job often
+# gets afresh: every run would compile and tune again. So Triton's own default is set here, before anything
+# compiles; a TRITON_CACHE_DIR set by the user wins.
+if not INTERPRET:
+    os.environ.setdefault("TRITON_CACHE_DIR", triton_cache_dir())

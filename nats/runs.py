@@ -213,11 +213,20 @@ def _override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def resume_argv(argv: list[str], runs_dir: str | os.PathLike, notes: list[str] | None = None) -> list[str]:
+def resume_argv(
+    argv: list[str],
+    runs_dir: str | os.PathLike | None,
+    notes: list[str] | None = None,
+    *,
+    program: str = "nats-train",
+    checkpoint: bool = True,
+) -> list[str]:
     """Command-line arguments with ``resume=<run folder>`` (or ``resume=latest``) replaced by the run's own
     overrides (``<run>/.hydra/overrides.yaml``), the given ones (which win over the saved ones of the same key),
-    ``hydra.run.dir=<run folder>`` and ``ckpt_path=auto``. Without ``resume=``: ``argv`` unchanged. ``notes``
-    gets which run ``resume=latest`` took and why."""
+    ``hydra.run.dir=<run folder>`` and, for a run that resumes from a checkpoint (``checkpoint``: nats-train),
+    ``ckpt_path=auto``. Without ``resume=``: ``argv`` unchanged. ``resume=latest`` takes the newest run with a
+    checkpoint under ``runs_dir`` (None: not offered); ``notes`` gets which run it took and why. Every console
+    script that continues a run in its folder (``nats-train``, ``nats-eval-hf``) reads ``resume=`` here."""
     import yaml
 
     values = [a.split("=", 1)[1] for a in argv if a.startswith("resume=")]
@@ -231,6 +240,8 @@ def resume_argv(argv: list[str], runs_dir: str | os.PathLike, notes: list[str] |
             "resumes with hydra.run.dir=<its folder> ckpt_path=auto, or rerun the sweep"
         )
     if values[0] == "latest":
+        if runs_dir is None:
+            raise ValueError(f"resume=latest is not offered by {program}: pass the run folder (resume=<run folder>)")
         folder, why = pick_latest_run(runs_dir)
         if notes is not None:
             notes.append(f"resume=latest: {folder}, {why}")
@@ -238,10 +249,14 @@ def resume_argv(argv: list[str], runs_dir: str | os.PathLike, notes: list[str] |
         folder = Path(values[0])
     saved_file = folder / ".hydra" / "overrides.yaml"
     if not saved_file.is_file():
+        how = (
+            "Pass a run folder (logs/train/runs/<date>_<time>_<id>), or resume a checkpoint file directly "
+            "with ckpt_path=<file> (new run folder, same step)"
+            if checkpoint
+            else "Pass the folder of one of its runs (logs/<task>/runs/<date>_<time>_<id>)"
+        )
         raise FileNotFoundError(
-            f"resume={values[0]}: {saved_file} not found, so {folder} is not the folder of a nats-train run. "
-            f"Pass a run folder (logs/train/runs/<date>_<time>_<id>), or resume a checkpoint file directly "
-            f"with ckpt_path=<file> (new run folder, same step)"
+            f"resume={values[0]}: {saved_file} not found, so {folder} is not the folder of a {program} run. {how}"
         )
     given = [a for a in argv if not a.startswith("resume=")]
     given_keys = {_override_key(a) for a in given if "=" in a and not a.startswith("-")}
@@ -249,7 +264,7 @@ def resume_argv(argv: list[str], runs_dir: str | os.PathLike, notes: list[str] |
     kept = [o for o in saved if _override_key(o) not in given_keys | {"ckpt_path", "hydra.run.dir"}]
     if "hydra.run.dir" in given_keys:
         raise ValueError("resume= sets hydra.run.dir to the run folder; do not give both")
-    extra = [] if "ckpt_path" in given_keys else ["ckpt_path=auto"]
+    extra = [] if "ckpt_path" in given_keys or not checkpoint else ["ckpt_path=auto"]
     return kept + given + extra + [f"hydra.run.dir={folder}"]
 
 

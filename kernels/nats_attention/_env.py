@@ -4,7 +4,12 @@
 which Python imports before this module, so before any kernel is defined.
 """
 
+import hashlib
+import inspect
+import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -66,19 +71,154 @@ def configs(cfgs: list, interpret_cfg) -> list:
     return cfgs if AUTOTUNE else cfgs[:1]
 
 
-def autotune(configs: list, key: list[str]):
-    """``triton.autotune`` whose choices are kept on disk, in Triton's cache (``TRITON_CACHE_DIR``, by default
-    ``~/.triton/cache``), keyed by the kernel's source, the GPU's architecture, the key's values and the configs:
-    a later process on the same kind of GPU skips the benchmarking (the SmolLM2 fine-tune's first step took
-    195-283 s in a fresh process, 1.1 s with the kept choices). Delete the cache folder to tune again, or set
-    NATS_KERNELS_AUTOTUNE_CACHE=0 to tune in every process (as flash-linear-attention's FLA_CACHE_RESULTS)."""
-    import inspect
+# NATS_KERNELS_AUTOTUNE_CACHE=0: tune in every process instead of keeping the choices on disk (`autotune`)
+AUTOTUNE_CACHE = os.environ.get("NATS_KERNELS_AUTOTUNE_CACHE", "1") != "0"
+# What a first run's tuning costs (the line `announce_tuning` prints): on one H100, GPT-2-small's NAtS training
+# (fig3_nats) reached its first step after 82 s, the SmolLM2 fine-tune (more shapes) after 404 s.
+TUNING_TIME = "about 1-7 min"
 
-    extra = {}
-    keep = os.environ.get("NATS_KERNELS_AUTOTUNE_CACHE", "1") != "0"
-    if keep and not INTERPRET and "cache_results" in inspect.signature(triton.autotune).parameters:
+
+def triton_cache_dir() -> str:
+    """Triton's cache folder (compiled kernels and kept autotune choices): ``TRITON_CACHE_DIR``, by default
+    ``~/.triton/cache`` (``TRITON_HOME`` instead of ``~``); the kernels package sets the default explicitly so that
+    torch.compile does not move it to a temporary folder (``kernels/__init__.py``)."""
+    from .. import triton_cache_dir as default  # noqa: PLC0415
+
+    return os.environ.get("TRITON_CACHE_DIR") or default()
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "the CPU"
+
+
+_announced = False
+
+
+def announce_tuning() -> None:
+    """Say, once per process, that the kernels are being tuned (the first run on a GPU kind and Triton version)."""
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    print(
+        f"nats: tuning the Triton kernels for {gpu_name()} (first run on this GPU, Triton "
+        f"{getattr(triton, '__version__', '?')} and shape: {TUNING_TIME}; later runs reuse the choices kept in "
+        f"{triton_cache_dir()})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _benchmarker():
+    from triton.runtime.driver import driver  # noqa: PLC0415
+
+    get = getattr(driver.active, "get_benchmarker", None)
+    if get is not None:
+        return get()
+    from triton.testing import do_bench  # noqa: PLC0415
+
+    return do_bench
+
+
+def _announcing_bench(kernel_call, quantiles):
+    """Triton's benchmark of one autotune config, after `announce_tuning`: Triton benchmarks only where it has no
+    choice kept for the kernel, GPU architecture, Triton version and key, so the line shows on a first run."""
+    announce_tuning()
+    return _benchmarker()(kernel_call, quantiles=quantiles)
+
+
+def autotune_options(params, keep: bool | None = None) -> tuple[dict, bool]:
+    """(keyword arguments for ``triton.autotune``, whether the project keeps the choices itself) for a
+    ``triton.autotune`` taking ``params``: Triton's own ``cache_results`` where it has it (3.3 or later), the
+    project's file otherwise (`keep_choices`); the benchmark announced (``do_bench``, 3.2 or later)."""
+    keep = AUTOTUNE_CACHE if keep is None else keep
+    extra = {"do_bench": _announcing_bench} if "do_bench" in params else {}
+    if keep and "cache_results" in params:
         extra["cache_results"] = True
-    return triton.autotune(configs=configs, key=key, **extra)
+        keep = False
+    return extra, keep
+
+
+def autotune(configs: list, key: list[str]):
+    """``triton.autotune`` whose choices are kept on disk, in Triton's cache folder (`triton_cache_dir`), keyed by
+    the kernel's source, the GPU (Triton: its architecture; the project's file: its name), the Triton version, the
+    key's values (with the tensors' dtypes) and the configs: a later process on the same kind of GPU skips the
+    benchmarking (the SmolLM2 fine-tune's first step took 195-283 s in a fresh process, 1.1 s with the kept
+    choices). A process that benchmarks says so in one line first (`announce_tuning`). Delete the cache folder to
+    tune again, or set NATS_KERNELS_AUTOTUNE_CACHE=0 to tune in every process (as flash-linear-attention's
+    FLA_CACHE_RESULTS)."""
+    if INTERPRET:
+        return triton.autotune(configs=configs, key=key)
+    extra, keep = autotune_options(inspect.signature(triton.autotune).parameters)
+    decorate = triton.autotune(configs=configs, key=key, **extra)
+    if not keep:
+        return decorate
+    return lambda fn: keep_choices(decorate(fn))
+
+
+def tuning_file(kernel: str, source: str, configs: list, gpu: str, version: str, folder: str) -> Path:
+    """The project's file of a kernel's autotune choices (Triton without ``cache_results``): one per kernel source,
+    configs, GPU name and Triton version, in ``<folder>/nats_autotune/``."""
+    what = json.dumps([kernel, source, [str(c) for c in configs], gpu, version])
+    return Path(folder) / "nats_autotune" / f"{kernel}-{hashlib.sha256(what.encode()).hexdigest()[:20]}.json"
+
+
+def _source_key(fn) -> str:
+    while not inspect.isfunction(fn) and hasattr(fn, "fn"):
+        key = getattr(fn, "cache_key", None)
+        if isinstance(key, str):
+            return key
+        fn = fn.fn
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+
+
+def keep_choices(tuner):
+    """Keep an autotuner's choices in `tuning_file` (for a Triton without ``cache_results``): read before its first
+    call in a process, written after a call that tuned a new key. Returns the tuner."""
+    run, state = tuner.run, {}
+
+    def kept_run(*args, **kwargs):
+        if "path" not in state:
+            name = getattr(tuner.fn, "__name__", None) or getattr(tuner.base_fn, "__name__", "kernel")
+            path = state["path"] = tuning_file(name, _source_key(tuner.fn), tuner.configs, gpu_name(),
+                                               getattr(triton, "__version__", "?"), triton_cache_dir())  # fmt: skip
+            try:
+                stored = json.loads(path.read_text())["choices"]
+            except (OSError, ValueError, KeyError):
+                stored = []
+            for key, index in stored:
+                if 0 <= index < len(tuner.configs):
+                    tuner.cache.setdefault(tuple(key), tuner.configs[index])
+            if not stored and len(tuner.configs) > 1:
+                announce_tuning()
+            state["known"] = set(tuner.cache)
+        out = run(*args, **kwargs)
+        if set(tuner.cache) != state["known"]:
+            _write_choices(state["path"], tuner)
+            state["known"] = set(tuner.cache)
+        return out
+
+    tuner.run = kept_run
+    return tuner
+
+
+def _write_choices(path: Path, tuner) -> None:
+    choices = []
+    for key, config in tuner.cache.items():
+        index = next((i for i, c in enumerate(tuner.configs) if c is config or str(c) == str(config)), None)
+        try:
+            json.dumps(list(key))
+        except TypeError:
+            continue
+        if index is not None:
+            choices.append([list(key), index])
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"choices": choices}))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: tune again next time
+        pass
 
 
 def dot_precision(dtype: torch.dtype) -> str:
