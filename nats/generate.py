@@ -41,6 +41,7 @@ from torch import Tensor
 from nats.cache.base import LayerCache
 from nats.cache.decode import check_model, generate_with_caches
 from nats.cache.registry import available_caches, get_cache_class
+from nats.cli import check_hf_model, check_local_model, console, guarded
 from nats.utils import CONF_DIR, atomic_write, resolve_device
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,15 @@ def load(cfg: DictConfig):
     if _given(folder):
         if str(folder).endswith(".ckpt"):
             raise ValueError(f"model_dir={folder} is a checkpoint file: pass it as ckpt_path={folder}")
-        return from_pretrained(str(folder))
+        # a hub id is read from the Hugging Face cache only: nats downloads no model (no network retries offline)
+        check_local_model(
+            "model_dir",
+            str(folder),
+            "config.json",
+            "point model_dir at a folder written by nats.hub.save_pretrained / export_checkpoint, or pass a "
+            "nats-train checkpoint as ckpt_path=<file.ckpt>",
+        )
+        return from_pretrained(str(folder), **({} if Path(str(folder)).exists() else {"local_files_only": True}))
     raise ValueError(f"no model given: {_MODEL_HINT}")
 
 
@@ -213,6 +222,7 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"precision={cfg.precision!r} is not one of {sorted(DTYPES)}")
     device = resolve_device(str(cfg.get("device", "auto")))
     if cfg.get("hf_model") is not None:  # a transformers model: model.generate with a (fixed-capacity) policy cache
+        check_hf_model(cfg)  # not on this machine: one line with the fix, no network retries
         from nats.hf.generate import generate_hf  # noqa: PLC0415
 
         return generate_hf(cfg, _prompt(cfg), device, DTYPES[cfg.get("precision", "float32")])
@@ -334,10 +344,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="generate")
-def main(cfg: DictConfig) -> None:
-    if cfg.get("print_config"):
-        print(OmegaConf.to_yaml(cfg))
-    run(cfg)
+def _hydra_main(cfg: DictConfig) -> None:
+    guarded("nats-generate", cfg, run)  # one line on the console for a failure (nats.cli)
+
+
+def main() -> None:
+    """`nats-generate`: the overrides checked (nats.cli.console), then the Hydra app."""
+    console("nats-generate", "generate", _hydra_main)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ from omegaconf import DictConfig
 
 # the checkout's conf/ (the package is installed editable); a relative "../conf" is not found when Hydra is
 # entered through the console script
+from nats.cli import console, guarded
 from nats.utils import CONF_DIR
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="prepare")
-def main(cfg: DictConfig) -> None:
+def prepare(cfg: DictConfig) -> None:
     """Instantiate ``cfg.data``, prepare and set it up, print token counts per split."""
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
@@ -33,6 +33,16 @@ def main(cfg: DictConfig) -> None:
     except ValueError as err:  # a validation split shorter than one window of this block_size: not an error here
         ppl = f"not computed ({err})"
     print(f"unigram perplexity (validation, block_size={datamodule.block_size}): {ppl}")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="prepare")
+def _hydra_main(cfg: DictConfig) -> None:
+    guarded("nats-prepare", cfg, prepare)  # one line on the console for a failure (nats.cli)
+
+
+def main() -> None:
+    """`nats-prepare`: the overrides checked (nats.cli.console), then the Hydra app."""
+    console("nats-prepare", "prepare", _hydra_main)
 
 
 if __name__ == "__main__":

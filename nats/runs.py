@@ -155,9 +155,11 @@ def read_model_checkpoint(path: str | os.PathLike | None, name: str, hint: str) 
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as err:  # not a torch file, or pickled objects beyond tensors and containers
+        # torch's own text advises weights_only=False, i.e. running the file's pickled code: not what to do here
         raise ValueError(
-            f"{name} is not a readable nats-train checkpoint ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}): {hint}"
+            f"{name} is not a readable nats-train checkpoint ({p.stat().st_size:,} bytes): torch.load cannot read "
+            f"it ({type(err).__name__}); it may be truncated or corrupt, e.g. written by a run that was killed "
+            f"while saving, or not a checkpoint at all: {hint}"
         ) from err
     hp = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
@@ -421,8 +423,10 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _remove_run_folder(folder: Path) -> None:
-    """Close the log files that write into ``folder`` (the run's log), then remove it."""
+def _remove_run_folder(folder: Path, stop_at: str | os.PathLike | None = None) -> None:
+    """Close the log files that write into ``folder`` (the run's log), then remove it, and the folders above it
+    that are left empty (``logs/<task>/runs``, ``logs/<task>``, ``logs``) up to ``stop_at`` (not included; without
+    it, the two above: ``runs`` and its task)."""
     import shutil
 
     root = logging.getLogger()
@@ -431,16 +435,32 @@ def _remove_run_folder(folder: Path) -> None:
             root.removeHandler(handler)
             handler.close()
     shutil.rmtree(folder, ignore_errors=True)
+    stop = Path(stop_at).resolve() if stop_at is not None else folder.resolve().parents[2]
+    parent = folder.resolve().parent
+    while parent != stop and stop in parent.parents:
+        try:
+            parent.rmdir()  # only when empty
+        except OSError:
+            break
+        parent = parent.parent
 
 
-def report_failure(err: BaseException, output_dir: str | os.PathLike, *, program: str, new_folder: bool) -> int:
+def report_failure(
+    err: BaseException,
+    output_dir: str | os.PathLike,
+    *,
+    program: str,
+    new_folder: bool,
+    root: str | os.PathLike | None = None,
+) -> int:
     """Say what stopped a run in one line on the console (and the run's log) and return the exit status.
 
     * :class:`RunInterrupted` (SIGTERM, Ctrl-C): "interrupted at step N; resume with <program> resume=<run>";
       status 143 (SIGTERM) or 130.
     * a mistake in the configuration or the inputs (:data:`USER_ERRORS`, a checkpoint or token cache that
       cannot be read) before any optimizer step of this run: the message alone; the run folder is removed when
-      Hydra made it for this run (``new_folder``, :func:`run_folder_is_new`); status 1.
+      Hydra made it for this run (``new_folder``, :func:`run_folder_is_new`), with the folders above it that are
+      left empty, up to ``root`` (``paths.root_dir``); status 1.
     * anything else: "run failed after N steps (<type>): <message> (traceback in <run>/failed.json)"; status 1.
 
     ``HYDRA_FULL_ERROR=1`` prints the traceback as well."""
@@ -476,7 +496,7 @@ def report_failure(err: BaseException, output_dir: str | os.PathLike, *, program
     if mistake and getattr(err, "nats_steps_run", 0) <= 0:
         log.error(f"{program}: {message}")
         if new_folder and out.is_dir():
-            _remove_run_folder(out)
+            _remove_run_folder(out, root)
         else:
             write_failure(out, err)
         return 1

