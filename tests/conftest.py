@@ -65,3 +65,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A one-node SLURM cluster on this machine for the whole session (``slurm/local_cluster.py``: installs the
+    Debian packages when missing, as root); the tests that use it are skipped, with the reason, where it cannot
+    run. Afterwards: every job cancelled, the daemons it started stopped by pid, its folder removed."""
+    import shutil
+    import tempfile
+
+    lc = load_script("slurm/local_cluster.py")
+    folder = Path(tempfile.mkdtemp(prefix="nats-slurm-"))
+    cluster = lc.LocalCluster(folder, log=lambda msg: print(msg, flush=True))
+    try:
+        cluster.start()
+    except lc.Unavailable as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        pytest.skip(f"no local SLURM cluster: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,23 @@
+"""Callbacks that the SLURM tests add to jobs on the local cluster (``+callbacks.<name>._target_=...``; the jobs
+import this module through ``PYTHONPATH``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from lightning.pytorch.callbacks import Callback
+
+
+class SlowSteps(Callback):
+    """Sleeps ``seconds`` after every optimizer step: a run of a tiny model that lasts long enough to be signalled,
+    requeued or timed out, without using the CPU (the arithmetic, and so the metrics, are unchanged). With
+    ``first_attempt_only``, a requeued job (``SLURM_RESTART_COUNT`` > 0) runs at full speed."""
+
+    def __init__(self, seconds: float, first_attempt_only: bool = False):
+        restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+        self.seconds = 0.0 if first_attempt_only and restarted else seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.seconds:
+            time.sleep(self.seconds)
