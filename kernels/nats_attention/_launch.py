@@ -4,7 +4,7 @@
 specialisation (dtypes, 16-byte alignment, divisibility and size of the integers), builds the cache key, looks the
 compiled kernel up and then calls the binary's launcher. On an H100 host the cache's pool write (one allocation, one
 launch) took 52.6 us of host time per call through Triton's launcher and 28.1 launched directly
-(``python benchmarks/bench_hf_host.py --prompt 8192``, its pieces table; the launch alone 18.5 against 6.6 us). A
+(``python benchmarks/bench_hf_host.py --prompt 8192``, its pieces table). A
 batch-1 prefill is bound by its host time, and NAtS' makes four Triton launches per layer.
 
 `Bound` takes its first launch through Triton (which compiles or autotunes, and launches), keeps the compiled kernel
