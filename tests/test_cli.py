@@ -233,3 +233,31 @@ def test_every_console_script_goes_through_the_boundary():
         assert module == SCRIPTS[name], (name, target)
         text = Path(importlib.util.find_spec(module).origin).read_text()
         assert "console(" in text and "guarded(" in text, f"{name} ({module}) bypasses nats.cli"
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_help_says_what_the_script_does(script, tmp_path, monkeypatch, capfd):
+    """--help (Hydra's help template, conf/hydra/help/): what it does, its main settings and three examples
+    (nats-train's: a common override, resume=, an experiment config), not "powered by Hydra"."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PROJECT_ROOT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    GlobalHydra.instance().clear()
+    try:
+        importlib.import_module(SCRIPTS[script]).main()
+    except SystemExit as exit_:
+        assert exit_.code in (None, 0)
+    GlobalHydra.instance().clear()
+    text = capfd.readouterr().out
+    assert text.startswith(f"{script}: "), text[:300]
+    assert "powered by Hydra" not in text and "== Main settings" in text
+    examples = text.split("== Examples ==")[1].split("==")[0]
+    assert len([x for x in examples.splitlines() if x.startswith(f"{script} ")]) >= 3, examples
+    assert f"{script} --cfg job" in text  # where every setting is listed
+    if script == "nats-train":
+        for needle in ("resume=", "experiment=", "model/attention=nats"):
+            assert needle in examples, needle
+    assert not (tmp_path / "logs").exists()
