@@ -38,6 +38,8 @@ from typing import Any
 
 import yaml
 
+from nats.utils import markdown_table as table
+
 METRIC = "val/ppl"
 # columns of the table: (name, dotted key in the run's config)
 SETTINGS = [
@@ -275,10 +277,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def markdown_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(c), c) for c in cols) + " |")
-    return "\n".join(lines)
+    return table(cols, ([_fmt(r.get(c), c) for c in cols] for r in rows), align="-" * len(cols))
 
 
 GROUP = ("attention", "window", "lambda", "output_gate")

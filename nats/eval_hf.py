@@ -9,32 +9,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hydra
 from omegaconf import DictConfig
 
 from nats.cli import check_hf_model, console, guarded
 from nats.finetune.evaluate import run
+from nats.runs import resume_argv
 from nats.utils import CONF_DIR
-
-
-def resume_argv(argv: list[str]) -> list[str]:
-    """``resume=<run folder>`` replaced by the run's own overrides (``.hydra/overrides.yaml``), the given ones
-    (which win) and ``hydra.run.dir=<run folder>``."""
-    import yaml
-
-    values = [a.split("=", 1)[1] for a in argv if a.startswith("resume=")]
-    if not values:
-        return argv
-    folder = Path(values[-1])
-    saved_file = folder / ".hydra" / "overrides.yaml"
-    if not saved_file.is_file():
-        raise FileNotFoundError(f"resume={folder}: {saved_file} not found, so it is not a nats-eval-hf run folder")
-    given = [a for a in argv if not a.startswith("resume=")]
-    keys = {a.split("=", 1)[0].lstrip("+~") for a in given}
-    saved = [str(o) for o in yaml.safe_load(saved_file.read_text()) or []]
-    return [o for o in saved if o.split("=", 1)[0].lstrip("+~") not in keys] + given + [f"hydra.run.dir={folder}"]
 
 
 def _job(cfg: DictConfig) -> dict:
@@ -49,7 +30,12 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """`nats-eval-hf`; ``resume=<run folder>`` continues that run in its folder."""
-    console("nats-eval-hf", "eval_hf", _hydra_main, lambda argv, notes: resume_argv(argv))
+    console(
+        "nats-eval-hf",
+        "eval_hf",
+        _hydra_main,
+        lambda argv, notes: resume_argv(argv, None, notes, program="nats-eval-hf", checkpoint=False),
+    )
 
 
 if __name__ == "__main__":

@@ -43,15 +43,15 @@ from nats.cache.decode import check_graph, policy_logits
 from nats.cache.registry import get_cache_class
 from nats.data.datamodule import check_eval_windows
 from nats.functional import budget_fractions
+from nats.hub import load_checkpoint
 from nats.models.gpt import GPT, GPTConfig
-from nats.runs import read_model_checkpoint
 from nats.utils import CONF_DIR, resolve_device
+from nats.utils import markdown_table as table
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 OUTPUT_FILES = ("results.csv", "results.json", "results.md", "ppl_vs_area.png", "ppl_vs_peak.png", "kv_fractions.json")
-_TRAIN_HINT = "pass the .ckpt of a nats-train run, e.g. ckpt_path=logs/train/runs/<date>/checkpoints/last.ckpt"
 # the logits of a batch are computed for at most this many bytes of fp32 logits at a time (the windows of a batch
 # are independent): batch_size=128 at N = 1024 would otherwise hold 128 x 1024 x 50304 x 4 bytes = 26 GB at once
 LOGITS_BYTES = 2 << 30
@@ -60,30 +60,17 @@ LOGITS_BYTES = 2 << 30
 # ----------------------------------------------------------------------------------------------------
 # checkpoint
 # ----------------------------------------------------------------------------------------------------
-def load_checkpoint(path: str | os.PathLike | None) -> tuple[GPT, dict[str, Any]]:
-    """The GPT of a nats-train (LitGPT) checkpoint and its model config dict; clear errors otherwise."""
-    model_cfg, weights = read_model_checkpoint(path, f"ckpt_path={path}", _TRAIN_HINT)
-    try:
-        config = GPTConfig.from_dict(model_cfg)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"ckpt_path={path}: its model config is not a nats GPTConfig ({err}); {_TRAIN_HINT}") from err
-    name = config.attention.get("name")
+def check_decodable(config: GPTConfig, name: str) -> None:
+    """nats-eval evaluates causal language models whose attention the KV caches decode (`nats.hub.load_checkpoint`
+    reads any nats-train checkpoint); others are refused, naming the checkpoint (``name``)."""
+    attention = config.attention.get("name")
     supported = decodable_attention()  # the cores that declare a decode_policy
-    if name not in supported or not config.causal or config.n_out is not None:
+    if attention not in supported or not config.causal or config.n_out is not None:
         raise ValueError(
-            f"ckpt_path={path} holds a model of another architecture (attention {name!r}, causal={config.causal}, "
+            f"{name} holds a model of another architecture (attention {attention!r}, causal={config.causal}, "
             f"n_out={config.n_out}): nats-eval evaluates causal language models with attention "
             f"{' or '.join(supported)} (model/attention=dense or model/attention=nats)"
         )
-    model = GPT(config)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_embeddings]
-    if missing or unexpected:
-        raise ValueError(
-            f"ckpt_path={path}: the weights do not match the checkpoint's own model config (missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}): the file is damaged or was not written by nats-train"
-        )
-    return model, config.to_dict()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -289,7 +276,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     _max_windows(cfg)  # before the (slow) checkpoint load
     check_eval_windows(cfg.get("windows", "spread"), "windows")
     graph = _graph(cfg)
-    model, model_cfg = load_checkpoint(cfg.get("ckpt_path"))
+    model = load_checkpoint(cfg.get("ckpt_path"), key="ckpt_path")
+    check_decodable(model.config, f"ckpt_path={cfg.get('ckpt_path')}")
+    model_cfg = model.config.to_dict()
     n = int(cfg.block_size) if cfg.get("block_size") else model.config.block_size
     if n > model.config.block_size:
         raise ValueError(
@@ -376,19 +365,21 @@ CSV_FIELDS = [
 
 
 def markdown_table(report: dict[str, Any]) -> str:
+    """results.md: the run's setting, then perplexity, area and peak fraction per method and budget."""
+    rows = []
+    for r in report["results"]:
+        b = "-" if r["budget"] is None else str(r["budget"])
+        bf = "-" if r["budget"] is None else f"1/{report['N'] / r['budget']:.3g}"
+        mode = " (sequential)" if r["sequential"] else ""
+        rows.append([f"{r['label']}{mode}", b, bf, f"{r['area']:.4f}", f"{r['peak']:.4f}", f"{r['ppl']:.3f}"])
+    columns = ["method", "budget B", "B/N", "area fraction", "peak fraction", "perplexity"]
     lines = [
         f"Perplexity vs KV budget: `{report['checkpoint']}`, {report['split']} split, N = {report['N']}, "
         f"{report['windows']} windows ({report['tokens']} predicted tokens), {report['precision']} on "
         f"{report['device']}.",
         "",
-        "| method | budget B | B/N | area fraction | peak fraction | perplexity |",
-        "|---|---:|---:|---:|---:|---:|",
+        table(columns, rows),
     ]
-    for r in report["results"]:
-        b = "-" if r["budget"] is None else str(r["budget"])
-        bf = "-" if r["budget"] is None else f"1/{report['N'] / r['budget']:.3g}"
-        mode = " (sequential)" if r["sequential"] else ""
-        lines.append(f"| {r['label']}{mode} | {b} | {bf} | {r['area']:.4f} | {r['peak']:.4f} | {r['ppl']:.3f} |")
     for note in report["notes"]:
         lines.append(f"\nNote: {note}")
     return "\n".join(lines) + "\n"

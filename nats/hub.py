@@ -328,14 +328,18 @@ def from_pretrained(name_or_path: str | os.PathLike, map_location: Any = "cpu", 
 # ----------------------------------------------------------------------------------------------------
 # nats-train checkpoints
 # ----------------------------------------------------------------------------------------------------
-def load_checkpoint(path: str | os.PathLike | None) -> PretrainedGPT:
-    """The model of a nats-train (LitGPT) Lightning checkpoint, any architecture; clear errors otherwise.
-    (nats.evaluation.load_checkpoint also refuses the models that the KV caches cannot decode.)"""
+def load_checkpoint(path: str | os.PathLike | None, key: str | None = None) -> PretrainedGPT:
+    """The model of a nats-train (LitGPT) Lightning checkpoint, any architecture; clear errors otherwise, naming
+    the file as the setting ``key`` that gave it when there is one (``ckpt_path``: ``ckpt_path=<file>: ...``).
+    The one reader of nats-train checkpoints as models (nats-eval, nats-generate, export_checkpoint); nats-eval
+    then refuses the models that the KV caches cannot decode (`nats.evaluation.check_decodable`)."""
+    name = f"{key}={path}" if key else str(path)
+    hint = _CKPT_HINT.replace("e.g. ", f"e.g. {key}=") if key else _CKPT_HINT
     if path is not None and Path(path).is_dir():
-        raise ValueError(f"{path} is a folder, not a checkpoint file: {_CKPT_HINT}")
-    model_cfg, weights = read_model_checkpoint(path, str(path), _CKPT_HINT)
-    model = PretrainedGPT(config_from_dict(model_cfg, str(path)))
-    return _load_weights(model, weights, str(path)).eval()
+        raise ValueError(f"{name} is a folder, not a checkpoint file: {hint}")
+    model_cfg, weights = read_model_checkpoint(path, name, hint)
+    model = PretrainedGPT(config_from_dict(model_cfg, name))
+    return _load_weights(model, weights, name).eval()
 
 
 def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, **kwargs: Any) -> Path:

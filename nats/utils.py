@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 
 def find_conf_dir() -> str:
@@ -153,3 +154,16 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:
+    """The one writer of Markdown tables (nats-eval's results.md, nats-eval-hf's, the studies' reports): the header
+    row, the rule, one line per row (each cell as ``str``), joined by newlines without a final one. ``align``: a
+    character per column, ``"r"`` right-aligned (``---:``), anything else plain (``---``); default: the first
+    column plain, the others right-aligned (labels, then numbers)."""
+    align = align if align is not None else "l" + "r" * (len(columns) - 1)
+    if len(align) != len(columns):
+        raise ValueError(f"align has {len(align)} characters for {len(columns)} columns")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "".join("---:|" if a == "r" else "---|" for a in align)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

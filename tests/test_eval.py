@@ -50,9 +50,9 @@ def eval_cfg(ckpt, out: Path, overrides=()):
 def reference_ppl(ckpt: Path, n: int, windows: int, split: str = "test") -> tuple[float, torch.Tensor]:
     """exp(mean NLL) of the checkpoint's own parallel forward over the first `windows` windows; and the windows."""
     from nats.data.datamodule import TokenDataModule
-    from nats.evaluation import load_checkpoint
+    from nats.hub import load_checkpoint
 
-    model, _ = load_checkpoint(ckpt)
+    model = load_checkpoint(ckpt)
     model.eval()
     dm = TokenDataModule(source="gutenberg", cache_dir=str(DATA_DIR), block_size=n, max_eval_windows=windows)
     ds = dm.eval_dataset(split)
@@ -91,9 +91,9 @@ def test_eval_nats_checkpoint_all_methods(tmp_path):
     assert rows[("h2o", 16)]["decode"] == "eager" and rows[("streaming_llm", 16)]["decode"] == "parallel"  # CPU
     # nats: measured fractions = mean over layers, heads and windows of kv_cache_sizes of its types
     from nats.attention.nats import collect_types
-    from nats.evaluation import load_checkpoint
+    from nats.hub import load_checkpoint
 
-    model, _ = load_checkpoint(ckpt)
+    model = load_checkpoint(ckpt)
     types = collect_types(model, x)
     sizes = torch.stack([NF.kv_cache_sizes(t, 4).double() for t in types.values()])  # [L, B, H, N]
     assert rows[("nats", None)]["area"] == pytest.approx(float((sizes.sum(-1) / (32 * 33 / 2)).mean()))

@@ -294,14 +294,18 @@ def test_window_must_be_known(pretrained, tmp_path):
 
 
 def test_resume_argv(tmp_path):
-    from nats.eval_hf import resume_argv
+    """nats-eval-hf's resume= (nats.runs.resume_argv, as nats-train's): the run's overrides, the given ones win,
+    its folder; no checkpoint to name and no resume=latest."""
+    from nats.runs import resume_argv
 
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "overrides.yaml").write_text("- scorers=a.pt\n- budgets=[0.5]\n")
-    got = resume_argv([f"resume={tmp_path}", "budgets=[0.25]"])
+    got = resume_argv([f"resume={tmp_path}", "budgets=[0.25]"], None, program="nats-eval-hf", checkpoint=False)
     assert got == ["scorers=a.pt", "budgets=[0.25]", f"hydra.run.dir={tmp_path}"]
-    with pytest.raises(FileNotFoundError, match="not a nats-eval-hf run folder"):
-        resume_argv([f"resume={tmp_path / 'nope'}"])
+    with pytest.raises(FileNotFoundError, match="not the folder of a nats-eval-hf run"):
+        resume_argv([f"resume={tmp_path / 'nope'}"], None, program="nats-eval-hf", checkpoint=False)
+    with pytest.raises(ValueError, match="resume=latest is not offered by nats-eval-hf"):
+        resume_argv(["resume=latest"], None, program="nats-eval-hf", checkpoint=False)
 
 
 def test_ruler_tasks_are_scored_by_their_answers():

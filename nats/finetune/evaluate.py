@@ -67,6 +67,7 @@ from nats.evaluation import configured_methods
 from nats.hf.compat import cache_kwargs
 from nats.hf.pretrained import PRETRAINED_KEYS, prepare_model, type_bias_of
 from nats.utils import atomic_path, atomic_write, resolve_device
+from nats.utils import markdown_table as table
 
 log = logging.getLogger(__name__)
 
@@ -345,24 +346,34 @@ def _name(s: dict[str, Any]) -> str:
 
 
 def markdown_table(summary: list[dict[str, Any]], tasks: list[str], header: str) -> str:
+    """results.md: ``header``, then accuracy per task and mean, KV area, peak and kv_fraction per method @ budget."""
     ppl = "pg19_continuation" in tasks
-    lines = [
-        header,
-        "",
-        f"| method @ budget | {' | '.join(tasks)} | mean | KV area | KV peak | kv_fraction |"
-        + (" pg19 ppl |" if ppl else "")
-        + " examples |",
-        f"|---|{'---:|' * (len(tasks) + 5 + ppl)}",
+    columns = [
+        "method @ budget",
+        *tasks,
+        "mean",
+        "KV area",
+        "KV peak",
+        "kv_fraction",
+        *(["pg19 ppl"] if ppl else []),
+        "examples",
     ]
+    rows = []
     for s in summary:
-        accs = " | ".join("-" if a != a else f"{100 * a:.1f}" for a in s["accuracy"].values())
         cont = s["continuation_ppl"]
-        lines.append(
-            f"| {_name(s)} | {accs} | {100 * s['mean_accuracy']:.1f} | {s['area']:.3f} | {s['peak']:.3f} | "
-            f"{s['kv_fraction']:.3f} |"
-            + ((" - |" if cont is None else f" {cont:.2f} |") if ppl else "")
-            + f" {s['examples']} |"
+        rows.append(
+            [
+                _name(s),
+                *("-" if a != a else f"{100 * a:.1f}" for a in s["accuracy"].values()),
+                f"{100 * s['mean_accuracy']:.1f}",
+                f"{s['area']:.3f}",
+                f"{s['peak']:.3f}",
+                f"{s['kv_fraction']:.3f}",
+                *((["-" if cont is None else f"{cont:.2f}"]) if ppl else []),
+                s["examples"],
+            ]
         )
+    lines = [header, "", table(columns, rows)]
     lines.append(
         "\nAccuracy: mean score in percent (RULER's string_match_all; pg19_continuation: teacher-forced greedy "
         "next-token accuracy over the book's next k tokens; pg19 ppl: their perplexity); mean = over tasks. KV area / "
