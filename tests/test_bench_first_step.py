@@ -4,9 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.slow  # two nats-train processes: about 80 s on 2 CPU cores
 def test_bench_first_step_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, "benchmarks/bench_first_step.py", "--smoke", "--out", str(tmp_path)],
