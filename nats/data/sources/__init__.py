@@ -18,18 +18,8 @@ Adding a source = one file here with a :class:`TextSource` subclass decorated wi
 and one ``conf/data/<name>.yaml`` extending ``conf/data/_base.yaml``; tests/test_contract_sources.py checks it.
 """
 
-from nats.data.sources.base import (
-    SOURCES,
-    SPLITS,
-    TEXT_SOURCES,
-    Document,
-    SourceUnavailableError,
-    TextSource,
-    available_sources,
-    get_source,
-    get_source_class,
-    register_source,
-)
+from nats.data.sources import base
+from nats.data.sources.base import *  # noqa: F403 - the registry and the source interface (base.__all__)
 from nats.data.sources.gutenberg import (
     GUTENBERG_TEST,
     GUTENBERG_VALIDATION,
@@ -41,16 +31,7 @@ from nats.data.sources.pg19 import PG19Source
 from nats.data.sources.text_dir import ARCHIVE_BUFFER_BYTES, ARCHIVE_SUFFIXES, TextDirSource
 
 __all__ = [
-    "SPLITS",
-    "Document",
-    "TextSource",
-    "SOURCES",
-    "TEXT_SOURCES",
-    "register_source",
-    "available_sources",
-    "get_source_class",
-    "get_source",
-    "SourceUnavailableError",
+    *base.__all__,  # the registry and the source interface
     "GutenbergSource",
     "TextDirSource",
     "PG19Source",
