@@ -1,12 +1,14 @@
 """All-reduce bandwidth between the GPUs of one host (what DDP pays per optimizer step), for reading DDP scaling.
 
     torchrun --nproc_per_node=2 benchmarks/allreduce_probe.py       # prints the topology (rank 0) and GB/s
+    torchrun --nproc_per_node=2 benchmarks/allreduce_probe.py --cpu-smoke   # gloo on the CPU, small tensors
 
 Times ``dist.all_reduce`` of a GPT-2-small-sized gradient (124M values) in fp32 and bf16, and of DDP's default
 25 MB buckets, after warm-up; reports the algorithm bandwidth (bytes / time) and the bus bandwidth
 (x 2 (n-1) / n, the figure nccl-tests print).
 """
 
+import argparse
 import os
 import subprocess
 import time
@@ -16,21 +18,30 @@ import torch.distributed as dist
 
 
 def main() -> None:
-    dist.init_process_group("nccl")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu-smoke", action="store_true", help="gloo on the CPU, 1000x smaller tensors: tests the script")
+    args = ap.parse_args()
+    cuda = not args.cpu_smoke
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    if rank == 0:
+    device = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if rank == 0 and cuda:
         print(subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout, flush=True)
+    scale = 1 if cuda else 1000
     for dtype, numel in ((torch.float32, 124_000_000), (torch.bfloat16, 124_000_000), (torch.float32, 6_250_000)):
-        x = torch.ones(numel, device="cuda", dtype=dtype)
+        numel //= scale
+        x = torch.ones(numel, device=device, dtype=dtype)
         for _ in range(3):
             dist.all_reduce(x)
-        torch.cuda.synchronize()
+        sync()
         reps = 10
         t0 = time.perf_counter()
         for _ in range(reps):
             dist.all_reduce(x)
-        torch.cuda.synchronize()
+        sync()
         dt = (time.perf_counter() - t0) / reps
         nbytes = numel * x.element_size()
         if rank == 0:

@@ -186,7 +186,10 @@ def train_overrides(
         f"+logger.csv.flush_logs_every_n_steps={args.log_every}",  # a killed run keeps its curve so far
         "callbacks.progress_bar=null",
         "trainer.enable_progress_bar=false",
+        # no checkpoints: every checkpoint callback of conf/callbacks/default.yaml off, then Lightning's own
         "callbacks.model_checkpoint=null",
+        "callbacks.last_checkpoint=null",
+        "callbacks.interrupt_checkpoint=null",
         "+trainer.enable_checkpointing=false",
         "callbacks.throughput.window_size=2",  # timing points: the rate over the last logging interval
         f"paths.data_dir={args.data_dir}",

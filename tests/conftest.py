@@ -34,6 +34,51 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
+def _prepare_gutenberg() -> Exception | None:
+    """The embedded Gutenberg corpus downloaded and tokenised into DATA_DIR once (what nats-train's first run does),
+    under a file lock: parallel test processes (pytest -n) wait for the one that prepares it. The error where it
+    cannot be had (no network on a fresh checkout), else None."""
+    from filelock import FileLock
+
+    from nats.data.datamodule import TokenDataModule
+
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(DATA_DIR / ".prepare.lock")):
+        try:
+            TokenDataModule("gutenberg", str(DATA_DIR), block_size=64, micro_batch_size=1).prepare_data()
+        except Exception as exc:  # noqa: BLE001 - the tests that need it say why
+            return exc
+    return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gutenberg_prepared_first():
+    """Before any test: the shared Gutenberg cache, so that no two test processes tokenise it at once and no test
+    finds it missing because another one downloads it later (a failure here is reported by those tests)."""
+    _prepare_gutenberg()
+
+
+@pytest.fixture(scope="session")
+def gutenberg_cache() -> Path:
+    """DATA_DIR holding the prepared Gutenberg corpus; skips the test, with the reason, where it cannot be had."""
+    exc = _prepare_gutenberg()
+    if exc is not None:
+        pytest.skip(f"the Gutenberg corpus cannot be prepared here ({type(exc).__name__}: {exc})")
+    return DATA_DIR
+
+
+def local_corpus(folder: Path) -> list[str]:
+    """Overrides that train on a small text_dir corpus written into ``folder`` from the repository's own docs
+    (no download: for tests that must run on a machine without network, e.g. a GPU machine), its token cache
+    in ``folder/cache``."""
+    docs = sorted(REPO.glob("docs/*.md"))
+    for i, path in enumerate(docs):
+        split = {0: "validation", 1: "test"}.get(i % 5, "train")
+        (folder / "corpus" / split).mkdir(parents=True, exist_ok=True)
+        (folder / "corpus" / split / f"{path.stem}.txt").write_text(path.read_text())
+    return ["data=text_dir", f"data.path={folder / 'corpus'}", f"paths.data_dir={folder / 'cache'}"]
+
+
 def compose(overrides: list[str], tmp_path: Path, config_name: str = "train"):
     """Compose a real config from conf/ with outputs under tmp_path and the shared data cache."""
     from nats.train import compose_config

