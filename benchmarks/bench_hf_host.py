@@ -125,8 +125,9 @@ def prefill_parts(model, prompt: torch.Tensor, args, device) -> list[dict]:
     import torch.nn.functional as F
 
     from nats import functional as NF
+    from nats.cache.engine import pool_fill
+    from nats.cache.policies.nats import nats_rows
     from nats.hf import scorers
-    from nats.hf import static_cache as sc
 
     cfg = model.config
     core = scorers(model)[0]
@@ -171,11 +172,11 @@ def prefill_parts(model, prompt: torch.Tensor, args, device) -> list[dict]:
                 ),
             }
         else:
-            keep, rank, rows, end, _, _ = sc._nats_rows(types, k, v, W, new)
+            keep, rank, rows, end, _, _ = nats_rows(types, k, v, W, new)
             size = int(end) + 1
             writes = {
-                "NAtS: rows and ring (PyTorch)": lambda: sc._nats_rows(types, k, v, W, new),
-                "NAtS: pool (PyTorch)": lambda: sc._pool_fill(keep, rank, rows, k, v, size),
+                "NAtS: rows and ring (PyTorch)": lambda: nats_rows(types, k, v, W, new),
+                "NAtS: pool (PyTorch)": lambda: pool_fill(keep, rank, rows, k, v, size),
             }
         pieces = {
             "StaticCache: SDPA (causal, GQA)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
@@ -233,9 +234,9 @@ def _prefill_ms(call, device, repeats: int = 7) -> float:
 
 # the parts of NAtS' prefill attention timed in situ beside the whole attention function (class, method)
 _INSITU_PARTS = {
-    "types_and_attention": ("nats.hf.static_cache:StaticPolicyCache", "_prefill_rows"),
-    "direct_scorer_attention_rows": ("nats.hf.static_cache:StaticPolicyCache", "_prefill_direct"),
-    "pool_size_wait": ("nats.hf.static_cache:PoolLayout", "size"),
+    "types_and_attention": ("nats.cache.policies.nats:NAtSRule", "prompt"),
+    "direct_scorer_attention_rows": ("nats.cache.policies.nats:NAtSRule", "direct"),
+    "pool_size_wait": ("nats.cache.engine:PoolLayout", "size"),
     "pool_fill_and_allocate": ("nats.hf.static_cache:StaticPolicyCache", "_fill_pool"),
 }
 

@@ -561,8 +561,8 @@ def test_nats_fused_triton_step_equals_torch_step():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_nats_step_matches_torch(dtype):
     """The fixed-capacity cache's fused step (deferred eviction, scorer type, ring write, append; a full segment
-    keeps the token as sliding) against its PyTorch form (nats.cache.static_ops), state for state."""
-    from nats.cache import static_ops
+    keeps the token as sliding) against its PyTorch form (nats.cache.policies.nats.nats_step), state for state."""
+    from nats.cache.policies import nats as nats_policy
     from nats_kernels.nats_attention.decode import nats_step
 
     torch.manual_seed(0)
@@ -594,7 +594,7 @@ def test_triton_nats_step_matches_torch(dtype):
     # the op takes the buffers packed, as the cache holds them (rows [6, R], ring [2, R, W, D], pool [2, P, D])
     rows = torch.stack((start, ref["length"], cap, ref["n_global"], ref["t"], torch.zeros_like(cap)))
     ring_kv, kv_pool = torch.stack((ref["ring_k"], ref["ring_v"])), torch.stack((ref["k_pool"], ref["v_pool"]))
-    static_ops.nats_step(x, w, bias, pos, rows, k_new, v_new, ring_kv, ref["ring_valid"], kv_pool)
+    nats_policy.nats_step(x, w, bias, pos, rows, k_new, v_new, ring_kv, ref["ring_valid"], kv_pool)
     ref.update(t=rows[4], length=rows[1], n_global=rows[3], ring_k=ring_kv[0], ring_v=ring_kv[1], k_pool=kv_pool[0],
                v_pool=kv_pool[1])  # fmt: skip
     out = {k: v.to(dev) for k, v in out.items()}

@@ -293,10 +293,11 @@ def test_inductor_compiled_step_equals_eager_with_several_rows():
 )  # fmt: skip
 def test_triton_prefill_writes_equal_the_torch_ones(n, pads, device):
     """`prefill_cache.prefill_rows` / `prefill_pool` (NAtS' prefill writes fused into two kernels) against the
-    PyTorch reference `_nats_rows` / `_pool_fill`: the rows' bookkeeping, the pool's size, the ring and the pool,
+    PyTorch reference `nats_rows` / `pool_fill`: the rows' bookkeeping, the pool's size, the ring and the pool,
     for left-padded rows (types -1), keys and values in the transposed layout transformers makes, and a prompt
     shorter than the window. On the CPU through Triton's interpreter; on a GPU at 3,000 tokens in bf16."""
-    from nats.hf import static_cache
+    from nats.cache.engine import pool_fill
+    from nats.cache.policies.nats import nats_rows
     from nats_kernels.nats_attention.prefill_cache import prefill_pool, prefill_rows
 
     torch.manual_seed(n + sum(pads))
@@ -310,9 +311,9 @@ def test_triton_prefill_writes_equal_the_torch_ones(n, pads, device):
     v = torch.randn(B, n, H, D).transpose(1, 2)
     if device == "cuda":  # bf16, as generate's prefill
         types, k, v = types.cuda(), k.cuda().bfloat16(), v.cuda().bfloat16()
-    keep, rank, rows, end, ring, ring_valid = static_cache._nats_rows(types, k, v, W, new)
+    keep, rank, rows, end, ring, ring_valid = nats_rows(types, k, v, W, new)
     size = int(end) + 3
-    pool = static_cache._pool_fill(keep, rank, rows, k, v, size)
+    pool = pool_fill(keep, rank, rows, k, v, size)
     t_rows, t_end, t_ring, t_valid, last_g = prefill_rows(types, k, v, W, new)
     t_pool = prefill_pool(types, k, v, t_rows, last_g, size)
     assert torch.equal(t_end, end)
@@ -406,6 +407,6 @@ def test_triton_prefill_generates_as_the_torch_prefill(pad, device, monkeypatch)
     for a, b in zip(runs["torch"], runs["triton"], strict=True):
         assert torch.equal(a, b)
     default = StaticPolicyCache(model, "nats", max_new_tokens=NEW)  # "auto": Triton for CUDA tensors only
-    assert default.prefill_kernel == "auto" and not default._triton_prefill(prompt.cpu().float())
+    assert default.prefill_kernel == "auto" and not default.rule.triton_writes(default, prompt.cpu().float())
     with pytest.raises(ValueError, match="prefill_kernel"):
         StaticPolicyCache(model, "nats", max_new_tokens=NEW, prefill_kernel="cuda")

@@ -515,7 +515,8 @@ def nats_step(
     """The fixed-capacity NAtS cache's step before the attention, fused: the previous token's deferred eviction,
     the new token's type from the scorer (``x [B, C]`` . ``w_s [3 Hkv, C]`` + ``bias [3]``), ring write and
     segment append (a full segment keeps the token as sliding). ``t [R]`` holds the previous token's types on
-    entry (-1: none pending) and this token's on return. The reference is ``nats.cache.static_ops``."""
+    entry (-1: none pending) and this token's on return. The reference is the PyTorch form of
+    ``nats.cache.policies.nats.nats_step``."""
     R, W, D = ring_k.shape
     B, C = x.shape
     _nats_step_kernel[(R,)](

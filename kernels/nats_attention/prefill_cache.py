@@ -10,8 +10,9 @@ per layer instead of some thirty small PyTorch operations (the batch-1 prefill i
 * ``prefill_pool`` (grid ``(R,)``): per row, its start (the capacities of the rows before it) and the kept
   positions' keys and values written in order from it (a running rank: ``tl.cumsum`` per block).
 
-The PyTorch reference is ``nats.hf.static_cache._nats_rows`` / ``_pool_fill`` (tests/test_hf_static_cache.py
-compares them, also through ``generate``). Rows r = b * Hkv + h; types ``[B, Hkv, N]`` with -1 on left padding.
+The PyTorch reference is ``nats.cache.policies.nats.nats_rows`` / ``nats.cache.engine.pool_fill``
+(tests/test_hf_static_cache.py compares them, also through ``generate``). Rows r = b * Hkv + h; types
+``[B, Hkv, N]`` with -1 on left padding.
 
 `prefill_kernels` gives the whole NAtS layer of a prefill from a scorer's logits (plan, attention, rows and ring,
 then the pool) as `PrefillKernels`, whose kernels are launched directly (`_launch.Bound`) once the first layer has

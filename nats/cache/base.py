@@ -34,7 +34,8 @@ and the peak fraction ``max_i c_i / N`` per ``[B, Hkv]``. :meth:`kept` is the nu
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -52,6 +53,9 @@ class LayerCache:
     requires_core: str | None = None  # the attention core a model must have (e.g. "nats"; None: any decodable)
     prefill_time: bool = False  # exact prefill, then compresses the cache once (SnapKV & co.; not budget <= B after)
     needs_n_layer: bool = False  # takes n_layer= (per-layer budgets, PyramidKV); make_caches passes it
+    # how the policy runs in the fixed-capacity engine (nats.cache.engine.FixedRule; None: it has no such form), the
+    # storage of `nats.hf.StaticPolicyCache`
+    fixed_rule: ClassVar[Any] = None
 
     def __init__(
         self,
@@ -108,6 +112,17 @@ class LayerCache:
                 f"cache policy {cls.name!r}: budget B={budget} >= N={n} tokens keeps everything (that is `full`); "
                 f"use a budget below N, e.g. N/2 = {n // 2}"
             )
+
+    @classmethod
+    def accepted_options(cls, options: dict) -> dict:
+        """The entries of `options` that the policy's own constructors take (its options, not the shapes)."""
+        names: set[str] = set()
+        for klass in cls.__mro__:
+            if klass is LayerCache or "__init__" not in vars(klass):
+                continue
+            names.update(inspect.signature(klass.__init__).parameters)
+        names -= set(inspect.signature(LayerCache.__init__).parameters) | {"self", "kwargs"}
+        return {key: val for key, val in options.items() if key in names}
 
     # ------------------------------------------------------------------ shapes
     def _kv_rows(self, t: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from nats.hf.static_cache import POLICIES
+from nats.cache.engine import fixed_policies
 
 
 def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     budget = cfg.get("budget")  # tokens, or a fraction of prompt + new tokens (as for the GPT kind)
     n_budget = None if budget is None else (int(budget) if budget >= 1 else max(1, round(budget * (P + new))))
     options = dict(cfg.get("cache_options") or {})
-    fast = policy in POLICIES
+    fast = policy in fixed_policies()
     if fast:
         cache = StaticPolicyCache(model, policy, max_new_tokens=max(new, 1), budget=n_budget, **options)
     else:

@@ -1,156 +1,47 @@
 """`StaticPolicyCache`: a transformers cache of fixed-capacity buffers that ``generate`` compiles and replays as a
-CUDA graph, for NAtS and the baselines users compare it with.
+CUDA graph, for NAtS and the baselines users compare it with: the transformers adapter over the project's
+fixed-capacity cache engine (`nats.cache.engine`).
 
 ``model.generate(ids, attention_mask=mask, max_new_tokens=n, cache=StaticPolicyCache(model, "nats",
 max_new_tokens=n))`` (``past_key_values=`` before transformers 5.24; `nats.hf.compat.cache_kwargs` picks the name).
 
-How a sequence goes through it (one decoder layer; row ``r = b * Hkv + h`` is sequence b, KV head h):
+Every registered policy that declares a fixed-capacity rule runs here (`nats.cache.engine.fixed_policies`: ``full``,
+``nats``, ``streaming_llm``, ``snapkv``, ``pyramidkv``, ``adakv``); the rule, in the policy's own file, says what the
+policy keeps of a prompt and how a decode step changes a row. This class only wires transformers to the engine:
 
-* **Prefill** (the prompt, eager): the layer's attention over the prompt under the policy's rule (NAtS: the
-  fused Triton kernel with the scorer's types; ``full`` / ``snapkv`` / ``pyramidkv``: causal SDPA;
-  ``streaming_llm``: its mask), then the tokens the policy keeps are written, per row, into one flat pool
-  ``[P, D]`` (keys and values) in which row r owns the segment ``[start[r], start[r] + cap[r])``. The capacity
-  is planned here, per row: ``cap[r] = kept after the prompt + max_new_tokens`` (``streaming_llm``: its
-  budget), so a segment never overflows while at most ``max_new_tokens`` tokens are generated; NAtS' sliding
-  tokens live in a ring of W slots per row besides. Memory is therefore the kept tokens plus the new ones, per
-  KV head, not the longest row times the rows. Left-padded prompts (``attention_mask`` with zeros on the left,
-  ``tokenizer.padding_side = "left"``) are prefilled row by row over their real tokens: padding is never kept
-  nor counted, and a row's first real token is its position 0 (NAtS: global).
-* **Decode** (one token per row, compiled): device tensors only, fixed shapes, no host synchronisation: the
-  new token is admitted and the query attends over exactly what the row keeps (``nats::pool_attention``: the
-  Triton split-K kernel reading each KV head once for its GQA group). NAtS does its bookkeeping in one launch
-  before the attention (``nats::nats_step``): the previous token's eviction (the locals of a row whose token was
-  global; its expired ring slot is the new token's), the new token's type from the scorer, ring write and
-  segment append. Deferring the eviction to the next step changes nothing that a query sees. ``full`` /
-  ``snapkv`` / ``pyramidkv`` append, ``streaming_llm`` overwrites the oldest non-sink slot of its ring.
+* **Prefill** (the prompt, eager): the rule's attention over the prompt and what it keeps (NAtS: the fused Triton
+  kernel with the scorer's types; the appending policies: causal SDPA and their selection; ``streaming_llm``: its
+  mask), then the engine writes the kept tokens, per row, into one flat pool ``[P, D]`` in which row r owns the
+  segment ``[start[r], start[r] + cap[r])``, planned as kept after the prompt + ``max_new_tokens`` (``streaming_llm``:
+  its budget). Memory is therefore the kept tokens plus the new ones, per KV head. Left-padded prompts
+  (``attention_mask`` with zeros on the left, ``tokenizer.padding_side = "left"``) are prefilled row by row over
+  their real tokens: padding is never kept nor counted, and a row's first real token is its position 0.
+* **Decode** (one token per row, compiled): device tensors only, fixed shapes, no host synchronisation: the rule
+  admits the new token and the query attends over exactly what the row keeps (``nats::pool_attention``: the Triton
+  split-K kernel reading each KV head once for its GQA group).
 * **Overflow** (more new tokens than planned): NAtS keeps a global or local token of a full segment as a sliding
-  one (visible for W steps); the appending policies stop admitting the row's new tokens (they are attended to
-  in their own step only). `overflowed` says whether it happened. Plan ``max_new_tokens`` as for ``generate``.
+  one (visible for W steps); the appending policies stop admitting the row's new tokens (they are attended to in
+  their own step only). `overflowed` says whether it happened. Plan ``max_new_tokens`` as for ``generate``.
 
 Limits: greedy or sampled decoding (beam search and ``num_return_sequences > 1`` are refused: a row's cache
-cannot be duplicated or reordered); one ``generate`` call per cache (make a new one per batch); H2O is not
-offered (its eviction reads each step's attention probabilities: use `nats.hf.PolicyCache(model, "h2o")`).
+cannot be duplicated or reordered); one ``generate`` call per cache (make a new one per batch); policies without a
+fixed-capacity rule (H2O, whose eviction reads each step's attention probabilities) decode through
+`nats.hf.PolicyCache`.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
-from nats import functional as NF
-from nats.cache import get_cache_class
-from nats.cache import static_ops as ops
-from nats.cache.policies.nats import kept_after_prompt
+from nats.cache import engine
+from nats.cache.budget import check_budget_value, row_budgets
+from nats.cache.engine import PoolLayout, PromptState, mark_static
+from nats.cache.registry import get_cache_class
 from nats.hf.cache import FixedRowsLayer
-from nats_kernels.nats_attention import reference as _ref
-
-POLICIES = ("full", "nats", "streaming_llm", "snapkv", "pyramidkv")
-_RULE = {"full": "append", "snapkv": "append", "pyramidkv": "append", "streaming_llm": "ring", "nats": "nats"}
-_ROUND = 1024  # pool sizes are rounded up to a multiple of this many slots (fewer distinct shapes to compile) ...
-
-
-def _rounded(n: int) -> int:
-    """... or of an eighth of the size's power of two when that is smaller (small pools stay small)."""
-    step = max(256, min(_ROUND, 1 << max(0, n.bit_length() - 4)))
-    return (n + step - 1) // step * step
-
-
-def _mark_static(*tensors: Tensor) -> None:
-    if not torch.compiler.is_compiling():
-        for t in tensors:
-            torch._dynamo.mark_static_address(t)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_sms(index: int) -> int:  # read once per GPU: the prefill asks at every layer
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _plan_rows(keep: Tensor, cap: Tensor, n_global: Tensor | None = None, count: Tensor | None = None):
-    """The segments of rows keeping the positions where ``keep`` (``[..., N]`` bool, rows flattened to ``[R, N]``),
-    ``cap`` ``[R]`` slots planned each: (the flat keep mask; ``rank`` ``[R, N]``, each kept position's 1-based rank
-    in its row; the rows' bookkeeping ``[6, R]`` (start, length, cap (at least the length), ``n_global``, -1 (no
-    eviction pending), ``count``; zeros where not given); ``end`` ``[1]``, the slots all segments take)."""
-    keep = keep.reshape(-1, keep.shape[-1])
-    rank = keep.cumsum(1)
-    length = rank[:, -1]
-    cap = torch.maximum(cap, length)
-    end = cap.cumsum(0)
-    start = end - cap
-    zero = torch.zeros_like(start)
-    n_global, count = (zero if t is None else t for t in (n_global, count))
-    return keep, rank, torch.stack((start, length, cap, n_global, zero - 1, count)), end[-1:]
-
-
-def _nats_rows(types: Tensor, k: Tensor, v: Tensor, window: int, max_new: int):
-    """A NAtS layer's state after the prompt from its integer types ``[B, Hkv, N]`` (-1 on left padding), keys and
-    values ``[B, Hkv, N, D]`` (rows r = b * Hkv + h): what is kept (`kept_after_prompt`) and its segments
-    (`_plan_rows`, ``cap`` = kept + ``max_new``); the ring of the last W - 1 positions (slot = position mod W,
-    valid where sliding)."""
-    N, D = types.shape[-1], k.shape[-1]
-    types, k, v = types.reshape(-1, N), k.reshape(-1, N, D), v.reshape(-1, N, D)
-    R = types.shape[0]
-    keep, isg = kept_after_prompt(types)
-    keep, rank, rows, end = _plan_rows(keep, keep.sum(1) + max_new, n_global=isg.sum(1))
-    lo = max(0, N - window + 1)
-    slots = torch.arange(lo, N, device=types.device) % window  # the last W - 1 positions' ring slots (distinct)
-    ring_kv = k.new_zeros(2, R, window, D)
-    ring_kv[0].index_copy_(1, slots, k[:, lo:])
-    ring_kv[1].index_copy_(1, slots, v[:, lo:])
-    ring_valid = torch.zeros(R, window, dtype=torch.bool, device=types.device)
-    ring_valid.index_copy_(1, slots, types[:, lo:] == NF.TOKEN_SLIDING)
-    return keep, rank, rows, end, ring_kv, ring_valid
-
-
-def _pool_fill(keep: Tensor, rank: Tensor, rows: Tensor, k: Tensor, v: Tensor, size: int) -> Tensor:
-    """The pool ``[2, size, D]`` (keys, values) holding row r's kept positions (``keep``, ``rank``, ``rows``:
-    `_plan_rows`; k, v ``[B, Hkv, N, D]``) in order from its start; dropped positions go to the scratch slot, the
-    last one. The rest is zeros: readers may touch unused slots."""
-    R, N = keep.shape
-    D = k.shape[-1]
-    dest = torch.where(keep, rows[0, :, None] + rank - 1, size - 1)  # [R, N]
-    pool = k.new_zeros(2, size, D)
-    pool[0].index_put_((dest,), k.reshape(R, N, D))
-    pool[1].index_put_((dest,), v.reshape(R, N, D))
-    return pool
-
-
-class PoolLayout:
-    """A layer's planned pool: its rows' bookkeeping (``rows``, device tensors), ``fill(size)``, which makes the pool
-    of that many slots, and the pool's size, read by the host without stopping the stream: the prefill plans layer
-    l's pool, goes on with layer l + 1 and allocates layer l's pool then, when the size has long arrived (a blocking
-    read per layer would leave the GPU idle while the host waited, at every layer of a host-bound prefill)."""
-
-    def __init__(self, rows: Tensor, end: Tensor, fill, host: Tensor | None, stream):
-        """``end`` ``[1]``: the size on the device; for CUDA, ``host``: a slot of pinned memory ``[1]`` the size is
-        copied into and ``stream``: the current CUDA stream (the prefill makes both once for all its layers)."""
-        self.rows, self.fill = rows, fill
-        self._event = None
-        if end.device.type == "cuda":  # an asynchronous copy into pinned memory, and an event after it
-            self._host = host
-            self._host.copy_(end, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(stream)
-        else:
-            self._host = end
-
-    def size(self) -> int:
-        """Slots the segments take (waits for the copy only, not for the work queued after it)."""
-        if self._event is not None:
-            self._event.synchronize()
-        return int(self._host[0])
 
 
 class StaticPolicyLayer(FixedRowsLayer):
@@ -178,7 +69,7 @@ class StaticPolicyLayer(FixedRowsLayer):
         self.batch_size, self.n_kv_head = key_states.shape[:2]
         if self.layer_idx == 0:
             self.cumulative_length = self.cumulative_length.to(self.device)
-            _mark_static(self.cumulative_length)
+            mark_static(self.cumulative_length)
         else:  # the layers run in order: layer 0 holds the counter already
             first = self.owner.layers[0]
             if not first.is_initialized:
@@ -213,7 +104,7 @@ class StaticPolicyLayer(FixedRowsLayer):
         """Take the layer's pool ``[2, P, D]`` (`_pool_fill`), its rows' bookkeeping ``[6, R]`` and, where the
         cache sizes are tracked, their sum and maximum over the prompt ``[R]`` (advanced by the decode steps)."""
         self.kv_pool, self.rows, self.splits, self.area, self.peak = pool, rows, splits, area, peak
-        _mark_static(*(t for t in (self.kv_pool, self.rows, self.area, self.peak) if t is not None))
+        mark_static(*(t for t in (self.kv_pool, self.rows, self.area, self.peak) if t is not None))
         self.ready = True
 
     # The buffers are packed into few tensors, the named ones being views of them: every tensor the compiled decode
@@ -248,19 +139,18 @@ class StaticPolicyCache(Cache):
     Args:
         model: a supported transformers model with NAtS attached (`nats.hf.attach_nats`) for ``"nats"``, or
             `nats.hf.use_policy_caches(model)` called for the baselines.
-        policy: ``"nats"``, ``"full"``, ``"streaming_llm"``, ``"snapkv"`` or ``"pyramidkv"``.
+        policy: a registered policy with a fixed-capacity rule (`nats.cache.engine.fixed_policies`).
         max_new_tokens: the most tokens ``generate`` will add (the capacity planned per row on top of what the
             prompt leaves; pass the same number to ``generate``).
         budget: budgeted policies: tokens per row and KV head (an int), or a fraction of each row's prompt (a
-            float in (0, 1)).
+            float in (0, 1)); `nats.cache.budget`.
         max_len: the longest sequence (prompt + new tokens); the size of the attention mask ``generate`` builds
             (default ``config.max_position_embeddings``).
         track: record each decode step's cache size for `fractions` (two small device ops per layer and step).
         prefill_kernel: how NAtS' prefill writes the cache: ``"triton"`` (two fused launches per layer,
             `nats_kernels.nats_attention.prefill_cache`), ``"torch"`` (some thirty small PyTorch operations per
             layer, the kernels' reference) or ``"auto"`` (default: Triton for CUDA tensors where the kernels
-            import, else PyTorch). On an H100 the Triton writes cut the 8k prefill by 19-45% at batch 1 and
-            11-18% at batch 8 (docs/results/bench_hf_decode_h100.md).
+            import, else PyTorch).
         **options: the policy's options (``sinks=`` for streaming_llm; ``window=``, ``kernel=``, ``pooling=`` for
             snapkv / pyramidkv; NAtS' window comes from its scorers).
     """
@@ -279,23 +169,28 @@ class StaticPolicyCache(Cache):
     ):
         from nats.hf.hooks import routed_cores  # noqa: PLC0415
 
-        if policy not in POLICIES:
+        fixed = engine.fixed_policies()
+        if policy not in fixed:
             raise ValueError(
-                f"StaticPolicyCache: policy {policy!r} has no fixed-capacity form; choose one of {', '.join(POLICIES)}"
+                f"StaticPolicyCache: policy {policy!r} has no fixed-capacity form; choose one of {', '.join(fixed)}"
                 " (other policies, H2O included: nats.hf.PolicyCache)"
             )
         if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
             raise ValueError(f"StaticPolicyCache: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         config = model.config
         self.cores = routed_cores(model, "StaticPolicyCache")
-        if policy == "nats" and any(c is None for c in self.cores):
-            raise ValueError("StaticPolicyCache: policy 'nats' needs NAtS scorers: call nats.hf.attach_nats(model)")
-        self.policy, self.rule = policy, _RULE[policy]
-        self.policy_cls = get_cache_class(policy)
+        self.policy, self.policy_cls = policy, get_cache_class(policy)
+        self.rule = self.policy_cls.fixed_rule
+        if self.policy_cls.requires_core == "nats" and any(c is None for c in self.cores):
+            raise ValueError(
+                f"StaticPolicyCache: policy {policy!r} needs NAtS scorers: call nats.hf.attach_nats(model)"
+            )
         if self.policy_cls.budgeted and budget is None:
             raise ValueError(f"StaticPolicyCache: policy {policy!r} needs a budget (tokens, or a fraction in (0, 1))")
-        if budget is not None and not (budget >= 1 or 0 < budget < 1):
-            raise ValueError(f"StaticPolicyCache: budget must be >= 1 tokens or a fraction in (0, 1), got {budget!r}")
+        try:
+            check_budget_value(budget, "each row's prompt")
+        except ValueError as err:
+            raise ValueError(f"StaticPolicyCache: {err}") from None
         self.budget, self.options = budget, dict(options)
         self.max_new_tokens = int(max_new_tokens)
         self.track = track
@@ -335,74 +230,38 @@ class StaticPolicyCache(Cache):
         return torch.cat(outs, dim=2)
 
     # ------------------------------------------------------------------ prefill
-    def _row_budget(self, n: Tensor) -> Tensor:
-        b = self.budget
-        if b is None:
-            return n
-        return (n.to(torch.float64) * b).round().clamp(min=1).long() if b < 1 else torch.full_like(n, int(b))
-
     def _prefill(self, layer, q, k, v, hidden, attention_mask) -> Tensor:
         B, Hq, N, D = q.shape
         Hkv = k.shape[1]
+        R = B * Hkv
         if self.prompt_lengths is None:  # the first layer: the padding, once for every layer
             pads = _left_padding(attention_mask, B, N, q.device)
             self.prompt_lengths, self._pads = N - pads, pads
             self._groups = None if bool((pads == 0).all()) else [(slice(b, b + 1), int(pads[b])) for b in range(B)]
-        pads, groups = self._pads, self._groups
+            self._real_rows = self.prompt_lengths.repeat_interleave(Hkv)  # [R], the same for every layer
+        groups, rule = self._groups, self.rule
         core = self.cores[layer.layer_idx]
         if self.budget is not None and self._budgets is None:  # the rows' budgets, on the device and the host, once
-            self._budgets = self._row_budget(self.prompt_lengths)
+            self._budgets = row_budgets(self.budget, self.prompt_lengths)
             self._budgets_host = self._budgets.tolist()
-        budgets = self._budgets
-        direct = None
-        if groups is None and self.rule == "nats":  # NAtS without padding: the direct kernels where they apply
-            direct = self._prefill_direct(core, q, k, v, hidden)
-        if direct is not None:
-            y, types, rows, end, ring_kv, ring_valid, fill = direct
-        elif groups is None:  # no padding: every row at once
-            top = None if budgets is None else max(self._budgets_host)
-            y, keep, types, sizes = self._prefill_rows(layer, core, q, k, v, hidden, top)
-        else:  # left padding: row by row over the real tokens
-            y = torch.zeros_like(q)
-            nats = self.rule == "nats"
-            keep = None if nats else torch.zeros(B, Hkv, N, dtype=torch.bool, device=q.device)
-            types = torch.full((B, Hkv, N), -1, dtype=torch.long, device=q.device) if nats else None  # -1: padding
-            sizes = torch.zeros(B, Hkv, N, dtype=torch.long, device=q.device) if self.track and not nats else None
-            for rows, p in groups:
-                bb = None if budgets is None else max(self._budgets_host[rows])
-                yb, kb, tb, sb = self._prefill_rows(layer, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
-                                                    hidden[rows, p:], bb)  # fmt: skip
-                y[rows, :, p:] = yb
-                for whole, part in ((keep, kb), (types, tb), (sizes, sb)):
-                    if whole is not None:
-                        whole[rows, :, p:] = part
-        R = B * Hkv
-        if self._real_rows is None:  # [R] real prompt tokens per row, the same for every layer
-            self._real_rows = self.prompt_lengths.repeat_interleave(Hkv)
-        ring = area = peak = rank = None
-        if self.rule == "nats" and self.track:
-            sizes = _ref.kv_cache_sizes(types.reshape(R, N).long(), core.window)  # 0 on padding (-1: no type)
-        if self.track:
-            area, peak = sizes.reshape(R, N).sum(-1).double(), sizes.reshape(R, N).amax(-1)
-        if direct is not None:  # done by the direct kernels
-            ring = (ring_kv, ring_valid, core.window)
-        elif self.rule == "nats" and self._triton_prefill(k):  # two launches: prefill_cache.py
-            from nats_kernels.nats_attention.prefill_cache import prefill_pool, prefill_rows  # noqa: PLC0415
-
-            rows, end, ring_kv, ring_valid, last_g = prefill_rows(types, k, v, core.window, self.max_new_tokens)
-            ring = (ring_kv, ring_valid, core.window)
-            fill = lambda size: prefill_pool(types, k, v, rows, last_g, size)  # noqa: E731
-        elif self.rule == "nats":  # keep mask, segments, ring
-            keep, rank, rows, end, ring_kv, ring_valid = _nats_rows(types, k, v, core.window, self.max_new_tokens)
-            ring = (ring_kv, ring_valid, core.window)
+        budgets = None if self._budgets is None else self._budgets.repeat_interleave(Hkv)
+        direct = None if groups is not None else rule.direct(self, layer.layer_idx, core, q, k, v, hidden)
+        if direct is not None:  # the rule's fused prefill planned the storage itself
+            y, plan = direct
         else:
-            cap = budgets.repeat_interleave(Hkv) if self.rule == "ring" else keep.sum(-1).view(R) + self.max_new_tokens
-            count = self._real_rows if self.rule == "ring" else None  # the ring rule's tokens so far
-            keep, rank, rows, end = _plan_rows(keep, cap, None, count)
-        if rank is not None:  # the PyTorch plan: its pool fill
-            fill = lambda size: _pool_fill(keep, rank, rows, k, v, size)  # noqa: E731
-        bound = N + self.max_new_tokens + (core.window if self.rule == "nats" else 0)  # no host sync for the max
-        splits = max(1, min(64, math.ceil(2 * _num_sms(q.device) / R), math.ceil(bound / 256)))
+            if groups is None:  # no padding: every row at once
+                top = None if self._budgets is None else max(self._budgets_host)
+                state = rule.prompt(self, layer.layer_idx, core, q, k, v, hidden, top)
+            else:  # left padding: row by row over the real tokens, padding marked (-1 types, dropped keys)
+                state = self._prompt_padded(layer, core, q, k, v, hidden, groups)
+            plan = rule.plan(self, core, state, k, v, budgets, self._real_rows)
+            if plan.sizes is None and state.sizes is not None:
+                plan.sizes = state.sizes.reshape(R, N)
+        area = peak = None
+        if self.track:
+            area, peak = plan.sizes.sum(-1).double(), plan.sizes.amax(-1)
+        bound = N + self.max_new_tokens + (core.window if rule.ring else 0)  # no host sync for the max
+        splits = engine.decode_splits(R, bound, q.device)
         # the pool is allocated one layer later (PoolLayout), all remaining ones at the last layer
         host = stream = None
         if q.is_cuda:  # the sizes' pinned slots and the stream, once per prefill
@@ -410,143 +269,56 @@ class StaticPolicyCache(Cache):
                 self._sizes_host = torch.empty(self.n_layer, dtype=torch.long, pin_memory=True)
                 self._stream = torch.cuda.current_stream(q.device)
             host, stream = self._sizes_host[layer.layer_idx : layer.layer_idx + 1], self._stream
-        self._unallocated.append((layer, PoolLayout(rows, end, fill, host, stream), splits, ring, area, peak, N))
+        self._unallocated.append((layer, PoolLayout(plan.rows, plan.end, plan.fill, host, stream), splits, plan.ring,
+                                  area, peak, N))  # fmt: skip
         last = layer.layer_idx == self.n_layer - 1
         while len(self._unallocated) > (0 if last else 1):
             self._fill_pool(*self._unallocated.pop(0))
-        return y
+        return y if direct is not None else state.y
 
-    def _triton_prefill(self, k: Tensor) -> bool:
-        """Whether NAtS' prefill writes the cache with the Triton kernels (``prefill_kernel``)."""
-        if self.prefill_kernel != "auto":
-            return self.prefill_kernel == "triton"
-        return k.is_cuda and NF.triton_available()
-
-    def _scored_prefill(self, q: Tensor, k: Tensor, backend: str) -> bool:
-        """Whether NAtS' prefill runs the Triton attention from the scorer's logits (`nats_prefill_scored`): with
-        the Triton writes (on the CPU only where asked for, through Triton's interpreter), a head dim and dtype the
-        kernels take, and a core that does not insist on the PyTorch reference."""
-        from nats_kernels.nats_attention import triton_takes  # noqa: PLC0415
-
-        return self._triton_prefill(k) and backend != "reference" and triton_takes(q)
-
-    def _prefill_direct(self, core, q, k, v, hidden):
-        """NAtS' prefill of one unpadded layer by `prefill_cache.PrefillKernels` (where `_scored_prefill` holds and
-        the tensors are laid out for it): (output, int8 types, rows, end, ring, ring validity, the pool's fill);
-        else None. The scorer's Linear, then four Triton launches whose launch parameters are worked out once per
-        kind of layer, and no other operation: at batch 1 the prefill is bound by the host's work per layer."""
-        if not self._scored_prefill(q, k, getattr(core, "backend", "auto")):
-            return None
-        from nats_kernels.nats_attention.prefill_cache import prefill_kernels  # noqa: PLC0415
-
-        B, N, H = q.shape[0], q.shape[2], k.shape[1]
-        logits = F.linear(hidden, core.scorer.weight, core.scorer.bias).view(B, N, H, 3).transpose(1, 2)
-        kernels = prefill_kernels(q, k, v, logits, core.type_bias, core.window, self.max_new_tokens)
-        if kernels is None:
-            return None
-        y, types, rows, end, ring_kv, ring_valid, last_g = kernels.attend(q, k, v, logits, core.type_bias)
-        return y, types, rows, end, ring_kv, ring_valid, lambda size: kernels.pool(types, k, v, rows, last_g, size)
+    def _prompt_padded(self, layer, core, q, k, v, hidden, groups) -> PromptState:
+        """The rule's prompt state of a left-padded batch, one sequence at a time over its real tokens: the output
+        is zero on padding, the keep mask false there, the types -1 and the cache sizes 0."""
+        B, _, N, _ = q.shape
+        Hkv = k.shape[1]
+        whole = PromptState(torch.zeros_like(q))
+        for rows, p in groups:
+            bb = None if self._budgets is None else max(self._budgets_host[rows])
+            part = self.rule.prompt(self, layer.layer_idx, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
+                                    hidden[rows, p:], bb)  # fmt: skip
+            whole.y[rows, :, p:] = part.y
+            for name, fill, dtype in (("keep", False, torch.bool), ("types", -1, torch.long), ("sizes", 0, torch.long)):
+                value = getattr(part, name)
+                if value is None:
+                    continue
+                if getattr(whole, name) is None:
+                    setattr(whole, name, torch.full((B, Hkv, N), fill, dtype=dtype, device=q.device))
+                getattr(whole, name)[rows, :, p:] = value
+        return whole
 
     def _fill_pool(self, layer, layout, splits, ring, area, peak, N) -> None:
-        """A prefilled layer's buffers: its pool, its bookkeeping, (NAtS) its ring, (tracking) its sizes so far."""
-        size = _rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
+        """A prefilled layer's buffers: its pool, its bookkeeping, its ring (if the rule has one), its sizes so far."""
+        size = engine.rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
         pool = layout.fill(size)
         layer.allocate(pool, layout.rows, splits, area, peak)
         if ring is not None:
             layer.ring_kv, layer.ring_valid, layer.window = ring
-            _mark_static(layer.ring_kv, layer.ring_valid)
-        elif self.rule == "ring":
-            layer.sinks = int(self.options.get("sinks", 4))
+            mark_static(layer.ring_kv, layer.ring_valid)
+        self.rule.setup(self, layer)
+        extra = self.rule.buffers(layer)
+        if extra:
+            mark_static(*extra)
         layer.real = self._real_rows
         layer.prompt_width = N
-
-    def _prefill_rows(self, layer, core, q, k, v, hidden, budget: int | None):
-        """Attention output, keep mask ``[b, Hkv, n]`` and the cache sizes c_i (spec section 6) of unpadded rows,
-        or (NAtS) the output and the types; ``budget``: the rows' largest budget in tokens (budgeted policies),
-        read by the host once per prefill, not per layer."""
-        b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
-        Hkv = k.shape[1]
-        gqa = Hq != Hkv
-
-        def seen():  # every prompt token held: the cache size c_i = i + 1 (spec section 6), for `track`
-            return torch.arange(1, n + 1, device=q.device).expand(b_, Hkv, n) if self.track else None
-
-        if self.rule == "nats":
-            backend = getattr(core, "backend", "auto")
-            if self._scored_prefill(q, k, backend):
-                # the plan kernel takes the scorer's argmax (hard_types' float, offsets, argmax and token 0 are
-                # four launches per layer less, at batch 1 where the prefill is bound by its launches)
-                from nats_kernels.nats_attention import nats_prefill_scored  # noqa: PLC0415
-
-                logits = core.scorer(hidden).view(b_, n, Hkv, 3).transpose(1, 2)  # [b, Hkv, n, 3]
-                y, types = nats_prefill_scored(q, k, v, logits, core.type_bias, core.window)  # int8 types
-                return y, None, types, None
-            types = core.hard_types(hidden)  # [b, Hkv, n], token 0 global
-            y = NF.nats_attention_types(q, k, v, types, core.window, backend=backend)
-            return y, None, types, None  # what is kept follows from the types (`_nats_rows`)
-        if self.rule == "ring":
-            sinks = int(self.options.get("sinks", 4))
-            b = budget
-            if b <= sinks:
-                raise ValueError(f"StaticPolicyCache: streaming_llm budget {b} must exceed sinks={sinks}")
-            from nats.cache.policies.streaming_llm import streaming_mask  # noqa: PLC0415
-
-            mask = streaming_mask(n, b, sinks, device=q.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-            pos = torch.arange(n, device=q.device)
-            keep = ((pos < sinks) | (pos > n - 1 - (b - sinks))).expand(b_, Hkv, n).contiguous()  # strides as padded
-            sizes = seen()
-            return y, keep, None, None if sizes is None else sizes.clamp(max=b)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        everything = torch.ones(b_, Hkv, n, dtype=torch.bool, device=q.device)
-        if self.policy == "full":
-            return y, everything, None, seen()
-        b = budget
-        opts = {key: val for key, val in self.options.items() if key in ("window", "kernel", "pooling", "beta")}
-        if self.policy_cls.needs_n_layer:
-            opts["n_layer"] = self.n_layer
-        if b >= n:
-            return y, everything, None, seen()
-        selector = self.policy_cls(
-            batch=q.shape[0], n_head=Hq, n_kv_head=Hkv, head_dim=q.shape[-1], max_len=n, device=q.device,
-            dtype=q.dtype, layer_idx=layer.layer_idx, budget=b, backend="torch", track=False, **opts,
-        )  # fmt: skip
-        return y, selector.keep_mask(q, k), None, seen()  # the prefill reads every prompt key
 
     # ------------------------------------------------------------------ decode (compiled by generate)
     def _decode(self, layer, q, k, v, hidden) -> Tensor:
         B, Hq, _, D = q.shape
         R = layer.start.shape[0]
         G = Hq // (R // B)
-        kr, vr = k.reshape(R, D), v.reshape(R, D)
-        qr = q.reshape(R, G, D)
         pos = (layer.cumulative_length - 1).reshape(1)  # the new token's position (padding included)
-        if self.rule == "nats":
-            core = self.cores[layer.layer_idx]
-            x = hidden.reshape(B, -1)
-            ops.nats_step(x, core.scorer.weight, core.type_bias, pos, layer.rows, kr, vr, layer.ring_kv,
-                          layer.ring_valid, layer.kv_pool)  # fmt: skip
-            size = layer.length + layer.ring_valid.sum(1)
-            y = ops.pool_attention(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
-                                   layer.ring_v, layer.ring_valid, layer.splits)  # fmt: skip
-        else:
-            scratch = layer.k_pool.shape[0] - 1
-            if self.rule == "ring":
-                c = layer.count
-                ring = layer.cap - layer.sinks
-                slot = torch.where(c < layer.cap, c, layer.sinks + (c - layer.sinks) % ring)
-                dest = layer.start + slot
-                layer.count.add_(1)
-                layer.length.copy_(torch.minimum(layer.count, layer.cap))
-            else:
-                full = layer.length >= layer.cap
-                dest = torch.where(full, torch.full_like(layer.start, scratch), layer.start + layer.length)
-                layer.length.add_((~full).to(layer.length.dtype))
-            layer.k_pool.index_copy_(0, dest, kr)
-            layer.v_pool.index_copy_(0, dest, vr)
-            size = layer.length
-            y = ops.pool_attention(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None,
-                                   layer.splits)  # fmt: skip
+        y, size = self.rule.step(self, layer, self.cores[layer.layer_idx], q.reshape(R, G, D), k.reshape(R, D),
+                                 v.reshape(R, D), pos, hidden.reshape(B, -1))  # fmt: skip
         if self.track:
             layer.area.add_(size.to(torch.float64))
             torch.maximum(layer.peak, size, out=layer.peak)
@@ -555,15 +327,7 @@ class StaticPolicyCache(Cache):
     # ------------------------------------------------------------------ measurements
     def kept(self) -> Tensor:
         """Tokens held now per layer, sequence and KV head, ``[n_layer, B, Hkv]``."""
-        out = []
-        for layer in self.layers:
-            n = layer.length
-            if self.rule == "nats":  # the last token's eviction is applied by the next step: count it done
-                n = torch.where(layer.t == NF.TOKEN_GLOBAL, layer.n_global + 1, n)
-                expired = layer.ring_valid[:, int(layer.cumulative_length) % layer.window]
-                n = n + layer.ring_valid.sum(1) - expired.long()
-            out.append(n.view(layer.batch_size, layer.n_kv_head))
-        return torch.stack(out)
+        return torch.stack([self.rule.kept(layer).view(layer.batch_size, layer.n_kv_head) for layer in self.layers])
 
     def fractions(self) -> dict[str, Tensor]:
         """Area and peak fractions (spec section 6) over each row's real tokens so far, ``[n_layer, B, Hkv]``."""

@@ -6,12 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from nats.cache.base import SlotCache
+from nats.cache.engine import AppendRule
 from nats.cache.registry import register_cache
 
 
 @register_cache("full")
 class FullCache(SlotCache):
     """Every key, slot = position; query i sees keys 0..i."""
+
+    fixed_rule = AppendRule()  # the fixed-capacity engine: keep the whole prompt, append new tokens
 
     def __init__(self, **kwargs):
         super().__init__(capacity=kwargs["max_len"], **kwargs)

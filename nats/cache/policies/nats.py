@@ -40,10 +40,13 @@ periodically in the same spirit). Attention reads each segment and the valid rin
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from nats import functional as NF
-from nats.cache.attention import pool_attention
+from nats.cache.attention import pool_attention, resolve_backend
 from nats.cache.base import LayerCache
+from nats.cache.engine import FixedRule, Plan, PromptState, plan_rows, pool_attention_op, pool_fill
 from nats.cache.registry import register_cache
 
 GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
@@ -87,9 +90,177 @@ def drop_locals(isg, k_pool, v_pool, start, length, n_global, scratch) -> None:
     length.copy_(torch.where(isg, n_global, length))
 
 
+# NAtS' step in the fixed-capacity engine as a ``torch.library`` custom op (compiled with the decode step, replayed as
+# a CUDA graph): the fused Triton kernel of ``nats_kernels.nats_attention.decode`` on CUDA and, elsewhere, the
+# PyTorch form of the same step (`drop_locals`, then `append_token`), which the kernel is tested against. It mutates
+# the cache's buffers in place (``mutates_args``), so the buffers keep their addresses across replays.
+@torch.library.custom_op("nats::nats_step", mutates_args=("rows", "ring_kv", "ring_valid", "kv_pool"))
+def nats_step(
+    x: Tensor,
+    w_s: Tensor,
+    bias: Tensor,
+    pos: Tensor,
+    rows: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    ring_kv: Tensor,
+    ring_valid: Tensor,
+    kv_pool: Tensor,
+) -> None:
+    """One step's bookkeeping before the attention: first the eviction the previous token asked for (the pending
+    type ``t`` on entry; -1: none), then this token's type from the scorer (``x [B, C] . w_s[3 Hkv, C]``, rounded to
+    x's dtype as the Linear's output, ``+ bias``; argmax), ring write and append. Its expired ring slot (``pos -
+    W``'s) is the new token's, so the eviction needs no ring work. The Triton kernel on CUDA.
+
+    The buffers come packed, as the cache holds them: ``rows`` ``[6, R]`` (segment start, length, capacity, global
+    count, pending type, -), ``ring_kv`` ``[2, R, W, D]``, ``kv_pool`` ``[2, P, D]`` (keys, values). Each is one
+    mutated argument: an op that mutated several views of one tensor would break the functionalization of a
+    compiled step (inductor copies each mutated argument back, and the copies of aliasing views overwrite each
+    other's writes)."""
+    start, length, cap, n_global, t = rows[0], rows[1], rows[2], rows[3], rows[4]
+    ring_k, ring_v, k_pool, v_pool = ring_kv[0], ring_kv[1], kv_pool[0], kv_pool[1]
+    if resolve_backend("auto", k_new.device) == "triton":
+        from nats_kernels.nats_attention.decode import nats_step as kernel  # noqa: PLC0415
+
+        kernel(x, w_s, bias, pos, t, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length,
+               n_global, cap)  # fmt: skip
+        return
+    scratch = torch.full_like(start, k_pool.shape[0] - 1)  # the pool's last slot takes the skipped writes
+    drop_locals(t == GLOBAL, k_pool, v_pool, start, length, n_global, scratch)
+    z = (x @ w_s.t()).to(x.dtype).float().reshape(-1, 3) + bias  # [B, Hkv * 3] -> [R, 3]: row r = b * Hkv + h
+    new = z.argmax(-1)
+    new = torch.where(pos == 0, torch.full_like(new, GLOBAL), new)
+    new = torch.where((new != SLIDING) & (length >= cap), torch.full_like(new, SLIDING), new)  # a full segment
+    t.copy_(new)
+    append_token(new, pos, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, scratch)
+
+
+@nats_step.register_fake
+def _(x, w_s, bias, pos, rows, k_new, v_new, ring_kv, ring_valid, kv_pool):
+    return None
+
+
+def nats_rows(types: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, max_new: int):
+    """A NAtS layer's state after the prompt from its integer types ``[B, Hkv, N]`` (-1 on left padding), keys and
+    values ``[B, Hkv, N, D]`` (rows r = b * Hkv + h): what is kept (`kept_after_prompt`) and its segments
+    (`nats.cache.engine.plan_rows`, ``cap`` = kept + ``max_new``); the ring of the last W - 1 positions (slot =
+    position mod W, valid where sliding). The PyTorch form of `nats_kernels.nats_attention.prefill_cache`."""
+    N, D = types.shape[-1], k.shape[-1]
+    types, k, v = types.reshape(-1, N), k.reshape(-1, N, D), v.reshape(-1, N, D)
+    R = types.shape[0]
+    keep, isg = kept_after_prompt(types)
+    keep, rank, rows, end = plan_rows(keep, keep.sum(1) + max_new, n_global=isg.sum(1))
+    lo = max(0, N - window + 1)
+    slots = torch.arange(lo, N, device=types.device) % window  # the last W - 1 positions' ring slots (distinct)
+    ring_kv = k.new_zeros(2, R, window, D)
+    ring_kv[0].index_copy_(1, slots, k[:, lo:])
+    ring_kv[1].index_copy_(1, slots, v[:, lo:])
+    ring_valid = torch.zeros(R, window, dtype=torch.bool, device=types.device)
+    ring_valid.index_copy_(1, slots, types[:, lo:] == SLIDING)
+    return keep, rank, rows, end, ring_kv, ring_valid
+
+
+class NAtSRule(FixedRule):
+    """NAtS in the fixed-capacity engine (`nats.cache.engine`): per row a segment of its globals and live locals
+    (capacity: kept after the prompt + the tokens to decode) and a ring of W slots for the sliding tokens.
+
+    * Prompt: the layer's attention with the mask of the scorer's types (the Triton kernel from the scorer's logits
+      where it applies, four launches per layer whose parameters are worked out once, `prefill_cache.PrefillKernels`;
+      else `nats.functional.nats_attention_types`), then what the types keep is written (the fused Triton writes on
+      CUDA, `nats_rows` elsewhere or with ``prefill_kernel="torch"``).
+    * Step: one launch before the attention (``nats::nats_step``): the previous token's eviction (the locals of a
+      row whose token was global; its expired ring slot is the new token's), the new token's type from the scorer,
+      ring write and segment append. Deferring the eviction to the next step changes nothing a query sees. A full
+      segment keeps a global or local token as a sliding one (visible for W steps).
+    """
+
+    name = "nats"
+    ring = True
+    padded_rows_at_once = True  # the types are -1 on padding: one plan over all rows
+
+    @staticmethod
+    def triton_writes(ctx, k: torch.Tensor) -> bool:
+        """Whether the prefill writes the cache with the Triton kernels (the adapter's ``prefill_kernel``)."""
+        if ctx.prefill_kernel != "auto":
+            return ctx.prefill_kernel == "triton"
+        return k.is_cuda and NF.triton_available()
+
+    def scored(self, ctx, q, k, backend: str) -> bool:
+        """Whether the prefill runs the Triton attention from the scorer's logits (`nats_prefill_scored`): with the
+        Triton writes (on the CPU only where asked for, through Triton's interpreter), a head dim and dtype the
+        kernels take, and a core that does not insist on the PyTorch reference."""
+        from nats_kernels.nats_attention import triton_takes  # noqa: PLC0415
+
+        return self.triton_writes(ctx, k) and backend != "reference" and triton_takes(q)
+
+    def direct(self, ctx, layer_idx, core, q, k, v, hidden):
+        """The prefill of one unpadded layer by `prefill_cache.PrefillKernels` where `scored` holds and the tensors
+        are laid out for it: the scorer's Linear, then four Triton launches whose launch parameters are worked out
+        once per kind of layer, and no other operation (at batch 1 the prefill is bound by the host's work)."""
+        if not self.scored(ctx, q, k, getattr(core, "backend", "auto")):
+            return None
+        from nats_kernels.nats_attention.prefill_cache import prefill_kernels  # noqa: PLC0415
+
+        B, N, H = q.shape[0], q.shape[2], k.shape[1]
+        logits = F.linear(hidden, core.scorer.weight, core.scorer.bias).view(B, N, H, 3).transpose(1, 2)
+        kernels = prefill_kernels(q, k, v, logits, core.type_bias, core.window, ctx.max_new_tokens)
+        if kernels is None:
+            return None
+        y, types, rows, end, ring_kv, ring_valid, last_g = kernels.attend(q, k, v, logits, core.type_bias)
+        fill = lambda size: kernels.pool(types, k, v, rows, last_g, size)  # noqa: E731
+        return y, Plan(rows, end, fill, (ring_kv, ring_valid, core.window), self._sizes(ctx, types, core))
+
+    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget):
+        b_, n, Hkv = q.shape[0], q.shape[2], k.shape[1]
+        backend = getattr(core, "backend", "auto")
+        if self.scored(ctx, q, k, backend):
+            # the plan kernel takes the scorer's argmax (hard_types' float, offsets, argmax and token 0 are four
+            # launches per layer less, at batch 1 where the prefill is bound by its launches)
+            from nats_kernels.nats_attention import nats_prefill_scored  # noqa: PLC0415
+
+            logits = core.scorer(hidden).view(b_, n, Hkv, 3).transpose(1, 2)  # [b, Hkv, n, 3]
+            y, types = nats_prefill_scored(q, k, v, logits, core.type_bias, core.window)  # int8 types
+            return PromptState(y, types=types)
+        types = core.hard_types(hidden)  # [b, Hkv, n], token 0 global
+        return PromptState(NF.nats_attention_types(q, k, v, types, core.window, backend=backend), types=types)
+
+    def _sizes(self, ctx, types, core):
+        if not ctx.track:
+            return None
+        R, N = types.shape[0] * types.shape[1], types.shape[-1]
+        return NF._ref.kv_cache_sizes(types.reshape(R, N).long(), core.window)  # 0 on padding (-1: no type)
+
+    def plan(self, ctx, core, state, k, v, budgets, real):
+        types, W = state.types, core.window
+        if self.triton_writes(ctx, k):  # two launches: prefill_cache.py
+            from nats_kernels.nats_attention.prefill_cache import prefill_pool, prefill_rows  # noqa: PLC0415
+
+            rows, end, ring_kv, ring_valid, last_g = prefill_rows(types, k, v, W, ctx.max_new_tokens)
+            fill = lambda size: prefill_pool(types, k, v, rows, last_g, size)  # noqa: E731
+        else:  # keep mask, segments, ring
+            keep, rank, rows, end, ring_kv, ring_valid = nats_rows(types, k, v, W, ctx.max_new_tokens)
+            fill = lambda size: pool_fill(keep, rank, rows, k, v, size)  # noqa: E731
+        return Plan(rows, end, fill, (ring_kv, ring_valid, W), self._sizes(ctx, types, core))
+
+    def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
+        nats_step(hidden, core.scorer.weight, core.type_bias, pos, layer.rows, kr, vr, layer.ring_kv,
+                      layer.ring_valid, layer.kv_pool)  # fmt: skip
+        size = layer.length + layer.ring_valid.sum(1)
+        y = pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
+                               layer.ring_v, layer.ring_valid, layer.splits)  # fmt: skip
+        return y, size
+
+    def kept(self, layer):
+        n = layer.length  # the last token's eviction is applied by the next step: count it done
+        n = torch.where(layer.t == GLOBAL, layer.n_global + 1, n)
+        expired = layer.ring_valid[:, int(layer.cumulative_length) % layer.window]
+        return n + layer.ring_valid.sum(1) - expired.long()
+
+
 @register_cache("nats")
 class NAtSCache(LayerCache):
     requires_core = "nats"  # the types come from the layer's NAtS scorer
+    fixed_rule = NAtSRule()
     """Args (besides LayerCache's, ``reserve`` among them): window W (default: the core's), check_every, slack,
     shrink_above, init_capacity (initial segment length per row, default check_every, or reserve if given)."""
 

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from nats.cache.attention import compute_dtype, pool_attention
 from nats.cache.base import LayerCache
+from nats.cache.engine import AppendRule
 from nats.cache.registry import register_cache
 
 POOLINGS = ("max", "avg")
@@ -85,6 +86,7 @@ def top_mask(scores: Tensor, n: int | Tensor) -> Tensor:
 
 @register_cache("snapkv")
 class SnapKVCache(LayerCache):
+    fixed_rule = AppendRule()  # the fixed-capacity engine: keep the selection, append new tokens
     budgeted = True
     prefill_time = True  # compresses once after an exact prefill; decoding appends without evicting
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from nats.cache.base import SlotCache
+from nats.cache.engine import AppendRule, Plan, PromptState, attend, plan_rows, pool_fill
 from nats.cache.registry import register_cache
 
 
@@ -27,9 +29,57 @@ def streaming_mask(n: int, budget: int, sinks: int = 4, device=None) -> torch.Te
     return (j <= i) & ((j < sinks) | (i - j < budget - sinks))
 
 
+def ring_slot(count: Tensor, sinks: int, capacity: Tensor | int) -> Tensor:
+    """The slot of the token written as the ``count``-th (0-based) of a row holding ``capacity`` keys: the first
+    ``sinks`` in order, the rest in a ring of ``capacity - sinks`` slots."""
+    return torch.where(count < sinks, count, sinks + (count - sinks) % (capacity - sinks))
+
+
+def prompt_keep(n: int, budget: int, sinks: int, device=None) -> Tensor:
+    """Which of n prompt positions the cache holds after the prompt: the sinks and the last ``budget - sinks``."""
+    pos = torch.arange(n, device=device)
+    return (pos < sinks) | (pos > n - 1 - (budget - sinks))
+
+
+class RingRule(AppendRule):
+    """The fixed-capacity form (`nats.cache.engine`): a segment of ``budget`` slots per row, the sinks first, then a
+    ring overwritten oldest first; the row's ``count`` (tokens written, counter 5) gives the slot. The prompt's
+    attention is the StreamingLLM mask (exact: decoding continues the masked forward)."""
+
+    name = "ring"
+
+    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget):
+        sinks = int(ctx.options.get("sinks", 4))
+        if budget <= sinks:
+            raise ValueError(f"StaticPolicyCache: streaming_llm budget {budget} must exceed sinks={sinks}")
+        b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
+        Hkv = k.shape[1]
+        mask = streaming_mask(n, budget, sinks, device=q.device)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv)
+        keep = prompt_keep(n, budget, sinks, q.device).expand(b_, Hkv, n).contiguous()  # strides as padded
+        sizes = torch.arange(1, n + 1, device=q.device).clamp(max=budget).expand(b_, Hkv, n) if ctx.track else None
+        return PromptState(y, keep, sizes=sizes)
+
+    def plan(self, ctx, core, state, k, v, budgets, real):
+        keep, rank, rows, end = plan_rows(state.keep, budgets, None, real)  # count: the real tokens so far
+        return Plan(rows, end, lambda size: pool_fill(keep, rank, rows, k, v, size))
+
+    def setup(self, ctx, layer):
+        layer.sinks = int(ctx.options.get("sinks", 4))
+
+    def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
+        dest = layer.start + ring_slot(layer.count, layer.sinks, layer.cap)
+        layer.count.add_(1)
+        layer.length.copy_(torch.minimum(layer.count, layer.cap))
+        layer.k_pool.index_copy_(0, dest, kr)
+        layer.v_pool.index_copy_(0, dest, vr)
+        return attend(layer, qr), layer.length
+
+
 @register_cache("streaming_llm")
 class StreamingLLMCache(SlotCache):
     budgeted = True
+    fixed_rule = RingRule()
 
     def __init__(self, *, budget: int, sinks: int = 4, exact_prefill: bool = False, **kwargs):
         type(self).check_budget(budget, 10**18, sinks=sinks)
@@ -51,7 +101,7 @@ class StreamingLLMCache(SlotCache):
             )
 
     def _slot(self, pos):
-        return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks) % self.ring)
+        return ring_slot(pos, self.sinks, self.budget)
 
     def _prefill(self, q, k, v, x):
         N = q.shape[2]
@@ -60,9 +110,7 @@ class StreamingLLMCache(SlotCache):
         else:
             mask = streaming_mask(N, self.budget, self.sinks, device=q.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-        pos = torch.arange(N, device=q.device)
-        keep = (pos < self.sinks) | (pos > N - 1 - self.ring)
-        pos = pos[keep]
+        pos = torch.arange(N, device=q.device)[prompt_keep(N, self.budget, self.sinks, q.device)]
         slots = self._slot(pos)
         self.k.index_copy_(2, slots, k[:, :, pos])
         self.v.index_copy_(2, slots, v[:, :, pos])

@@ -1,0 +1,297 @@
+"""The fixed-capacity cache engine: one segmented KV pool per layer, its planning from a prompt, its decode
+attention, and the rule a policy declares to run in it.
+
+Storage (one decoder layer; row ``r = b * Hkv + h`` is sequence b, KV head h), packed into few tensors because
+every tensor a compiled decode step reads is a graph input that dynamo guards at every step:
+
+* ``kv_pool`` ``[2, P, D]`` (keys, values): row r owns the segment ``[start[r], start[r] + cap[r])`` and holds
+  ``length[r]`` tokens from its start; the last slot is a scratch slot that skipped writes go to;
+* ``rows`` ``[6, R]`` int64: segment start, length, capacity, and three counters a rule may use (NAtS: the global
+  count and the pending type; the ring rule: the tokens written so far);
+* optionally a ring ``ring_kv`` ``[2, R, W, D]`` with ``ring_valid`` ``[R, W]`` (NAtS' sliding tokens).
+
+The capacity is planned at the prefill, per row (`plan_rows`): what the policy keeps of the prompt plus the tokens
+the caller will decode, so memory follows the kept tokens, not the longest row times the rows. The pool's size is
+read by the host without stalling the stream (`PoolLayout`) and rounded (`rounded`) so that few distinct shapes
+are compiled. A decode step writes the new token by the policy's rule and attends over exactly what the row holds
+(`attend`: the split-K Triton kernel on CUDA, `pool_attention_op`).
+
+A policy runs here by declaring a :class:`FixedRule` (the class attribute ``fixed_rule`` of its
+`nats.cache.base.LayerCache` subclass, in its own file): what it keeps of a prompt and how a step changes its rows.
+Two rules are written here because several policies share them: :class:`AppendRule` (keep a prompt subset, append
+every new token: ``full``, ``snapkv``, ``pyramidkv``, ``adakv``); the ring rule of ``streaming_llm`` and NAtS' typed
+eviction live in their policies' files. `nats.hf.StaticPolicyCache` is the transformers adapter over this engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nats.cache import attention as _attention
+
+__all__ = [
+    "FixedRule",
+    "AppendRule",
+    "PromptState",
+    "Plan",
+    "PoolLayout",
+    "rounded",
+    "plan_rows",
+    "pool_fill",
+    "mark_static",
+    "num_sms",
+    "decode_splits",
+    "attend",
+    "pool_attention_op",
+    "fixed_policies",
+]
+
+_ROUND = 1024  # pool sizes are rounded up to a multiple of this many slots (fewer distinct shapes to compile) ...
+
+
+def rounded(n: int) -> int:
+    """... or of an eighth of the size's power of two when that is smaller (small pools stay small)."""
+    step = max(256, min(_ROUND, 1 << max(0, n.bit_length() - 4)))
+    return (n + step - 1) // step * step
+
+
+def mark_static(*tensors: Tensor) -> None:
+    """Tell dynamo the buffers keep their addresses (a compiled step then does not copy them into its graph)."""
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:  # read once per GPU: the prefill asks at every layer
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_splits(rows: int, bound: int, device: torch.device) -> int:
+    """Split-K count of the decode attention: about two programs per SM over the rows, at most 64, and splits of
+    at least 256 keys (``bound``: the most keys a row can hold, known without a host synchronisation)."""
+    return max(1, min(64, math.ceil(2 * num_sms(device) / rows), math.ceil(bound / 256)))
+
+
+def plan_rows(keep: Tensor, cap: Tensor, n_global: Tensor | None = None, count: Tensor | None = None):
+    """The segments of rows keeping the positions where ``keep`` (``[..., N]`` bool, rows flattened to ``[R, N]``),
+    ``cap`` ``[R]`` slots planned each: (the flat keep mask; ``rank`` ``[R, N]``, each kept position's 1-based rank
+    in its row; the rows' bookkeeping ``[6, R]`` (start, length, cap (at least the length), ``n_global``, -1 (no
+    eviction pending), ``count``; zeros where not given); ``end`` ``[1]``, the slots all segments take)."""
+    keep = keep.reshape(-1, keep.shape[-1])
+    rank = keep.cumsum(1)
+    length = rank[:, -1]
+    cap = torch.maximum(cap, length)
+    end = cap.cumsum(0)
+    start = end - cap
+    zero = torch.zeros_like(start)
+    n_global, count = (zero if t is None else t for t in (n_global, count))
+    return keep, rank, torch.stack((start, length, cap, n_global, zero - 1, count)), end[-1:]
+
+
+def pool_fill(keep: Tensor, rank: Tensor, rows: Tensor, k: Tensor, v: Tensor, size: int) -> Tensor:
+    """The pool ``[2, size, D]`` (keys, values) holding row r's kept positions (``keep``, ``rank``, ``rows``:
+    `plan_rows`; k, v ``[B, Hkv, N, D]``) in order from its start; dropped positions go to the scratch slot, the
+    last one. The rest is zeros: readers may touch unused slots."""
+    R, N = keep.shape
+    D = k.shape[-1]
+    dest = torch.where(keep, rows[0, :, None] + rank - 1, size - 1)  # [R, N]
+    pool = k.new_zeros(2, size, D)
+    pool[0].index_put_((dest,), k.reshape(R, N, D))
+    pool[1].index_put_((dest,), v.reshape(R, N, D))
+    return pool
+
+
+class PoolLayout:
+    """A layer's planned pool: its rows' bookkeeping (``rows``, device tensors), ``fill(size)``, which makes the pool
+    of that many slots, and the pool's size, read by the host without stopping the stream: the prefill plans layer
+    l's pool, goes on with layer l + 1 and allocates layer l's pool then, when the size has long arrived (a blocking
+    read per layer would leave the GPU idle while the host waited, at every layer of a host-bound prefill)."""
+
+    def __init__(self, rows: Tensor, end: Tensor, fill, host: Tensor | None, stream):
+        """``end`` ``[1]``: the size on the device; for CUDA, ``host``: a slot of pinned memory ``[1]`` the size is
+        copied into and ``stream``: the current CUDA stream (the prefill makes both once for all its layers)."""
+        self.rows, self.fill = rows, fill
+        self._event = None
+        if end.device.type == "cuda":  # an asynchronous copy into pinned memory, and an event after it
+            self._host = host
+            self._host.copy_(end, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+        else:
+            self._host = end
+
+    def size(self) -> int:
+        """Slots the segments take (waits for the copy only, not for the work queued after it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host[0])
+
+
+# The decode attention as a ``torch.library`` custom op, so that a decode step calling it compiles with
+# ``torch.compile`` (fullgraph) and replays as a CUDA graph: the Triton split-K kernel on CUDA (each KV head read once
+# for its GQA group), the PyTorch reference elsewhere.
+@torch.library.custom_op("nats::pool_attention", mutates_args=())
+def pool_attention_op(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    start: Tensor,
+    length: Tensor,
+    ring_k: Tensor | None,
+    ring_v: Tensor | None,
+    ring_valid: Tensor | None,
+    splits: int,
+) -> Tensor:
+    """q ``[R, G, D]`` over segment ``[start[r], start[r] + length[r])`` of ``k_pool``/``v_pool`` ``[P, D]`` and the
+    valid ring slots (``ring_k``/``ring_v`` ``[R, W, D]``, ``ring_valid`` ``[R, W]``) -> ``[R, G, D]``."""
+    backend = _attention.resolve_backend("auto", q.device)
+    max_len = 0 if backend == "triton" else max(int(length.max()), 1)  # Triton reads the lengths on the device
+    return _attention.pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=ring_k, ring_v=ring_v,
+                                    ring_valid=ring_valid, backend=backend, splits=splits)  # fmt: skip
+
+
+@pool_attention_op.register_fake
+def _(q, k_pool, v_pool, start, length, ring_k, ring_v, ring_valid, splits):
+    return torch.empty_like(q)
+
+
+def attend(layer, qr: Tensor, ring: bool = False) -> Tensor:
+    """Decode attention of ``qr`` ``[R, G, D]`` over each row's segment of ``layer.kv_pool`` (and its valid ring
+    slots where ``ring``): `pool_attention_op`."""
+    if ring:
+        return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
+                                  layer.ring_v, layer.ring_valid, layer.splits)  # fmt: skip
+    return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None,
+                              layer.splits)  # fmt: skip
+
+
+@dataclass
+class PromptState:
+    """What a rule's `FixedRule.prompt` returns for unpadded rows: the attention output ``y`` ``[b, Hq, n, D]``, and
+    either the keep mask ``[b, Hkv, n]`` or (NAtS) the integer types ``[b, Hkv, n]``; ``sizes``: the cache sizes c_i
+    of the prompt's queries (spec section 6) ``[b, Hkv, n]`` where tracked and known here."""
+
+    y: Tensor
+    keep: Tensor | None = None
+    types: Tensor | None = None
+    sizes: Tensor | None = None
+
+
+@dataclass
+class Plan:
+    """A layer's planned storage: its rows' bookkeeping ``[6, R]``, the pool's size on the device ``end`` ``[1]``,
+    ``fill(size)`` making the pool, the ring (``(ring_kv, ring_valid, W)``) where the rule has one, and the prompt's
+    cache sizes ``[R, N]`` where tracked."""
+
+    rows: Tensor
+    end: Tensor
+    fill: Any
+    ring: tuple | None = None
+    sizes: Tensor | None = None
+
+
+class FixedRule:
+    """How a policy runs in the fixed-capacity engine. Subclasses say what a prompt leaves (``prompt``, ``plan``)
+    and how a decode step changes a row (``step``), with device tensors only and fixed shapes (compiled, replayed
+    as a CUDA graph). ``ctx`` is the adapter (`nats.hf.StaticPolicyCache`): it gives ``policy_cls``, ``options``,
+    ``max_new_tokens``, ``n_layer``, ``track``, ``cores``.
+
+    Per-step state of a rule lives in the layer's ``rows`` (counters 3-5), its ring, or extra buffers it adds in
+    ``setup`` (returned by ``buffers`` so that the adapter marks them static and counts them)."""
+
+    name = "?"
+    ring = False  # W ring slots per row besides the segment (NAtS)
+    padded_rows_at_once = False  # True: a left-padded batch can be prefilled in one call (rules that take types)
+
+    # ------------------------------------------------------------------ prompt
+    def direct(self, ctx, layer_idx: int, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor) -> Plan | None:
+        """A fused prefill of an unpadded layer that plans the storage itself (returns the output and the plan), or
+        None (the default): then `prompt` and `plan` run."""
+        return None
+
+    def prompt(self, ctx, layer_idx: int, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, budget: int | None):
+        """The attention output of unpadded rows and what they keep (a `PromptState`); ``budget``: the rows'
+        largest budget in tokens (budgeted policies)."""
+        raise NotImplementedError
+
+    def plan(self, ctx, core, state: PromptState, k: Tensor, v: Tensor, budgets: Tensor | None, real: Tensor) -> Plan:
+        """The rows' segments and the pool's fill from the prompt's state (all rows; padding excluded from
+        ``keep``), ``budgets`` ``[R]`` (budgeted policies), ``real`` ``[R]`` the rows' real prompt tokens."""
+        raise NotImplementedError
+
+    def setup(self, ctx, layer) -> None:
+        """After the layer's buffers are allocated (e.g. read options into the layer)."""
+
+    def buffers(self, layer) -> list[Tensor]:
+        """Extra device buffers of the rule (marked static, counted by ``tensors``)."""
+        return []
+
+    # ------------------------------------------------------------------ decode
+    def step(self, ctx, layer, core, qr: Tensor, kr: Tensor, vr: Tensor, pos: Tensor, hidden: Tensor) -> Tensor:
+        """Admit the new token of every row (``kr``, ``vr`` ``[R, D]``, position ``pos`` ``[1]``), attend
+        (``qr`` ``[R, G, D]``) and return ``(y [R, G, D], size [R])``: the keys each row's query read."""
+        raise NotImplementedError
+
+    def kept(self, layer) -> Tensor:
+        """Tokens each row holds now ``[R]``."""
+        return layer.length
+
+
+class AppendRule(FixedRule):
+    """Keep what the policy selects of the prompt (``keep_mask`` of a budgeted policy; everything otherwise), then
+    append every new token (``full``, ``snapkv`` & co.). A full segment stops admitting: the row's new tokens are
+    attended to in their own step only (see Overflow in `nats.hf.StaticPolicyCache`)."""
+
+    name = "append"
+
+    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget):
+        b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
+        Hkv = k.shape[1]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
+        sizes = torch.arange(1, n + 1, device=q.device).expand(b_, Hkv, n) if ctx.track else None
+        if not ctx.policy_cls.budgeted or budget is None or budget >= n:
+            return PromptState(y, torch.ones(b_, Hkv, n, dtype=torch.bool, device=q.device), sizes=sizes)
+        opts = ctx.policy_cls.accepted_options(ctx.options)
+        if ctx.policy_cls.needs_n_layer:
+            opts["n_layer"] = ctx.n_layer
+        selector = ctx.policy_cls(
+            batch=b_, n_head=Hq, n_kv_head=Hkv, head_dim=q.shape[-1], max_len=n, device=q.device, dtype=q.dtype,
+            layer_idx=layer_idx, budget=budget, backend="torch", track=False, **opts,
+        )  # fmt: skip
+        return PromptState(y, selector.keep_mask(q, k), sizes=sizes)  # the prefill reads every prompt key
+
+    def plan(self, ctx, core, state, k, v, budgets, real):
+        R = state.keep.shape[0] * state.keep.shape[1]
+        cap = state.keep.sum(-1).view(R) + ctx.max_new_tokens
+        keep, rank, rows, end = plan_rows(state.keep, cap)
+        return Plan(rows, end, lambda size: pool_fill(keep, rank, rows, k, v, size))
+
+    def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
+        scratch = layer.k_pool.shape[0] - 1
+        full = layer.length >= layer.cap
+        dest = torch.where(full, torch.full_like(layer.start, scratch), layer.start + layer.length)
+        layer.length.add_((~full).to(layer.length.dtype))
+        layer.k_pool.index_copy_(0, dest, kr)
+        layer.v_pool.index_copy_(0, dest, vr)
+        return attend(layer, qr), layer.length
+
+
+def fixed_policies() -> tuple[str, ...]:
+    """The registered policies that declare a fixed-capacity rule (run by `nats.hf.StaticPolicyCache`)."""
+    from nats.cache.registry import available_caches, get_cache_class  # noqa: PLC0415  (the registry imports policies)
+
+    return tuple(n for n in available_caches() if get_cache_class(n).fixed_rule is not None)
