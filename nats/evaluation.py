@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
 from nats.attention.registry import decodable_attention
+from nats.cache.budget import resolve_budget as _resolve_budget
 from nats.cache.decode import check_graph, policy_logits
 from nats.cache.registry import get_cache_class
 from nats.data.datamodule import check_eval_windows
@@ -77,14 +79,9 @@ def check_decodable(config: GPTConfig, name: str) -> None:
 # plan: methods x budgets, all checked before anything runs
 # ----------------------------------------------------------------------------------------------------
 def resolve_budget(b: Any, n: int) -> int:
-    """A float in (0, 1) is a fraction of N (rounded, at least 1); an integer >= 1 a number of tokens."""
-    if isinstance(b, bool) or not isinstance(b, (int, float)):
-        raise ValueError(f"budget {b!r} is neither a fraction in (0, 1) nor a token count >= 1")
-    if isinstance(b, float) and 0 < b < 1:
-        return max(1, round(b * n))
-    if float(b) == int(b) and b >= 1:
-        return int(b)
-    raise ValueError(f"budget {b!r} is neither a fraction in (0, 1) of N nor a whole token count >= 1")
+    """A float in (0, 1) is a fraction of the window's N tokens (rounded, at least 1); an integer >= 1 a number of
+    tokens (`nats.cache.budget`)."""
+    return _resolve_budget(b, n, of=f"the window's N={n} tokens")
 
 
 def configured_methods(cfg: DictConfig) -> Iterator[tuple[str, Any, type, dict[str, Any]]]:
@@ -318,12 +315,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                     f"{b} windows of N = {n} tokens: lower batch_size={b} (e.g. batch_size={max(1, b // 4)}), or "
                     f"evaluate in precision=bfloat16"
                 ) from err
-            # a line per method and budget, also where the bar is off (callbacks.eval_after): long work shows progress
-            log.info(
-                f"nats-eval {cfg.split} {i}/{len(runs)}: {run['label']} (budget {run['budget']}) ppl "
-                f"{results[-1]['ppl']:.2f} on {results[-1]['windows']} windows in {time.time() - t_run:.1f} s "
-                f"({results[-1]['decode']})"
-            )
+            # a line per method and budget, also where the bar is off (callbacks.eval_after): long work shows progress;
+            # written above the bar (which is drawn again below it), never glued to one of its frames
+            with tqdm.external_write_mode(file=sys.stdout, nolock=bar.disable):
+                log.info(
+                    f"nats-eval {cfg.split} {i}/{len(runs)}: {run['label']} (budget {run['budget']}) ppl "
+                    f"{results[-1]['ppl']:.2f} on {results[-1]['windows']} windows in {time.time() - t_run:.1f} s "
+                    f"({results[-1]['decode']})"
+                )
     for r in results:
         r["budget_fraction"] = None if r["budget"] is None else r["budget"] / n
         if r["budget"] is not None:
@@ -364,7 +363,7 @@ CSV_FIELDS = [
 ]
 
 
-def markdown_table(report: dict[str, Any]) -> str:
+def markdown_table(report: dict[str, Any], notes: bool = True) -> str:
     """results.md: the run's setting, then perplexity, area and peak fraction per method and budget."""
     rows = []
     for r in report["results"]:
@@ -380,7 +379,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         "",
         table(columns, rows),
     ]
-    for note in report["notes"]:
+    for note in report["notes"] if notes else ():
         lines.append(f"\nNote: {note}")
     return "\n".join(lines) + "\n"
 
@@ -458,7 +457,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate and write the outputs to ${paths.output_dir}; returns the report (with `outputs`)."""
     report = evaluate(cfg)
     paths = write_outputs(report, cfg.paths.output_dir)
-    log.info(markdown_table(report))  # on the console and in the run's eval.log
+    # on the console and in the run's eval.log; its notes were said before the evaluation (results.md has them)
+    log.info(markdown_table(report, notes=False))
     log.info(f"outputs in {Path(cfg.paths.output_dir).resolve()}")
     report["outputs"] = {k: str(v) for k, v in paths.items()}
     return report

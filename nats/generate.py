@@ -21,8 +21,8 @@ sample, then the cache statistics: KV entries kept per layer and KV head at the 
 tokens processed, the area and peak fractions of the cache over the decode (NATS_SPEC.md section 6), the bytes
 kept, and for nats the fractions of global / local / sliding tokens.
 
-The loop is `nats.cache.decode.generate_with_caches` (which keeps the caches for their statistics and masks the
-padded vocabulary); `generate_tokens` is the function.
+The loop is `nats.cache.decode.generate` (``return_caches=True`` keeps the caches for their statistics;
+``vocab_limit`` masks the padded vocabulary).
 """
 
 from __future__ import annotations
@@ -36,17 +36,18 @@ from typing import Any
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import Tensor
 
+from nats.cache import decode
 from nats.cache.base import LayerCache
-from nats.cache.decode import check_model, generate_with_caches
+from nats.cache.budget import resolve_budget
+from nats.cache.decode import check_graph, check_model
 from nats.cache.registry import available_caches, get_cache_class
 from nats.cli import check_hf_model, check_local_model, console, guarded
 from nats.utils import CONF_DIR, atomic_write, resolve_device
 
 log = logging.getLogger(__name__)
 
-__all__ = ["generate_tokens", "cache_stats", "resolve_budget", "load", "generate", "run", "main"]
+__all__ = ["cache_stats", "load", "generate", "run", "main"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _MODEL_HINT = (
@@ -58,45 +59,6 @@ _MODEL_HINT = (
 # ----------------------------------------------------------------------------------------------------
 # decoding
 # ----------------------------------------------------------------------------------------------------
-def generate_tokens(
-    model,
-    idx: Tensor,
-    max_new_tokens: int,
-    policy: str | type[LayerCache] = "full",
-    *,
-    budget: int | None = None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    vocab_limit: int | None = None,
-    generator: torch.Generator | None = None,
-    backend: str = "auto",
-    graph: bool | str = "auto",
-    info: dict | None = None,
-    **options: Any,
-) -> tuple[Tensor, list[LayerCache]]:
-    """Continue idx [B, T] by `max_new_tokens` tokens through the caches of `policy`; returns the tokens
-    [B, T + max_new_tokens] and the caches (one per layer, after the last token fed; for `cache_stats`).
-
-    `nats.cache.decode.generate_with_caches` with nats-generate's default of greedy decoding (temperature 0);
-    ids >= `vocab_limit` are never chosen; CUDA-graph decoding on CUDA by default (``graph``, ``info``: see
-    there)."""
-    return generate_with_caches(
-        model,
-        idx,
-        max_new_tokens,
-        policy,
-        budget=budget,
-        temperature=temperature,
-        top_k=top_k,
-        vocab_limit=vocab_limit,
-        generator=generator,
-        backend=backend,
-        graph=graph,
-        info=info,
-        **options,
-    )
-
-
 def cache_stats(caches: list[LayerCache]) -> dict[str, Any]:
     """What the caches hold after decoding, averaged over layers, KV heads and sequences: `kept` KV entries per
     layer and KV head (and the largest), `kv_fraction` = kept / tokens processed, the `area` and `peak` fractions
@@ -125,22 +87,6 @@ def cache_stats(caches: list[LayerCache]) -> dict[str, Any]:
         t = torch.stack([c.type_fractions() for c in caches]).mean(dim=(0, 1, 2))  # [3]
         out["type_fractions"] = dict(zip(("global", "local", "sliding"), (float(v) for v in t)))
     return out
-
-
-def resolve_budget(budget: Any, total: int) -> int | None:
-    """null, a token count >= 1, or a fraction in (0, 1) of the `total` tokens (rounded, at least 1)."""
-    if budget is None:
-        return None
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"budget={budget!r} is neither a token count >= 1 nor a fraction in (0, 1)")
-    if isinstance(budget, float) and 0 < budget < 1:
-        return max(1, round(budget * total))
-    if budget < 1 or float(budget) != int(budget):
-        raise ValueError(
-            f"budget={budget} must be a whole number of tokens >= 1 (the KV entries each layer and "
-            f"KV head keeps), or a fraction in (0, 1) of the {total} prompt + new tokens"
-        )
-    return int(budget)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,7 +176,7 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     text = _prompt(cfg)
     prompt = enc.encode_ordinary(text) if text else [EOT]
     total = len(prompt) + new
-    budget = resolve_budget(cfg.get("budget"), total)
+    budget = resolve_budget(cfg.get("budget"), total, of=f"the {total} prompt + new tokens")
     if budget is not None and not cls.budgeted:
         raise ValueError(
             f"cache policy {policy!r} keeps every token and takes no budget (got budget="
@@ -263,12 +209,11 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     if float(cfg.temperature) > 0:
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
     graph = cfg.get("graph", "auto")
-    if graph not in (True, False, "auto"):
-        raise ValueError(f"graph={graph!r} is not one of auto, true, false")
+    check_graph(graph)
     idx = torch.tensor([prompt] * samples, dtype=torch.long, device=device)
     info: dict[str, Any] = {}
     t0 = time.perf_counter()
-    tokens, caches = generate_tokens(
+    tokens, caches = decode.generate(
         model,
         idx,
         new,
@@ -280,6 +225,7 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
         generator=generator,
         graph=graph,
         info=info,
+        return_caches=True,
         **options,
     )
     if device.type == "cuda":

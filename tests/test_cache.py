@@ -344,13 +344,13 @@ def test_h2o_layerwise_prefill_equals_token_steps():
 def test_generate_greedy_matches_naive_loop():
     for model, policy in ((tiny({"name": "dense"}), "full"), (nats_model(), "nats")):
         idx = torch.randint(0, V, (2, 9))
-        out = generate(model, idx, 12, policy=policy, greedy=True)
+        out = generate(model, idx, 12, policy=policy)
         naive = idx
         for _ in range(12):
             naive = torch.cat([naive, model(naive).logits[:, -1].argmax(-1, keepdim=True)], 1)
         assert torch.equal(out, naive)
     g = torch.Generator().manual_seed(0)
-    sampled = generate(tiny({"name": "dense"}), idx, 5, policy="h2o", budget=6, top_k=5, generator=g)
+    sampled = generate(tiny({"name": "dense"}), idx, 5, policy="h2o", budget=6, temperature=1.0, top_k=5, generator=g)
     assert sampled.shape == (2, 14) and torch.equal(sampled[:, :9], idx)
 
 

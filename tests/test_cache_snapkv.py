@@ -335,11 +335,9 @@ def test_generate_runs_and_keeps_the_budget():
 
     model = tiny()
     prompt = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(5))
-    out = generate(model, prompt, 8, policy="snapkv", budget=12, window=4, greedy=True)
+    out = generate(model, prompt, 8, policy="snapkv", budget=12, window=4)
     assert out.shape == (2, 38) and torch.equal(out[:, :30], prompt)
-    from nats.cache.decode import generate_with_caches
-
-    _, caches = generate_with_caches(model, prompt, 8, "adakv", budget=12, window=4, greedy=True)
+    _, caches = generate(model, prompt, 8, "adakv", budget=12, window=4, return_caches=True)
     kept = torch.stack([c.kept() for c in caches])  # 30 prompt tokens + 7 fed back: B + 7 per head on average
     assert torch.equal(kept.sum(-1), torch.full((3, 2), 2 * (12 + 7)))
 

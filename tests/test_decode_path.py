@@ -18,7 +18,7 @@ from nats.cache.decode import (
     GraphDecoder,
     decode_step,
     eval_mode,
-    generate_with_caches,
+    generate,
     make_caches,
     policy_logits,
     prefill,
@@ -109,7 +109,7 @@ def test_policy_name_resolved_once(monkeypatch):
     monkeypatch.setattr(d, "get_cache_class", spy)
     model = nats_model()
     idx = torch.randint(0, V, (1, 6))
-    generate_with_caches(model, idx, 3, "nats", greedy=True)
+    generate(model, idx, 3, "nats", return_caches=True)
     assert calls == ["nats"]
     assert resolve_policy(NAtSCache) is NAtSCache and resolve_policy("nats") is NAtSCache
 
@@ -125,7 +125,7 @@ def test_generate_nats_never_reallocates(monkeypatch):
     idx = torch.randint(0, V, (2, 20))
     new = 40
     calls = count_maintain(monkeypatch)
-    out, caches = generate_with_caches(model, idx, new, "nats", greedy=True, check_every=2)
+    out, caches = generate(model, idx, new, "nats", return_caches=True, check_every=2)
     assert len(calls) == (new - 1) * len(caches) and not any(calls)
     assert all(c.compactions == 0 for c in caches)
     assert all(c.reserve == new for c in caches)
@@ -221,12 +221,12 @@ def test_generate_defaults_to_eager_on_cpu():
     model = nats_model()
     idx = torch.randint(0, V, (1, 6))
     info = {}
-    out, _ = generate_with_caches(model, idx, 4, "nats", greedy=True, info=info)
+    out, _ = generate(model, idx, 4, "nats", return_caches=True, info=info)
     assert info == {"decode": "eager"} and out.shape == (1, 10)
     with pytest.raises(ValueError, match="CUDA-graph decoding needs"):
-        generate_with_caches(model, idx, 4, "nats", greedy=True, graph=True)
+        generate(model, idx, 4, "nats", return_caches=True, graph=True)
     with pytest.raises(ValueError, match="graph='yes' must be auto, true or false"):
-        generate_with_caches(model, idx, 4, "nats", greedy=True, graph="yes")
+        generate(model, idx, 4, "nats", return_caches=True, graph="yes")
 
 
 def test_sequential_policy_logits_decode_eagerly_on_cpu():
@@ -275,10 +275,10 @@ def test_graph_generate_equals_eager_without_recapture(policy, monkeypatch):
     opts = {"nats": {"check_every": 2}, "snapkv": {"window": 4}}.get(policy, {})
     calls = count_maintain(monkeypatch)
     info = {}
-    out, caches = generate_with_caches(model, idx, 64, policy, budget=budget, greedy=True, info=info, **opts)
+    out, caches = generate(model, idx, 64, policy, budget=budget, return_caches=True, info=info, **opts)
     assert info == {"decode": "cuda_graph", "captures": 1}  # captured once, replayed for every later token
     assert not any(calls) and all(c.t == 40 + 63 for c in caches)
-    eager, _ = generate_with_caches(model, idx, 64, policy, budget=budget, greedy=True, graph=False, **opts)
+    eager, _ = generate(model, idx, 64, policy, budget=budget, return_caches=True, graph=False, **opts)
     assert torch.equal(out, eager)
 
 

@@ -15,9 +15,10 @@ import torch
 from test_hub import train_checkpoint
 
 from conftest import DATA_DIR, compose, local_corpus
+from nats.cache.budget import resolve_budget
 from nats.cache.decode import generate as decode_generate
 from nats.data.tokenizer import VOCAB_SIZE, get_tokenizer
-from nats.generate import cache_stats, generate_tokens, resolve_budget, run
+from nats.generate import cache_stats, run
 from nats.hub import export_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -59,13 +60,13 @@ def test_policy_equals_greedy_parallel_forward(ckpts, kind, policy):
     model = load_checkpoint(ckpts[kind])
     idx = prompt_ids(2)
     ref = greedy_parallel(model, idx, NEW)
-    out, caches = generate_tokens(model, idx, NEW, policy, vocab_limit=VOCAB_SIZE)
+    out, caches = decode_generate(model, idx, NEW, policy, vocab_limit=VOCAB_SIZE, return_caches=True)
     assert out.shape == (2, idx.shape[1] + NEW)
     assert torch.equal(out, ref), (out[0, idx.shape[1] :].tolist(), ref[0, idx.shape[1] :].tolist())
     assert len(caches) == model.config.n_layer and caches[0].t == idx.shape[1] + NEW - 1
     # without the vocabulary limit it is nats.cache.decode.generate's loop (same tokens when none is padding)
-    plain, _ = generate_tokens(model, idx, NEW, policy)
-    assert torch.equal(plain, decode_generate(model, idx, NEW, policy, greedy=True))
+    plain, _ = decode_generate(model, idx, NEW, policy, return_caches=True)
+    assert torch.equal(plain, decode_generate(model, idx, NEW, policy))
 
 
 def test_run_prints_text_and_stats(ckpts, tmp_path, caplog):
@@ -107,8 +108,10 @@ def test_budgeted_policies_and_their_stats(ckpts, tmp_path):
     assert 0 < r["stats"]["kv_fraction"] <= 1
     # a budget as large as the sequence keeps everything: the same tokens as full
     model = load_checkpoint(ckpts["dense"])
-    full, _ = generate_tokens(model, prompt_ids(), NEW, "full", vocab_limit=VOCAB_SIZE)
-    h2o, caches = generate_tokens(model, prompt_ids(), NEW, "h2o", budget=total, vocab_limit=VOCAB_SIZE)
+    full, _ = decode_generate(model, prompt_ids(), NEW, "full", vocab_limit=VOCAB_SIZE, return_caches=True)
+    h2o, caches = decode_generate(
+        model, prompt_ids(), NEW, "h2o", budget=total, vocab_limit=VOCAB_SIZE, return_caches=True
+    )
     assert torch.equal(full, h2o) and cache_stats(caches)["kv_fraction"] == 1.0
 
 

@@ -41,7 +41,6 @@ __all__ = [
     "decode_step",
     "policy_logits",
     "generate",
-    "generate_with_caches",
     "eval_mode",
     "resolve_policy",
     "graph_capturable",
@@ -311,14 +310,12 @@ def policy_logits(
         return torch.cat(out, dim=1), caches
 
 
-def _sample(
-    logits: Tensor, temperature: float, top_k: int | None, greedy: bool, generator, vocab_limit: int | None = None
-) -> Tensor:
-    """logits [B, V] -> next token [B, 1]: argmax (greedy or temperature 0), else a sample of
-    softmax(logits / temperature) over the top_k largest; ids >= vocab_limit never."""
+def _sample(logits: Tensor, temperature: float, top_k: int | None, generator, vocab_limit: int | None = None) -> Tensor:
+    """logits [B, V] -> next token [B, 1]: argmax at temperature 0, else a sample of softmax(logits / temperature)
+    over the top_k largest; ids >= vocab_limit never."""
     if vocab_limit is not None and vocab_limit < logits.size(-1):
         logits = logits[..., :vocab_limit]
-    if greedy or temperature == 0:
+    if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k is not None:
@@ -335,57 +332,26 @@ def generate(
     policy: str | type[LayerCache] = "full",
     *,
     budget: int | None = None,
-    temperature: float = 1.0,
+    temperature: float = 0.0,
     top_k: int | None = None,
-    greedy: bool = False,
-    generator: torch.Generator | None = None,
-    backend: str = "auto",
-    graph: bool | str = "auto",
-    **options: Any,
-) -> Tensor:
-    """Continue idx [B, T] by `max_new_tokens` tokens under a cache policy; returns [B, T + max_new_tokens].
-
-    The prompt is prefilled (`prefill`), then each new token is one `decode_step`: replays of a captured CUDA
-    graph on CUDA (``graph="auto"``: when the caches allow it, `graph_capturable`; True insists, False decodes
-    eagerly). The caches are planned for the `max_new_tokens` (``reserve``), so none reallocates while
-    decoding. Sampling: greedy (or temperature 0), else softmax(logits / temperature) restricted to the
-    `top_k` largest."""
-    return generate_with_caches(
-        model,
-        idx,
-        max_new_tokens,
-        policy,
-        budget=budget,
-        temperature=temperature,
-        top_k=top_k,
-        greedy=greedy,
-        generator=generator,
-        backend=backend,
-        graph=graph,
-        **options,
-    )[0]
-
-
-def generate_with_caches(
-    model,
-    idx: Tensor,
-    max_new_tokens: int,
-    policy: str | type[LayerCache] = "full",
-    *,
-    budget: int | None = None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    greedy: bool = False,
     vocab_limit: int | None = None,
     generator: torch.Generator | None = None,
     backend: str = "auto",
     graph: bool | str = "auto",
     info: dict | None = None,
+    return_caches: bool = False,
     **options: Any,
-) -> tuple[Tensor, list]:
-    """`generate`, also returning the caches (one per layer, after the last token fed: for their statistics);
-    ids >= `vocab_limit` (e.g. the padding of a vocabulary rounded up) are never chosen. A dict `info` receives
-    how the steps ran: ``decode`` ("cuda_graph" or "eager") and, for graphs, ``captures``."""
+):
+    """Continue idx [B, T] by `max_new_tokens` tokens under a cache policy; returns [B, T + max_new_tokens] (and,
+    with ``return_caches``, the caches: one per layer, after the last token fed, for their statistics).
+
+    The prompt is prefilled (`prefill`), then each new token is one `decode_step`: replays of a captured CUDA
+    graph on CUDA (``graph="auto"``: when the caches allow it, `graph_capturable`; True insists, False decodes
+    eagerly). The caches are planned for the `max_new_tokens` (``reserve``), so none reallocates while
+    decoding. Greedy by default (``temperature=0``, as ``nats-generate`` and transformers' ``generate``); a
+    temperature > 0 samples softmax(logits / temperature) restricted to the `top_k` largest, from `generator`.
+    Ids >= `vocab_limit` (e.g. the padding of a vocabulary rounded up) are never chosen. A dict `info` receives how
+    the steps ran: ``decode`` ("cuda_graph" or "eager") and, for graphs, ``captures``."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if temperature < 0 or not math.isfinite(temperature):
@@ -426,7 +392,7 @@ def generate_with_caches(
     with eval_mode(model):
         logits = prefill(model, caches, idx)[:, -1]
         for s in range(max_new_tokens):
-            nxt = _sample(logits, temperature, top_k, greedy, generator, vocab_limit)
+            nxt = _sample(logits, temperature, top_k, generator, vocab_limit)
             out.append(nxt)
             if s + 1 < max_new_tokens:
                 logits = step(nxt[:, 0], T + s)
@@ -434,4 +400,5 @@ def generate_with_caches(
         info["decode"] = "cuda_graph" if use_graph else "eager"
         if use_graph:
             info["captures"] = step.captures
-    return torch.cat(out, dim=1), caches
+    tokens = torch.cat(out, dim=1)
+    return (tokens, caches) if return_caches else tokens

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from nats.cache.budget import resolve_budget
 from nats.cache.engine import fixed_policies
 
 
@@ -37,7 +38,7 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     ids = ids.expand(samples, -1).contiguous()
     P = ids.shape[1]
     budget = cfg.get("budget")  # tokens, or a fraction of prompt + new tokens (as for the GPT kind)
-    n_budget = None if budget is None else (int(budget) if budget >= 1 else max(1, round(budget * (P + new))))
+    n_budget = resolve_budget(budget, P + new, of=f"the {P + new} prompt + new tokens")
     options = dict(cfg.get("cache_options") or {})
     fast = policy in fixed_policies()
     if fast:
