@@ -337,6 +337,14 @@ class StepProgressBar(TQDMProgressBar):
             bar.n = step
             bar.refresh()
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """An interrupt or error closes the bar (its line cleared) before nats-train says why the run stopped, so
+        no stale frame is drawn again after that line."""
+        bar = self._train_progress_bar
+        if bar is not None and not bar.disable:
+            bar.leave = False
+            bar.close()
+
     def on_validation_start(self, trainer, pl_module) -> None:
         super().on_validation_start(trainer, pl_module)
         bar = self._train_progress_bar
@@ -367,15 +375,15 @@ def _si(value: float) -> str:
 
 
 class InterruptCheckpoint(Callback):
-    """Lightning's :class:`~lightning.pytorch.callbacks.OnExceptionCheckpoint`, for SIGTERM only: a fit that gets
-    SIGTERM (Lightning's signal handler sets ``trainer.received_sigterm`` and the loop raises
-    ``SIGTERMException``) ends its current optimizer step (the rest of a gradient accumulation, so that the saved
-    state resumes exactly), stops, and the state is saved to ``<dirpath>/<filename>.ckpt`` (default
-    ``checkpoints/last.ckpt``, what ``ckpt_path=auto`` and ``nats-train resume=<run>`` continue from);
-    nats-train then says where it stopped and exits non-zero. Other exceptions (errors) save nothing. (A plain
-    Callback, not an OnExceptionCheckpoint: with one of those Lightning turns every ``fit(ckpt_path=None)`` into
-    ``ckpt_path="last"`` and warns when there is none; nor a Checkpoint, which ``enable_checkpointing=false``
-    forbids.)"""
+    """Lightning's :class:`~lightning.pytorch.callbacks.OnExceptionCheckpoint`, for SIGTERM and Ctrl-C only: a fit
+    that gets SIGTERM or a first Ctrl-C (Lightning's signal handler, or ours for SIGINT, sets
+    ``trainer.received_sigterm`` and the loop raises ``SIGTERMException``) ends its current optimizer step (the rest
+    of a gradient accumulation, so that the saved state resumes exactly), stops, and the state is saved to
+    ``<dirpath>/<filename>.ckpt`` (default ``checkpoints/last.ckpt``, what ``ckpt_path=auto`` and ``nats-train
+    resume=<run>`` continue from); nats-train then says where it stopped and exits non-zero. Other exceptions
+    (errors) save nothing. (A plain Callback, not an OnExceptionCheckpoint: with one of those Lightning turns every
+    ``fit(ckpt_path=None)`` into ``ckpt_path="last"`` and warns when there is none; nor a Checkpoint, which
+    ``enable_checkpointing=false`` forbids.)"""
 
     def __init__(self, dirpath: str, filename: str = "last") -> None:
         super().__init__()
@@ -389,6 +397,32 @@ class InterruptCheckpoint(Callback):
         import os
 
         return os.path.join(self.dirpath, self.filename + ".ckpt")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Ctrl-C (SIGINT) in the main thread stops the fit as SIGTERM does: at the end of the current optimizer
+        step, with the state saved (``reason`` says which signal); a second Ctrl-C stops at once."""
+        import signal
+        import threading
+
+        self.reason, self._sigint = "SIGTERM", None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGINT)
+
+        def on_sigint(signum, frame) -> None:
+            signal.signal(signal.SIGINT, previous)  # the next Ctrl-C interrupts at once
+            self.reason = "Ctrl-C"
+            trainer._signal_connector.received_sigterm = True
+
+        self._sigint = previous
+        signal.signal(signal.SIGINT, on_sigint)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        import signal
+
+        if getattr(self, "_sigint", None) is not None:
+            signal.signal(signal.SIGINT, self._sigint)
+            self._sigint = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         signals = trainer._signal_connector

@@ -83,12 +83,49 @@ class _DropLightningTip(logging.Filter):
         return "litlogger" not in str(record.msg)
 
 
+#: lines that go to the run's log file only, not the console: Lightning's device report and its srun hint (which
+#: nats.train logs instead of warning)
+LOG_FILE_ONLY = ("GPU available:", "TPU available:", "HPU available:", "The `srun` command is available")
+
+
+class _LogFileOnly(logging.Filter):
+    """On the console's handler: drops the records of :data:`LOG_FILE_ONLY` (the run's log file keeps them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not any(p in message for p in LOG_FILE_ONLY)
+
+
 def quiet_libraries() -> None:
-    """Keep the libraries' noise off the console (idempotent): Lightning's litlogger tip. (The LeafSpec
-    FutureWarning is filtered where this module is imported.)"""
+    """Keep the libraries' noise off the console (idempotent): Lightning's litlogger tip; its device report ("GPU
+    available: ...") and srun hint go to the run's log only. (The LeafSpec FutureWarning is filtered where this
+    module is imported.)"""
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # where rank_zero_info logs
     if not any(isinstance(f, _DropLightningTip) for f in logger.filters):
         logger.addFilter(_DropLightningTip())
+    for handler in logging.getLogger().handlers:  # Hydra's console handler (its file handler is a FileHandler)
+        if type(handler) is logging.StreamHandler and not any(isinstance(f, _LogFileOnly) for f in handler.filters):
+            handler.addFilter(_LogFileOnly())
+    _srun_hint_to_log()
+
+
+_SRUN_HINT = r"The `srun` command is available on your system but is not used"
+
+
+def _srun_hint_to_log() -> None:
+    """Lightning warns (at every Trainer and fit) that ``srun`` exists but the process was not started by it; on a
+    login or cluster node that is what a local run looks like: the hint goes to the run's log once instead."""
+    import shutil
+    import sys
+
+    if any(f[1] is not None and f[1].pattern.startswith(_SRUN_HINT) for f in warnings.filters):
+        return
+    warnings.filterwarnings("ignore", message=_SRUN_HINT)
+    if shutil.which("srun") and "SLURM_NTASKS" not in os.environ:
+        logging.getLogger("nats").info(
+            f"{_SRUN_HINT} (Lightning's hint): to run Lightning on SLURM, start it with srun, e.g. srun python "
+            f"{' '.join(sys.argv)}; for a local run nothing needs doing"
+        )
 
 
 class RunInterrupted(Exception):

@@ -177,8 +177,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
                 final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
                 metrics.update({k: float(v) for k, v in final.items()})
     except BaseException as err:
-        if _is_sigterm(err):
-            raise RunInterrupted(int(trainer.global_step), "SIGTERM") from err
+        if _is_sigterm(err):  # SIGTERM or a first Ctrl-C (nats.callbacks.InterruptCheckpoint): the state is saved
+            reason = next((cb.reason for cb in trainer.callbacks if hasattr(cb, "reason")), "SIGTERM")
+            raise RunInterrupted(int(trainer.global_step), reason) from err
         if isinstance(err, SystemExit) and trainer.interrupted:  # Lightning's exit after a KeyboardInterrupt
             raise RunInterrupted(int(trainer.global_step), "Ctrl-C") from err
         err.nats_steps_run = int(trainer.global_step) - step  # read by report_failure: did this run train?

@@ -261,3 +261,41 @@ def test_help_says_what_the_script_does(script, tmp_path, monkeypatch, capfd):
         for needle in ("resume=", "experiment=", "model/attention=nats"):
             assert needle in examples, needle
     assert not (tmp_path / "logs").exists()
+
+
+def test_device_report_and_srun_hint_go_to_the_log_only(tmp_path):
+    """Lightning's "GPU available: ..." lines and its srun hint: in the run's log file, not on the console."""
+    from nats.runs import quiet_libraries
+
+    root = logging.getLogger()
+    console, log_file = logging.StreamHandler(), logging.FileHandler(tmp_path / "train.log")
+    root.addHandler(console)
+    root.addHandler(log_file)
+    try:
+        quiet_libraries()
+        name, text = "lightning.pytorch.utilities.rank_zero", "GPU available: False, used: False"
+        record = logging.LogRecord(name, logging.INFO, "", 0, text, None, None)
+        assert not console.filter(record) and log_file.filter(record)
+        other = logging.LogRecord("nats", logging.INFO, "", 0, "val_ppl 257.97", None, None)
+        assert console.filter(other)
+    finally:
+        root.removeHandler(console)
+        root.removeHandler(log_file)
+        log_file.close()
+
+
+def test_eval_notes_print_once(inputs, tmp_path, caplog):
+    """A note (here: nats skipped on a dense model) is said once before the evaluation, not again with the table;
+    results.md keeps it."""
+    from conftest import compose
+    from nats.evaluation import run
+
+    cfg = compose(
+        [f"ckpt_path={inputs['dense']}", "methods=[full,nats]", "max_windows=1", "progress=false"],
+        tmp_path,
+        config_name="eval",
+    )
+    with caplog.at_level("INFO"):
+        run(cfg)
+    assert caplog.text.count("the model has no NAtS attention") == 1, caplog.text
+    assert "the model has no NAtS attention" in (tmp_path / "results.md").read_text()

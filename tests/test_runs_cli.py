@@ -287,3 +287,44 @@ def test_sigterm_saves_a_checkpoint_says_how_to_resume_and_fails(tmp_path):
     assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'} at step {step}" in resumed.stdout
     assert json.loads((run_dir / "metrics.json").read_text())["global_step"] == step + 2
     assert "val_ppl" in resumed.stdout
+
+
+def test_ctrl_c_ends_the_optimizer_step_and_saves_as_sigterm_does(tmp_path, monkeypatch, caplog):
+    """A first Ctrl-C (SIGINT) in mid-accumulation: the optimizer step ends, checkpoints/last.ckpt holds it, and the
+    run reports 'interrupted at step N (Ctrl-C; state saved in ...); resume with ...' with status 130."""
+    import signal
+    import threading
+
+    import lightning as L
+
+    import nats.train as T
+    from nats.runs import RunInterrupted, report_failure
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
+
+    class CtrlC(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if trainer.global_step == 3 and batch_idx % trainer.accumulate_grad_batches == 0:  # step 4's first half
+                os.kill(os.getpid(), signal.SIGINT)
+
+    build = T.build
+
+    def with_ctrl_c(cfg):
+        datamodule, module, trainer = build(cfg)
+        trainer.callbacks.append(CtrlC())
+        return datamodule, module, trainer
+
+    monkeypatch.setattr(T, "build", with_ctrl_c)
+    before = signal.getsignal(signal.SIGINT)
+    cfg = compose([*SMALL, "trainer.max_steps=50", "eval_every=100", "checkpoint_every=100"], tmp_path)
+    with pytest.raises(RunInterrupted) as err:
+        T.run(cfg)
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is put back
+    assert err.value.reason == "Ctrl-C" and err.value.step == 4  # the step in progress was completed
+    assert checkpoint_step(tmp_path / "checkpoints" / "last.ckpt") == 4
+    with caplog.at_level("ERROR", logger="nats"):
+        assert report_failure(err.value, tmp_path, program="nats-train", new_folder=False) == 130
+    assert re.search(
+        r"interrupted at step 4 \(Ctrl-C; state saved in \S+last\.ckpt\); resume with nats-train", caplog.text
+    )
