@@ -198,7 +198,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if not ckpt.is_file():
             print(f"[eval] {run}: no checkpoints/last.ckpt, skipped", flush=True)
             continue
-        device = ["device=cuda"] if args.launcher == "submitit_slurm" else []
+        device = [f"device={'cuda' if args.eval_gpus > 0 else 'cpu'}"] if args.launcher == "submitit_slurm" else []
         todo.append(
             [
                 f"ckpt_path={ckpt}",
@@ -221,7 +221,6 @@ def run_eval(args: argparse.Namespace) -> int:
         executor = submitit.AutoExecutor(folder=str(out_dir / "eval_jobs" / "%j"), cluster="slurm")
         params = dict(
             timeout_min=args.eval_time_min,
-            gpus_per_node=1,
             tasks_per_node=1,
             nodes=1,
             cpus_per_task=args.cpus_per_task or 8,
@@ -236,6 +235,8 @@ def run_eval(args: argparse.Namespace) -> int:
         ):
             if value is not None:
                 params[f"slurm_{key}"] = value
+        if args.eval_gpus > 0:
+            params["gpus_per_node"] = args.eval_gpus
         if args.mem_gb is not None:
             params["mem_gb"] = args.mem_gb
         if args.setup:
@@ -287,6 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpus-per-task", type=int)
     ap.add_argument("--setup", nargs="+", help="shell lines before srun, e.g. 'source .venv/bin/activate'")
     ap.add_argument("--eval-time-min", type=int, default=240)
+    ap.add_argument("--eval-gpus", type=int, default=1, help="GPUs per eval job; 0: a CPU job (device=cpu)")
     ap.add_argument("--eval-overrides", nargs="+", default=[], help="Hydra overrides for nats-eval")
     ap.add_argument("--redo-eval", action="store_true", help="evaluate runs that already have eval/")
     ap.add_argument("--detach", action="store_true", help="return once the training jobs are submitted")
