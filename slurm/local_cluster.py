@@ -1,7 +1,7 @@
 """A one-node SLURM cluster on this machine, for trying the cluster entry points and for the tests.
 
     python slurm/local_cluster.py start /tmp/nats-slurm     # prints the line that points sbatch & co. at it
-    export SLURM_CONF=/tmp/nats-slurm/slurm.conf
+    export SLURM_CONF=/tmp/nats-slurm/slurm.conf PATH=/tmp/nats-slurm/bin:$PATH
     sbatch ... / nats-train -m hydra/launcher=submitit_slurm ... / python slurm/pipeline.py ...
     python slurm/local_cluster.py stop /tmp/nats-slurm      # stops the daemons it started (by pid)
 
@@ -12,10 +12,12 @@ munge key into the folder; starts ``munged``, ``slurmctld`` and ``slurmd`` in th
 process groups, with every state, spool, socket and log file inside the folder; waits until the node is idle.
 Nothing outside the folder is written, nothing already running (a system munged or slurmd) is touched.
 
-Job states without an accounting database: ``sacct`` answers from the job-completion log of the cluster
-(``JobCompType=jobcomp/filetxt``, read with ``sacct --completion``) and from ``squeue`` for the jobs that have
-not ended, through the small ``sacct`` in ``<folder>/bin`` (first on ``PATH`` in :meth:`LocalCluster.env`):
-submitit asks ``sacct -o JobID,State,NodeList --parsable2 -j <id>`` for the state of its jobs.
+Job states without an accounting database: the ``sacct`` in ``<folder>/bin`` (first on ``PATH`` in
+:meth:`LocalCluster.env`) answers from the cluster's job-completion log (``JobCompType=jobcomp/filetxt``; array
+tasks as ``<array>_<task>``) and from ``squeue`` for the jobs that have not ended: submitit asks
+``sacct -o JobID,State,NodeList --parsable2 -j <id>`` for the state of its jobs (a job that ends without a result
+is seen as FAILED instead of waited for). A requeued job starts again after ``cred_expire`` (5 s here; SLURM's
+default is 120 s).
 """
 
 from __future__ import annotations
@@ -201,6 +203,7 @@ JobCompType=jobcomp/filetxt
 JobCompLoc={f}/log/jobcomp.txt
 PlugStackConfig={f}/plugstack.conf
 KillWait=10
+MailProg=/bin/true
 MinJobAge=300
 InactiveLimit=0
 NodeName={name} NodeAddr=127.0.0.1 {node_hw} RealMemory={mem} State=UNKNOWN
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cluster = LocalCluster(folder, log=lambda m: print(m, file=sys.stderr)).start()
-    except Unavailable as exc:
+    except (Unavailable, RuntimeError) as exc:  # cannot run here; already running; a daemon did not start
         print(f"local cluster: {exc}", file=sys.stderr)
         return 1
     for p in cluster.procs.values():  # the daemons outlive this command; `stop` ends them by pid
