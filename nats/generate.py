@@ -98,6 +98,7 @@ def _given(value: Any) -> bool:
 
 def load(cfg: DictConfig):
     """The model of `ckpt_path` or `model_dir` (exactly one), on the CPU in float32."""
+    from nats.hub import _looks_like_hub_id as looks_like_hub_id
     from nats.hub import from_pretrained, load_checkpoint
 
     ckpt, folder = cfg.get("ckpt_path"), cfg.get("model_dir")
@@ -108,6 +109,8 @@ def load(cfg: DictConfig):
     if _given(folder):
         if str(folder).endswith(".ckpt"):
             raise ValueError(f"model_dir={folder} is a checkpoint file: pass it as ckpt_path={folder}")
+        if Path(str(folder)).exists() or not looks_like_hub_id(str(folder)):
+            return from_pretrained(str(folder))  # a folder, or a path that says what is missing
         # a hub id is read from the Hugging Face cache only: nats downloads no model (no network retries offline)
         check_local_model(
             "model_dir",
@@ -116,7 +119,7 @@ def load(cfg: DictConfig):
             "point model_dir at a folder written by nats.hub.save_pretrained / export_checkpoint, or pass a "
             "nats-train checkpoint as ckpt_path=<file.ckpt>",
         )
-        return from_pretrained(str(folder), **({} if Path(str(folder)).exists() else {"local_files_only": True}))
+        return from_pretrained(str(folder), local_files_only=True)
     raise ValueError(f"no model given: {_MODEL_HINT}")
 
 

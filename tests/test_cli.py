@@ -150,18 +150,27 @@ def no_network(monkeypatch):
 
 @pytest.fixture
 def restore_logging():
-    """Hydra configures the root logger for each app; put the handlers back after the probe."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    """Hydra configures logging for each app (the root's handlers, and `nats`' own stdout handler replaced:
+    conf/hydra/default.yaml); put every logger back as it was after the probe."""
+    loggers = [
+        logging.getLogger(),
+        *(lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)),
+    ]
+    saved = {lg: (list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers}
     yield
-    for h in list(root.handlers):
-        if h not in handlers:
-            root.removeHandler(h)
-            h.close()
-    for h in handlers:
-        if h not in root.handlers:
-            root.addHandler(h)
-    root.setLevel(level)
+    for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        if not isinstance(lg, logging.Logger):
+            continue
+        handlers, level, propagate, disabled = saved.get(lg, ([], logging.NOTSET, True, False))
+        for h in list(lg.handlers):
+            if h not in handlers:
+                lg.removeHandler(h)
+                h.close()
+        for h in handlers:
+            if h not in lg.handlers:
+                lg.addHandler(h)
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
 
 
 def run_script(script: str, argv: list[str], root: Path, monkeypatch, capfd, full_error: bool = False):

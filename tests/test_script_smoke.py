@@ -105,8 +105,9 @@ def stubs(tmp_path_factory) -> Path:
     stub = folder / "_stub"
     stub.write_text(
         "#!/usr/bin/env bash\n"
-        'printf "%s" "$(basename "$0")" >> "$STUB_LOG"; for a in "$@"; do printf " %q" "$a" >> "$STUB_LOG"; done\n'
-        'echo >> "$STUB_LOG"\n'
+        # one write per command (O_APPEND): commands a script runs side by side (&) do not interleave
+        'line=$(basename "$0"); for a in "$@"; do line+=" $(printf "%q" "$a")"; done\n'
+        'printf "%s\\n" "$line" >> "$STUB_LOG"\n'
     )
     stub.chmod(0o755)
     for name in STUBBED:

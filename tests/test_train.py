@@ -194,7 +194,7 @@ def test_resume_gives_the_uninterrupted_losses(tmp_path):
     assert len(rows) == len(set(rows)) == len(a), rows
 
 
-def test_short_run_logs_checkpoints_and_prints_ppl(tmp_path, capsys):
+def test_short_run_logs_checkpoints_and_prints_ppl(tmp_path, caplog):
     cfg = compose(
         small(
             [
@@ -208,8 +208,9 @@ def test_short_run_logs_checkpoints_and_prints_ppl(tmp_path, capsys):
         ),
         tmp_path,
     )
-    metrics = run(cfg)
-    out = capsys.readouterr().out
+    with caplog.at_level("INFO", logger="nats"):  # what the console shows (whatever handlers another test left)
+        metrics = run(cfg)
+    out = caplog.text
     assert "val_ppl " in out and "unigram_ppl " in out
     ppl = float(out.split("val_ppl ")[1].split()[0])
     assert ppl == pytest.approx(torch.exp(torch.tensor(metrics["val/loss"])).item(), rel=1e-4)
