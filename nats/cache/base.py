@@ -56,6 +56,7 @@ class LayerCache:
     # how the policy runs in the fixed-capacity engine (nats.cache.engine.FixedRule; None: it has no such form), the
     # storage of `nats.hf.StaticPolicyCache`
     fixed_rule: ClassVar[Any] = None
+    no_fixed_rule: ClassVar[str | None] = None  # why a decodable policy has no fixed-capacity rule (the contract asks)
 
     def __init__(
         self,

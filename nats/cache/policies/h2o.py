@@ -31,6 +31,10 @@ from nats.cache.registry import register_cache
 @register_cache("h2o")
 class H2OCache(LayerCache):
     budgeted = True
+    no_fixed_rule = (
+        "its eviction reads each step's attention probabilities, which the split-K decode kernel does not return: it "
+        "decodes through nats.hf.PolicyCache and the GPT path (CUDA graphs, PyTorch attention)"
+    )
 
     def __init__(self, *, budget: int, recent: int | None = None, **kwargs):
         super().__init__(budget=budget, **kwargs)

@@ -43,7 +43,8 @@ def prompt_keep(n: int, budget: int, sinks: int, device=None) -> Tensor:
 
 class RingRule(AppendRule):
     """The fixed-capacity form (`nats.cache.engine`): a segment of ``budget`` slots per row, the sinks first, then a
-    ring overwritten oldest first; the row's ``count`` (tokens written, counter 5) gives the slot. The prompt's
+    ring overwritten oldest first; the row's ``count`` (counter 5: the tokens written, counted from the kept length
+    after the prompt) gives the slot. The prompt's
     attention is the StreamingLLM mask (exact: decoding continues the masked forward)."""
 
     name = "ring"
@@ -61,7 +62,9 @@ class RingRule(AppendRule):
         return PromptState(y, keep, sizes=sizes)
 
     def plan(self, ctx, core, state, k, v, budgets, real):
-        keep, rank, rows, end = plan_rows(state.keep, budgets, None, real)  # count: the real tokens so far
+        # the kept prompt tokens lie in position order from the row's start (the sinks, then the oldest recent one):
+        # the ring's next slot is its oldest when the count starts at the kept length (a full row: its capacity)
+        keep, rank, rows, end = plan_rows(state.keep, budgets, None, torch.minimum(real, budgets))
         return Plan(rows, end, lambda size: pool_fill(keep, rank, rows, k, v, size))
 
     def setup(self, ctx, layer):

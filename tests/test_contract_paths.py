@@ -1,0 +1,118 @@
+"""Every registered policy through every decoding path (the contract of `nats.cache.engine`): adding a policy (one
+file in nats/cache/policies/, one conf/cache/<name>.yaml) puts it under these tests on the transformers paths, as
+tests/test_contract_cache.py does on the GPT path.
+
+* a decodable policy declares how it runs in the fixed-capacity engine (`fixed_rule`) or says why it cannot
+  (`no_fixed_rule`), and `StaticPolicyCache` offers exactly those with a rule;
+* `StaticPolicyCache` (the fixed-capacity engine) decodes the same greedy tokens as `PolicyCache` (the policy's own
+  `LayerCache`, PyTorch attention), keeps the same number of tokens, and equals the parallel forward where the
+  policy is exact (``full``, ``nats``);
+* batch equals alone: a left-padded batch through `StaticPolicyCache`, and a batch of equal-length prompts through
+  `PolicyCache`, decode each sequence as it decodes alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_nats import ids, tiny_model  # noqa: E402
+
+from nats.cache import available_caches, get_cache_class  # noqa: E402
+from nats.cache.engine import fixed_policies  # noqa: E402
+from nats.hf import PolicyCache, StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
+from nats.hf.compat import cache_kwargs  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+PROMPT, NEW, BUDGET = 40, 8, 20
+DECODABLE = [n for n in available_caches() if get_cache_class(n).decodable]
+FIXED = fixed_policies()
+EXACT = ("full", "nats")  # decoding equals the model's parallel forward
+
+
+def options(name: str) -> dict:
+    """The budget (and SnapKV's observation window, below the budget) of a budgeted policy; none otherwise."""
+    cls = get_cache_class(name)
+    kw = {"budget": BUDGET} if cls.budgeted else {}
+    if "window" in cls.accepted_options({"window": 4}) and cls.requires_core is None:
+        kw["window"] = 4
+    return kw
+
+
+def model_for(name: str):
+    """The tiny Llama in float64 (greedy tokens are compared across attention implementations)."""
+    model = tiny_model("llama").double()
+    if get_cache_class(name).requires_core == "nats":
+        return attach_nats(model, window=4, init_std=0.5)
+    return use_policy_caches(model)
+
+
+def greedy(model, prompt, cache, mask=None):
+    with torch.no_grad():
+        return model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt) if mask is None else mask,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            disable_compile=True,
+            **cache_kwargs(model, cache),
+        )
+
+
+def test_every_decodable_policy_has_a_fixed_rule_or_says_why():
+    for name in DECODABLE:
+        cls = get_cache_class(name)
+        assert (cls.fixed_rule is None) != (cls.no_fixed_rule is None), (
+            f"policy {name!r}: declare fixed_rule (nats.cache.engine.FixedRule) or no_fixed_rule (the reason)"
+        )
+    assert set(FIXED) == {n for n in DECODABLE if get_cache_class(n).fixed_rule is not None}
+    assert {"full", "nats", "streaming_llm", "snapkv"} <= set(FIXED)
+    no_rule = next(n for n in DECODABLE if n not in FIXED)
+    model = use_policy_caches(tiny_model("llama"))
+    with pytest.raises(ValueError, match=f"policy '{no_rule}' has no fixed-capacity form.*PolicyCache"):
+        StaticPolicyCache(model, no_rule, max_new_tokens=NEW, **options(no_rule))
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_fixed_engine_decodes_as_the_policy_itself(name):
+    model, prompt, kw = model_for(name), ids(n=PROMPT, b=2), options(name)
+    ref_cache = PolicyCache(model, name, max_len=PROMPT + NEW, backend="torch", **kw)
+    ref = greedy(model, prompt, ref_cache)
+    cache = StaticPolicyCache(model, name, max_new_tokens=NEW, max_len=PROMPT + NEW, **kw)
+    out = greedy(model, prompt, cache)
+    assert torch.equal(out, ref)
+    # the same tokens held after the last step (the static cache counts NAtS' deferred eviction as done)
+    assert torch.equal(cache.kept().cpu(), ref_cache.kept().cpu())
+    if name in EXACT:
+        with torch.no_grad():
+            full = model(out).logits
+        full[..., model.generation_config.eos_token_id] = float("-inf")  # min_new_tokens holds the end token back
+        assert torch.equal(full[:, PROMPT - 1 : -1].argmax(-1), out[:, PROMPT:])
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_fixed_engine_left_padded_batch_equals_each_prompt_alone(name):
+    model, kw = model_for(name), options(name)
+    p1, p2 = ids(n=26, b=1, seed=3), ids(n=40, b=1, seed=4)
+    alone = [greedy(model, p, StaticPolicyCache(model, name, max_new_tokens=NEW, max_len=64, **kw)) for p in (p1, p2)]
+    pad = torch.zeros(1, 14, dtype=torch.long)
+    batch = torch.cat([torch.cat([pad, p1], 1), p2])
+    mask = torch.cat([torch.cat([pad, torch.ones_like(p1)], 1), torch.ones_like(p2)])
+    out = greedy(model, batch, StaticPolicyCache(model, name, max_new_tokens=NEW, max_len=64, **kw), mask=mask)
+    assert torch.equal(out[0, 40:], alone[0][0, 26:]) and torch.equal(out[1, 40:], alone[1][0, 40:])
+
+
+@pytest.mark.parametrize("name", DECODABLE)
+def test_policy_cache_batch_equals_each_prompt_alone(name):
+    model, kw = model_for(name), options(name)
+    prompt = ids(n=PROMPT, b=2)
+
+    def run(p):
+        return greedy(model, p, PolicyCache(model, name, max_len=PROMPT + NEW, backend="torch", **kw))
+
+    out = run(prompt)
+    assert torch.equal(out[:1], run(prompt[:1])) and torch.equal(out[1:], run(prompt[1:]))
