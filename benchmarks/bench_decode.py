@@ -268,15 +268,7 @@ def counted(maintain, calls: list[int]):
 def verify() -> list[str]:
     lines = []
     torch.manual_seed(0)
-    cfg = GPTConfig(
-        vocab_size=97,
-        block_size=96,
-        n_layer=2,
-        n_head=4,
-        n_kv_head=2,
-        n_embd=64,
-        attention={"name": "nats", "window": 4, "backend": "reference"},
-    )
+    cfg = GPTConfig.tiny(block_size=96, n_embd=64, attention={"name": "nats", "window": 4, "backend": "reference"})
     model = GPT(cfg).cuda().eval()
     for b in model.blocks:
         b.attn.core.scorer.weight.normal_(0, 1.0)

@@ -187,17 +187,9 @@ def test_collision_rate_is_angular():
 
 def _model(name="softmax_surrogate", causal=False, **attn):
     torch.manual_seed(0)
-    cfg = GPTConfig(
-        vocab_size=37,
-        block_size=32,
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        pos_emb="learned",
-        causal=causal,
-        tie_embeddings=False,
-        n_out=2,
-        attention={"name": name, **attn},
+    head = dict(causal=causal, tie_embeddings=False, n_out=2)  # a classifier over the (causal or not) sequence
+    cfg = GPTConfig.tiny(
+        vocab_size=37, block_size=32, n_head=2, pos_emb="learned", attention={"name": name, **attn}, **head
     )
     return GPT(cfg).eval()
 

@@ -27,16 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 def tiny(attention: dict, n_layer: int = 3, block_size: int = 72, **kw) -> GPT:
     torch.manual_seed(0)
-    cfg = GPTConfig(
-        vocab_size=V,
-        block_size=block_size,
-        n_layer=n_layer,
-        n_head=4,
-        n_kv_head=2,
-        n_embd=32,
-        attention=attention,
-        **kw,
-    )
+    cfg = GPTConfig.tiny(vocab_size=V, block_size=block_size, n_layer=n_layer, attention=attention, **kw)
     return GPT(cfg).double().eval()
 
 

@@ -133,19 +133,20 @@ def _reference_version(HQ, HKV, W, do):
     return g
 
 
+def nats_gpt(backend: str, length: int, **sizes) -> tuple[GPT, torch.Tensor]:
+    """A seeded tiny NAtS GPT in training mode (vocabulary 67, 2 heads, sparsity_lambda 1, the given attention
+    backend) and a batch of 2 random sequences of `length` tokens."""
+    attention = {"name": "nats", "window": 4, "sparsity_lambda": 1.0, "backend": backend}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(vocab_size=67, n_head=2, attention=attention, **sizes)).train()
+    idx = torch.randint(0, 67, (2, length), generator=torch.Generator().manual_seed(1))
+    return model, idx
+
+
 def test_nats_gpt_compiles_as_one_graph():
     """A whole NAtS GPT (Triton backend) compiles with fullgraph=True and trains like the eager model."""
-    cfg = GPTConfig(
-        vocab_size=67,
-        block_size=48,
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        attention={"name": "nats", "window": 4, "sparsity_lambda": 1.0, "backend": "triton"},
-    )
-    torch.manual_seed(0)
-    model = GPT(cfg).to(DEVICE).train()
-    idx = torch.randint(0, 67, (2, 41), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    model, idx = nats_gpt("triton", 41)
+    model, idx = model.to(DEVICE), idx.to(DEVICE)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     outs = []
     for m in (compiled, model):
@@ -166,18 +167,8 @@ def test_changing_tau_does_not_recompile():
     """The tau schedule changes the Gumbel temperature every step: a compiled model must not recompile for it
     (tau lives in a buffer), and the new value must take effect (the soft weights, hence the scorer's
     gradient, change)."""
-    cfg = GPTConfig(
-        vocab_size=67,
-        block_size=32,
-        n_layer=1,
-        n_head=2,
-        n_embd=32,
-        attention={"name": "nats", "window": 4, "sparsity_lambda": 1.0, "backend": "reference"},
-    )
-    torch.manual_seed(0)
-    model = GPT(cfg).train()
+    model, idx = nats_gpt("reference", 29, block_size=32, n_layer=1)
     core = model.blocks[0].attn.core
-    idx = torch.randint(0, 67, (2, 29), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
 
     def scorer_grad(tau):

@@ -135,20 +135,9 @@ def test_without_safetensors_torch_weights(tmp_path, monkeypatch):
     """No safetensors package: pytorch_model.bin; saving again with it replaces the stale file."""
     torch.manual_seed(0)
     # untied head, learned positions, biases, GQA and an output gate: every kind of weight
-    model = GPT(
-        GPTConfig(
-            vocab_size=50304,
-            block_size=48,
-            n_layer=2,
-            n_head=4,
-            n_kv_head=2,
-            n_embd=32,
-            pos_emb="learned",
-            tie_embeddings=False,
-            bias=True,
-            attention={"name": "dense", "output_gate": "headwise"},
-        )
-    )
+    attention = {"name": "dense", "output_gate": "headwise"}
+    cfg = GPTConfig.tiny(vocab_size=50304, pos_emb="learned", tie_embeddings=False, bias=True, attention=attention)
+    model = GPT(cfg)
     monkeypatch.setattr(hub, "_has_safetensors", lambda: False)
     save_pretrained(model, tmp_path / "m")
     assert {p.name for p in (tmp_path / "m").iterdir()} == {CONFIG_NAME, TORCH_NAME, "README.md"}

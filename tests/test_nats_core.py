@@ -14,16 +14,7 @@ from nats.train import run
 
 def tiny_nats(**attention) -> GPT:
     torch.manual_seed(0)
-    cfg = GPTConfig(
-        vocab_size=97,
-        block_size=48,
-        n_layer=2,
-        n_head=4,
-        n_kv_head=2,
-        n_embd=32,
-        attention={"name": "nats", "window": 4, **attention},
-    )
-    return GPT(cfg)
+    return GPT(GPTConfig.tiny(attention={"name": "nats", "window": 4, **attention}))
 
 
 def test_eval_is_deterministic_and_token0_global():

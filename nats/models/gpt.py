@@ -105,6 +105,13 @@ class GPTConfig:
             raise ValueError(f"unknown model config keys {sorted(unknown)}; known: {sorted(known)}")
         return cls(**cfg)
 
+    @classmethod
+    def tiny(cls, **overrides: Any) -> GPTConfig:
+        """A model small enough for a CPU in milliseconds, for tests, checks and demos: vocabulary 97, 48 positions,
+        2 layers, 4 query / 2 KV heads, 32 channels, dense attention; `overrides` set any other field."""
+        sizes = dict(vocab_size=97, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+        return cls(**{**sizes, **overrides})
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
