@@ -53,8 +53,13 @@ prepare: setup
 train: setup
 	$(BIN)/nats-train $(ARGS)
 
+# the suite spread over the machine's cores (pytest-xdist; PYTEST_WORKERS=0 runs it in one process); tests that share
+# a session resource (the local SLURM cluster) stay in one worker (--dist loadgroup, tests/conftest.py)
+PYTEST_WORKERS ?= auto
+PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+
 test: setup lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # ruff's lint (rules in pyproject.toml [tool.ruff]); `make test` runs it first, as CI does
 lint: setup
@@ -63,7 +68,7 @@ lint: setup
 
 # the slow tests too (still no GPU tests unless a GPU is present)
 test-all: setup lint
-	$(BIN)/python -m pytest -q --runslow $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --runslow $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -17,14 +17,24 @@ REPO = Path(__file__).resolve().parents[1]
 # the Gutenberg cache that nats-train uses (prepared once, reused by later runs)
 DATA_DIR = Path(os.environ.get("NATS_TEST_DATA_DIR", REPO / "data"))
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# two threads per process; one per test process where pytest -n spreads the suite over the cores (make test)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
 
+def pytest_itemcollected(item):
+    """The tests of the local SLURM cluster run in one test process (make test's -n ... --dist loadgroup): marked
+    as they are collected, before pytest-xdist groups them."""
+    if "slurm_cluster" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own (see _xdist_group_suffix)
 def pytest_collection_modifyitems(config, items):
+    _xdist_group_suffix(config, items)
     run_slow = config.getoption("--runslow")
     has_gpu = torch.cuda.is_available()
     for item in items:
@@ -77,6 +87,20 @@ def local_corpus(folder: Path) -> list[str]:
         (folder / "corpus" / split).mkdir(parents=True, exist_ok=True)
         (folder / "corpus" / split / f"{path.stem}.txt").write_text(path.read_text())
     return ["data=text_dir", f"data.path={folder / 'corpus'}", f"paths.data_dir={folder / 'cache'}"]
+
+
+def _xdist_group_suffix(config, items) -> None:
+    """--dist loadgroup groups tests by the ``@<group>`` suffix pytest-xdist gives their node ids; pytest 9 keeps
+    node ids in ``_id``, which pytest-xdist 3.8 does not set: the suffix is given here where it is missing."""
+    if not config.getvalue("loadgroup"):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks})
+        if groups and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 def compose(overrides: list[str], tmp_path: Path, config_name: str = "train"):
