@@ -142,6 +142,16 @@ class LayerCache:
         """[R, G, D] -> [B, Hq, 1, D]."""
         return y.reshape(self.batch, self.n_head, 1, self.head_dim)
 
+    def _attend_slots(self, q: Tensor, k: Tensor, v: Tensor, width: int) -> Tensor:
+        """Attention of q ``[B, Hq, 1, D]`` over row r's first ``length[r]`` slots of the stores k, v (``capacity``
+        slots per row: ``[B, Hkv, capacity, D]`` or ``[R, capacity, D]``); ``width``: a host bound of the lengths
+        (the torch backend's padded width; the Triton kernel reads the lengths on the device)."""
+        D = self.head_dim
+        width = self.capacity if self.backend == "triton" else min(width, self.capacity)
+        y = pool_attention(self._q_rows(q), k.view(-1, D), v.view(-1, D), self.start, self.length, width,
+                           row_stride=self.capacity, backend=self.backend)  # fmt: skip
+        return self._out(y)
+
     # ------------------------------------------------------------------ the protocol
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, **kwargs: Any) -> Tensor:
         """The prompt's attention output [B, Hq, N, D] and the cache state after it, from an empty cache."""
@@ -244,19 +254,7 @@ class SlotCache(LayerCache):
         self.length.copy_(length.expand(self.rows))
         self._record(self.length)
         self.t += 1
-        D = self.head_dim
-        max_len = self.capacity if self.backend == "triton" else min(self.t, self.capacity)
-        y = pool_attention(
-            self._q_rows(q),
-            self.k.view(-1, D),
-            self.v.view(-1, D),
-            self.start,
-            self.length,
-            max_len,
-            row_stride=self.capacity,
-            backend=self.backend,
-        )
-        return self._out(y)
+        return self._attend_slots(q, self.k, self.v, self.t)
 
     def kept(self):
         return self.length.view(self.batch, self.n_kv_head).clone()

@@ -64,7 +64,7 @@ from nats.data.longctx.scoring import (  # noqa: F401 (nats.finetune.evaluate.sc
     token_accuracy,
 )
 from nats.evaluation import configured_methods
-from nats.hf.compat import cache_kwargs
+from nats.hf.compat import cache_kwargs, generate_through
 from nats.hf.pretrained import PRETRAINED_KEYS, prepare_model, type_bias_of
 from nats.utils import atomic_path, atomic_write, resolve_device
 from nats.utils import markdown_table as table
@@ -193,17 +193,7 @@ def load_model(hf_model: DictConfig, device: torch.device) -> tuple[Any, Any]:
 # ----------------------------------------------------------------------------------------------------------------
 def generate_one(model: Any, prompt: list[int], n_new: int, cache: Any) -> list[int]:
     """Greedy decoding of up to `n_new` tokens (fewer when the model ends with EOS) through `cache`."""
-    ids = torch.tensor([prompt], device=model.device)
-    eos = model.generation_config.eos_token_id
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n_new,
-            do_sample=False,
-            pad_token_id=eos[0] if isinstance(eos, list) else eos,
-            **cache_kwargs(model, cache),
-        )
+    out = generate_through(model, torch.tensor([prompt], device=model.device), cache, n_new)
     return out[0, len(prompt) :].tolist()
 
 

@@ -40,7 +40,18 @@ from nats.cache.decode import policy_options
 class FixedRowsLayer(CacheLayerMixin):
     """A cache layer whose rows (sequence x KV head) keep their own policy state, which cannot be reordered,
     copied or selected: beam search, ``num_return_sequences > 1`` and contrastive search are refused, naming the
-    owner's class (``self.owner``)."""
+    owner's class (``self.owner``). ``update`` keeps the new keys/values in ``pending`` for the attention call that
+    follows (the owner's ``attend``)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, owner, layer_idx: int):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _refuse(self, what: str):
         raise NotImplementedError(f"{type(self.owner).__name__} does not support {what}")
@@ -59,16 +70,9 @@ class PolicyCacheLayer(FixedRowsLayer):
     """One decoder layer's cache: a `nats.cache.base.LayerCache` of the chosen policy, built at the first update
     (when batch size, KV heads, head size, dtype and device are known)."""
 
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-    supports_early_init = False
-
     def __init__(self, owner: PolicyCache, layer_idx: int):
-        super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
+        super().__init__(owner, layer_idx)
         self.policy: LayerCache | None = None
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.seen = 0  # tokens processed (positions), what generate asks for
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

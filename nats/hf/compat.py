@@ -33,6 +33,26 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     return {cache_argument(model): cache}
 
 
+def generate_through(model: Any, ids: Any, cache: Any, max_new_tokens: int, *, exact_length: bool = False,
+                     **sampling: Any) -> Any:  # fmt: skip
+    """``model.generate`` of the prompt ``ids`` (no padding) through ``cache``: greedy unless ``sampling`` says
+    ``do_sample=True`` (with ``temperature``, ``top_k``); ``exact_length``: ``max_new_tokens`` tokens even past the
+    end token (``min_new_tokens``); padding id: the model's end token. Returns the sequences ``[B, T + new]``."""
+    import torch  # noqa: PLC0415
+
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            **({"min_new_tokens": max_new_tokens} if exact_length else {}),
+            pad_token_id=eos[0] if isinstance(eos, list) else eos,
+            **{"do_sample": False, **sampling},
+            **cache_kwargs(model, cache),
+        )
+
+
 def cache_from_kwargs(kwargs: dict[str, Any]) -> Any:
     """The cache an attention module's forward was called with (under either name), or None."""
     cache = kwargs.get("cache")

@@ -23,7 +23,7 @@ from nats.cache.engine import fixed_policies
 
 def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     from nats.hf import PolicyCache, StaticPolicyCache
-    from nats.hf.compat import cache_kwargs
+    from nats.hf.compat import generate_through
     from nats.hf.pretrained import load_pretrained, prepare_model, pretrained_kwargs
 
     policy = str(cfg.policy)
@@ -49,16 +49,7 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     sample = {"do_sample": True, "temperature": temperature, "top_k": cfg.get("top_k")} if temperature > 0 else {}
     torch.manual_seed(int(cfg.get("seed", 0)))
     t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            pad_token_id=tok.eos_token_id,
-            **({"do_sample": False} if not sample else sample),
-            **cache_kwargs(model, cache),
-        )
+    out = generate_through(model, ids, cache, new, exact_length=True, **sample)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0

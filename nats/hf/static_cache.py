@@ -48,19 +48,14 @@ class StaticPolicyLayer(FixedRowsLayer):
     """One decoder layer's buffers (allocated by the prefill, when the kept tokens are known)."""
 
     is_compileable = True
-    is_sliding = False
-    is_croppable = False
-    supports_early_init = False
 
     def __init__(self, owner: StaticPolicyCache, layer_idx: int):
-        super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
+        super().__init__(owner, layer_idx)
         self.max_cache_len = owner.max_len
         # tokens per row so far, padding included: one tensor for all layers (layer 0's; the others share it), which
         # layer 0 advances; the compiled step then reads one position counter, not one per layer (each is a guarded
         # graph input, host time at every step)
         self.cumulative_length = torch.tensor(0, dtype=torch.long)
-        self.pending: tuple[Tensor, Tensor] | None = None
         self.ready = False  # prefilled
 
     # ------------------------------------------------------------------ transformers' layer interface

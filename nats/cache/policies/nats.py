@@ -386,28 +386,23 @@ class NAtSCache(LayerCache):
         W = self.window
         append_token(t, pos, kr, vr, self.ring_k, self.ring_v, self.ring_valid, self.k_pool, self.v_pool,
                      self.start, self.length, self.scratch)  # fmt: skip
-        if self.track:
-            self._record(self.length + self.ring_valid.sum(1))
-            self.type_counts.scatter_add_(1, t[:, None], torch.ones_like(t)[:, None])
-        self.t += 1
-        # query i over the segment and the valid ring slots
-        max_len = self.max_cap if self.backend == "triton" else int(self.length.max())
-        y = pool_attention(
-            self._q_rows(q),
-            self.k_pool,
-            self.v_pool,
-            self.start,
-            self.length,
-            max_len,
-            ring_k=self.ring_k,
-            ring_v=self.ring_v,
-            ring_valid=self.ring_valid,
-            backend=self.backend,
-        )
+        y = self._record_and_attend(q, t, int(self.length.max()))
         drop_locals(t == GLOBAL, self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.scratch)
         # the sliding token i - W + 1 has now been seen by W queries
         self.ring_valid.index_fill_(1, (pos + 1) % W, False)
         return self._out(y)
+
+    def _record_and_attend(self, q, t: torch.Tensor, max_len: int):
+        """After the admission of the token of types ``t`` [R]: record the cache sizes and types, then query i over
+        each row's segment and valid ring slots (``max_len``: the torch backend's padded width)."""
+        if self.track:
+            self._record(self.length + self.ring_valid.sum(1))
+            self.type_counts.scatter_add_(1, t[:, None], torch.ones_like(t)[:, None])
+        self.t += 1
+        max_len = self.max_cap if self.backend == "triton" else max_len
+        return pool_attention(self._q_rows(q), self.k_pool, self.v_pool, self.start, self.length, max_len,
+                              ring_k=self.ring_k, ring_v=self.ring_v, ring_valid=self.ring_valid,
+                              backend=self.backend)  # fmt: skip
 
     def _scorer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The core's scorer weight [3 Hkv, C] and type offsets [3] (those of `NAtSAttention.type_logits` in eval
@@ -470,22 +465,7 @@ class NAtSCache(LayerCache):
             self.length,
             types_from=types_from,
         )
-        if self.track:
-            self._record(self.length + self.ring_valid.sum(1))
-            self.type_counts.scatter_add_(1, self._t[:, None], torch.ones_like(self._t)[:, None])
-        self.t += 1
-        y = pool_attention(
-            self._q_rows(q),
-            self.k_pool,
-            self.v_pool,
-            self.start,
-            self.length,
-            self.max_cap,
-            ring_k=self.ring_k,
-            ring_v=self.ring_v,
-            ring_valid=self.ring_valid,
-            backend="triton",
-        )
+        y = self._record_and_attend(q, self._t, self.max_cap)
         nats_evict(self._t, pos, self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.ring_valid)
         return self._out(y)
 

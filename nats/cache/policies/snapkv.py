@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nats.cache.attention import compute_dtype, pool_attention
+from nats.cache.attention import compute_dtype
 from nats.cache.base import LayerCache
 from nats.cache.engine import AppendRule
 from nats.cache.registry import register_cache
@@ -173,19 +173,7 @@ class SnapKVCache(LayerCache):
         self._record(self.length)
         self.t += 1
         self._width += 1
-        width = self.capacity if self.backend == "triton" else min(self._width, self.capacity)
-        D = self.head_dim
-        y = pool_attention(
-            self._q_rows(q),
-            self.k.view(-1, D),
-            self.v.view(-1, D),
-            self.start,
-            self.length,
-            width,
-            row_stride=self.capacity,
-            backend=self.backend,
-        )
-        return self._out(y)
+        return self._attend_slots(q, self.k, self.v, self._width)
 
     def _check_room(self) -> None:
         """Refuse a step beyond max_len or beyond the decode slots planned at the prefill (host counters only)."""
