@@ -92,7 +92,7 @@ def local_corpus(folder: Path) -> list[str]:
 def _xdist_group_suffix(config, items) -> None:
     """--dist loadgroup groups tests by the ``@<group>`` suffix pytest-xdist gives their node ids; pytest 9 keeps
     node ids in ``_id``, which pytest-xdist 3.8 does not set: the suffix is given here where it is missing."""
-    if not config.getvalue("loadgroup"):
+    if not getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers under --dist loadgroup
         return
     from _pytest.nodeid import coerce_node_id
 
