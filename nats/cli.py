@@ -197,6 +197,32 @@ def unwrapped(err: BaseException) -> BaseException:
     return err
 
 
+def hydra_script(
+    program: str,
+    config_name: str,
+    job: Callable[[DictConfig], Any],
+    module: str,
+    rewrite: Callable[[list[str], list[str]], list[str]] | None = None,
+) -> Callable[[], None]:
+    """The ``main`` of a console script: :func:`console` (``rewrite``, the overrides checked against the config
+    ``config_name``), then the Hydra app that runs ``job(cfg)`` inside :func:`guarded`. ``module``: the script's
+    ``__name__``, after which Hydra names the job (``hydra.job.name``), as it would for an app defined there."""
+    import hydra
+
+    def task(cfg: DictConfig) -> None:
+        guarded(program, cfg, job)  # one line on the console for a failure
+
+    # python -m nats.eval (or python nats/eval.py) runs the script as __main__: the job is named after its file
+    task.__module__ = Path(sys.modules[module].__file__).stem if module == "__main__" else module
+    hydra_main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task)
+
+    def main() -> None:
+        console(program, config_name, hydra_main, rewrite)
+
+    main.__doc__ = f"`{program}`: the overrides checked (nats.cli.console), then the Hydra app."
+    return main
+
+
 # ----------------------------------------------------------------------------------------------------
 # checks of the setting, before a job starts
 # ----------------------------------------------------------------------------------------------------

@@ -10,22 +10,10 @@ The protocol and the outputs: `nats.evaluation`.
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig
-
-from nats.cli import console, guarded
+from nats.cli import hydra_script
 from nats.evaluation import run
-from nats.utils import CONF_DIR
 
-
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")
-def _hydra_main(cfg: DictConfig) -> None:
-    guarded("nats-eval", cfg, run)  # one line on the console for a failure (nats.cli)
-
-
-def main() -> None:
-    """`nats-eval`: the overrides checked (nats.cli.console), then the Hydra app."""
-    console("nats-eval", "eval", _hydra_main)
+main = hydra_script("nats-eval", "eval", run, __name__)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,11 @@
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
-from nats.cli import check_hf_model, console, guarded
+from nats.cli import check_hf_model, hydra_script
 from nats.finetune.evaluate import run
 from nats.runs import resume_argv
-from nats.utils import CONF_DIR
 
 
 def _job(cfg: DictConfig) -> dict:
@@ -23,19 +21,12 @@ def _job(cfg: DictConfig) -> dict:
     return run(cfg)
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval_hf")
-def _hydra_main(cfg: DictConfig) -> None:
-    guarded("nats-eval-hf", cfg, _job)  # one line on the console for a failure (nats.cli)
+def _resume(argv: list[str], notes: list[str]) -> list[str]:
+    """``resume=<run folder>`` continues that run in its folder."""
+    return resume_argv(argv, None, notes, program="nats-eval-hf", checkpoint=False)
 
 
-def main() -> None:
-    """`nats-eval-hf`; ``resume=<run folder>`` continues that run in its folder."""
-    console(
-        "nats-eval-hf",
-        "eval_hf",
-        _hydra_main,
-        lambda argv, notes: resume_argv(argv, None, notes, program="nats-eval-hf", checkpoint=False),
-    )
+main = hydra_script("nats-eval-hf", "eval_hf", _job, __name__, _resume)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -42,8 +41,8 @@ from nats.cache.base import LayerCache
 from nats.cache.budget import resolve_budget
 from nats.cache.decode import check_graph, check_model
 from nats.cache.registry import available_caches, get_cache_class
-from nats.cli import check_hf_model, check_local_model, console, guarded
-from nats.utils import CONF_DIR, atomic_write, resolve_device
+from nats.cli import check_hf_model, check_local_model, hydra_script
+from nats.utils import atomic_write, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -292,14 +291,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return report
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="generate")
-def _hydra_main(cfg: DictConfig) -> None:
-    guarded("nats-generate", cfg, run)  # one line on the console for a failure (nats.cli)
-
-
-def main() -> None:
-    """`nats-generate`: the overrides checked (nats.cli.console), then the Hydra app."""
-    console("nats-generate", "generate", _hydra_main)
+main = hydra_script("nats-generate", "generate", run, __name__)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-# the checkout's conf/ (the package is installed editable); a relative "../conf" is not found when Hydra is
-# entered through the console script
-from nats.cli import console, guarded
-from nats.utils import CONF_DIR
+from nats.cli import hydra_script
 
 
 def prepare(cfg: DictConfig) -> None:
@@ -35,14 +32,7 @@ def prepare(cfg: DictConfig) -> None:
     print(f"unigram perplexity (validation, block_size={datamodule.block_size}): {ppl}")
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="prepare")
-def _hydra_main(cfg: DictConfig) -> None:
-    guarded("nats-prepare", cfg, prepare)  # one line on the console for a failure (nats.cli)
-
-
-def main() -> None:
-    """`nats-prepare`: the overrides checked (nats.cli.console), then the Hydra app."""
-    console("nats-prepare", "prepare", _hydra_main)
+main = hydra_script("nats-prepare", "prepare", prepare, __name__)
 
 
 if __name__ == "__main__":
