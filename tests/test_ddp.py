@@ -4,28 +4,29 @@ processes, and a real 2-process DDP run (gloo) of `nats-train trainer=ddp` that 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import DATA_DIR, REPO, compose
+from helpers import TINY_GPT, nats_train
 from nats.train import build, run
 from nats.utils import grad_accumulation, world_size_of
 
-NATS_TRAIN = str(Path(sys.executable).parent / "nats-train")
 SMALL = [
-    "model.block_size=32",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=32",
+    *TINY_GPT,
     "data.max_eval_windows=4",
     "callbacks.progress_bar=null",
     "callbacks.throughput=null",
     "trainer.enable_progress_bar=false",
 ]
+
+
+def cpu_480(micro: int, processes: int) -> list[str]:
+    """SMALL on `processes` CPU processes of `micro` sequences each, global batch 480."""
+    devices = [f"trainer.devices={processes}", "trainer.accelerator=cpu"]
+    return [*SMALL, *devices, "global_batch_size=480", f"data.micro_batch_size={micro}"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -42,17 +43,7 @@ def test_accumulation_reaches_global_batch_480(processes, micro, tmp_path):
     assert micro * processes * accum == 480
     assert accum == {(24, 1): 20, (24, 2): 10, (24, 4): 5, (40, 1): 12, (40, 2): 6, (40, 4): 3}[(micro, processes)]
     # the Trainer the config builds (on CPU processes here) accumulates exactly that
-    cpu = compose(
-        SMALL
-        + [
-            f"trainer.devices={processes}",
-            "trainer.accelerator=cpu",
-            "global_batch_size=480",
-            f"data.micro_batch_size={micro}",
-        ]
-        + (["+trainer.strategy=ddp"] if processes > 1 else []),
-        tmp_path,
-    )
+    cpu = compose(cpu_480(micro, processes) + (["+trainer.strategy=ddp"] if processes > 1 else []), tmp_path)
     _, _, trainer = build(cpu)
     assert trainer.accumulate_grad_batches == accum and trainer.world_size == processes
     assert trainer.accumulate_grad_batches * micro * trainer.world_size == 480
@@ -62,16 +53,7 @@ def test_accumulation_reaches_global_batch_480(processes, micro, tmp_path):
 def test_global_batch_that_does_not_divide(micro, processes, tmp_path):
     with pytest.raises(ValueError, match=rf"global_batch_size=480 is not divisible by .* = {micro} x {processes}"):
         grad_accumulation(480, micro, processes)
-    cfg = compose(
-        SMALL
-        + [
-            f"trainer.devices={processes}",
-            "trainer.accelerator=cpu",
-            "global_batch_size=480",
-            f"data.micro_batch_size={micro}",
-        ],
-        tmp_path,
-    )
+    cfg = compose(cpu_480(micro, processes), tmp_path)
     with pytest.raises(ValueError, match=r"Choose data.micro_batch_size from \[.*\]"):
         build(cfg)
 
@@ -95,18 +77,8 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     2 x 2 processes x 2 accumulation; the same samples per optimizer step as one process with 4 accumulation
     steps, hence the same validation loss."""
     run_dir = tmp_path / "ddp"
-    cmd = [
-        NATS_TRAIN,
-        "trainer=ddp",
-        "trainer.accelerator=cpu",
-        "trainer.devices=2",
-        f"paths.data_dir={DATA_DIR}",
-        f"hydra.run.dir={run_dir}",
-        *DDP_RUN,
-    ]
-    env = dict(os.environ, PROJECT_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ddp = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    res = nats_train([*ddp, f"paths.data_dir={DATA_DIR}", f"hydra.run.dir={run_dir}", *DDP_RUN], tmp_path)
     assert res.stdout.count("val_ppl ") == 1  # printed by rank 0 only
     assert (run_dir / "train_ddp_process_1.log").is_file()  # the second process ran (Hydra log of rank 1)
     info = json.loads((run_dir / "metrics.json").read_text())

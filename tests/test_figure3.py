@@ -15,20 +15,17 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA_DIR, REPO, compose, load_script
+from helpers import TINY_GPT, nats_train
 
 # the study reports import experiments/collect.py from beside them, as `python experiments/figure3.py` does
 sys.path.insert(0, str(REPO / "experiments"))
 figure3 = load_script("experiments/figure3.py")
 
-NATS_TRAIN = str(Path(sys.executable).parent / "nats-train")
 # a tiny GPT on the embedded Gutenberg corpus, 2 steps, every evaluation on 2 windows
 TINY = [
     "hydra/launcher=basic",
     "model=tiny",
-    "model.block_size=32",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=32",
+    *TINY_GPT,
     "trainer=cpu",
     "compile=false",
     "data=gutenberg",
@@ -58,11 +55,7 @@ def nats_train_multirun(
     tiny = tiny or {}
     settings = [f"{k}={tiny.pop(k)}" if k in tiny else o for o in TINY for k in [o.split("=", 1)[0]]]
     assert not tiny, f"not keys of TINY: {tiny}"
-    cmd = [NATS_TRAIN, "-m", *overrides, *settings, f"hydra.sweep.dir={sweep}"]
-    env = dict(os.environ, PROJECT_ROOT=str(cwd), OMP_NUM_THREADS="1")
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=cwd)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
+    return nats_train(["-m", *overrides, *settings, f"hydra.sweep.dir={sweep}"], cwd, timeout=900)
 
 
 def test_study_configs_are_the_recipe_plus_the_evaluations(tmp_path):

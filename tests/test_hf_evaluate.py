@@ -18,11 +18,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from helpers import eval_hf_config  # noqa: E402
 from nats.data.longctx import LongContextExample  # noqa: E402
 from nats.finetune import evaluate as E  # noqa: E402
 from nats.hf import attach_nats, nats_state_dict  # noqa: E402
 from nats.hf.pretrained import read_scorers, save_tiny_random_llama  # noqa: E402
-from nats.train import compose_config  # noqa: E402
 
 WINDOW, BUDGET = 8, 0.25
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -43,28 +43,10 @@ def pretrained(tmp_path_factory) -> Path:
 
 
 def eval_cfg(pretrained: Path, out: Path, *extra: str):
-    return compose_config(
-        [
-            f"paths.output_dir={out}",
-            f"paths.log_dir={out}/logs",
-            f"paths.data_dir={pretrained}/data",
-            f"hf_model.name_or_path={pretrained}",
-            "hf_model.max_context=512",
-            f"scorers={pretrained}/finetune_run/scorers.pt",
-            "methods=[full,nats,streaming_llm]",
-            f"budgets=[{BUDGET}]",
-            "data.tasks=[passkey,niah,variable_tracking]",
-            "data.num_examples=1",
-            "data.max_length=320",
-            "data.min_length=300",
-            "data.pg19_path=null",
-            "answer_margin=2",
-            "device=cpu",
-            "backend=torch",
-            "progress=false",
-            *extra,
-        ],
-        "eval_hf",
+    scorers = f"scorers={pretrained}/finetune_run/scorers.pt"
+    tasks = "data.tasks=[passkey,niah,variable_tracking]"
+    return eval_hf_config(
+        pretrained, out, scorers, "methods=[full,nats,streaming_llm]", f"budgets=[{BUDGET}]", tasks, *extra
     )
 
 

@@ -15,12 +15,12 @@ import pytest
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from helpers import eval_hf_config  # noqa: E402
 from nats.data.longctx import LongContextExample  # noqa: E402
 from nats.data.longctx import longbench as L  # noqa: E402
 from nats.data.longctx import tasks as D  # noqa: E402
 from nats.finetune import evaluate as E  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
-from nats.train import compose_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -267,30 +267,13 @@ def test_score_longbench_takes_the_best_answer_and_first_lines():
 # nats-eval-hf with longbench.path
 # ----------------------------------------------------------------------------------------------------------------
 def eval_cfg(pretrained: Path, longbench_dir: Path, out: Path, *extra: str):
-    return compose_config(
-        [
-            f"paths.output_dir={out}",
-            f"paths.log_dir={out}/logs",
-            f"paths.data_dir={pretrained}/data",
-            f"hf_model.name_or_path={pretrained}",
-            "hf_model.max_context=512",
-            "methods=[full,streaming_llm]",
-            "budgets=[0.25]",
-            "data.tasks=[passkey]",
-            "data.num_examples=1",
-            "data.max_length=320",
-            "data.min_length=300",
-            "data.pg19_path=null",
-            f"longbench.path={longbench_dir}",
-            "longbench.datasets=[hotpotqa,passage_count]",
-            "longbench.num_examples=1",
-            "answer_margin=2",
-            "device=cpu",
-            "backend=torch",
-            "progress=false",
-            *extra,
-        ],
-        "eval_hf",
+    longbench = [
+        f"longbench.path={longbench_dir}",
+        "longbench.datasets=[hotpotqa,passage_count]",
+        "longbench.num_examples=1",
+    ]
+    return eval_hf_config(
+        pretrained, out, "methods=[full,streaming_llm]", "budgets=[0.25]", "data.tasks=[passkey]", *longbench, *extra
     )
 
 

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 kvpress = pytest.importorskip("kvpress")
 
+from helpers import eval_hf_config  # noqa: E402
 from nats.finetune import evaluate as E  # noqa: E402
 from nats.finetune import kvpress_methods as K  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
@@ -161,29 +162,15 @@ def test_snapkv_with_kvpress_settings_keeps_the_same_tokens(model, prompt):
 # ----------------------------------------------------------------------------------------------------------------
 def test_eval_hf_with_kvpress_methods(pretrained, tmp_path):
     out = tmp_path / "eval"
-    cfg = compose_config(
-        [
-            f"paths.output_dir={out}",
-            f"paths.log_dir={out}/logs",
-            f"paths.data_dir={pretrained}/data",
-            f"hf_model.name_or_path={pretrained}",
-            "hf_model.max_context=512",
-            "methods=[full,streaming_llm,kvpress_full,kvpress_streaming_llm,kvpress_snapkv,kvpress_expected_attention]",
-            "budgets=[0.5]",
-            "policies.kvpress_snapkv.options.window_size=16",
-            "policies.kvpress_expected_attention.options.n_future_positions=32",
-            "data.tasks=[passkey,niah]",
-            "data.num_examples=1",
-            "data.max_length=320",
-            "data.min_length=300",
-            "data.pg19_path=null",
-            "answer_margin=2",
-            "device=cpu",
-            "backend=torch",
-            "progress=false",
-            "order=examples",
-        ],
-        "eval_hf",
+    methods = (
+        "methods=[full,streaming_llm,kvpress_full,kvpress_streaming_llm,kvpress_snapkv,kvpress_expected_attention]"
+    )
+    options = [
+        "policies.kvpress_snapkv.options.window_size=16",
+        "policies.kvpress_expected_attention.options.n_future_positions=32",
+    ]
+    cfg = eval_hf_config(
+        pretrained, out, methods, "budgets=[0.5]", *options, "data.tasks=[passkey,niah]", "order=examples"
     )
     report = E.run(cfg)
     rows = [json.loads(x) for x in (out / E.RESULTS).read_text().splitlines()]

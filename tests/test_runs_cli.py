@@ -10,23 +10,19 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import DATA_DIR, REPO, compose
+from helpers import NATS_TRAIN, TINY_GPT, nats_train
 from nats.runs import CheckpointError, checkpoint_step, latest_run, resume_argv
 from nats.train import build
 
 sys.path.insert(0, str(REPO / "experiments"))
 import collect  # noqa: E402  (experiments/collect.py)
 
-NATS_TRAIN = str(Path(sys.executable).parent / "nats-train")
 SMALL = [
-    "model.block_size=32",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=32",
+    *TINY_GPT,
     "data.max_eval_windows=4",
     "data.micro_batch_size=2",
     "global_batch_size=4",
@@ -36,14 +32,6 @@ SMALL = [
     "final_validation=false",
     f"paths.data_dir={DATA_DIR}",
 ]
-
-
-def nats_train(args: list[str], root: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PROJECT_ROOT=str(root), OMP_NUM_THREADS="1")
-    res = subprocess.run([NATS_TRAIN, *args], env=env, capture_output=True, text=True, timeout=600, cwd=root)
-    if check:
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
 
 
 def test_runs_started_together_get_their_own_folders(tmp_path):

@@ -19,16 +19,14 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA_DIR, REPO, compose
+from helpers import TINY_GPT, nats_train
 from nats.runs import resolve_ckpt_path
 from nats.train import run
 
 BIN = Path(sys.executable).parent
-NATS_TRAIN = str(BIN / "nats-train")
+PIPELINE = [sys.executable, str(REPO / "slurm" / "pipeline.py")]  # the paper's pipeline
 TINY = [
-    "model.block_size=32",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=32",
+    *TINY_GPT,
     "data.micro_batch_size=2",
     "global_batch_size=2",
     "data.max_eval_windows=2",
@@ -127,29 +125,9 @@ def test_slurm_launcher_follows_the_trainer(trainer, tasks, tmp_path):
 # ----------------------------------------------------------------------------------------------------
 def test_pipeline_renders_the_batch_scripts(tmp_path, fake_slurm):
     out = tmp_path / "paper"
-    cmd = [
-        sys.executable,
-        str(REPO / "slurm" / "pipeline.py"),
-        "--stages",
-        "train",
-        "--out",
-        str(out),
-        "--lambdas",
-        "0.1",
-        "0.3",
-        "--partition",
-        "gpu",
-        "--account",
-        "proj",
-        "--constraint",
-        "h100",
-        "--time-min",
-        "600",
-        "--mem-gb",
-        "200",
-        "--",
-        "data.path=/data/pg19",
-    ]
+    resources = "--partition gpu --account proj --constraint h100 --time-min 600 --mem-gb 200".split()
+    cmd = [*PIPELINE, "--stages", "train", "--out", str(out), "--lambdas", "0.1", "0.3", *resources]
+    cmd += ["--", "data.path=/data/pg19"]
     res = subprocess.run(cmd, env=fake_slurm, capture_output=True, text=True, timeout=240)
     assert "a test double" in res.stderr, res.stdout + res.stderr
     scripts = sbatch_scripts(tmp_path)
@@ -202,23 +180,9 @@ def test_plain_sbatch_script_resources(monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 def test_local_multirun_2x2_collects_4_rows(tmp_path):
     sweep = tmp_path / "sweep"
-    cmd = [
-        NATS_TRAIN,
-        "-m",
-        "hydra/launcher=submitit_local",
-        "model/attention=nats",
-        "model.attention.sparsity_lambda=0,0.5",
-        "model.attention.window=4,8",
-        "trainer.max_steps=2",
-        "eval_every=2",
-        "logger=none",
-        f"paths.data_dir={DATA_DIR}",
-        f"hydra.sweep.dir={sweep}",
-        *TINY,
-    ]
-    env = dict(os.environ, PROJECT_ROOT=str(tmp_path), OMP_NUM_THREADS="1")
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    grid = ["model/attention=nats", "model.attention.sparsity_lambda=0,0.5", "model.attention.window=4,8"]
+    short = ["trainer.max_steps=2", "eval_every=2", "logger=none", f"paths.data_dir={DATA_DIR}"]
+    nats_train(["-m", "hydra/launcher=submitit_local", *grid, *short, f"hydra.sweep.dir={sweep}", *TINY], tmp_path)
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["0", "1", "2", "3"]
     assert list((sweep / ".submitit").iterdir()), "submitit wrote no job folders"
     rows = collect.main([str(sweep), "--out", str(tmp_path / "results")])
@@ -406,33 +370,10 @@ def test_pipeline_locally_end_to_end(tmp_path):
     """slurm/pipeline.py with local processes on the small model: train 2 NAtS lambdas + dense, nats-eval each
     (when nats/eval.py exists), collect: 3 rows, and the eval rows of every run."""
     out = tmp_path / "paper"
-    cmd = [
-        sys.executable,
-        str(REPO / "slurm" / "pipeline.py"),
-        "--launcher",
-        "submitit_local",
-        "--out",
-        str(out),
-        "--nats",
-        "model/attention=nats",
-        "--dense",
-        "model/attention=dense",
-        "--lambdas",
-        "0",
-        "0.5",
-        "--eval-overrides",
-        "max_windows=2",
-        "methods=[full,streaming_llm]",
-        "budgets=[0.5]",
-        "device=cpu",
-        "progress=false",
-        "--",
-        "trainer.max_steps=2",
-        "eval_every=2",
-        "logger=none",
-        f"paths.data_dir={DATA_DIR}",
-        *TINY,
-    ]
+    runs = "--nats model/attention=nats --dense model/attention=dense --lambdas 0 0.5".split()
+    evals = "--eval-overrides max_windows=2 methods=[full,streaming_llm] budgets=[0.5] device=cpu progress=false"
+    cmd = [*PIPELINE, "--launcher", "submitit_local", "--out", str(out), *runs, *evals.split()]
+    cmd += ["--", "trainer.max_steps=2", "eval_every=2", "logger=none", f"paths.data_dir={DATA_DIR}", *TINY]
     res = subprocess.run(
         cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900, cwd=tmp_path
     )
