@@ -32,7 +32,7 @@ import math
 import os
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +177,32 @@ def runs_from_reports(paths: Iterable[str | os.PathLike]) -> dict[str, dict[str,
         if not isinstance(data, dict) or not isinstance(data.get("runs"), dict):
             raise SystemExit(f"--runs-from {path}: no 'runs' in it (pass a study report's JSON)")
         runs.update(data["runs"])
+    return runs
+
+
+def training_runs(
+    folders: Iterable[str | os.PathLike],
+    entry: Callable[[dict[str, Any], Path], tuple[str, dict[str, Any]] | None],
+    reported: dict[str, dict[str, Any]],
+) -> dict[str, dict[str, Any]]:
+    """A study's runs by name: ``entry(run, folder)`` of every run folder below ``folders`` (`load_run`) gives its
+    name and entry, or None for a folder that is not one of the study's training runs; a name twice is an error.
+    The runs of earlier reports (``reported``, `runs_from_reports`) join them, a folder's run replacing the report's
+    of the same name; no run at all is an error."""
+    folders = list(folders)
+    runs: dict[str, dict[str, Any]] = {}
+    where: dict[str, Path] = {}
+    for folder in find_runs(folders):
+        named = entry(load_run(folder), folder)
+        if named is None:
+            continue
+        name, run = named
+        if name in runs:
+            raise SystemExit(f"{name} twice: {where[name]} and {folder}; pass the folders of one of them")
+        runs[name], where[name] = run, folder
+    runs = {**reported, **runs}
+    if not runs:
+        raise SystemExit(f"no training runs below {', '.join(map(str, folders)) or '(no folder)'}")
     return runs
 
 

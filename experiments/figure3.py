@@ -83,18 +83,14 @@ def load(folders: list[str], checkpoint: str = "last", reports: list[str] = ()) 
         if not curves["val/ppl"]:
             curves["val/ppl"] = [(s, math.exp(v)) for s, v in curves["val/loss"]]
         reported[name] = {**r, "curves": curves, "kv_fractions": r.get("kv_fractions")}
-    runs: dict[str, dict] = {}
-    for folder in collect.find_runs(folders):
-        r = collect.load_run(folder)
+
+    def entry(r: dict, folder: Path) -> tuple[str, dict] | None:
         cfg = r["config"]
         if "model" not in cfg or "attention" not in cfg["model"]:
-            continue  # not a training run
+            return None  # not a training run
         att = cfg["model"]["attention"]
         base, seed = model_name(cfg), cfg.get("seed")
-        name = f"{base}_s{seed}"
-        if name in runs:
-            raise SystemExit(f"{name} twice: {runs[name]['dir']} and {folder}; pass the folders of one of them")
-        runs[name] = {
+        return f"{base}_s{seed}", {
             "dir": str(folder),
             "base": base,
             "seed": seed,
@@ -107,10 +103,8 @@ def load(folders: list[str], checkpoint: str = "last", reports: list[str] = ()) 
             "eval": {s: r["eval"].get(s + suffix) for s in ("validation", "test")},
             "kv_fractions": r["kv_fractions"].get("test" + suffix),
         }
-    runs = {**reported, **runs}  # a folder's run replaces the report's of the same name
-    if not runs:
-        raise SystemExit(f"no training runs below {', '.join(folders) or '(no folder)'}")
-    return dict(sorted(runs.items()))
+
+    return dict(sorted(collect.training_runs(folders, entry, reported).items()))
 
 
 def summarize(runs: dict) -> dict:

@@ -68,18 +68,15 @@ def load(folders: list[str], reports: list[str] = ()) -> dict:
     """Per run (``<model>_s<seed>``): its model, seed, setting, training summary, evaluations and analysis.
     ``reports``: earlier reports' JSON whose runs join them (a run folder replaces a report's run of the same
     name)."""
+    # the reports' runs: JSON made the sort key `order` a list
     reported = {n: {**r, "order": tuple(r["order"])} for n, r in collect.runs_from_reports(reports).items()}
-    runs: dict[str, dict] = {}  # (JSON made the sort key `order` a list)
-    for folder in collect.find_runs(folders):
-        r = collect.load_run(folder)
+
+    def entry(r: dict, folder: Path) -> tuple[str, dict] | None:
         cfg = r["config"]
         if "attention" not in cfg.get("model", {}):
-            continue  # not a training run
+            return None  # not a training run
         base, label, nats, order = model_of(cfg)
-        name = f"{base}_s{cfg.get('seed')}"
-        if name in runs:
-            raise SystemExit(f"{name} twice: {runs[name]['folder']} and {folder}; pass the folders of one of them")
-        runs[name] = {
+        return f"{base}_s{cfg.get('seed')}", {
             "folder": str(folder),
             "base": base,
             "label": label,
@@ -92,10 +89,8 @@ def load(folders: list[str], reports: list[str] = ()) -> dict:
             "eval": {s: r["eval"].get(s) for s in ("validation", "test")},
             "analysis": r["analysis"],
         }
-    runs = {**reported, **runs}  # a folder's run replaces the report's of the same name
-    if not runs:
-        raise SystemExit(f"no training runs below {', '.join(folders) or '(no folder)'}")
-    return runs
+
+    return collect.training_runs(folders, entry, reported)
 
 
 def _result(ev: dict | None, policy: str, budget_fraction: float | None = None) -> dict | None:
@@ -341,28 +336,11 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     if with_sink:
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
         for r in with_sink:
-            st = r["stats"]["sink_layers"]
-            style = "--" if r["nats"] else "-"
-            axes[0].errorbar(
-                range(len(st["mean"])),
-                st["mean"],
-                yerr=st["std"],
-                fmt="o" + style,
-                capsize=2,
-                color=color[r["model"]],
-                label=r["label"],
-            )
-            if "gate_layers" in r["stats"]:
-                g = r["stats"]["gate_layers"]
-                axes[1].errorbar(
-                    range(len(g["mean"])),
-                    g["mean"],
-                    yerr=g["std"],
-                    fmt="o" + style,
-                    capsize=2,
-                    color=color[r["model"]],
-                    label=r["label"],
-                )
+            style = dict(fmt="o" + ("--" if r["nats"] else "-"), capsize=2, color=color[r["model"]], label=r["label"])
+            for ax, key in zip(axes, ("sink_layers", "gate_layers")):  # per layer: mean and std over the seeds
+                if key in r["stats"]:
+                    st = r["stats"][key]
+                    ax.errorbar(range(len(st["mean"])), st["mean"], yerr=st["std"], **style)
         uniform = with_sink[0].get("uniform_share")
         if uniform is not None:
             axes[0].axhline(uniform, color="k", ls=":", lw=1, label="uniform causal attention")
@@ -378,15 +356,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         for r in nats_rows:
             s, c = r["stats"], color[r["model"]]
             layers = range(len(s["area_layers"]["mean"]))
-            axes[0].errorbar(
-                layers,
-                s["area_layers"]["mean"],
-                yerr=s["area_layers"]["std"],
-                fmt="o-",
-                capsize=2,
-                color=c,
-                label=r["label"],
-            )
+            area = s["area_layers"]
+            axes[0].errorbar(layers, area["mean"], yerr=area["std"], fmt="o-", capsize=2, color=c, label=r["label"])
             tf = s["type_fractions_layers"]["mean"]
             axes[1].plot(layers, [t[0] for t in tf], "o-", color=c, label=f"{r['label']}: global")
             axes[1].plot(layers, [t[1] for t in tf], "s--", color=c, label=f"{r['label']}: local")

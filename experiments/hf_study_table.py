@@ -120,6 +120,17 @@ def target_check(summary: list[dict], target_kv: float, points: float, loss: flo
     return lines
 
 
+def labelled_files(items: list[str]) -> list[tuple[str, Path]]:
+    """``--nats LABEL=FILE`` arguments as (label, file) pairs."""
+    pairs = []
+    for item in items:
+        label, sep, file = item.rpartition("=")  # the last "=": a label may hold one (s=1)
+        if not sep or not label or not file:
+            raise SystemExit(f"--nats {item!r}: expected LABEL=FILE, e.g. 'lambda 0.3=<run>/results.jsonl'")
+        pairs.append((label, Path(file)))
+    return pairs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", type=Path, help="results.jsonl of nats-eval-hf runs (later ones win)")
@@ -137,12 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the NAtS rows of FILE as the method LABEL (several scorers in one table)",
     )
     args = p.parse_args(argv)
-    nats = []
-    for item in args.nats:
-        label, sep, file = item.rpartition("=")  # the last "=": a label may hold one (s=1)
-        if not sep or not label or not file:
-            raise SystemExit(f"--nats {item!r}: expected LABEL=FILE, e.g. 'lambda 0.3=<run>/results.jsonl'")
-        nats.append((label, Path(file)))
+    nats = labelled_files(args.nats)
     for f in [*args.results, *(f for _, f in nats)]:
         if not f.is_file():
             raise SystemExit(f"{f} does not exist: pass the results.jsonl files of nats-eval-hf runs")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_study_table import merge  # noqa: E402
+from hf_study_table import labelled_files, merge  # noqa: E402
 
 from nats.finetune.evaluate import _name, markdown_table, plot, summarize  # noqa: E402
 
@@ -75,10 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         help="leave this method out of the plot only (its colour cycle has 10 colours)",
     )
     args = p.parse_args(argv)
-    nats = []
-    for item in args.nats:
-        label, _, file = item.rpartition("=")
-        nats.append((label, Path(file)))
+    nats = labelled_files(args.nats)
     rows, runs, tasks, header = merge(args.results, nats)
     rows = [r for r in rows if r["method"] not in args.exclude]
     runs = [r for r in runs if r["method"] not in args.exclude]
