@@ -41,18 +41,20 @@ def nats_model(window: int = 4, **kw) -> GPT:
     return model
 
 
-def masked_forward(model: GPT, idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Reference: the model with softmax attention restricted to a given [N, N] (query x key) mask."""
+def masked_forward(model: GPT, idx: torch.Tensor, mask) -> torch.Tensor:
+    """Reference: the model with softmax attention restricted to a (query x key) mask: a given [N, N] one, or per
+    layer ``mask(layer, q, k)`` of the layer's q [B, Hq, N, D] and k [B, Hkv, N, D], broadcastable to [B, Hq, N, N]."""
     B, N = idx.shape
     pos = torch.arange(N)
     x = model.embed(idx, pos)
-    for block in model.blocks:
+    for layer, block in enumerate(model.blocks):
         h = block.ln_1(x)
         q, k, v = block.attn.project(h, model.rope, pos)
+        m = mask(layer, q, k) if callable(mask) else mask
         G = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
         s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        y = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+        y = torch.softmax(s.masked_fill(~m, float("-inf")), -1) @ v
         x = x + block.attn.gate_and_project(y, h)
         x = x + block.mlp(block.ln_2(x))
     return model.lm_head(model.ln_f(x))
@@ -418,18 +420,17 @@ def test_nats_cache_memory_follows_kept_tokens_per_head():
 # ----------------------------------------------------------------------------------------------------
 def test_budget_errors():
     model = tiny({"name": "dense"})
-    with pytest.raises(ValueError, match="budget B=64 >= N=64"):
-        make_caches(model, "h2o", 1, 64, budget=64)
-    with pytest.raises(ValueError, match="too small for 4 attention sinks"):
-        make_caches(model, "streaming_llm", 1, 64, budget=4)
-    with pytest.raises(ValueError, match="needs a token budget"):
-        make_caches(model, "streaming_llm", 1, 64)
-    with pytest.raises(ValueError, match="takes no budget"):
-        make_caches(model, "full", 1, 64, budget=8)
-    with pytest.raises(ValueError, match="h2o: budget B=1 is too small"):
-        make_caches(model, "h2o", 1, 64, budget=1)
-    with pytest.raises(ValueError, match="exceed the model's block_size"):
-        make_caches(model, "full", 1, 100)
+    refused = {  # (policy, max_len, budget): the message
+        ("h2o", 64, 64): "budget B=64 >= N=64",
+        ("streaming_llm", 64, 4): "too small for 4 attention sinks",
+        ("streaming_llm", 64, None): "needs a token budget",
+        ("full", 64, 8): "takes no budget",
+        ("h2o", 64, 1): "h2o: budget B=1 is too small",
+        ("full", 100, None): "exceed the model's block_size",
+    }
+    for (policy, max_len, budget), message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            make_caches(model, policy, 1, max_len, budget=budget)
     with pytest.raises(ValueError, match="exceeds the model's block_size"):
         generate(model, torch.zeros(1, 70, dtype=torch.long), 5)
 

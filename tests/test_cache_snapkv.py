@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from test_cache import masked_forward
 
 from nats.cache import make_caches, policy_logits
 from nats.cache.decode import eval_mode, prefill
@@ -246,11 +247,8 @@ def masked_decode_reference(model, idx, P, budget, window, kept_fn):
     """Prompt idx[:, :P] with full attention, then tokens P.. attending to the kept prompt keys of their layer
     and KV head (kept_fn(layer, q, k) on the layer's prompt q/k -> [B][Hkv] lists) and all tokens from P on."""
     B, N = idx.shape
-    pos = torch.arange(N)
-    x = model.embed(idx, pos)
-    for layer, block in enumerate(model.blocks):
-        h = block.ln_1(x)
-        q, k, v = block.attn.project(h, model.rope, pos)
+
+    def mask(layer, q, k):
         H = k.shape[1]
         G = q.shape[1] // H
         kept = kept_fn(layer, q[:, :, :P], k[:, :, :P])
@@ -263,13 +261,9 @@ def masked_decode_reference(model, idx, P, budget, window, kept_fn):
                 row[kept[b][hh]] = True
                 row[P:] = True
                 mask[b, hh, P:] &= row[None, :]
-        mask = mask.repeat_interleave(G, 1)
-        kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-        s = (q @ kk.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        y = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ vv
-        x = x + block.attn.gate_and_project(y, h)
-        x = x + block.mlp(block.ln_2(x))
-    return model.lm_head(model.ln_f(x))
+        return mask.repeat_interleave(G, 1)
+
+    return masked_forward(model, idx, mask)
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "pyramidkv", "adakv"])

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import interrupt_text_dir_prepare
 from nats.data import datamodule as D
 from nats.data import sources as S
 from nats.data.tokenizer import EOT, get_tokenizer
@@ -186,14 +187,7 @@ def test_local_folder_sources(tmp_path, source):
 def test_interrupted_prepare_resumes(tmp_path, monkeypatch):
     root = write_books(tmp_path / "corpus")
     dm = D.TokenDataModule("text_dir", str(tmp_path / "cache"), block_size=4, path=str(root))
-    real = S.TextDirSource.documents
-
-    def failing(self, split):
-        if split == "test":
-            raise KeyboardInterrupt
-        return real(self, split)
-
-    monkeypatch.setattr(S.TextDirSource, "documents", failing)
+    real = interrupt_text_dir_prepare(monkeypatch, "test")
     with pytest.raises(KeyboardInterrupt):
         dm.prepare_data()
     # the finished splits, and the fingerprint of the prepare in progress (checked when it resumes)

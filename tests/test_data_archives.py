@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, compose
+from helpers import interrupt_text_dir_prepare
 from nats.data import datamodule as D
 from nats.data import sources as S
 from nats.data.sources import text_dir as TD
@@ -273,14 +274,7 @@ def test_cache_checked_against_the_raw_data(tmp_path):
 
 def test_interrupted_prepare_of_changed_data_starts_over(tmp_path, monkeypatch):
     root = write_folder(tmp_path / "corpus")
-    real = S.TextDirSource.documents
-
-    def failing(self, split):
-        if split == "test":
-            raise KeyboardInterrupt
-        return real(self, split)
-
-    monkeypatch.setattr(S.TextDirSource, "documents", failing)
+    real = interrupt_text_dir_prepare(monkeypatch, "test")
     dm = D.TokenDataModule("text_dir", str(tmp_path / "cache"), block_size=4, path=str(root))
     with pytest.raises(KeyboardInterrupt):
         dm.prepare_data()
