@@ -42,6 +42,7 @@ __all__ = [
     "PromptState",
     "Plan",
     "PoolLayout",
+    "SegmentStorage",
     "rounded",
     "plan_rows",
     "pool_fill",
@@ -113,6 +114,59 @@ def pool_fill(keep: Tensor, rank: Tensor, rows: Tensor, k: Tensor, v: Tensor, si
     pool[0].index_put_((dest,), k.reshape(R, N, D))
     pool[1].index_put_((dest,), v.reshape(R, N, D))
     return pool
+
+
+class SegmentStorage:
+    """The storage of a segmented-pool layer, written once for every layer that holds one (`nats.hf.StaticPolicyCache`'s
+    layers and the NAtS `LayerCache` of the GPT path and `nats.hf.PolicyCache`).
+
+    The buffers are packed into few tensors, the named ones being views of them: every tensor a compiled decode step
+    reads from the cache is a graph input that dynamo guards before each replay, and the guard check is host time at
+    every step. ``kv_pool`` ``[2, P, D]`` (keys, values; the last slot is the scratch slot), ``seg`` ``[6, R]`` int64
+    (segment start, length, capacity, NAtS' global count and the last token's type with its eviction pending, the
+    ring rule's count), and for rules with a ring ``ring_kv`` ``[2, R, W, D]`` and ``ring_valid`` ``[R, W]``."""
+
+    kv_pool: Tensor
+    seg: Tensor
+    ring_kv: Tensor | None = None
+    ring_valid: Tensor | None = None
+
+    k_pool = property(lambda self: self.kv_pool[0])
+    v_pool = property(lambda self: self.kv_pool[1])
+    ring_k = property(lambda self: self.ring_kv[0])
+    ring_v = property(lambda self: self.ring_kv[1])
+    start = property(lambda self: self.seg[0])
+    length = property(lambda self: self.seg[1])
+    cap = property(lambda self: self.seg[2])
+    n_global = property(lambda self: self.seg[3])
+    last_type = property(lambda self: self.seg[4])  # NAtS: the last token's type, its eviction pending (-1: none)
+    count = property(lambda self: self.seg[5])  # the ring rule: tokens written so far
+
+    def storage_tensors(self) -> list[Tensor]:
+        """The packed buffers (the views' bases)."""
+        return [t for t in (self.kv_pool, self.seg, self.ring_kv, self.ring_valid) if t is not None]
+
+    def storage_kv_nbytes(self) -> int:
+        """Bytes of the key/value buffers (pool and ring)."""
+        return sum(t.numel() * t.element_size() for t in (self.kv_pool, self.ring_kv) if t is not None)
+
+    def relayout(self, cap: Tensor) -> None:
+        """Lay the pool out again with capacities ``cap`` ``[R]`` (at least the lengths), the segments copied over in
+        order (O(kept tokens)); the scratch slot last. The counters are kept."""
+        length = self.length
+        R = length.shape[0]
+        seg = self.seg.clone()
+        seg[2] = torch.maximum(cap, length)
+        end = seg[2].cumsum(0)
+        seg[0] = end - seg[2]
+        size = int(end[-1]) + 1
+        kv_pool = self.kv_pool.new_zeros(2, size, self.kv_pool.shape[-1])
+        total = int(length.sum())
+        if total:
+            rows = torch.repeat_interleave(torch.arange(R, device=length.device), length)
+            off = torch.arange(total, device=length.device) - (torch.cumsum(length, 0) - length)[rows]
+            kv_pool[:, seg[0][rows] + off] = self.kv_pool[:, self.start[rows] + off]
+        self.kv_pool, self.seg = kv_pool, seg
 
 
 class PoolLayout:

@@ -181,7 +181,10 @@ class PolicyCache(Cache):
         """The layer's attention output ``[B, Hq, N, D]`` for its N new queries (``[B, Hq, N, D]``, after RoPE and
         scaled for 1/sqrt(D)) and their normalised input ``hidden [B, N, C]``, through the policy: ``prefill``
         for the first call of a sequence, then ``step`` per token."""
-        layer = self.layers[layer_idx]
+        with torch.no_grad():  # the policy's buffers hold keys and values, never their autograd history
+            return self._attend(self.layers[layer_idx], query, hidden)
+
+    def _attend(self, layer, query: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         k, v = layer.pending
         layer.pending = None
         pol = layer.policy

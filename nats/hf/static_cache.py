@@ -39,12 +39,12 @@ from transformers.cache_utils import Cache
 
 from nats.cache import engine
 from nats.cache.budget import check_budget_value, row_budgets
-from nats.cache.engine import PoolLayout, PromptState, mark_static
+from nats.cache.engine import PoolLayout, PromptState, SegmentStorage, mark_static
 from nats.cache.registry import get_cache_class
 from nats.hf.cache import FixedRowsLayer
 
 
-class StaticPolicyLayer(FixedRowsLayer):
+class StaticPolicyLayer(FixedRowsLayer, SegmentStorage):
     """One decoder layer's buffers (allocated by the prefill, when the kept tokens are known)."""
 
     is_compileable = True
@@ -94,38 +94,23 @@ class StaticPolicyLayer(FixedRowsLayer):
     def reset(self) -> None:
         raise NotImplementedError("StaticPolicyCache: make a new cache per generate call")
 
-    # ------------------------------------------------------------------ storage
-    def allocate(self, pool: Tensor, rows: Tensor, splits: int, area: Tensor | None, peak: Tensor | None) -> None:
-        """Take the layer's pool ``[2, P, D]`` (`_pool_fill`), its rows' bookkeeping ``[6, R]`` and, where the
-        cache sizes are tracked, their sum and maximum over the prompt ``[R]`` (advanced by the decode steps)."""
-        self.kv_pool, self.rows, self.splits, self.area, self.peak = pool, rows, splits, area, peak
-        mark_static(*(t for t in (self.kv_pool, self.rows, self.area, self.peak) if t is not None))
+    # ------------------------------------------------------------------ storage (nats.cache.engine.SegmentStorage)
+    def allocate(self, pool: Tensor, seg: Tensor, splits: int, area: Tensor | None, peak: Tensor | None) -> None:
+        """Take the layer's pool ``[2, P, D]`` (`nats.cache.engine.pool_fill`), its rows' bookkeeping ``[6, R]`` and,
+        where the cache sizes are tracked, their sum and maximum over the prompt ``[R]`` (advanced by the decode
+        steps)."""
+        self.kv_pool, self.seg, self.splits, self.area, self.peak = pool, seg, splits, area, peak
+        mark_static(*(t for t in (self.kv_pool, self.seg, self.area, self.peak) if t is not None))
         self.ready = True
 
-    # The buffers are packed into few tensors, the named ones being views of them: every tensor the compiled decode
-    # step reads from the cache is a graph input that dynamo guards before each replay, and the guard check is host
-    # time at every step (at batch 1 the step is host-bound). Per layer: kv_pool [2, P, D] (keys, values),
-    # rows [6, R] int64 (segment start, length, capacity, NAtS' global count and pending type, the ring rule's
-    # count), NAtS' ring_kv [2, R, W, D] and ring_valid [R, W], the position counter (and area / peak with track).
-    k_pool = property(lambda self: self.kv_pool[0])
-    v_pool = property(lambda self: self.kv_pool[1])
-    ring_k = property(lambda self: self.ring_kv[0])
-    ring_v = property(lambda self: self.ring_kv[1])
-    start = property(lambda self: self.rows[0])
-    length = property(lambda self: self.rows[1])
-    cap = property(lambda self: self.rows[2])
-    n_global = property(lambda self: self.rows[3])
-    t = property(lambda self: self.rows[4])  # NAtS: the last token's type, its eviction pending (-1: none)
-    count = property(lambda self: self.rows[5])  # the ring rule: tokens written so far
-
     def tensors(self) -> list[Tensor]:
-        """The buffers the decode step reads and writes (the packed tensors themselves)."""
-        names = ("kv_pool", "rows", "ring_kv", "ring_valid", "cumulative_length", "area", "peak")
-        return [getattr(self, n) for n in names if getattr(self, n, None) is not None]
+        """The buffers the decode step reads and writes (the packed tensors themselves, the position counter and,
+        with tracking, the area and peak sums)."""
+        extra = (self.cumulative_length, getattr(self, "area", None), getattr(self, "peak", None))
+        return self.storage_tensors() + [t for t in extra if t is not None]
 
     def kv_nbytes(self) -> int:
-        ts = [getattr(self, n, None) for n in ("kv_pool", "ring_kv")]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return self.storage_kv_nbytes()
 
 
 class StaticPolicyCache(Cache):
@@ -309,7 +294,7 @@ class StaticPolicyCache(Cache):
     # ------------------------------------------------------------------ decode (compiled by generate)
     def _decode(self, layer, q, k, v, hidden) -> Tensor:
         B, Hq, _, D = q.shape
-        R = layer.start.shape[0]
+        R = layer.seg.shape[1]
         G = Hq // (R // B)
         pos = (layer.cumulative_length - 1).reshape(1)  # the new token's position (padding included)
         y, size = self.rule.step(self, layer, self.cores[layer.layer_idx], q.reshape(R, G, D), k.reshape(R, D),

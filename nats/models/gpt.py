@@ -227,7 +227,8 @@ class Attention(nn.Module):
         if cache is None:
             out = self.core(q, k, v, x)
             return self.gate_and_project(out.y, x), out
-        y = cache.step(q, k, v, x, positions) if decode else cache.prefill(q, k, v, x)
+        with torch.no_grad():  # a cache's buffers hold keys and values, never their autograd history
+            y = cache.step(q, k, v, x, positions) if decode else cache.prefill(q, k, v, x)
         return self.gate_and_project(y, x), None
 
 

@@ -46,7 +46,7 @@ from torch import Tensor
 from nats import functional as NF
 from nats.cache.attention import pool_attention, resolve_backend
 from nats.cache.base import LayerCache
-from nats.cache.engine import FixedRule, Plan, PromptState, plan_rows, pool_attention_op, pool_fill
+from nats.cache.engine import FixedRule, Plan, PromptState, SegmentStorage, plan_rows, pool_attention_op, pool_fill
 from nats.cache.registry import register_cache
 
 GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
@@ -140,16 +140,17 @@ def _(x, w_s, bias, pos, rows, k_new, v_new, ring_kv, ring_valid, kv_pool):
     return None
 
 
-def nats_rows(types: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, max_new: int):
+def nats_rows(types: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, max_new: int, cap_of=None):
     """A NAtS layer's state after the prompt from its integer types ``[B, Hkv, N]`` (-1 on left padding), keys and
     values ``[B, Hkv, N, D]`` (rows r = b * Hkv + h): what is kept (`kept_after_prompt`) and its segments
-    (`nats.cache.engine.plan_rows`, ``cap`` = kept + ``max_new``); the ring of the last W - 1 positions (slot =
-    position mod W, valid where sliding). The PyTorch form of `nats_kernels.nats_attention.prefill_cache`."""
+    (`nats.cache.engine.plan_rows`, ``cap`` = kept + ``max_new``, or ``cap_of(kept)``); the ring of the last W - 1
+    positions (slot = position mod W, valid where sliding). The PyTorch form of `nats_kernels.nats_attention.prefill_cache`."""
     N, D = types.shape[-1], k.shape[-1]
     types, k, v = types.reshape(-1, N), k.reshape(-1, N, D), v.reshape(-1, N, D)
     R = types.shape[0]
     keep, isg = kept_after_prompt(types)
-    keep, rank, rows, end = plan_rows(keep, keep.sum(1) + max_new, n_global=isg.sum(1))
+    kept = keep.sum(1)
+    keep, rank, rows, end = plan_rows(keep, kept + max_new if cap_of is None else cap_of(kept), n_global=isg.sum(1))
     lo = max(0, N - window + 1)
     slots = torch.arange(lo, N, device=types.device) % window  # the last W - 1 positions' ring slots (distinct)
     ring_kv = k.new_zeros(2, R, window, D)
@@ -243,7 +244,7 @@ class NAtSRule(FixedRule):
         return Plan(rows, end, fill, (ring_kv, ring_valid, W), self._sizes(ctx, types, core))
 
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
-        nats_step(hidden, core.scorer.weight, core.type_bias, pos, layer.rows, kr, vr, layer.ring_kv,
+        nats_step(hidden, core.scorer.weight, core.type_bias, pos, layer.seg, kr, vr, layer.ring_kv,
                       layer.ring_valid, layer.kv_pool)  # fmt: skip
         size = layer.length + layer.ring_valid.sum(1)
         y = pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
@@ -252,13 +253,13 @@ class NAtSRule(FixedRule):
 
     def kept(self, layer):
         n = layer.length  # the last token's eviction is applied by the next step: count it done
-        n = torch.where(layer.t == GLOBAL, layer.n_global + 1, n)
+        n = torch.where(layer.last_type == GLOBAL, layer.n_global + 1, n)
         expired = layer.ring_valid[:, int(layer.cumulative_length) % layer.window]
         return n + layer.ring_valid.sum(1) - expired.long()
 
 
 @register_cache("nats")
-class NAtSCache(LayerCache):
+class NAtSCache(LayerCache, SegmentStorage):
     requires_core = "nats"  # the types come from the layer's NAtS scorer
     fixed_rule = NAtSRule()
     """Args (besides LayerCache's, ``reserve`` among them): window W (default: the core's), check_every, slack,
@@ -287,13 +288,13 @@ class NAtSCache(LayerCache):
             )
         self.check_every, self.slack, self.shrink_above = int(check_every), float(slack), float(shrink_above)
         R, W, D, dev = self.rows, self.window, self.head_dim, self.device
-        self.ring_k = torch.zeros(R, W, D, device=dev, dtype=self.dtype)
-        self.ring_v = torch.zeros(R, W, D, device=dev, dtype=self.dtype)
+        # the segmented pool of nats.cache.engine.SegmentStorage: kv_pool, seg (start, length, cap, n_global, the
+        # current token's types), the ring
+        self.ring_kv = torch.zeros(2, R, W, D, device=dev, dtype=self.dtype)
         self.ring_valid = torch.zeros(R, W, device=dev, dtype=torch.bool)
-        self.length = torch.zeros(R, device=dev, dtype=torch.long)
-        self.n_global = torch.zeros(R, device=dev, dtype=torch.long)
+        self.seg = torch.zeros(6, R, device=dev, dtype=torch.long)
+        self.kv_pool = torch.zeros(2, 1, D, device=dev, dtype=self.dtype)
         self.type_counts = torch.zeros(R, 3, device=dev, dtype=torch.long)
-        self._t = torch.zeros(R, device=dev, dtype=torch.long)  # the current token's types (fused path)
         if init_capacity is not None:
             cap0 = int(init_capacity)
         else:
@@ -304,29 +305,19 @@ class NAtSCache(LayerCache):
         self.compactions = 0
         self.max_nbytes = self.nbytes()
 
+    _t = property(lambda self: self.last_type)  # the current token's types (the fused step's append and evict)
+
     # ------------------------------------------------------------------ storage
-    def _layout(self, cap: torch.Tensor, old: tuple | None = None) -> None:
-        """(Re)allocate the pool with per-row capacities `cap` [R]; copy the old segments over."""
-        start = torch.zeros_like(cap)
-        start[1:] = cap.cumsum(0)[:-1]
-        P = int(cap.sum())
-        k_pool = torch.zeros(P + 1, self.head_dim, device=self.device, dtype=self.dtype)
-        v_pool = torch.zeros(P + 1, self.head_dim, device=self.device, dtype=self.dtype)
-        if old is not None:
-            old_k, old_v, old_start = old
-            n = self.length
-            total = int(n.sum())
-            if total:
-                rows = torch.repeat_interleave(torch.arange(self.rows, device=self.device), n)
-                first = torch.cumsum(n, 0) - n
-                off = torch.arange(total, device=self.device) - first[rows]
-                k_pool[start[rows] + off] = old_k[old_start[rows] + off]
-                v_pool[start[rows] + off] = old_v[old_start[rows] + off]
-        self.k_pool, self.v_pool, self.start, self.cap = k_pool, v_pool, start, cap
-        self.scratch = torch.full((self.rows,), P, device=self.device, dtype=torch.long)
-        self.max_cap = int(cap.max())
+    def _layout(self, cap: torch.Tensor) -> None:
+        """(Re)allocate the pool with per-row capacities `cap` [R]; copy the segments over."""
+        self.relayout(cap)
+        self._laid_out()
+
+    def _laid_out(self) -> None:
+        self.scratch = torch.full((self.rows,), self.kv_pool.shape[1] - 1, device=self.device, dtype=torch.long)
+        self.max_cap = int(self.cap.max())
         if self.reserve is not None:
-            self._free_steps = int((cap - self.length).min())
+            self._free_steps = int((self.cap - self.length).min())
 
     def _wanted(self, length: torch.Tensor) -> torch.Tensor:
         extra = torch.clamp(torch.ceil(length.to(torch.float64) * self.slack).to(torch.long), min=self.check_every)
@@ -334,8 +325,7 @@ class NAtSCache(LayerCache):
 
     def compact(self) -> None:
         """Lay the pool out again with `length + slack` slots per row (drops unused capacity)."""
-        old = (self.k_pool, self.v_pool, self.start)
-        self._layout(self._wanted(self.length), old)
+        self._layout(self._wanted(self.length))
         self.compactions += 1
         self.max_nbytes = max(self.max_nbytes, self.nbytes())
 
@@ -486,27 +476,16 @@ class NAtSCache(LayerCache):
         global). Kept: every global, the locals after the row's last global, and the sliding tokens of the last
         W - 1 positions. Sizes are the spec's c_i (kv_cache_sizes)."""
         self._check_empty("load()")
-        B, H, N, D = k.shape
-        R, W = self.rows, self.window
+        R, N, W = self.rows, k.shape[2], self.window
         t = types.reshape(R, N).to(torch.long)
-        keep, isg = kept_after_prompt(t)
-        length = keep.sum(1)
-        self.length.copy_(length)
-        self.n_global.copy_(isg.sum(1))
-        self._layout(self._wanted(length) if self.reserve is None else length + self.reserve)
-        rows, j = keep.nonzero(as_tuple=True)  # row-major: positions ascending within a row
-        first = torch.cumsum(length, 0) - length
-        off = torch.arange(rows.numel(), device=self.device) - first[rows]
-        kr, vr = k.reshape(R, N, D), v.reshape(R, N, D)
-        self.k_pool[self.start[rows] + off] = kr[rows, j]
-        self.v_pool[self.start[rows] + off] = vr[rows, j]
-        # ring: sliding tokens still inside their window after query N-1, i.e. positions > N - W
-        lo = max(0, N - W + 1)
-        ring_pos = torch.arange(lo, N, device=self.device)
-        slots = ring_pos % W
-        self.ring_k[:, slots] = kr[:, ring_pos]
-        self.ring_v[:, slots] = vr[:, ring_pos]
-        self.ring_valid[:, slots] = t[:, ring_pos] == SLIDING
+        # the fixed-capacity engine's plan of a NAtS prompt (nats_rows), with the capacity this cache wants
+        keep, rank, seg, end, ring_kv, ring_valid = nats_rows(
+            t, k, v, W, self.reserve or 0, cap_of=self._wanted if self.reserve is None else None
+        )
+        seg[4] = 0
+        self.kv_pool, self.seg = pool_fill(keep, rank, seg, k, v, int(end) + 1), seg
+        self.ring_kv, self.ring_valid = ring_kv.to(self.dtype), ring_valid
+        self._laid_out()
         if self.track:
             self._record_many(NF.kv_cache_sizes(t, W))
             self.type_counts += torch.nn.functional.one_hot(t, 3).sum(1)
