@@ -27,7 +27,11 @@ each cache's `maintain()`; a reallocation would re-capture, and is counted: `re-
 warm-up, should be 0). "eager" rows run the same step in Python. Memory: bytes the caches have allocated (keys,
 values and metadata), the bytes of the keys and values of the tokens they hold, and the ratio. Speed: ms per
 decode step (batch `--batch`), tokens/s, the time relative to the fastest `full` row and to the
-`streaming_llm` row of the same mode at the same L. A quick correctness check on a tiny model runs first
+`streaming_llm` row of the same mode at the same L. Against the memory-bandwidth limit (`nats.cache.roofline`): the
+bytes a step reads (the weights, of the embeddings one row per sequence, + the keys and values the caches hold after
+the last step), the achieved GB/s and their share of the bandwidth measured in the same run (a device-to-device
+copy) and of the data sheet's, and for caches keeping less than all, the bytes' bound: the smallest `vs full` those
+bytes allow (the row's bytes / a full cache's). A quick correctness check on a tiny model runs first
 (decoding with the Triton kernel and with CUDA graphs equals the parallel forward). Writes `bench_decode.md` and
 `bench_decode.json` to `--out` (default: the environment variable OUT, else benchmarks/results) and prints the
 table last.
@@ -48,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from nats import functional as NF
+from nats.cache import roofline
 from nats.cache.decode import GraphDecoder, decode_step, make_caches, policy_logits, prefill
 from nats.cache.policies.full import FullCache
 from nats.cache.registry import register_cache
@@ -227,6 +232,12 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
     kv_alloc = sum(c.kv_nbytes() for c in caches)
     kept = sum(c.kept_nbytes() for c in caches)
     peak_alloc = sum(getattr(c, "max_nbytes", c.nbytes()) for c in caches)
+    weights = roofline.weight_bytes(model, B)
+    elem = torch.empty((), dtype=caches[0].dtype).element_size()
+    cfg = model.config
+    full = weights + roofline.kv_bytes(cfg.n_layer, B * cfg.n_kv_head, caches[0].t, cfg.head_dim, elem)
+    step = weights + kept
+    bw = getattr(args, "bandwidth", {}) or {}
     row = {
         "L": L,
         "policy": policy if policy != "full_sdpa" else "full (sdpa)",
@@ -246,6 +257,8 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
         "recaptures": dec.captures - captures0 if graph else None,
         "reallocations": calls[0] - realloc0,
         "compactions": sum(getattr(c, "compactions", 0) for c in caches) - compactions0,
+        **roofline.step_stats(step, B * 1000.0 / ms, B, bw.get("measured"), bw.get("datasheet")),
+        "bound_vs_full": step / full,
     }
     return row  # the caches and the graph are freed with this frame (the caller empties the CUDA cache)
 
@@ -327,9 +340,13 @@ def table(rows: list[dict], meta: dict) -> str:
         f"written into the cache. NAtS: synthetic types (per-head global rate U(0.05, 0.13), locals 0.03, rest "
         f"sliding, W = {meta['window']}); streaming_llm / h2o budget = {meta['budget_rule']}. torch {meta['torch']}.",
         "",
-        "| prompt L | policy | mode | budget | kept share | ms / step | tokens/s | vs full | vs streaming_llm | "
-        "cache MB (alloc) | kept KV MB | alloc / kept | compactions | re-captures |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"Bandwidth: {meta['bandwidth_gbps']:.0f} GB/s measured (a device-to-device copy, read + write), data sheet "
+        f"{meta['datasheet_gbps'] or 'unknown'} GB/s.",
+        "",
+        "| prompt L | policy | mode | budget | kept share | ms / step | tokens/s | vs full | bytes' bound | step MB | "
+        "GB/s | of measured BW | of data sheet | vs streaming_llm | cache MB (alloc) | kept KV MB | alloc / kept | "
+        "compactions | re-captures |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     best_full, stream = {}, {}
     for r in rows:
@@ -341,9 +358,12 @@ def table(rows: list[dict], meta: dict) -> str:
         rel = r["ms_per_step"] / best_full[r["L"]] if r["L"] in best_full else float("nan")
         srel = r["ms_per_step"] / stream[r["L"], r["mode"]] if (r["L"], r["mode"]) in stream else float("nan")
         rec = "-" if r["recaptures"] is None else r["recaptures"]
+        bound = f"{r['bound_vs_full']:.2f}x" if r["bound_vs_full"] < 1.0 else "-"
+        shares = [f"{x:.1%}" if x is not None else "-" for x in (r["share_of_measured"], r["share_of_datasheet"])]
         out.append(
             f"| {r['L']} | {r['policy']} | {r['mode']} | {r['budget'] or '-'} | {r['kept_share']:.3f} | "
-            f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | {rel:.2f}x | {srel:.2f}x | {r['alloc_MB']:.1f} | "
+            f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | {rel:.2f}x | {bound} | {r['step_gb'] * 1e3:.1f} | "
+            f"{r['achieved_gbps']:.4g} | {shares[0]} | {shares[1]} | {srel:.2f}x | {r['alloc_MB']:.1f} | "
             f"{r['kept_MB']:.1f} | {r['alloc_over_kept']:.3f} | {r['compactions']} | {rec} |"
         )
     out.append("")
@@ -352,7 +372,9 @@ def table(rows: list[dict], meta: dict) -> str:
         "`streaming_llm` row of the same mode and L. `kept share`: tokens held after the last step over tokens "
         "processed. `alloc / kept`: bytes the caches allocated (keys, values, metadata) over the bytes of the keys "
         "and values of the tokens they hold after the last step. `re-captures`: CUDA-graph captures during the "
-        "timed steps (storage reallocated)."
+        "timed steps (storage reallocated). `step MB`: the bytes a step reads (the weights + the kept keys and "
+        "values); `GB/s`: step MB / step time; `bytes' bound`: the smallest `vs full` those bytes allow (the row's "
+        "bytes / a full cache's)."
     )
     return "\n".join(out) + "\n"
 
@@ -391,6 +413,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "graph" in modes and args.warmup < 2:
         raise SystemExit("--warmup must be >= 2 for graph rows (one eager step, then the capture)")
     dev = torch.device(args.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    args.bandwidth = {
+        "measured": roofline.measured_bandwidth(dev, 1 << (30 if dev.type == "cuda" else 26)),
+        "datasheet": roofline.datasheet_bandwidth(name),
+    }
     t0 = time.time()
     lines = []
     if not args.no_verify:
@@ -464,6 +491,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "window": args.window,
         "budget_rule": "NAtS' kept share x L" if args.budget_frac is None else f"{args.budget_frac} x L",
         "torch": torch.__version__,
+        "bandwidth_gbps": args.bandwidth["measured"] / 1e9,
+        "datasheet_gbps": None if args.bandwidth["datasheet"] is None else args.bandwidth["datasheet"] / 1e9,
         "seconds": round(time.time() - t0, 1),
         "verify": lines,
         "argv": sys.argv[1:] if argv is None else argv,

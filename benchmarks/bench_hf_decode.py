@@ -4,10 +4,14 @@ transformers' own caches, in one run.
     python benchmarks/bench_hf_decode.py --out logs/bench/hf_decode              # SmolLM2-135M's shape, GPU
     python benchmarks/bench_hf_decode.py --prompt 32768 --batch 1 8 --kept 0.25 0.1
     python benchmarks/bench_hf_decode.py --equal-memory-gib 2 --kept 0.25 0.1    # the largest batch each cache fits
+    python benchmarks/bench_hf_decode.py --model-shape llama-3.1-8b --prompt 32768 --batch 1 \
+        --methods sdpa_static static full nats --kept 0.25                       # against the HBM limit
     python benchmarks/bench_hf_decode.py --smoke                                 # a tiny model on the CPU
 
 The model has SmolLM2-135M-Instruct's architecture (Llama: 30 layers, hidden 576, 9 query / 3 KV heads, vocab
-49152) with random weights (``--model``: a folder or GGUF file instead); RoPE's context is raised to the prompt
+49152) with random weights, or another shape of ``--model-shape`` (``llama-3.2-1b``: 16 layers, hidden 2048, 32 /
+8 heads of 64; ``llama-3.1-8b``: 32 layers, hidden 4096, 32 / 8 heads of 128, vocab 128256), built on the GPU in
+the benchmark's dtype (``--model``: a folder or GGUF file instead); RoPE's context is raised to the prompt
 (``max_position_embeddings``; speed does not depend on the weights). With random weights the NAtS scorers' types
 are random, so each scorer's global-type offset is calibrated on the prompt to keep a share ``--kept`` of the
 tokens (``--scorers``: a fine-tuned scorer file, whose types are then used as they are). A random prompt of
@@ -20,7 +24,11 @@ tokens (``--scorers``: a fine-tuned scorer file, whose types are then used as th
   compiles the decode step the same way); ``streaming_llm`` at the same kept share as NAtS;
 * ``nats_torch_prefill``: ``nats`` whose prefill writes the cache with PyTorch operations
   (``prefill_kernel="torch"``, the reference) instead of the default two fused Triton launches per layer;
-* ``policy_nats``: the older `nats.hf.PolicyCache` (per-layer Python per token; not compiled), for reference.
+* ``policy_nats``: the older `nats.hf.PolicyCache` (per-layer Python per token; not compiled), for reference;
+* ``sdpa_static``, ``flex_static``: the full cache a strong engineer would write, gpt-fast style
+  (`benchmarks/gptfast_decode.py`: a hand-written decode loop over the same model's modules, static buffers, each
+  KV head read once for its query group, no decode mask): SDPA over the positions so far (compiled, length
+  dynamic, no CUDA graphs) or FlexAttention over the whole buffer with a block mask (compiled, CUDA graphs).
 
 Per row (the median of ``--repeats`` timed calls, each with a new cache): prefill seconds (the first token's
 latency), decode tokens/s over all sequences (the tokens after the first), the KV bytes the cache holds at the end
@@ -28,6 +36,14 @@ latency), decode tokens/s over all sequences (the tokens after the first), the K
 after a warm-up (0 = no recompilation), the ratio to ``static``'s tokens/s and prefill (the prefill ratio of
 timings taken side by side: a ``StaticCache`` prefill is timed again before each of the row's timed prefills),
 and the GPU's peak memory.
+
+Against the memory-bandwidth limit (`nats.cache.roofline`): the bytes a decode step must read (the weights, of
+the embedding table one row per sequence, plus the keys and values the cache holds at the end: a full cache the
+P + new - 1 tokens seen per row, NAtS its pool segments and valid ring), the achieved GB/s (those bytes / step time)
+and their share of the bandwidth measured in the same run (a device-to-device copy) and of the data sheet's;
+``x full``: tokens/s over the fastest full-cache row of the same prompt and batch (``sdpa_static``,
+``flex_static``, ``full``, ``static``, ``dynamic``), and for rows keeping less than all, ``bound``: the largest
+ratio to a full cache those bytes allow (full bytes / the row's bytes).
 ``--equal-memory-gib M`` also runs each cache at the largest batch whose KV buffers fit M GiB. Writes
 ``bench_hf_decode.{md,json}`` into ``--out``.
 """
@@ -58,8 +74,38 @@ SMOLLM2 = dict(
     rope_theta=100000.0,
     tie_word_embeddings=True,
 )
+LLAMA32_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+LLAMA31_8B = dict(
+    LLAMA32_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128, tie_word_embeddings=False
+)
+SHAPES = {"smollm2-135m": SMOLLM2, "llama-3.2-1b": LLAMA32_1B, "llama-3.1-8b": LLAMA31_8B}
 TINY = dict(SMOLLM2, vocab_size=256, hidden_size=72, intermediate_size=128, num_hidden_layers=2)
 NATS = ("nats", "nats_torch_prefill", "policy_nats")  # the methods whose scorers are calibrated to a kept share
+FAST = {"sdpa_static": "sdpa", "flex_static": "flex"}  # gpt-fast-style full caches (benchmarks/gptfast_decode.py)
+FULL = ("sdpa_static", "flex_static", "full", "static", "dynamic")  # the full caches: "x full" is to the fastest
+
+
+def _gptfast():
+    """benchmarks/gptfast_decode.py, imported from its file (this script is run from anywhere, or loaded by path)."""
+    import importlib.util
+
+    if "gptfast_decode" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gptfast_decode", Path(__file__).with_name("gptfast_decode.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gptfast_decode"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["gptfast_decode"]
 
 
 def build_model(args, device, dtype):
@@ -71,9 +117,15 @@ def build_model(args, device, dtype):
         model, _ = load_pretrained(args.model, dtype=str(dtype).split(".")[-1], device=str(device))
     else:
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(**(TINY if args.smoke else SMOLLM2))
+        cfg = transformers.LlamaConfig(**(TINY if args.smoke else SHAPES[getattr(args, "model_shape", "smollm2-135m")]))
         cfg.max_position_embeddings = max(args.prompt) + args.new + 64
-        model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built where it runs, in its dtype: an 8B model in seconds, not minutes
+        try:
+            with torch.device(device):
+                model = transformers.LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(default)
     return model.eval()
 
 
@@ -94,12 +146,14 @@ def calibrate(model, prompt: torch.Tensor, kept: float, rows: int = 4) -> None:
 
         hooks.append(core.scorer.register_forward_hook(hook))
     with torch.no_grad():
-        model(prompt[:rows, : min(prompt.shape[1], 8192)])  # each layer calibrated under the earlier layers' types
+        # each layer calibrated under the earlier layers' types (the logits of the last position only)
+        model(prompt[:rows, : min(prompt.shape[1], 8192)], logits_to_keep=1)
     for h in hooks:
         h.remove()
 
 
 def kv_bytes(cache) -> int:
+    """Bytes of the key/value buffers a cache has allocated."""
     if hasattr(cache, "kv_nbytes"):
         return cache.kv_nbytes()
     total = 0
@@ -124,15 +178,20 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
-def cache_maker(model, method: str, P: int, n_new: int, kept: float | None):
-    """A function that makes a fresh cache of `method` for prompts of P tokens and n_new new ones."""
+def cache_maker(model, method: str, P: int, n_new: int, kept: float | None, batch: int = 1):
+    """A function that makes a fresh cache of `method` for `batch` prompts of P tokens and n_new new ones."""
     from transformers import DynamicCache, StaticCache
 
     from nats.hf import PolicyCache, StaticPolicyCache
 
     budget = None if kept is None else max(8, int(kept * P))
+    fast = []  # a gpt-fast-style decoder is made once and reused: its compiled step and CUDA graphs stay valid
 
     def make():
+        if method in FAST:
+            if not fast:
+                fast.append(_gptfast().GptFastDecoder(model, batch, P + n_new, FAST[method]))
+            return fast[0]
         if method == "dynamic":
             return DynamicCache(config=model.config)
         if method == "static":
@@ -163,6 +222,8 @@ def generate(model, prompt: torch.Tensor, cache, n: int, compile_config=None) ->
     """`n` greedy tokens after `prompt` through `cache` (``compile_config``: how generate compiles the step)."""
     from nats.hf.compat import cache_kwargs
 
+    if type(cache).__name__ == "GptFastDecoder":  # its own decode loop
+        return cache.generate(prompt, n)
     extra = {} if compile_config is None else {"compile_config": compile_config}
     with torch.no_grad():
         return model.generate(
@@ -187,7 +248,7 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
 
     B, P = prompt.shape
     n_new = new_tokens(method, args)
-    make_cache = cache_maker(model, method, P, n_new, kept)
+    make_cache = cache_maker(model, method, P, n_new, kept, B)
 
     def sync():
         if device.type == "cuda":
@@ -223,6 +284,7 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     if isinstance(cache, (StaticPolicyCache, PolicyCache)):
         share = float(cache.kept().double().mean()) / seen
     extra = {"static_prefill_s": statistics.median(beside)} if beside else {}
+    tokens_per_s = B * (n_new - 1) / decode_s
     return {
         **extra,
         "method": method,
@@ -231,7 +293,8 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
         "kept_target": kept,
         "new_tokens": n_new,
         "prefill_s": prefill_s,
-        "tokens_per_s": B * (n_new - 1) / decode_s,
+        "tokens_per_s": tokens_per_s,
+        **limit_columns(model, cache, B, seen, tokens_per_s, args),
         "kv_mib": kv_bytes(cache) / 2**20,
         "kept_share": share,
         "new_graphs": new_graphs,
@@ -239,6 +302,34 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "generated": out.shape[1] - P,
     }
+
+
+def step_bytes(model, cache, B: int, seen: int) -> tuple[float, float]:
+    """The bytes a decode step of `cache` reads (the weights + the keys and values it holds at the end) and those of a
+    full cache at the same batch (every row holding the `seen` tokens)."""
+    from nats.cache import roofline
+
+    cfg = model.config
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    rows, layers = B * cfg.num_key_value_heads, cfg.num_hidden_layers
+    weights = roofline.weight_bytes(model, B)
+    full = weights + roofline.kv_bytes(layers, rows, seen, D, elem)
+    if hasattr(cache, "kept"):  # [n_layer, B, Hkv] tokens held: pool segments and valid ring
+        held = float(cache.kept().double().sum())
+        return weights + roofline.kv_bytes(1, 1, held, D, elem), full
+    return full, full
+
+
+def limit_columns(model, cache, B: int, seen: int, tokens_per_s: float, args) -> dict:
+    """A row's bytes per step, achieved GB/s and their share of the bandwidth (`nats.cache.roofline.step_stats`),
+    and the bytes' bound on its speed-up over a full cache (``limit_x_full``)."""
+    from nats.cache import roofline
+
+    nbytes, full = step_bytes(model, cache, B, seen)
+    bw = getattr(args, "bandwidth", {}) or {}
+    stats = roofline.step_stats(nbytes, tokens_per_s, B, bw.get("measured"), bw.get("datasheet"))
+    return {**stats, "limit_x_full": roofline.limit_ratio(full, nbytes)}
 
 
 def fit_batch(model, method: str, P: int, kept, budget: float, nbytes: float, args, gen, device):
@@ -251,7 +342,7 @@ def fit_batch(model, method: str, P: int, kept, budget: float, nbytes: float, ar
         prompt = torch.randint(0, model.config.vocab_size, (B, P), generator=gen).to(device)
         if method in NATS:
             calibrate(model, prompt, kept)
-        cache = cache_maker(model, method, P, new_tokens(method, args), kept)()
+        cache = cache_maker(model, method, P, new_tokens(method, args), kept, B)()
         with attention_of(model, method):
             generate(model, prompt, cache, 1)
         used = kv_bytes(cache)
@@ -272,7 +363,7 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
     out.mkdir(parents=True, exist_ok=True)
     B, P = prompt.shape
     n_new = new_tokens(method, args)
-    make_cache = cache_maker(model, method, P, n_new, kept)
+    make_cache = cache_maker(model, method, P, n_new, kept, B)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     text = []
@@ -291,21 +382,41 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
     (out / f"profile_{method}_{kept}_b{B}_n{P}.txt").write_text("\n".join(text))
 
 
+def best_full(rows: list[dict]) -> None:
+    """Each row's ``x_full``: its tokens/s over the fastest full-cache row (`FULL`) of the same prompt and batch (and
+    equal-memory setting), and that row's method (``full_method``)."""
+    best: dict = {}
+    for r in rows:
+        key = (r["prompt"], r["batch"], r.get("equal_memory_gib"))
+        if r["method"] in FULL and r["tokens_per_s"] > best.get(key, {}).get("tokens_per_s", 0):
+            best[key] = r
+    for r in rows:
+        b = best.get((r["prompt"], r["batch"], r.get("equal_memory_gib")))
+        r["x_full"] = None if b is None else r["tokens_per_s"] / b["tokens_per_s"]
+        r["full_method"] = None if b is None else b["method"]
+
+
+def fmt(x, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
 def table(rows: list[dict]) -> list[str]:
+    best_full(rows)
     lines = [
-        "| prompt | batch | method | kept (target) | prefill s | tokens/s | x static tok/s | x static prefill | "
-        "KV MiB | kept / seen | new graphs | graph skips | peak GiB |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt | batch | method | kept (target) | prefill s | tokens/s | x full | bound x full | step GB | GB/s | "
+        "of measured BW | of data sheet | x StaticCache tok/s | x StaticCache prefill | KV MiB | kept / seen | "
+        "new graphs | graph skips | peak GiB |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        peak = "" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.1f}"
-        tgt = "" if r["kept_target"] is None else f"{r['kept_target']:.2f}"
-        xs = "" if r.get("x_static") is None else f"{r['x_static']:.2f}"
-        xp = "" if r.get("x_static_prefill") is None else f"{r['x_static_prefill']:.2f}"
+        bound = fmt(r.get("limit_x_full"), ".2f") if r["kept_share"] < 1.0 else ""
         lines.append(
-            f"| {r['prompt']} | {r['batch']} | {r['method']} | {tgt} | {r['prefill_s']:.3f} | "
-            f"{r['tokens_per_s']:.1f} | {xs} | {xp} | {r['kv_mib']:.1f} | {r['kept_share']:.3f} | "
-            f"{r['new_graphs']} | {r.get('cudagraph_skips', '')} | {peak} |"
+            f"| {r['prompt']} | {r['batch']} | {r['method']} | {fmt(r['kept_target'], '.2f')} | "
+            f"{r['prefill_s']:.3f} | {r['tokens_per_s']:.1f} | {fmt(r.get('x_full'), '.2f')} | {bound} | "
+            f"{r['step_gb']:.4g} | {r['achieved_gbps']:.4g} | {fmt(r.get('share_of_measured'), '.1%')} | "
+            f"{fmt(r.get('share_of_datasheet'), '.1%')} | {fmt(r.get('x_static'), '.2f')} | "
+            f"{fmt(r.get('x_static_prefill'), '.2f')} | {r['kv_mib']:.1f} | {r['kept_share']:.3f} | "
+            f"{r['new_graphs']} | {r.get('cudagraph_skips', '')} | {fmt(r['peak_gpu_gib'], '.1f')} |"
         )
     return lines
 
@@ -313,11 +424,12 @@ def table(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="logs/bench/hf_decode")
-    ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: random SmolLM2 shape)")
+    ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: random weights)")
+    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="smollm2-135m", help="the random model's shape")
     ap.add_argument("--scorers", default=None, help="fine-tuned scorers (nats_state_dict file); else calibrated")
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--prompt", type=int, nargs="+", default=[8192])
-    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--new", "--new-tokens", dest="new", type=int, default=256)
     ap.add_argument("--slow-new", type=int, default=32, help="new tokens for the uncompiled methods")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--kept", type=float, nargs="+", default=[0.25, 0.1], help="NAtS kept shares (calibrated)")
@@ -333,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = getattr(torch, "float32" if device.type == "cpu" else args.dtype)
     torch._dynamo.config.cache_size_limit = 64
+    args.bandwidth = bandwidth(device)
     from nats.hf import attach_nats, load_nats_state_dict
 
     model = build_model(args, device, dtype)
@@ -388,6 +501,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def bandwidth(device) -> dict:
+    """The GPU's name, its copy bandwidth measured now (bytes/s; 1 GiB on a GPU, 64 MiB on the CPU) and its data
+    sheet's (None if unknown)."""
+    from nats.cache import roofline
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    measured = roofline.measured_bandwidth(device, 1 << (30 if device.type == "cuda" else 26))
+    return {"device": name, "measured": measured, "datasheet": roofline.datasheet_bandwidth(name)}
+
+
 def static_prefill_timer(model, prompt: torch.Tensor, args, device):
     """A function that times one prefill through transformers' ``StaticCache`` (seconds): the rows after the static
     one time it before each of their own prefills, so that their prefill ratio is of timings taken side by side (a
@@ -413,12 +536,24 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
     import transformers
 
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({platform.processor() or 'x86_64'})"
+    shape = "a tiny model's" if args.smoke else f"{args.model_shape}'s shape (random weights"
+    if args.model:
+        shape = f"{args.model} (its weights"
+    elif not args.smoke:
+        shape += ", fine-tuned scorers)" if args.scorers else ", scorers calibrated to the kept share)"
+    bw = args.bandwidth
+    sheet = "unknown" if bw["datasheet"] is None else f"{bw['datasheet'] / 1e9:.0f} GB/s"
     head = (
         f"# `model.generate` with NAtS' fixed-capacity cache and transformers' caches\n\n"
-        f"{name}, torch {torch.__version__}, transformers {transformers.__version__}, {dtype}; SmolLM2-135M shape "
-        f"(random weights{', fine-tuned scorers' if args.scorers else ', scorers calibrated to the kept share'}), "
+        f"{name}, torch {torch.__version__}, transformers {transformers.__version__}, {dtype}; {shape}, "
         f"W = {args.window}, {args.new} new tokens (greedy); tokens/s over all sequences of the batch; graph skips: "
         f"compiled graphs inductor did not CUDA-graph (the log says why).\n"
+        f"Bandwidth: {bw['measured'] / 1e9:.0f} GB/s measured (a device-to-device copy, read + write), data sheet "
+        f"{sheet}. step GB: the weights (of the embedding one row per sequence) + the keys and values the cache holds; "
+        f"GB/s: step GB / step time; x full: tokens/s over the fastest full-cache row of the prompt and batch "
+        f"(sdpa_static, flex_static, full, static, dynamic); bound x full: the largest x full those bytes allow "
+        f"(full bytes / the row's bytes, at the same share of the bandwidth); x StaticCache: over transformers' "
+        f"StaticCache, which repeats each KV head for its query group and passes a mask to SDPA.\n"
         f"Command: `python benchmarks/bench_hf_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n"
     )
     main_rows = [r for r in rows if "equal_memory_gib" not in r]
