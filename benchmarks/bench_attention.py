@@ -89,6 +89,13 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def record(row: dict, out: Path, device_name: str) -> None:
+    """A measured row: kept, printed, and the tables on disk updated (a later crash loses nothing measured)."""
+    ROWS.append(row)
+    log(row)
+    save(out, device_name)
+
+
 def save(out: Path, device_name: str):
     out.mkdir(parents=True, exist_ok=True)
     head = f"# NAtS attention benchmark\n\ndevice: {device_name}; torch {torch.__version__}\n\n"
@@ -250,9 +257,7 @@ def bench_training(args, out, device_name):
             row["x_dense"] = row["ms"] / dense_ms if dense_ms else None
         except Exception as exc:  # noqa: BLE001
             row["note"] = f"error: {type(exc).__name__}: {exc}"[:120]
-        ROWS.append(row)
-        log(row)
-        save(out, device_name)
+        record(row, out, device_name)
 
     # Timings of every mix first, then the accuracy checks: a CUDA-graph capture after the O(N^2) fp32 reference
     # had run failed on the H200 (cudaErrorStreamCaptureInvalidated), so no reference runs between captures.
@@ -283,9 +288,7 @@ def bench_training(args, out, device_name):
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 row["note"] = f"error: {type(exc).__name__}: {exc}"[:160]
-            ROWS.append(row)
-            log(row)
-            save(out, device_name)
+            record(row, out, device_name)
             cases.append((row, mix, W, dens, tw, mg))
 
     ref_case = None
@@ -334,9 +337,7 @@ def bench_training(args, out, device_name):
         except Exception as exc:  # noqa: BLE001
             rrow["note"] = f"error: {type(exc).__name__}"[:120]
         empty_cache()
-        ROWS.append(rrow)
-        log(rrow)
-        save(out, device_name)
+        record(rrow, out, device_name)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -419,9 +420,7 @@ def bench_prefill(args, out, device_name):
             crow["tflops"] = 4 * D * causal_entries / (crow["ms"] * 1e-3) / 1e12
         except Exception as exc:  # noqa: BLE001
             crow["note"] = f"error: {type(exc).__name__}: {exc}"[:120]
-        ROWS.append(crow)
-        log(crow)
-        save(out, device_name)
+        record(crow, out, device_name)
 
         for tgt in targets:
             if over_budget(args):
@@ -444,9 +443,7 @@ def bench_prefill(args, out, device_name):
                 traceback.print_exc()
                 row["note"] = f"error: {type(exc).__name__}: {exc}"[:160]
                 o = None
-            ROWS.append(row)
-            log(row)
-            save(out, device_name)
+            record(row, out, device_name)
 
             if flex is None or args.no_flex or over_budget(args):
                 continue
@@ -474,9 +471,7 @@ def bench_prefill(args, out, device_name):
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 frow["note"] = f"error: {type(exc).__name__}: {exc}"[:160]
-            ROWS.append(frow)
-            log(frow)
-            save(out, device_name)
+            record(frow, out, device_name)
         empty_cache()
 
 

@@ -20,9 +20,7 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -42,20 +40,7 @@ def _bench_nats_train():
 def run_once(bnt, name: str, args, workdir: Path, env: dict) -> dict:
     """One nats-train run into workdir/<name without spaces>: its timings and whether it printed the tuning line."""
     run_dir = workdir / name.replace(" ", "_")
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    overrides = bnt.train_overrides(args.experiment, args, run_dir)
-    cmd = [sys.executable, "-m", "nats.train", *overrides]
-    print("$", " ".join(cmd), flush=True)
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.time() - t0
-    (run_dir / "bench_stdout.log").write_text(proc.stdout)
-    (run_dir / "bench_stderr.log").write_text(proc.stderr)
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n", file=sys.stderr)
-        raise RuntimeError(f"nats-train {args.experiment} failed (exit {proc.returncode}); logs in {run_dir}")
+    proc, _, t0, wall = bnt.train_in(run_dir, args.experiment, args, env)
     timer = bnt.read_step_timer(run_dir, 0, args.log_every, 1)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if TUNING_LINE in line]
     return {

@@ -157,20 +157,16 @@ def recompiles(stderr: str) -> dict:
     return {"count": len(hits), "reasons": reasons}
 
 
-def run_nats_train(exp: str, args, workdir: Path) -> dict:
-    run_dir = workdir / exp
-    saved = run_dir / "bench_result.json"
-    if args.reuse and saved.is_file():  # measured by an earlier call (e.g. one device call per phase)
-        print(f"reusing {saved}", flush=True)
-        return json.loads(saved.read_text())
+def train_in(run_dir: Path, exp: str, args, env: dict) -> tuple[subprocess.CompletedProcess, list[str], float, float]:
+    """`python -m nats.train` of experiment `exp` with the benchmark's overrides (`train_overrides`) in a fresh
+    `run_dir`: the finished process (its output also in run_dir/bench_stdout.log, bench_stderr.log), the overrides,
+    the start time and the wall-clock seconds. A failed run prints the end of its output and raises."""
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     overrides = train_overrides(exp, args, run_dir)
-    env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
-    env.setdefault("PROJECT_ROOT", str(REPO))
     cmd = [sys.executable, "-m", "nats.train", *overrides]
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
@@ -181,6 +177,18 @@ def run_nats_train(exp: str, args, workdir: Path) -> dict:
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n", file=sys.stderr)
         raise RuntimeError(f"nats-train {exp} failed (exit {proc.returncode}); logs in {run_dir}")
+    return proc, overrides, t0, wall
+
+
+def run_nats_train(exp: str, args, workdir: Path) -> dict:
+    run_dir = workdir / exp
+    saved = run_dir / "bench_result.json"
+    if args.reuse and saved.is_file():  # measured by an earlier call (e.g. one device call per phase)
+        print(f"reusing {saved}", flush=True)
+        return json.loads(saved.read_text())
+    env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
+    env.setdefault("PROJECT_ROOT", str(REPO))
+    proc, overrides, t0, wall = train_in(run_dir, exp, args, env)
     from omegaconf import OmegaConf
 
     cfg = compose([f"experiment={exp}", *[o for o in overrides if not o.startswith("hydra.")]])

@@ -10,9 +10,8 @@ cd "$(dirname "$0")/.."
 DEST=${1:-logs/bench/$(date +%F)}
 [ $# -gt 0 ] && shift
 source benchmarks/gpu_site.sh
-PG19=${PG19:-../shared/data/pg19-subset}
 t0=$(date +%s)
-python3 -m nats.prepare data=pg19_subset "data.path=$PG19" 2>&1 | tail -3
+prepare_pg19_subset 3
 echo "prepare: $(( $(date +%s) - t0 )) s"
 python3 benchmarks/bench_nats_train.py --out "$DEST" --workdir "$DEST/runs" --extra "data.path=$PG19" "$@" 2>&1 \
   | tail -40

@@ -11,8 +11,7 @@ DEST=${1:-logs/bench/$(date +%F)}
 [ $# -gt 0 ] && shift
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast off
 source benchmarks/gpu_site.sh
-PG19=${PG19:-../shared/data/pg19-subset}
-python3 -m nats.prepare data=pg19_subset "data.path=$PG19" 2>&1 | tail -2
+prepare_pg19_subset 2
 python3 benchmarks/ddp_scaling.py --out "$DEST" --devices 2 --experiment fig3_nats --data pg19_subset \
   --micro 32 --global-batch 64 --steps 150 --min-single-steps 150 --warmup 20 --eval-every 50 --compile \
   --no-preflight --target 1.9 --budget-s 480 --extra "data.path=$PG19" "$@"

@@ -10,9 +10,8 @@ cd "$(dirname "$0")/.."
 DEST=${1:-logs/bench/$(date +%F)}
 [ $# -gt 0 ] && shift
 source benchmarks/gpu_site.sh
-PG19=${PG19:-../shared/data/pg19-subset}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE '[A-Z][0-9]{2,4}' | head -1 | tr A-Z a-z)
-python3 -m nats.prepare data=pg19_subset "data.path=$PG19" 2>&1 | tail -1
+prepare_pg19_subset 1
 exps=("$@")
 [ ${#exps[@]} -eq 0 ] && exps=(fig3_dense fig3_nats)
 for exp in "${exps[@]}"; do
