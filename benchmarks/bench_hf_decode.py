@@ -190,7 +190,8 @@ def cache_maker(model, method: str, P: int, n_new: int, kept: float | None, batc
     def make():
         if method in FAST:
             if not fast:
-                fast.append(_gptfast().GptFastDecoder(model, batch, P + n_new, FAST[method]))
+                cuda = next(model.parameters()).is_cuda  # compiled on a GPU, as generate compiles its step
+                fast.append(_gptfast().GptFastDecoder(model, batch, P + n_new, FAST[method], compile=cuda))
             return fast[0]
         if method == "dynamic":
             return DynamicCache(config=model.config)

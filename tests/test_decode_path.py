@@ -333,3 +333,7 @@ def test_bench_decode_smoke(tmp_path):
             assert abs(r["budget"] / r["L"] - nats_row["kept_share"]) < 0.1
     md = (tmp_path / "bench_decode.md").read_text()
     assert "vs streaming_llm" in md and "re-captures" in md
+    assert "bytes' bound" in md and "GB/s measured" in md
+    for r in rows:  # against the bandwidth limit: a full cache reads the most, the others less
+        assert r["step_gb"] > 0 and r["achieved_gbps"] > 0 and r["share_of_measured"] > 0
+        assert (r["bound_vs_full"] == 1.0) == (r["policy"] == "full") and r["bound_vs_full"] <= 1.0

@@ -133,11 +133,12 @@ def test_decode_benchmark_smoke(tmp_path):
     from conftest import load_script
 
     bench = load_script("benchmarks/bench_hf_decode.py")
-    argv = ["--smoke", "--out", str(tmp_path), "--methods", "dynamic", "static", "full", "nats", "--kept", "0.5"]
+    methods = ("sdpa_static", "dynamic", "static", "full", "nats")
+    argv = ["--smoke", "--out", str(tmp_path), "--methods", *methods, "--kept", "0.5"]
     assert bench.main([*argv, "--equal-memory-gib", "0.002"]) == 0
     rows = json.loads((tmp_path / "bench_hf_decode.json").read_text())["rows"]
     main = {(r["method"], r["batch"]): r for r in rows if "equal_memory_gib" not in r}
-    assert set(main) == {(m, b) for m in ("dynamic", "static", "full", "nats") for b in (1, 2)}
+    assert set(main) == {(m, b) for m in methods for b in (1, 2)}
     assert all(r["generated"] == r["new_tokens"] and r["tokens_per_s"] > 0 for r in rows)
     assert main[("full", 1)]["kept_share"] == 1.0 and main[("nats", 1)]["kept_share"] < 1.0
     assert main[("static", 2)]["x_static"] == 1.0 and main[("nats", 2)]["x_static"] > 0
@@ -147,6 +148,53 @@ def test_decode_benchmark_smoke(tmp_path):
     assert "Equal KV memory" in (tmp_path / "bench_hf_decode.md").read_text()
     assert json.loads((tmp_path / "bench_hf_decode.json").read_text())["complete"] is True
     assert all(isinstance(r["cudagraph_skips"], int) for r in rows)
+    # against the bandwidth limit: the bytes of a step, the GB/s, their share of the copy measured in the run
+    for r in rows:
+        assert r["step_gb"] > 0 and r["achieved_gbps"] > 0 and r["share_of_measured"] > 0
+    assert main[("full", 2)]["step_gb"] == main[("static", 2)]["step_gb"] == main[("sdpa_static", 2)]["step_gb"]
+    assert main[("full", 2)]["limit_x_full"] == 1.0 and main[("nats", 2)]["limit_x_full"] > 1.0
+    for b in (1, 2):  # x full: to the fastest full-cache row of the batch
+        fastest = max(
+            (main[m, b] for m in ("sdpa_static", "dynamic", "static", "full")), key=lambda r: r["tokens_per_s"]
+        )
+        assert main[("nats", b)]["full_method"] == fastest["method"]
+        assert main[("nats", b)]["x_full"] == pytest.approx(main[("nats", b)]["tokens_per_s"] / fastest["tokens_per_s"])
+    text = (tmp_path / "bench_hf_decode.md").read_text()
+    assert "bound x full" in text and "GB/s measured" in text and "x StaticCache tok/s" in text
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_gptfast_decoder_equals_static_cache_generate(attention):
+    """benchmarks/gptfast_decode.py (the gpt-fast-style full cache of the benchmark) decodes the greedy tokens of
+    model.generate with transformers' StaticCache, twice in a row from the same buffers."""
+    from conftest import load_script
+
+    bench = load_script("benchmarks/bench_hf_decode.py")
+    args = bench.argparse.Namespace(model=None, smoke=True, prompt=[150], new=10)
+    model = bench.build_model(args, torch.device("cpu"), torch.float32)
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0))
+    ref = greedy(model, prompt, transformers.StaticCache(config=model.config, max_cache_len=160), n=10)
+    dec = bench._gptfast().GptFastDecoder(model, 2, 160, attention, compile=False)
+    assert torch.equal(dec.generate(prompt, 10), ref) and torch.equal(dec.generate(prompt, 10), ref)
+    assert dec.kv_nbytes() == 2 * 2 * 2 * 3 * 160 * 8 * 4  # K and V: layers x batch x KV heads x slots x D x 4 B
+
+
+def test_decode_benchmark_model_shapes_weight_bytes():
+    """--model-shape builds each shape (here on the meta device, no memory); the bytes a decode step reads of its
+    weights: every parameter once, of an untied embedding table one row per sequence."""
+    from conftest import load_script
+    from nats.cache import roofline
+
+    bench = load_script("benchmarks/bench_hf_decode.py")
+    counts = {"smollm2-135m": 134515008, "llama-3.2-1b": 1235814400, "llama-3.1-8b": 8030261248}
+    for shape, n in counts.items():
+        args = bench.argparse.Namespace(model=None, smoke=False, prompt=[1024], new=8, model_shape=shape)
+        model = bench.build_model(args, torch.device("meta"), torch.bfloat16)
+        assert sum(p.numel() for p in model.parameters()) == n
+        table = 0 if model.config.tie_word_embeddings else 128256 * 4096 - 4096  # all rows of the table but one
+        assert roofline.weight_bytes(model, 1) == 2 * (n - table)
 
 
 def test_decode_benchmark_batch_fits_the_memory_budget():
