@@ -3,7 +3,7 @@
 # references, transformers' generate (bench_hf_decode.py: compiled StaticCache against the fixed-capacity caches),
 # the GPT path (bench_decode.py), then the remaining GPU tests of both paths.
 #   bash benchmarks/gpu_generation.sh OUT_DIR [STAGE...]
-# STAGE (default: all of them, in this order):
+# STAGE (default: all of them but limit8b and limit8b_b8, in this order):
 #   kernels  the decode kernels' tests
 #   hf8k     8k prompt, batch 1 / 8, ~25% and ~10% kept: DynamicCache, StaticCache, NAtS (also with the PyTorch
 #            prefill writes)
@@ -14,6 +14,10 @@
 #   hf8k_large  8k prompt, batch 32 / 64, ~25% kept
 #   profile  kernel tables of the 8k batch-1 prefill and decode steps (StaticCache and NAtS)
 #   host     the host's work per decode step at 8k, batch 1 (bench_hf_host.py: guard check, prefill launches)
+#   limit8b     (not in the default list) Llama-3.1-8B's shape, 32k prompt, batch 1, ~25% kept: the gpt-fast-style
+#               full caches (sdpa_static, flex_static), StaticCache, the project's full cache and NAtS against the
+#               memory-bandwidth limit (bytes per step, GB/s, share of the measured bandwidth, the bytes' bound)
+#   limit8b_b8  (not in the default list) the same at 8k, batch 8
 # WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
 # (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 480), GPT_LIMIT (150), TEST_LIMIT (200).
 # Each stage's whole output: OUT/<stage>.log. tests/test_generate.py::test_cuda_matches_cpu trains from the embedded
@@ -33,7 +37,7 @@ hf() { # name, bench_hf_decode.py arguments: the whole output in OUT/<name>.log 
   echo "== $name"
   timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_decode.py --out "$DEST/$name" "$@" >"$DEST/$name.log" 2>&1 ||
     echo "($name stopped: exit $?; the rows measured so far are in $DEST/$name/)"
-  grep -E '^\||^#|skipping cudagraphs' "$DEST/$name.log" | tail -30
+  grep -E '^\||^#|^Bandwidth|skipping cudagraphs|failed at prompt' "$DEST/$name.log" | tail -30
 }
 for stage in $stages; do
   t0=$(date +%s)
@@ -46,6 +50,10 @@ for stage in $stages; do
     hf8k_eq) hf hf8k_eq --prompt 8192 --batch 1 --kept 0.25 0.1 --methods static nats --equal-memory-gib 2 ;;
     hf8k_large) hf hf8k_large --prompt 8192 --batch 32 64 --kept 0.25 --methods static nats ;;
     hf32k) hf hf32k --prompt 32768 --batch 1 8 --kept 0.25 --methods static nats ;;
+    limit8b) hf limit8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 --kept 0.25 --new 64 --repeats 2 \
+      --methods sdpa_static static full nats flex_static ;;
+    limit8b_b8) hf limit8b_b8 --model-shape llama-3.1-8b --prompt 8192 --batch 8 --kept 0.25 --new 64 --repeats 2 \
+      --methods sdpa_static static full nats flex_static ;;
     profile) hf profile --prompt 8192 --batch 1 --kept 0.25 --methods static nats nats_torch_prefill --profile ;;
     host) timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_host.py --prompt 8192 --out "$DEST/host" \
       >"$DEST/host.log" 2>&1
@@ -57,7 +65,8 @@ for stage in $stages; do
     tests) timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu \
       tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py >"$DEST/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$DEST/gpu_tests.log" | tail -8 ;;
-    *) echo "unknown stage $stage (kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host)" && exit 2 ;;
+    *) echo "unknown stage $stage (kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host limit8b" \
+      "limit8b_b8)" && exit 2 ;;
   esac
   echo "-- $stage: $(($(date +%s) - t0)) s"
 done
