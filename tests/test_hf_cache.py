@@ -15,22 +15,14 @@ transformers = pytest.importorskip("transformers")
 from test_hf_nats import ids, tiny_model  # noqa: E402
 
 from nats.hf import PolicyCache, attach_nats, detach_nats, use_policy_caches  # noqa: E402
-from nats.hf.compat import cache_kwargs  # noqa: E402
+from nats.hf.compat import cache_kwargs, generate_through  # noqa: E402
 
 PROMPT, NEW = 40, 12
 
 
 def greedy(model, prompt, cache=None, n=NEW):
-    kw = {} if cache is None else cache_kwargs(model, cache)
-    with torch.no_grad():
-        return model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            **kw,
-        )
+    """`n` greedy tokens after `prompt`, through `cache` (None: transformers' own)."""
+    return generate_through(model, prompt, cache, n, exact_length=True)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
