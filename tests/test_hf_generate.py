@@ -37,7 +37,7 @@ def cfg(tiny, tmp_path, *overrides):
 @pytest.mark.parametrize(
     "policy,extra,cache",
     [("full", [], "StaticPolicyCache"), ("streaming_llm", ["budget=6"], "StaticPolicyCache"),
-     ("h2o", ["budget=6"], "PolicyCache")],
+     ("h2o", ["budget=6"], "StaticPolicyCache")],
 )  # fmt: skip
 def test_policies(tiny, tmp_path, policy, extra, cache):
     report = generate(cfg(tiny, tmp_path, f"policy={policy}", *extra))

@@ -178,8 +178,8 @@ def test_errors():
     model = use_policy_caches(model)
     with pytest.raises(ValueError, match="needs NAtS scorers"):
         StaticPolicyCache(model, "nats", max_new_tokens=4)
-    with pytest.raises(ValueError, match="H2O included"):
-        StaticPolicyCache(model, "h2o", max_new_tokens=4, budget=8)
+    with pytest.raises(ValueError, match="no fixed-capacity form.*evaluation-only"):
+        StaticPolicyCache(model, "h2o_dense", max_new_tokens=4, budget=8)
     with pytest.raises(ValueError, match="needs a budget"):
         StaticPolicyCache(model, "streaming_llm", max_new_tokens=4)
     with pytest.raises(ValueError, match="max_new_tokens"):

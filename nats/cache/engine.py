@@ -243,6 +243,7 @@ class PromptState:
     keep: Tensor | None = None
     types: Tensor | None = None
     sizes: Tensor | None = None
+    extra: dict | None = None  # a rule's own state per row (tensors whose first axis is the rows [b * Hkv])
 
 
 @dataclass
@@ -256,6 +257,7 @@ class Plan:
     fill: Any
     ring: tuple | None = None
     sizes: Tensor | None = None
+    extra: dict | None = None  # the rule's own buffers, set on the layer under these names (see FixedRule.buffers)
 
 
 class FixedRule:
@@ -277,9 +279,11 @@ class FixedRule:
         None (the default): then `prompt` and `plan` run."""
         return None
 
-    def prompt(self, ctx, layer_idx: int, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, budget: int | None):
+    def prompt(self, ctx, layer_idx: int, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, budget: int | None,
+               offset: int = 0):  # fmt: skip
         """The attention output of unpadded rows and what they keep (a `PromptState`); ``budget``: the rows'
-        largest budget in tokens (budgeted policies)."""
+        largest budget in tokens (budgeted policies); ``offset``: the position of the rows' first token as the decode
+        steps count it (their left padding)."""
         raise NotImplementedError
 
     def plan(self, ctx, core, state: PromptState, k: Tensor, v: Tensor, budgets: Tensor | None, real: Tensor) -> Plan:
@@ -312,7 +316,7 @@ class AppendRule(FixedRule):
 
     name = "append"
 
-    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget):
+    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget, offset=0):
         b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
         Hkv = k.shape[1]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)

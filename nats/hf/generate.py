@@ -5,8 +5,8 @@ policy, by default in the fixed-capacity cache that ``generate`` compiles on a G
     nats-generate hf_model=smollm2_135m scorers=<run>/scorers.pt policy=nats prompt_file=book.txt
     nats-generate hf_model=smollm2_135m policy=streaming_llm budget=0.25 temperature=0.7 top_k=50 num_samples=4
 
-Policies without a fixed-capacity form (H2O and the other evaluation policies) decode through
-`nats.hf.PolicyCache` instead. The report has the same keys as the GPT kind's (`nats.generate`).
+Every decodable policy has a fixed-capacity rule (`nats.cache.engine`); `nats.hf.PolicyCache` is the fallback for
+one that would not. The report has the same keys as the GPT kind's (`nats.generate`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ fixed-capacity cache engine (`nats.cache.engine`).
 max_new_tokens=n))`` (``past_key_values=`` before transformers 5.24; `nats.hf.compat.cache_kwargs` picks the name).
 
 Every registered policy that declares a fixed-capacity rule runs here (`nats.cache.engine.fixed_policies`: ``full``,
-``nats``, ``streaming_llm``, ``snapkv``, ``pyramidkv``, ``adakv``); the rule, in the policy's own file, says what the
+``nats``, ``streaming_llm``, ``h2o``, ``snapkv``, ``pyramidkv``, ``adakv``); the rule, in the policy's own file, says what the
 policy keeps of a prompt and how a decode step changes a row. This class only wires transformers to the engine:
 
 * **Prefill** (the prompt, eager): the rule's attention over the prompt and what it keeps (NAtS: the fused Triton
@@ -24,9 +24,8 @@ policy keeps of a prompt and how a decode step changes a row. This class only wi
   their own step only). `overflowed` says whether it happened. Plan ``max_new_tokens`` as for ``generate``.
 
 Limits: greedy or sampled decoding (beam search and ``num_return_sequences > 1`` are refused: a row's cache
-cannot be duplicated or reordered); one ``generate`` call per cache (make a new one per batch); policies without a
-fixed-capacity rule (H2O, whose eviction reads each step's attention probabilities) decode through
-`nats.hf.PolicyCache`.
+cannot be duplicated or reordered); one ``generate`` call per cache (make a new one per batch); a policy without a
+fixed-capacity rule (an evaluation-only approximation such as ``h2o_dense``) is refused.
 """
 
 from __future__ import annotations
@@ -107,7 +106,7 @@ class StaticPolicyLayer(FixedRowsLayer, SegmentStorage):
         """The buffers the decode step reads and writes (the packed tensors themselves, the position counter and,
         with tracking, the area and peak sums)."""
         extra = (self.cumulative_length, getattr(self, "area", None), getattr(self, "peak", None))
-        return self.storage_tensors() + [t for t in extra if t is not None]
+        return self.storage_tensors() + self.owner.rule.buffers(self) + [t for t in extra if t is not None]
 
     def kv_nbytes(self) -> int:
         return self.storage_kv_nbytes()
@@ -153,7 +152,7 @@ class StaticPolicyCache(Cache):
         if policy not in fixed:
             raise ValueError(
                 f"StaticPolicyCache: policy {policy!r} has no fixed-capacity form; choose one of {', '.join(fixed)}"
-                " (other policies, H2O included: nats.hf.PolicyCache)"
+                " (evaluation-only policies do not decode)"
             )
         if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
             raise ValueError(f"StaticPolicyCache: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -249,7 +248,7 @@ class StaticPolicyCache(Cache):
                 self._sizes_host = torch.empty(self.n_layer, dtype=torch.long, pin_memory=True)
                 self._stream = torch.cuda.current_stream(q.device)
             host, stream = self._sizes_host[layer.layer_idx : layer.layer_idx + 1], self._stream
-        self._unallocated.append((layer, PoolLayout(plan.rows, plan.end, plan.fill, host, stream), splits, plan.ring,
+        self._unallocated.append((layer, PoolLayout(plan.rows, plan.end, plan.fill, host, stream), splits, plan,
                                   area, peak, N))  # fmt: skip
         last = layer.layer_idx == self.n_layer - 1
         while len(self._unallocated) > (0 if last else 1):
@@ -265,8 +264,12 @@ class StaticPolicyCache(Cache):
         for rows, p in groups:
             bb = None if self._budgets is None else max(self._budgets_host[rows])
             part = self.rule.prompt(self, layer.layer_idx, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
-                                    hidden[rows, p:], bb)  # fmt: skip
+                                    hidden[rows, p:], bb, offset=p)  # fmt: skip
             whole.y[rows, :, p:] = part.y
+            if part.extra is not None:  # the rule's own per-row state, the sequences in order
+                whole.extra = whole.extra or {}
+                for name, value in part.extra.items():
+                    whole.extra.setdefault(name, []).append(value)
             for name, fill, dtype in (("keep", False, torch.bool), ("types", -1, torch.long), ("sizes", 0, torch.long)):
                 value = getattr(part, name)
                 if value is None:
@@ -274,16 +277,21 @@ class StaticPolicyCache(Cache):
                 if getattr(whole, name) is None:
                     setattr(whole, name, torch.full((B, Hkv, N), fill, dtype=dtype, device=q.device))
                 getattr(whole, name)[rows, :, p:] = value
+        if whole.extra is not None:
+            whole.extra = {name: torch.cat(parts) for name, parts in whole.extra.items()}
         return whole
 
-    def _fill_pool(self, layer, layout, splits, ring, area, peak, N) -> None:
-        """A prefilled layer's buffers: its pool, its bookkeeping, its ring (if the rule has one), its sizes so far."""
+    def _fill_pool(self, layer, layout, splits, plan, area, peak, N) -> None:
+        """A prefilled layer's buffers: its pool, its bookkeeping, its ring (if the rule has one), the rule's own
+        buffers, its sizes so far."""
         size = engine.rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
         pool = layout.fill(size)
         layer.allocate(pool, layout.rows, splits, area, peak)
-        if ring is not None:
-            layer.ring_kv, layer.ring_valid, layer.window = ring
+        if plan.ring is not None:
+            layer.ring_kv, layer.ring_valid, layer.window = plan.ring
             mark_static(layer.ring_kv, layer.ring_valid)
+        for name, value in (plan.extra or {}).items():
+            setattr(layer, name, value)
         self.rule.setup(self, layer)
         extra = self.rule.buffers(layer)
         if extra:

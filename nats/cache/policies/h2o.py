@@ -25,16 +25,99 @@ import torch
 
 from nats.cache.attention import masked_attention
 from nats.cache.base import LayerCache
+from nats.cache.engine import FixedRule, Plan, PromptState
 from nats.cache.registry import register_cache
+
+_BIG = torch.iinfo(torch.long).max
+
+
+def h2o_step(k, v, slot_pos, score, kr, vr, qr, pos, budget: int, recent: int, zero):
+    """One H2O step on a row's B slots (module docstring): k, v ``[R, B, D]``, ``slot_pos`` ``[R, B]`` (-1: empty),
+    ``score`` ``[R, B]`` are updated in place; the new token kr, vr ``[R, D]`` at position ``pos`` ``[1]`` is
+    admitted (evicting the lowest-scoring non-recent key of a full row), query qr ``[R, G, D]`` attends over the
+    held keys and their scores grow by its probabilities. ``zero``: a device zero of the scores' dtype (CUDA-graph
+    capture refuses host scalars). Returns the output ``[R, G, D]`` and the keys each row holds ``[R]``."""
+    R = slot_pos.shape[0]
+    filled = slot_pos >= 0
+    n = filled.sum(1)  # [R]
+    cand = filled & (slot_pos <= pos - recent)
+    key = torch.where(cand, score, torch.full_like(score, math.inf))
+    low = key.amin(1, keepdim=True)
+    tie = cand & (key == low)
+    victim = torch.where(tie, slot_pos, torch.full_like(slot_pos, _BIG)).argmin(1)
+    slot = torch.where(n >= budget, victim, n.clamp(max=budget - 1))  # [R]
+    rows = torch.arange(R, device=slot_pos.device)
+    k[rows, slot] = kr
+    v[rows, slot] = vr
+    slot_pos[rows, slot] = pos.expand(R)
+    score[rows, slot] = zero
+    valid = slot_pos >= 0
+    y, p = masked_attention(qr, k, v, valid, return_probs=True)
+    score += p.sum(1).to(score.dtype)
+    return y, valid.sum(1)
+
+
+class H2ORule(FixedRule):
+    """H2O in the fixed-capacity engine (`nats.cache.engine`): a segment of B slots per row (B: the budget, one for
+    all rows), the slots' positions and scores beside it; the prompt runs H2O's exact sequential rule (this file's
+    `H2OCache`), a decode step `h2o_step` with PyTorch attention (it needs the probabilities, which the split-K
+    kernel does not return). A fraction budget is resolved per sequence; rows of one batch take the largest."""
+
+    name = "h2o"
+
+    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget, offset=0):
+        b_, Hq, n, D = q.shape
+        Hkv = k.shape[1]
+        cache = H2OCache(
+            batch=b_, n_head=Hq, n_kv_head=Hkv, head_dim=D, max_len=n, device=q.device, dtype=q.dtype,
+            layer_idx=layer_idx, budget=budget, backend="torch", track=False,
+            **ctx.policy_cls.accepted_options(ctx.options),
+        )  # fmt: skip
+        y = cache.prefill(q, k, v, hidden)
+        if offset:  # left padding: the decode steps count positions with the padding
+            cache.slot_pos.add_(torch.where(cache.slot_pos >= 0, offset, 0))
+        sizes = torch.arange(1, n + 1, device=q.device).clamp(max=budget).expand(b_, Hkv, n) if ctx.track else None
+        state = {"k": cache.k, "v": cache.v, "slot_pos": cache.slot_pos, "score": cache.score}
+        return PromptState(y, sizes=sizes, extra=state)
+
+    def plan(self, ctx, core, state, k, v, budgets, real):
+        h, R = state.extra, state.extra["slot_pos"].shape[0]
+        B = h["slot_pos"].shape[1]
+        length = (h["slot_pos"] >= 0).sum(1)
+        start = torch.arange(R, device=length.device) * B
+        zero = torch.zeros_like(length)
+        seg = torch.stack((start, length, torch.full_like(length, B), zero, zero - 1, zero))
+
+        def fill(size):
+            pool = h["k"].new_zeros(2, size, h["k"].shape[-1])
+            pool[0, : R * B] = h["k"].reshape(R * B, -1)
+            pool[1, : R * B] = h["v"].reshape(R * B, -1)
+            return pool
+
+        extra = {"slot_pos": h["slot_pos"], "score": h["score"], "h2o_zero": h["score"].new_zeros(())}
+        return Plan(seg, start[-1:] + B, fill, extra=extra)
+
+    def setup(self, ctx, layer):
+        layer.h2o_budget = layer.slot_pos.shape[1]
+        opts = ctx.policy_cls.accepted_options(ctx.options)
+        layer.h2o_recent = layer.h2o_budget // 2 if opts.get("recent") is None else int(opts["recent"])
+
+    def buffers(self, layer):
+        return [layer.slot_pos, layer.score, layer.h2o_zero]
+
+    def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
+        R, B = layer.slot_pos.shape
+        kv = layer.kv_pool[:, : R * B].view(2, R, B, -1)
+        y, held = h2o_step(kv[0], kv[1], layer.slot_pos, layer.score, kr, vr, qr, pos, B, layer.h2o_recent,
+                           layer.h2o_zero)  # fmt: skip
+        layer.length.copy_(held)
+        return y, held
 
 
 @register_cache("h2o")
 class H2OCache(LayerCache):
     budgeted = True
-    no_fixed_rule = (
-        "its eviction reads each step's attention probabilities, which the split-K decode kernel does not return: it "
-        "decodes through nats.hf.PolicyCache and the GPT path (CUDA graphs, PyTorch attention)"
-    )
+    fixed_rule = H2ORule()
 
     def __init__(self, *, budget: int, recent: int | None = None, **kwargs):
         super().__init__(budget=budget, **kwargs)
@@ -46,7 +129,6 @@ class H2OCache(LayerCache):
         self.slot_pos = torch.full((self.rows, budget), -1, device=self.device, dtype=torch.long)
         sdt = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.score = torch.zeros((self.rows, budget), device=self.device, dtype=sdt)
-        self._big = torch.iinfo(torch.long).max
         # a device zero: assigning the Python scalar 0 would copy from the host, which CUDA-graph capture refuses
         self._zero = torch.zeros((), device=self.device, dtype=sdt)
 
@@ -60,25 +142,10 @@ class H2OCache(LayerCache):
             raise ValueError(f"h2o: recent must be in [1, B={budget}], got {r}")
 
     def step(self, q, k, v, x, pos):
-        kr, vr = self._kv_rows(k), self._kv_rows(v)
-        filled = self.slot_pos >= 0
-        n = filled.sum(1)  # [R]
-        cand = filled & (self.slot_pos <= pos - self.recent)
-        key = torch.where(cand, self.score, torch.full_like(self.score, math.inf))
-        low = key.amin(1, keepdim=True)
-        tie = cand & (key == low)
-        victim = torch.where(tie, self.slot_pos, torch.full_like(self.slot_pos, self._big)).argmin(1)
-        slot = torch.where(n >= self.budget, victim, n.clamp(max=self.budget - 1))  # [R]
-        rows = torch.arange(self.rows, device=self.device)
-        self.k[rows, slot] = kr
-        self.v[rows, slot] = vr
-        self.slot_pos[rows, slot] = pos.expand(self.rows)
-        self.score[rows, slot] = self._zero
-        valid = self.slot_pos >= 0
-        self._record(valid.sum(1))
+        y, held = h2o_step(self.k, self.v, self.slot_pos, self.score, self._kv_rows(k), self._kv_rows(v),
+                           self._q_rows(q), pos, self.budget, self.recent, self._zero)  # fmt: skip
+        self._record(held)
         self.t += 1
-        y, p = masked_attention(self._q_rows(q), self.k, self.v, valid, return_probs=True)
-        self.score += p.sum(1).to(self.score.dtype)
         return self._out(y)
 
     def visible_positions(self) -> torch.Tensor:

@@ -144,7 +144,8 @@ def nats_rows(types: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int
     """A NAtS layer's state after the prompt from its integer types ``[B, Hkv, N]`` (-1 on left padding), keys and
     values ``[B, Hkv, N, D]`` (rows r = b * Hkv + h): what is kept (`kept_after_prompt`) and its segments
     (`nats.cache.engine.plan_rows`, ``cap`` = kept + ``max_new``, or ``cap_of(kept)``); the ring of the last W - 1
-    positions (slot = position mod W, valid where sliding). The PyTorch form of `nats_kernels.nats_attention.prefill_cache`."""
+    positions (slot = position mod W, valid where sliding). The PyTorch form of
+    `nats_kernels.nats_attention.prefill_cache`."""
     N, D = types.shape[-1], k.shape[-1]
     types, k, v = types.reshape(-1, N), k.reshape(-1, N, D), v.reshape(-1, N, D)
     R = types.shape[0]
@@ -211,7 +212,7 @@ class NAtSRule(FixedRule):
         fill = lambda size: kernels.pool(types, k, v, rows, last_g, size)  # noqa: E731
         return y, Plan(rows, end, fill, (ring_kv, ring_valid, core.window), self._sizes(ctx, types, core))
 
-    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget):
+    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget, offset=0):
         b_, n, Hkv = q.shape[0], q.shape[2], k.shape[1]
         backend = getattr(core, "backend", "auto")
         if self.scored(ctx, q, k, backend):

@@ -49,7 +49,7 @@ class RingRule(AppendRule):
 
     name = "ring"
 
-    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget):
+    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget, offset=0):
         sinks = int(ctx.options.get("sinks", 4))
         if budget <= sinks:
             raise ValueError(f"StaticPolicyCache: streaming_llm budget {budget} must exceed sinks={sinks}")
