@@ -6,8 +6,8 @@ fixed-capacity cache engine (`nats.cache.engine`).
 max_new_tokens=n))`` (``past_key_values=`` before transformers 5.24; `nats.hf.compat.cache_kwargs` picks the name).
 
 Every registered policy that declares a fixed-capacity rule runs here (`nats.cache.engine.fixed_policies`: ``full``,
-``nats``, ``streaming_llm``, ``h2o``, ``snapkv``, ``pyramidkv``, ``adakv``); the rule, in the policy's own file, says what the
-policy keeps of a prompt and how a decode step changes a row. This class only wires transformers to the engine:
+``nats``, ``streaming_llm``, ``h2o``, ``snapkv``, ``pyramidkv``, ``adakv``); the rule, in the policy's own file, says
+what the policy keeps of a prompt and how a decode step changes a row. This class only wires transformers to the engine:
 
 * **Prefill** (the prompt, eager): the rule's attention over the prompt and what it keeps (NAtS: the fused Triton
   kernel with the scorer's types; the appending policies: causal SDPA and their selection; ``streaming_llm``: its
