@@ -25,7 +25,7 @@ SCRIPTS = {
     "nats-eval": "nats.eval",
     "nats-generate": "nats.generate",
     "nats-prepare": "nats.prepare",
-    "nats-eval-hf": "nats.eval_hf" if importlib.util.find_spec("nats.eval_hf") else "nats.hf.evaluate",
+    "nats-eval-hf": "nats.eval_hf",
 }
 NO_GPU = not torch.cuda.is_available()
 NO_WANDB = importlib.util.find_spec("wandb") is None

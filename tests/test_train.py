@@ -19,7 +19,7 @@ MODELS = sorted(p.stem for p in (REPO / "conf/model").glob("*.yaml"))
 DATAS = sorted(
     p.stem
     for p in (REPO / "conf/data").glob("*.yaml")
-    if not p.stem.startswith("_") and "nats.hf." not in p.read_text()
+    if not p.stem.startswith("_") and "nats.finetune." not in p.read_text()
 )
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf/experiment").glob("*.yaml"))
 ATTENTIONS = sorted(p.stem for p in (REPO / "conf/model/attention").glob("*.yaml"))
@@ -67,7 +67,7 @@ def test_experiment_configs_compose_and_instantiate(experiment, tmp_path, book_d
         tmp_path,
     )
     OmegaConf.resolve(cfg)  # every interpolation resolves
-    if cfg.module._target_.startswith("nats.hf."):
+    if cfg.module._target_.startswith("nats.finetune."):
         # a pretrained transformers model (SmolLM2, 135M parameters): tests/test_hf_finetune.py runs this
         # experiment's module and data on a tiny model; here, the lengths agree
         assert cfg.data.max_length <= cfg.hf_model.max_context
