@@ -119,6 +119,26 @@ def _submitted(sweep_dir: Path) -> int:
     return len(list((sweep_dir / ".submitit").rglob("*_submitted.pkl"))) if (sweep_dir / ".submitit").is_dir() else 0
 
 
+def _queued_jobs(sweep_dir: Path) -> list[str]:
+    """The sweep's SLURM jobs (ids from its .submitit folders) that are still pending or running."""
+    ids = sorted({p.name.split("_")[0] for p in (sweep_dir / ".submitit").glob("*") if p.is_dir()})
+    if not ids:
+        return []
+    res = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ",".join(ids)], capture_output=True, text=True)
+    return res.stdout.split() if res.returncode == 0 else []
+
+
+def wait_for_sweep(name: str, sweep_dir: Path, poll_s: float = 5.0) -> None:
+    """Wait until no job of the sweep is queued: submitit's launcher returns at the first failed job of a sweep
+    while the others still run, and the next stage must see them finished."""
+    waiting = _queued_jobs(sweep_dir)
+    if waiting:
+        print(f"[train:{name}] waiting for {len(waiting)} job(s) still queued or running", flush=True)
+    while waiting:
+        time.sleep(poll_s)
+        waiting = _queued_jobs(sweep_dir)
+
+
 def run_train(args: argparse.Namespace) -> int:
     cmds = train_commands(args)
     env = dict(os.environ, PROJECT_ROOT=os.environ.get("PROJECT_ROOT", str(REPO)))
@@ -150,6 +170,8 @@ def run_train(args: argparse.Namespace) -> int:
     rc = 0
     for name, p, _ in procs:
         code = p.wait()
+        if args.launcher == "submitit_slurm":
+            wait_for_sweep(name, out_dir / name)
         print(f"[train:{name}] exit code {code}", flush=True)
         rc = rc or code
     return rc

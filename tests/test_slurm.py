@@ -273,6 +273,25 @@ def test_pipeline_detached_then_eval_and_collect(slurm_cluster, tmp_path):
     assert res.returncode == 0 and "nothing to evaluate" in res.stdout, res.stdout + res.stderr
 
 
+def test_pipeline_waits_for_every_training_job_before_going_on(slurm_cluster, tmp_path):
+    """A training sweep with a failing job: when the pipeline's training stage returns, every job of the sweep has
+    ended and the good one has finished (submitit's launcher raises at the first failed job; the pipeline then
+    waits for the sweep's jobs still queued, `wait_for_sweep`), so the next stage finds it."""
+    out = tmp_path / "paper"
+    cmd = [
+        *(sys.executable, str(REPO / "slurm" / "pipeline.py"), "--out", str(out), "--cpus-per-task", "1"),
+        *("--stages", "train", "--no-dense", "--nats", "model/attention=nats", "--lambdas", "-1", "0.5", "--"),
+        *("trainer=cpu", "hydra.launcher.gpus_per_node=null", *SHORT, *slow(6.0)),  # the good job outlasts the bad
+    ]
+    res = subprocess.run(cmd, env=job_env(slurm_cluster, tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0, res.stdout[-3000:] + res.stderr[-3000:]
+    sweep = out / "train" / "nats"
+    ids = {j.split("_")[0] for j in job_folders(sweep)}
+    assert not any(j.split("_")[0] in ids for j in queued(slurm_cluster)), res.stdout[-3000:]
+    assert (sweep / "W16_lambda0.5_seed1337" / "metrics.json").is_file(), res.stdout[-3000:]
+    assert (sweep / "W16_lambda-1_seed1337" / "failed.json").is_file(), sorted(p.name for p in sweep.iterdir())
+
+
 # ----------------------------------------------------------------------------------------------------
 # plain sbatch, and pre-emption
 # ----------------------------------------------------------------------------------------------------
