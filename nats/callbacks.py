@@ -383,14 +383,20 @@ class InterruptCheckpoint(Callback):
     resume=<run>`` continue from); nats-train then says where it stopped and exits non-zero. Other exceptions
     (errors) save nothing. (A plain Callback, not an OnExceptionCheckpoint: with one of those Lightning turns every
     ``fit(ckpt_path=None)`` into ``ckpt_path="last"`` and warns when there is none; nor a Checkpoint, which
-    ``enable_checkpointing=false`` forbids.)"""
+    ``enable_checkpointing=false`` forbids.)
 
-    def __init__(self, dirpath: str, filename: str = "last") -> None:
+    Under SLURM (``slurm_requeue``, on by default) SLURM's requeue signal (USR2 before a pre-emption or the time
+    limit, `nats.runs.requeue_signal`) is handled the same way, and once the state is saved the job is requeued
+    (`nats.runs.requeue_job`, rank 0): it restarts in the same run folder from that checkpoint."""
+
+    def __init__(self, dirpath: str, filename: str = "last", slurm_requeue: bool = True) -> None:
         super().__init__()
         if not filename:
             raise ValueError("InterruptCheckpoint: filename must not be empty")
         self.dirpath, self.filename = str(dirpath), filename
+        self.slurm_requeue = bool(slurm_requeue)
         self._deferred = False
+        self._requeue: str | None = None  # the SLURM job to requeue once the state is saved
 
     @property
     def ckpt_path(self) -> str:
@@ -404,7 +410,9 @@ class InterruptCheckpoint(Callback):
         import signal
         import threading
 
-        self.reason, self._sigint = "SIGTERM", None
+        from nats.runs import requeue_signal, slurm_job_to_requeue
+
+        self.reason, self._sigint, self._sigrequeue = "SIGTERM", None, None
         if threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGINT)
@@ -416,6 +424,16 @@ class InterruptCheckpoint(Callback):
 
         self._sigint = previous
         signal.signal(signal.SIGINT, on_sigint)
+        job = slurm_job_to_requeue() if self.slurm_requeue else None
+        if job is not None:  # SLURM's requeue signal: save at the end of the step, then requeue
+            sig = requeue_signal()
+
+            def on_requeue(signum, frame) -> None:
+                self.reason, self._requeue = f"SLURM's {signal.Signals(signum).name}: requeued", job
+                trainer._signal_connector.received_sigterm = True
+
+            self._sigrequeue = (sig, signal.getsignal(sig))
+            signal.signal(sig, on_requeue)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         import signal
@@ -423,6 +441,9 @@ class InterruptCheckpoint(Callback):
         if getattr(self, "_sigint", None) is not None:
             signal.signal(signal.SIGINT, self._sigint)
             self._sigint = None
+        if getattr(self, "_sigrequeue", None) is not None:
+            signal.signal(*self._sigrequeue)
+            self._sigrequeue = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         signals = trainer._signal_connector
@@ -436,6 +457,10 @@ class InterruptCheckpoint(Callback):
 
         if isinstance(exception, SIGTERMException):
             trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+            if self._requeue is not None and trainer.is_global_zero:
+                from nats.runs import requeue_job
+
+                requeue_job(self._requeue)
 
 
 #: what an EvalAfterTraining entry evaluates (its ``checkpoint`` key)

@@ -8,13 +8,13 @@
     continues where it stopped. ``ckpt_path=null`` always starts fresh; a path resumes from that file.
 
 SLURM requeue
-    Under SLURM (Lightning's ``SLURMEnvironment.detect()``) the trainer gets
-    ``SLURMEnvironment(auto_requeue=True, requeue_signal=<the signal submitit asks SLURM to send>)``:
-    ``sbatch --signal=USR2@<signal_delay_s>`` (submitit's ``SUBMITIT_PREEMPT_SIGNAL``, USR2 by default). On that
-    signal Lightning saves ``hpc_ckpt_<n>.ckpt`` into the run folder and calls ``scontrol requeue <job>``;
-    the restarted job finds it through ``ckpt_path=auto``. submitit installs its own handler for the same
-    signal (it requeues without saving anything); :func:`lightning_handles_requeue` sets it aside during
-    ``fit``/``validate`` so that Lightning's handler, which saves the state first, is the one that runs.
+    Under SLURM (Lightning's ``SLURMEnvironment.detect()``) SLURM sends the requeue signal before a pre-emption or
+    the time limit (``sbatch --signal=USR2@<signal_delay_s>``: submitit's ``SUBMITIT_PREEMPT_SIGNAL``, USR2 by
+    default). `nats.callbacks.InterruptCheckpoint` handles it during ``fit`` as SIGTERM: the current optimizer step
+    ends, ``checkpoints/last.ckpt`` is saved, and then :func:`requeue_job` calls ``scontrol requeue <job>``
+    (rank 0); the restarted job finds the checkpoint through ``ckpt_path=auto`` and continues exactly. (Lightning's
+    own handler, :func:`cluster_plugins` turns it off, would save ``hpc_ckpt_<n>.ckpt`` in the middle of a step;
+    submitit's would requeue without saving anything.)
 
 Run folders
     ``logs/<task>/runs/<date>_<time>_<id>``: ``<id>`` (:func:`run_id`) is random per process, so that runs started
@@ -39,14 +39,13 @@ Failed runs
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import signal
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -346,45 +345,36 @@ def requeue_signal() -> signal.Signals:
         raise ValueError(f"SUBMITIT_PREEMPT_SIGNAL={name!r} is not a signal name (e.g. USR2)") from exc
 
 
-def cluster_plugins(auto_requeue: bool = True) -> list[Any]:
-    """``[SLURMEnvironment(auto_requeue, requeue_signal())]`` when this process runs under SLURM, else ``[]``
-    (Lightning then picks its default environment)."""
+def cluster_plugins() -> list[Any]:
+    """``[SLURMEnvironment(auto_requeue=False, requeue_signal())]`` when this process runs under SLURM, else ``[]``
+    (Lightning then picks its default environment). Lightning's own requeue handler saves ``hpc_ckpt_<n>.ckpt`` the
+    moment the signal comes, in the middle of an optimizer step if that is where the process is: the project's
+    `nats.callbacks.InterruptCheckpoint` handles the signal instead, at the end of the step."""
     if os.name == "nt":
         return []
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     if not SLURMEnvironment.detect():
         return []
-    return [SLURMEnvironment(auto_requeue=bool(auto_requeue), requeue_signal=requeue_signal())]
+    return [SLURMEnvironment(auto_requeue=False, requeue_signal=requeue_signal())]
 
 
-def _is_submitit_handler(handler: Any) -> bool:
-    owner = getattr(handler, "__self__", None)
-    module = getattr(type(owner), "__module__", "") if owner is not None else getattr(handler, "__module__", "")
-    return str(module).startswith("submitit")
+def slurm_job_to_requeue() -> str | None:
+    """This process' SLURM job as ``scontrol requeue`` names it (``<array>_<task>`` for a task of a job array), or
+    None outside SLURM."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array is not None:
+        return f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
+    return os.environ.get("SLURM_JOB_ID")
 
 
-@contextlib.contextmanager
-def lightning_handles_requeue(trainer: Any) -> Iterator[bool]:
-    """Within the block, Lightning's requeue handler (save ``hpc_ckpt_<n>.ckpt``, then ``scontrol requeue``)
-    replaces submitit's handler of the requeue signal; submitit's is put back afterwards.
+def requeue_job(job: str) -> None:
+    """``scontrol requeue <job>``: SLURM ends the job and queues it again with the same id and command."""
+    import subprocess
 
-    Only when the trainer runs under SLURM with auto-requeue and submitit's handler is installed (the job was
-    started by submitit); yields whether it swapped. Lightning does not replace a handler that is already there,
-    hence the removal before ``fit``/``validate`` (which install Lightning's and restore the removed state)."""
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
-
-    env = getattr(trainer._accelerator_connector, "cluster_environment", None)
-    sig = getattr(env, "requeue_signal", None)
-    handler = signal.getsignal(sig) if sig is not None else None
-    swap = isinstance(env, SLURMEnvironment) and env.auto_requeue and sig is not None and _is_submitit_handler(handler)
-    if swap:
-        signal.signal(sig, signal.SIG_DFL)
-    try:
-        yield swap
-    finally:
-        if swap:
-            signal.signal(sig, handler)
+    res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"scontrol requeue {job} failed ({res.returncode}): {res.stderr.strip()}")
 
 
 def write_metrics(output_dir: str | os.PathLike, metrics: Mapping[str, float], **info: Any) -> Path:

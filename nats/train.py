@@ -29,7 +29,6 @@ from nats.runs import (
     checkpoint_step,
     clear_failure,
     cluster_plugins,
-    lightning_handles_requeue,
     resolve_ckpt_path,
     resume_argv,
     write_metrics,
@@ -111,7 +110,7 @@ def build(cfg: DictConfig):
     callbacks = [instantiate(c, f"callbacks.{k}") for k, c in (cfg.get("callbacks") or {}).items() if c is not None]
     callbacks.append(_ValidationStep())
     loggers = [instantiate(c, f"logger.{k}") for k, c in (cfg.get("logger") or {}).items() if c is not None]
-    plugins = cluster_plugins(cfg.get("auto_requeue", True))  # SLURM: requeue on submitit's signal
+    plugins = cluster_plugins()  # SLURM: the environment, its requeue signal handled by InterruptCheckpoint
     trainer: L.Trainer = instantiate(
         cfg.trainer,
         "trainer",
@@ -168,14 +167,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
         clear_failure(cfg.paths.output_dir)
         log.info(describe_run(cfg, module, trainer))
     try:
-        with lightning_handles_requeue(trainer):  # SLURM: Lightning saves hpc_ckpt_<n>.ckpt, then requeues
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-            metrics = {
-                k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1
-            }
-            if cfg.get("final_validation", True) and _validated_at(trainer) != trainer.global_step:
-                final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
-                metrics.update({k: float(v) for k, v in final.items()})
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+        if cfg.get("final_validation", True) and _validated_at(trainer) != trainer.global_step:
+            final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+            metrics.update({k: float(v) for k, v in final.items()})
     except BaseException as err:
         if _is_sigterm(err):  # SIGTERM or a first Ctrl-C (nats.callbacks.InterruptCheckpoint): the state is saved
             reason = next((cb.reason for cb in trainer.callbacks if hasattr(cb, "reason")), "SIGTERM")

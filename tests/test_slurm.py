@@ -198,6 +198,8 @@ def test_sweep_2x2_runs_as_slurm_jobs_and_collects(
     jobs = job_folders(sweep)
     assert len(jobs) == 4 and len({j.split("_")[0] for j in jobs}) == 1, jobs
     array = jobs[0].split("_")[0]
+    # a task's record reaches the completion log shortly after its result: wait for all four
+    wait_for(lambda: set(jobs) <= {job_key(c) for c in completions(slurm_cluster)}, "completion records", 60)
     done = {job_key(c): c["JobState"] for c in completions(slurm_cluster)}
     assert {j: done.get(j) for j in jobs} == {j: "COMPLETED" for j in jobs}
     for job in jobs:
@@ -329,8 +331,9 @@ def test_sbatch_train_script_requeued_resumes_exactly(slurm_cluster, reference, 
 
 
 def test_time_limit_signal_requeues_and_resumes(slurm_cluster, time_limit_job, reference):
-    """The job of ``time_limit_job``: SLURM's USR2 before the time limit -> Lightning writes hpc_ckpt_1.ckpt and
-    requeues the job; it runs again in the same sweep folder and finishes with the uninterrupted run's metrics."""
+    """The job of ``time_limit_job``: SLURM's USR2 before the time limit -> the current optimizer step ends,
+    checkpoints/last.ckpt is saved and the job requeued (nats.callbacks.InterruptCheckpoint); it runs again in the
+    same sweep folder from that checkpoint and finishes with the uninterrupted run's metrics."""
     proc, tmp = time_limit_job
     rc = proc.wait(timeout=300)
     log = (tmp / "launcher.log").read_text()
@@ -339,9 +342,11 @@ def test_time_limit_signal_requeues_and_resumes(slurm_cluster, time_limit_job, r
     [sweep] = list((tmp / "logs" / "train" / "multiruns").iterdir())
     [job] = job_folders(sweep)
     run_dir = sweep / "0"
-    assert (run_dir / "hpc_ckpt_1.ckpt").is_file(), sorted(p.name for p in run_dir.iterdir())
+    assert not list(run_dir.glob("hpc_ckpt_*.ckpt")), sorted(p.name for p in run_dir.iterdir())  # not mid-step
     info = json.loads((run_dir / "metrics.json").read_text())
-    assert info["resumed_from"] is not None and info["global_step"] == 40
+    assert str(info["resumed_from"]).endswith("checkpoints/last.ckpt") and info["global_step"] == 40, info
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*.out"))
+    assert "SLURM's SIGUSR2: requeued" in logs, logs[-3000:]
     assert info["metrics"] == reference
     runs = [c for c in completions(slurm_cluster) if job_key(c) == job]
     assert len(runs) >= 2 and runs[-1]["JobState"] == "COMPLETED", runs
