@@ -1,9 +1,9 @@
 """Run folders that survive pre-emption: checkpoint auto-resume, SLURM requeue wiring, and ``metrics.json``.
 
 ``ckpt_path=auto`` (the default of ``conf/train.yaml``)
-    resumes from the newest checkpoint in the run folder (``${paths.output_dir}``), if there is one: Lightning's
-    ``hpc_ckpt_<n>.ckpt`` (written when SLURM signals a pre-emption or the time limit) or
-    ``checkpoints/last.ckpt`` (written at every validation), whichever was modified last; otherwise the run
+    resumes from the newest checkpoint in the run folder (``${paths.output_dir}``), if there is one:
+    ``checkpoints/last.ckpt`` (written at every validation, on SIGTERM and on SLURM's requeue signal) or a
+    ``hpc_ckpt_<n>.ckpt`` of Lightning's (nats-train writes none), whichever was modified last; otherwise the run
     starts from scratch. A requeued SLURM job runs again with the same config and the same folder, so it
     continues where it stopped. ``ckpt_path=null`` always starts fresh; a path resumes from that file.
 
