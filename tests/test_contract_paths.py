@@ -116,3 +116,18 @@ def test_policy_cache_batch_equals_each_prompt_alone(name):
 
     out = run(prompt)
     assert torch.equal(out[:1], run(prompt[:1])) and torch.equal(out[1:], run(prompt[1:]))
+
+
+def test_decode_splits_take_few_values_over_a_changing_workload():
+    """The split-K count is a constant of the compiled decode step: batches 1-16 x prompts 1k-32k (8 KV heads, a
+    132-SM GPU and the CPU) give at most seven values, each a power of two, with splits of at least 128 keys."""
+    from nats.cache.engine import decode_splits
+
+    for sms in (132, 1):
+        seen = set()
+        for batch in range(1, 17):
+            for prompt in range(1024, 32769, 509):
+                s = decode_splits(batch * 8, prompt + 256, torch.device("cpu"), sms=sms)
+                assert s & (s - 1) == 0 and 1 <= s <= 64 and (prompt + 256) / s >= 128 or s == 1
+                seen.add(s)
+        assert len(seen) <= 7, sorted(seen)

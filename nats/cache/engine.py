@@ -81,10 +81,15 @@ def _cuda_sms(index: int) -> int:  # read once per GPU: the prefill asks at ever
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def decode_splits(rows: int, bound: int, device: torch.device) -> int:
+def decode_splits(rows: int, bound: int, device: torch.device, sms: int | None = None) -> int:
     """Split-K count of the decode attention: about two programs per SM over the rows, at most 64, and splits of
-    at least 256 keys (``bound``: the most keys a row can hold, known without a host synchronisation)."""
-    return max(1, min(64, math.ceil(2 * num_sms(device) / rows), math.ceil(bound / 256)))
+    about 256 keys or more (``bound``: the most keys a row can hold, known without a host synchronisation),
+    rounded up to a power of two. The count is a constant of the compiled decode step, so each distinct value is
+    one more graph: powers of two keep them to seven whatever the batches and prompt lengths a process serves
+    (dynamo falls back to eager decoding past its recompile limit)."""
+    sms = num_sms(device) if sms is None else sms
+    n = max(1, min(64, math.ceil(2 * sms / rows), math.ceil(bound / 256)))
+    return 1 << (n - 1).bit_length()
 
 
 def plan_rows(keep: Tensor, cap: Tensor, n_global: Tensor | None = None, count: Tensor | None = None):
