@@ -452,11 +452,24 @@ class InterruptCheckpoint(Callback):
         elif self._deferred:
             signals.received_sigterm, self._deferred = True, False  # the step is complete: stop now
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._validated_step = trainer.global_step
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         if isinstance(exception, SIGTERMException):
-            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+            # The loop stops after the step's validation and its count of stepped batches. Lightning restarts a
+            # checkpoint of a step that validated by skipping that validation and counting the step once more
+            # (it expects the count from before, as a checkpoint saved at the validation's end has it), which
+            # would shift the logged steps of the resumed run by one: save the count it expects.
+            loop = trainer.fit_loop.epoch_loop
+            shift = int(getattr(self, "_validated_step", None) == trainer.global_step and trainer.global_step > 0)
+            loop._batches_that_stepped -= shift
+            try:
+                trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+            finally:
+                loop._batches_that_stepped += shift
             if self._requeue is not None and trainer.is_global_zero:
                 from nats.runs import requeue_job
 

@@ -21,3 +21,16 @@ class SlowSteps(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.seconds:
             time.sleep(self.seconds)
+
+
+class SigtermAt(Callback):
+    """Raises the SIGTERM flag at the end of optimizer step ``step`` (once), as the signal would: the run stops
+    there with its state saved (nats.callbacks.InterruptCheckpoint)."""
+
+    def __init__(self, step: int):
+        self.step, self.sent = int(step), False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not self.sent and trainer.global_step == self.step:
+            self.sent = True
+            trainer._signal_connector.received_sigterm = True

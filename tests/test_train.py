@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import hydra
@@ -192,6 +193,29 @@ def test_resume_gives_the_uninterrupted_losses(tmp_path):
     with open(first / "csv" / "metrics.csv") as f:
         rows = [(r["step"], r.get("train/loss")) for r in csv.DictReader(f) if r.get("train/loss")]
     assert len(rows) == len(set(rows)) == len(a), rows
+
+
+@pytest.mark.parametrize("stop", [13, 20])  # 20: a step that validates (eval_every=20)
+def test_sigterm_then_resume_ends_as_the_uninterrupted_run(tmp_path, stop):
+    """A SIGTERM at the end of a step, then nats-train again in the run folder: the same final metrics (the last
+    logged learning rate and gradient norm included), also when the step validated: Lightning restarts such a
+    checkpoint by counting the step once more, unless the saved count is the one before it (InterruptCheckpoint),
+    and every later logged step would be off by one."""
+    from nats.runs import RunInterrupted
+
+    settings = small(
+        ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "trainer.max_steps=40", "eval_every=20",
+         "checkpoint_every=5", "seed=7", "logger=none", "data.max_eval_windows=2", "callbacks.progress_bar=null",
+         "callbacks.throughput=null", "trainer.enable_progress_bar=false"]
+    )  # fmt: skip
+    full, folder = tmp_path / "full", tmp_path / "interrupted"
+    run(compose(settings, full))
+    stopper = ["+callbacks.stop._target_=slurm_callbacks.SigtermAt", f"+callbacks.stop.step={stop}"]
+    with pytest.raises(RunInterrupted):
+        run(compose(settings + stopper, folder))
+    run(compose(settings, folder))
+    want, got = (json.loads((f / "metrics.json").read_text()) for f in (full, folder))
+    assert got["resumed_from"] is not None and got["metrics"] == want["metrics"]
 
 
 def test_short_run_logs_checkpoints_and_prints_ppl(tmp_path, caplog):
