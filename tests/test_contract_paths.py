@@ -131,3 +131,24 @@ def test_decode_splits_take_few_values_over_a_changing_workload():
                 assert s & (s - 1) == 0 and 1 <= s <= 64 and (prompt + 256) / s >= 128 or s == 1
                 seen.add(s)
         assert len(seen) <= 7, sorted(seen)
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_fixed_engine_step_compiles_in_one_graph_and_equals_eager(name):
+    """generate compiles StaticPolicyCache's decode step on a GPU: every rule's step must trace as one graph
+    (fullgraph, no host synchronisation) and decode as eagerly (here aot_eager on the CPU)."""
+    from torch._dynamo.utils import counters
+
+    model, prompt, kw = model_for(name), ids(n=PROMPT, b=2), options(name)
+    eager = greedy(model, prompt, StaticPolicyCache(model, name, max_new_tokens=NEW, **kw))
+    cc = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    cc._compile_all_devices = True  # generate compiles on CUDA only otherwise
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+            compile_config=cc, **cache_kwargs(model, StaticPolicyCache(model, name, max_new_tokens=NEW, **kw)),
+        )  # fmt: skip
+    assert torch.equal(out, eager)
+    assert counters["stats"]["unique_graphs"] == 1
