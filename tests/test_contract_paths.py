@@ -13,17 +13,19 @@ tests/test_contract_cache.py does on the GPT path.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from test_hf_nats import ids, tiny_model  # noqa: E402
+from test_hf_static_cache import greedy as hf_greedy  # noqa: E402
 
 from nats.cache import available_caches, get_cache_class  # noqa: E402
 from nats.cache.engine import fixed_policies  # noqa: E402
 from nats.hf import PolicyCache, StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
-from nats.hf.compat import cache_kwargs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -50,17 +52,7 @@ def model_for(name: str):
     return use_policy_caches(model)
 
 
-def greedy(model, prompt, cache, mask=None):
-    with torch.no_grad():
-        return model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt) if mask is None else mask,
-            max_new_tokens=NEW,
-            min_new_tokens=NEW,
-            do_sample=False,
-            disable_compile=True,
-            **cache_kwargs(model, cache),
-        )
+greedy = functools.partial(hf_greedy, n=NEW)  # NEW greedy tokens through a cache (compiled with compile_config=)
 
 
 def test_every_decodable_policy_has_a_fixed_rule_or_says_why():
@@ -145,10 +137,6 @@ def test_fixed_engine_step_compiles_in_one_graph_and_equals_eager(name):
     cc._compile_all_devices = True  # generate compiles on CUDA only otherwise
     torch._dynamo.reset()
     counters.clear()
-    with torch.no_grad():
-        out = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-            compile_config=cc, **cache_kwargs(model, StaticPolicyCache(model, name, max_new_tokens=NEW, **kw)),
-        )  # fmt: skip
+    out = greedy(model, prompt, StaticPolicyCache(model, name, max_new_tokens=NEW, **kw), compile_config=cc)
     assert torch.equal(out, eager)
     assert counters["stats"]["unique_graphs"] == 1

@@ -276,7 +276,6 @@ class FixedRule:
 
     name = "?"
     ring = False  # W ring slots per row besides the segment (NAtS)
-    padded_rows_at_once = False  # True: a left-padded batch can be prefilled in one call (rules that take types)
 
     # ------------------------------------------------------------------ prompt
     def direct(self, ctx, layer_idx: int, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor) -> Plan | None:

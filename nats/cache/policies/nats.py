@@ -46,7 +46,7 @@ from torch import Tensor
 from nats import functional as NF
 from nats.cache.attention import pool_attention, resolve_backend
 from nats.cache.base import LayerCache
-from nats.cache.engine import FixedRule, Plan, PromptState, SegmentStorage, plan_rows, pool_attention_op, pool_fill
+from nats.cache.engine import FixedRule, Plan, PromptState, SegmentStorage, attend, plan_rows, pool_fill
 from nats.cache.registry import register_cache
 
 GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
@@ -178,7 +178,6 @@ class NAtSRule(FixedRule):
 
     name = "nats"
     ring = True
-    padded_rows_at_once = True  # the types are -1 on padding: one plan over all rows
 
     @staticmethod
     def triton_writes(ctx, k: torch.Tensor) -> bool:
@@ -247,10 +246,7 @@ class NAtSRule(FixedRule):
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
         nats_step(hidden, core.scorer.weight, core.type_bias, pos, layer.seg, kr, vr, layer.ring_kv,
                       layer.ring_valid, layer.kv_pool)  # fmt: skip
-        size = layer.length + layer.ring_valid.sum(1)
-        y = pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
-                               layer.ring_v, layer.ring_valid, layer.splits)  # fmt: skip
-        return y, size
+        return attend(layer, qr, ring=True), layer.length + layer.ring_valid.sum(1)
 
     def kept(self, layer):
         n = layer.length  # the last token's eviction is applied by the next step: count it done
@@ -483,7 +479,6 @@ class NAtSCache(LayerCache, SegmentStorage):
         keep, rank, seg, end, ring_kv, ring_valid = nats_rows(
             t, k, v, W, self.reserve or 0, cap_of=self._wanted if self.reserve is None else None
         )
-        seg[4] = 0
         self.kv_pool, self.seg = pool_fill(keep, rank, seg, k, v, int(end) + 1), seg
         self.ring_kv, self.ring_valid = ring_kv.to(self.dtype), ring_valid
         self._laid_out()
