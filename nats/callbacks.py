@@ -412,38 +412,43 @@ class InterruptCheckpoint(Callback):
 
         from nats.runs import requeue_signal, slurm_job_to_requeue
 
-        self.reason, self._sigint, self._sigrequeue = "SIGTERM", None, None
+        self.reason, self._restore = "SIGTERM", []
         if threading.current_thread() is not threading.main_thread():
             return
-        previous = signal.getsignal(signal.SIGINT)
+
+        def stop(reason: str) -> None:  # as SIGTERM: at the end of the current optimizer step
+            self.reason = reason
+            trainer._signal_connector.received_sigterm = True
 
         def on_sigint(signum, frame) -> None:
             signal.signal(signal.SIGINT, previous)  # the next Ctrl-C interrupts at once
-            self.reason = "Ctrl-C"
-            trainer._signal_connector.received_sigterm = True
+            stop("Ctrl-C")
 
-        self._sigint = previous
-        signal.signal(signal.SIGINT, on_sigint)
+        previous = self._handle(signal.SIGINT, on_sigint)
         job = slurm_job_to_requeue() if self.slurm_requeue else None
         if job is not None:  # SLURM's requeue signal: save at the end of the step, then requeue
-            sig = requeue_signal()
 
             def on_requeue(signum, frame) -> None:
-                self.reason, self._requeue = f"SLURM's {signal.Signals(signum).name}: requeued", job
-                trainer._signal_connector.received_sigterm = True
+                self._requeue = job
+                stop(f"SLURM's {signal.Signals(signum).name}: requeued")
 
-            self._sigrequeue = (sig, signal.getsignal(sig))
-            signal.signal(sig, on_requeue)
+            self._handle(requeue_signal(), on_requeue)
+
+    def _handle(self, sig, handler):
+        """Install ``handler`` for ``sig`` until teardown; returns the handler it replaces."""
+        import signal
+
+        previous = signal.getsignal(sig)
+        self._restore.append((sig, previous))
+        signal.signal(sig, handler)
+        return previous
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         import signal
 
-        if getattr(self, "_sigint", None) is not None:
-            signal.signal(signal.SIGINT, self._sigint)
-            self._sigint = None
-        if getattr(self, "_sigrequeue", None) is not None:
-            signal.signal(*self._sigrequeue)
-            self._sigrequeue = None
+        for sig, previous in reversed(getattr(self, "_restore", [])):
+            signal.signal(sig, previous)
+        self._restore = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         signals = trainer._signal_connector
