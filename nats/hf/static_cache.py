@@ -188,7 +188,8 @@ class StaticPolicyCache(Cache):
         self._sizes_host: Tensor | None = None  # CUDA: the layers' pool sizes, copied into pinned memory ...
         self._stream = None  # ... on this stream (both set by the first prefilled layer)
         self._budgets: Tensor | None = None  # budgeted policies: tokens per sequence, set by the prefill ...
-        self._budgets_host: list[int] = []  # ... and the same on the host
+        self._budgets_host: list[int] = []  # ... and the same on the host ...
+        self._row_budgets: Tensor | None = None  # ... and per row (sequence x KV head)
         super().__init__(layers=[StaticPolicyLayer(self, i) for i in range(len(self.cores))])
 
     # ------------------------------------------------------------------ the attention function's entry point
@@ -223,7 +224,7 @@ class StaticPolicyCache(Cache):
         if self.budget is not None and self._budgets is None:  # the rows' budgets, on the device and the host, once
             self._budgets = row_budgets(self.budget, self.prompt_lengths)
             self._budgets_host = self._budgets.tolist()
-        budgets = None if self._budgets is None else self._budgets.repeat_interleave(Hkv)
+            self._row_budgets = self._budgets.repeat_interleave(Hkv)
         direct = None if groups is not None else rule.direct(self, layer.layer_idx, core, q, k, v, hidden)
         if direct is not None:  # the rule's fused prefill planned the storage itself
             y, plan = direct
@@ -233,7 +234,7 @@ class StaticPolicyCache(Cache):
                 state = rule.prompt(self, layer.layer_idx, core, q, k, v, hidden, top)
             else:  # left padding: row by row over the real tokens, padding marked (-1 types, dropped keys)
                 state = self._prompt_padded(layer, core, q, k, v, hidden, groups)
-            plan = rule.plan(self, core, state, k, v, budgets, self._real_rows)
+            plan = rule.plan(self, core, state, k, v, self._row_budgets, self._real_rows)
             if plan.sizes is None and state.sizes is not None:
                 plan.sizes = state.sizes.reshape(R, N)
         area = peak = None
