@@ -3,6 +3,11 @@ and Triton version compiles and tunes the Triton kernels, the second should reus
 
     python benchmarks/bench_first_step.py --extra data.path=$PWD/data/pg19-subset-src    # fig3_nats, one GPU
     python benchmarks/bench_first_step.py --smoke --out /tmp/first_step                   # CPU, tiny, a minute
+    python benchmarks/bench_first_step.py --experiment finetune_smollm2_nats --steps 2    # SmolLM2's scorers
+
+A fine-tune experiment (``finetune_*``: a pretrained model's NAtS scorers) runs with its own micro-batch and global
+batch (accumulation over examples of different lengths); ``--extra`` passes its model and data settings
+(``hf_model.name_or_path=<folder>``, ``data.pg19_path=<folder>``).
 
 Both runs (`python -m nats.train`, a few steps, as benchmarks/bench_nats_train.py runs it, with its StepTimer) share
 a Triton cache folder and an inductor cache folder created empty under the work folder (``--caches fresh``, the
@@ -37,10 +42,48 @@ def _bench_nats_train():
     return mod
 
 
+def finetune_overrides(args, run_dir: Path) -> list[str]:
+    """A fine-tune experiment's overrides (a pretrained model's scorers, `nats.finetune`): no native model or token
+    windows to size, one validation example per task; the micro-batch stays the experiment's (1)."""
+    steps = args.steps
+    out = [
+        f"experiment={args.experiment}",
+        f"hydra.run.dir={run_dir}",
+        "callbacks=[default,step_timer]",
+        "logger=tensorboard_csv",
+        f"trainer.max_steps={steps}",
+        f"trainer.log_every_n_steps={steps}",
+        f"eval_every={steps}",
+        "final_validation=false",
+        "data.num_val_examples=1",
+        "trainer=cpu" if args.smoke else "trainer=gpu",
+    ]
+    return out + list(args.extra)
+
+
+def random_weights(folder: Path) -> list[str]:
+    """The hf_model overrides of a model of `folder`'s shape with random weights: `folder` holds a transformers
+    config.json and tokenizer; the weights are written into it once (the first step's kernel work depends on the
+    shapes, not on the weights' values)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = folder.resolve()
+    if not any(folder.glob("*.safetensors")):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    return [f"hf_model.name_or_path={folder}", "hf_model.gguf_file=null"]
+
+
+def is_finetune(experiment: str) -> bool:
+    """An experiment of a pretrained transformers model (conf/experiment/finetune_*.yaml)."""
+    return experiment.startswith("finetune_")
+
+
 def run_once(bnt, name: str, args, workdir: Path, env: dict) -> dict:
     """One nats-train run into workdir/<name without spaces>: its timings and whether it printed the tuning line."""
     run_dir = workdir / name.replace(" ", "_")
-    proc, _, t0, wall = bnt.train_in(run_dir, args.experiment, args, env)
+    overrides = finetune_overrides(args, run_dir) if is_finetune(args.experiment) else None
+    proc, _, t0, wall = bnt.train_in(run_dir, args.experiment, args, env, overrides)
     timer = bnt.read_step_timer(run_dir, 0, args.log_every, 1)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if TUNING_LINE in line]
     return {
@@ -60,6 +103,7 @@ def report(runs: list[dict], args, device: str, caches: dict) -> str:
         f"torch {torch.__version__}, Triton {_triton_version()}; experiment {args.experiment}, {args.steps} steps per "
         f"run; caches: {args.caches} ({', '.join(f'{k}={v}' for k, v in caches.items()) or 'this machine'}).",
         f"Command: `python benchmarks/bench_first_step.py {' '.join(sys.argv[1:])}`",
+        *([f"Model: {args.random_model.name}'s shape (its config.json), random weights."] if args.random_model else []),
         "",
         "| run | startup s | first step s (compile, Triton compile and tuning) | printed the tuning line | process s |",
         "|---|---:|---:|---|---:|",
@@ -99,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                     "machine's own (TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR as set)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU, model=tiny, data=gutenberg, no compile")
     ap.add_argument("--extra", nargs="*", default=[], help="more nats-train overrides, e.g. data.path=...")
+    ap.add_argument("--random-model", type=Path, default=None,
+                    help="fine-tune experiments: a folder with a transformers config.json and tokenizer; the runs use "
+                    "a model of that shape with random weights (written into the folder once)")  # fmt: skip
     ap.add_argument("--machine", default=None, help="names the result files (default: from the GPU name)")
     ap.add_argument("--out", default="logs/bench/first_step")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per nats-train run")
@@ -106,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (2 if args.smoke else 4)
     args.batch = args.batch or (4 if args.smoke else 32)
     args.log_every, args.eval_windows = args.steps, 8 if args.smoke else 64
+    if args.random_model is not None:
+        args.extra = random_weights(args.random_model) + list(args.extra)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run with --smoke on a CPU")
     bnt = _bench_nats_train()
