@@ -161,7 +161,8 @@ def train_in(
     run_dir: Path, exp: str, args, env: dict, overrides: list[str] | None = None
 ) -> tuple[subprocess.CompletedProcess, list[str], float, float]:
     """`python -m nats.train` of experiment `exp` with the benchmark's overrides (`train_overrides`, or
-    `overrides`) in a fresh `run_dir`: the finished process (its output also in run_dir/bench_stdout.log, bench_stderr.log), the overrides,
+    `overrides`) in a fresh `run_dir`: the finished process (its output also in run_dir/bench_stdout.log,
+    bench_stderr.log), the overrides,
     the start time and the wall-clock seconds. A failed run prints the end of its output and raises."""
     if run_dir.exists():
         import shutil
