@@ -376,9 +376,9 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
                     torch.cuda.synchronize()
             text += [
                 f"## {method} kept={kept} batch={B} prompt={P}: {label}",
-                prof.key_averages().table(key, row_limit=18),
+                prof.key_averages().table(key, row_limit=40, max_name_column_width=100),
                 "### the same by host time (cudaGraphLaunch: decode steps replayed as CUDA graphs)",
-                prof.key_averages().table("self_cpu_time_total", row_limit=25),
+                prof.key_averages().table("self_cpu_time_total", row_limit=25, max_name_column_width=100),
             ]
     (out / f"profile_{method}_{kept}_b{B}_n{P}.txt").write_text("\n".join(text))
 

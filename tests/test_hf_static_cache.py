@@ -284,6 +284,28 @@ def test_inductor_compiled_step_equals_eager_with_several_rows():
     assert torch.equal(caches[1].fractions()["area"], caches[0].fractions()["area"])
 
 
+@pytest.mark.parametrize("policy,kw", [("full", {}), ("streaming_llm", {"budget": 64}), ("nats", {})])
+def test_the_compiled_step_does_no_work_that_grows_with_the_pool(policy, kw):
+    """The decode step compiled by inductor (on the CPU: C++ kernels) has no loop over the pool: its only work that
+    grows with the cache is the attention's read of the kept keys and values (the custom op). Appending the new
+    key and value through the pool's key and value views made inductor copy the whole pool back at every layer
+    and step (on an H100/H200 two copies of the cache per token: the full cache at ~22% of the memory
+    bandwidth at 8B / 32k)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    model = nats_model() if policy == "nats" else use_policy_caches(tiny_model("llama"))
+    cc = transformers.CompileConfig(fullgraph=True, mode=None)  # inductor
+    cc._compile_all_devices = True
+    torch._dynamo.reset()
+    cache = StaticPolicyCache(model, policy, max_new_tokens=8, **kw)
+    _, code = run_and_get_code(greedy, model, ids(n=700, b=1, seed=12), cache, n=8, compile_config=cc)
+    pool, D = cache.layers[0].kv_pool.shape[1:]
+    bounds = [int(b) for src in code for b in re.findall(r"x\d+ < static_cast<int64_t>\((\d+)L?\)", src)]
+    assert bounds, "no C++ kernel found in the compiled step (inductor's CPU code changed form?)"
+    assert max(bounds) < pool, (policy, pool * D, sorted(set(bounds))[-5:])
+
 @pytest.mark.parametrize(
     "n,pads,device",
     [pytest.param(37, (0, 0), "cpu", marks=interpreted), pytest.param(37, (0, 9), "cpu", marks=interpreted),

@@ -121,6 +121,14 @@ def pool_fill(keep: Tensor, rank: Tensor, rows: Tensor, k: Tensor, v: Tensor, si
     return pool
 
 
+def write_kv(kv_pool: Tensor, dest: Tensor, k: Tensor, v: Tensor) -> None:
+    """Write the rows' new keys and values ``k``, ``v`` ``[R, D]`` into slots ``dest`` ``[R]`` of the pool ``[2, P,
+    D]``: one in-place op on the pool itself. Written through its key and value views instead, a compiled step's
+    functionalization copies the whole pool back at every layer and step (two copies of the cache per token,
+    more bytes than the attention reads; tests/test_hf_static_cache.py inspects the compiled step)."""
+    kv_pool.index_copy_(1, dest, torch.stack((k, v)))
+
+
 class SegmentStorage:
     """The storage of a segmented-pool layer, written once for every layer that holds one (`nats.hf.StaticPolicyCache`'s
     layers and the NAtS `LayerCache` of the GPT path and `nats.hf.PolicyCache`).
@@ -347,8 +355,7 @@ class AppendRule(FixedRule):
         full = layer.length >= layer.cap
         dest = torch.where(full, torch.full_like(layer.start, scratch), layer.start + layer.length)
         layer.length.add_((~full).to(layer.length.dtype))
-        layer.k_pool.index_copy_(0, dest, kr)
-        layer.v_pool.index_copy_(0, dest, vr)
+        write_kv(layer.kv_pool, dest, kr, vr)
         return attend(layer, qr), layer.length
 
 

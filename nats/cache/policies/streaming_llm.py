@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nats.cache.base import SlotCache
-from nats.cache.engine import AppendRule, Plan, PromptState, attend, plan_rows, pool_fill
+from nats.cache.engine import AppendRule, Plan, PromptState, attend, plan_rows, pool_fill, write_kv
 from nats.cache.registry import register_cache
 
 
@@ -74,8 +74,7 @@ class RingRule(AppendRule):
         dest = layer.start + ring_slot(layer.count, layer.sinks, layer.cap)
         layer.count.add_(1)
         layer.length.copy_(torch.minimum(layer.count, layer.cap))
-        layer.k_pool.index_copy_(0, dest, kr)
-        layer.v_pool.index_copy_(0, dest, vr)
+        write_kv(layer.kv_pool, dest, kr, vr)
         return attend(layer, qr), layer.length
 
 
