@@ -306,6 +306,7 @@ def test_the_compiled_step_does_no_work_that_grows_with_the_pool(policy, kw):
     assert bounds, "no C++ kernel found in the compiled step (inductor's CPU code changed form?)"
     assert max(bounds) < pool, (policy, pool * D, sorted(set(bounds))[-5:])
 
+
 @pytest.mark.parametrize(
     "n,pads,device",
     [pytest.param(37, (0, 0), "cpu", marks=interpreted), pytest.param(37, (0, 9), "cpu", marks=interpreted),
