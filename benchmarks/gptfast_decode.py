@@ -3,7 +3,8 @@ full-cache baseline of `benchmarks/bench_hf_decode.py` (its rows ``sdpa_static``
 
 A hand-written greedy decode loop over the transformers model's own modules (embedding, q/k/v/o projections, MLPs,
 RMS norms, its rotary tables, LM head), not ``model.generate``: keys and values go into preallocated buffers
-``[n_layer, B, Hkv, max_len, D]``, each KV head is read once for its group of query heads (``enable_gqa=True``:
+``[B, Hkv, max_len, D]``, one pair per layer (a write into a view of one buffer of all layers would make the compiled
+step copy that buffer whole at every layer), each KV head is read once for its group of query heads (``enable_gqa=True``:
 no repeated KV heads), and no mask is built for a decode step:
 
 * ``attention="sdpa"``: `F.scaled_dot_product_attention` over exactly the positions written so far (the buffer
@@ -41,13 +42,13 @@ class GptFastDecoder:
         self.model, self.body, self.attention, self.max_len = model, model.model, attention, max_len
         self.n_head, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_head
-        shape = (cfg.num_hidden_layers, batch, self.n_kv, max_len, self.head_dim)
-        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.v = torch.zeros_like(self.k)
+        shape = (batch, self.n_kv, max_len, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros_like(k) for k in self.k]
         positions = torch.arange(max_len, device=p.device)[None]
-        cos, sin = self.body.rotary_emb(self.k[0, 0], positions)  # the model's own tables, in its dtype
+        cos, sin = self.body.rotary_emb(self.k[0][0], positions)  # the model's own tables, in its dtype
         self.cos, self.sin = cos[0], sin[0]
-        for t in (self.k, self.v, self.cos, self.sin):  # buffers at fixed addresses: CUDA graphs read them in place
+        for t in (*self.k, *self.v, self.cos, self.sin):  # buffers at fixed addresses: CUDA graphs read them in place
             torch._dynamo.mark_static_address(t)
         if attention == "flex":
             self.block = 128  # FlexAttention's KV block
@@ -59,7 +60,7 @@ class GptFastDecoder:
         self.step = step
 
     def kv_nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(2 * k.numel() * k.element_size() for k in self.k)
 
     def _layers(self, ids: Tensor, pos: Tensor, attend) -> Tensor:
         """The logits of the last position of ``ids`` ``[B, T]`` at positions ``pos`` ``[T]``."""
@@ -88,7 +89,7 @@ class GptFastDecoder:
         """One step: ``token`` ``[B]`` at position ``pos`` ``[1]``; ``n = pos + 1`` keys (a Python int, dynamic)."""
 
         def attend(i, q, k, v):
-            return F.scaled_dot_product_attention(q, self.k[i, :, :, :n], self.v[i, :, :, :n], enable_gqa=True)
+            return F.scaled_dot_product_attention(q, self.k[i][:, :, :n], self.v[i][:, :, :n], enable_gqa=True)
 
         return self._layers(token[:, None], pos, attend).argmax(-1)
 
@@ -113,8 +114,8 @@ class GptFastDecoder:
     def generate(self, prompt: Tensor, n: int) -> Tensor:
         """``prompt`` ``[B, P]`` and ``n`` greedy tokens after it, ``[B, P + n]`` (as ``model.generate`` returns)."""
         B, P = prompt.shape
-        if P + n > self.max_len or B != self.k.shape[1]:
-            raise ValueError(f"GptFastDecoder: batch {B}, {P} + {n} tokens do not fit {tuple(self.k.shape)}")
+        if P + n > self.max_len or B != self.k[0].shape[0]:
+            raise ValueError(f"GptFastDecoder: batch {B}, {P} + {n} tokens do not fit {tuple(self.k[0].shape)}")
         out = [prompt, self._prefill(prompt)[:, None]]
         pos = torch.full((1,), P, dtype=torch.long, device=prompt.device)
         for t in range(P, P + n - 1):
