@@ -32,6 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TUNING_LINE = "nats: tuning the Triton kernels"
+TUNED_LINE = "nats: tuned "  # NATS_KERNELS_TUNING_LOG=1
 TARGET_S = 15.0  # the second run's first step, on a GPU
 
 
@@ -85,13 +86,16 @@ def run_once(bnt, name: str, args, workdir: Path, env: dict) -> dict:
     overrides = finetune_overrides(args, run_dir) if is_finetune(args.experiment) else None
     proc, _, t0, wall = bnt.train_in(run_dir, args.experiment, args, env, overrides)
     timer = bnt.read_step_timer(run_dir, 0, args.log_every, 1)
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if TUNING_LINE in line]
+    output = (proc.stdout + proc.stderr).splitlines()
+    lines = [line for line in output if TUNING_LINE in line]
+    tuned = [line.strip() for line in output if line.startswith(TUNED_LINE)]
     return {
         "run": name,
         "wall_s": wall,
         "startup_s": timer["fit_start_unix"] - t0 if timer else None,
         "first_step_s": timer.get("first_step_s"),
         "tuning_lines": lines,
+        "tuned": tuned,  # with NATS_KERNELS_TUNING_LOG=1: each kernel and key benchmarked
     }
 
 

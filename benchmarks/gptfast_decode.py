@@ -3,9 +3,9 @@ full-cache baseline of `benchmarks/bench_hf_decode.py` (its rows ``sdpa_static``
 
 A hand-written greedy decode loop over the transformers model's own modules (embedding, q/k/v/o projections, MLPs,
 RMS norms, its rotary tables, LM head), not ``model.generate``: keys and values go into preallocated buffers
-``[B, Hkv, max_len, D]``, one pair per layer (a write into a view of one buffer of all layers would make the compiled
-step copy that buffer whole at every layer), each KV head is read once for its group of query heads (``enable_gqa=True``:
-no repeated KV heads), and no mask is built for a decode step:
+``[B, Hkv, max_len, D]``, one pair per layer (a write into a view of one buffer of all layers would make the
+compiled step copy that buffer whole at every layer), each KV head is read once for its group of query heads
+(``enable_gqa=True``: no repeated KV heads), and no mask is built for a decode step:
 
 * ``attention="sdpa"``: `F.scaled_dot_product_attention` over exactly the positions written so far (the buffer
   sliced to ``pos + 1``, no mask: FlashAttention's decode path on a GPU); the step is compiled with the length

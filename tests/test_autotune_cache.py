@@ -131,3 +131,29 @@ def test_the_triton_cache_folder_is_kept_out_of_torch_compiles_temporary_one(tmp
     assert run(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "mine")) == str(tmp_path / "mine")
     assert run(TRITON_INTERPRET="1") == "None"
     assert nats_kernels.triton_cache_dir().endswith(os.path.join(".triton", "cache"))
+
+
+def test_the_tuning_log_names_each_kernel_and_key_benchmarked(fresh, capsys, monkeypatch):
+    """NATS_KERNELS_TUNING_LOG=1: a call that benchmarked prints its kernel and new key; a call that found its
+    choice prints nothing; unset, the tuner is left as it is."""
+
+    class Benching(Tuner):
+        base_fn = SimpleNamespace(__name__="_fake_kernel")
+
+        def run(self, *args, head_dim, **kwargs):
+            if head_dim not in [k[0] for k in self.cache]:
+                _env._announcing_bench(lambda: None, None)
+            return super().run(*args, head_dim=head_dim, **kwargs)
+
+    monkeypatch.setattr(_env, "_benchmarker", lambda: lambda call, quantiles: [1.0])
+    assert _env.log_tuning(tuner := Benching()) is tuner and "logged_run" not in tuner.run.__qualname__
+    monkeypatch.setattr(_env, "TUNING_LOG", True)
+    tuner = _env.log_tuning(Benching())
+    tuner.run(head_dim=64)
+    tuner.run(head_dim=64)
+    tuner.run(head_dim=128)
+    logged = [line for line in capsys.readouterr().err.splitlines() if line.startswith("nats: tuned")]
+    assert logged == [
+        "nats: tuned _fake_kernel for key [(64, 'torch.float16')]",
+        "nats: tuned _fake_kernel for key [(128, 'torch.float16')]",
+    ]

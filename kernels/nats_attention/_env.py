@@ -120,11 +120,35 @@ def _benchmarker():
     return do_bench
 
 
+# NATS_KERNELS_TUNING_LOG=1: one line per kernel and key benchmarked (which choices a run did not find kept)
+TUNING_LOG = os.environ.get("NATS_KERNELS_TUNING_LOG", "0") == "1"
+_benchmarks = [0]  # benchmarks run in this process (`_announcing_bench`)
+
+
 def _announcing_bench(kernel_call, quantiles):
     """Triton's benchmark of one autotune config, after `announce_tuning`: Triton benchmarks only where it has no
     choice kept for the kernel, GPU architecture, Triton version and key, so the line shows on a first run."""
     announce_tuning()
+    _benchmarks[0] += 1
     return _benchmarker()(kernel_call, quantiles=quantiles)
+
+
+def log_tuning(tuner):
+    """With NATS_KERNELS_TUNING_LOG=1, the tuner prints the kernel and key of each call that benchmarked."""
+    if not TUNING_LOG:
+        return tuner
+    run = tuner.run
+
+    def logged_run(*args, **kwargs):
+        before, known = _benchmarks[0], set(tuner.cache)
+        out = run(*args, **kwargs)
+        if _benchmarks[0] != before:
+            name = getattr(tuner.base_fn, "__name__", "kernel")
+            print(f"nats: tuned {name} for key {sorted(set(tuner.cache) - known)}", file=sys.stderr, flush=True)
+        return out
+
+    tuner.run = logged_run
+    return tuner
 
 
 def autotune_options(params, keep: bool | None = None) -> tuple[dict, bool]:
@@ -152,8 +176,8 @@ def autotune(configs: list, key: list[str]):
     extra, keep = autotune_options(inspect.signature(triton.autotune).parameters)
     decorate = triton.autotune(configs=configs, key=key, **extra)
     if not keep:
-        return decorate
-    return lambda fn: keep_choices(decorate(fn))
+        return lambda fn: log_tuning(decorate(fn))
+    return lambda fn: log_tuning(keep_choices(decorate(fn)))
 
 
 def tuning_file(kernel: str, source: str, configs: list, gpu: str, version: str, folder: str) -> Path:
