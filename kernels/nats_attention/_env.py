@@ -152,21 +152,20 @@ def log_tuning(tuner):
 
 
 def autotune_options(params, keep: bool | None = None) -> tuple[dict, bool]:
-    """(keyword arguments for ``triton.autotune``, whether the project keeps the choices itself) for a
-    ``triton.autotune`` taking ``params``: Triton's own ``cache_results`` where it has it (3.3 or later), the
-    project's file otherwise (`keep_choices`); the benchmark announced (``do_bench``, 3.2 or later)."""
+    """(keyword arguments for ``triton.autotune``, whether the project keeps the choices) for a ``triton.autotune``
+    taking ``params``: the benchmark announced (``do_bench``, Triton 3.2 or later); the choices kept in the
+    project's file (`keep_choices`), not by Triton's own ``cache_results``: Triton keys its file also by the
+    environment variables it reads and its compiler backend's hash, and a torch.compile'd training run (fig3_nats on
+    an H200, Triton 3.6) missed the choices its previous run had written and tuned all four kernels again."""
     keep = AUTOTUNE_CACHE if keep is None else keep
     extra = {"do_bench": _announcing_bench} if "do_bench" in params else {}
-    if keep and "cache_results" in params:
-        extra["cache_results"] = True
-        keep = False
     return extra, keep
 
 
 def autotune(configs: list, key: list[str]):
     """``triton.autotune`` whose choices are kept on disk, in Triton's cache folder (`triton_cache_dir`), keyed by
-    the kernel's source, the GPU (Triton: its architecture; the project's file: its name), the Triton version, the
-    key's values (with the tensors' dtypes) and the configs: a later process on the same kind of GPU skips the
+    the kernel's source, the GPU's name, the Triton version, the key's values (with the tensors' dtypes) and the
+    configs (`keep_choices`): a later process on the same kind of GPU skips the
     benchmarking (the SmolLM2 fine-tune's first step took 195-283 s in a fresh process, 1.1 s with the kept
     choices). A process that benchmarks says so in one line first (`announce_tuning`). Delete the cache folder to
     tune again, or set NATS_KERNELS_AUTOTUNE_CACHE=0 to tune in every process (as flash-linear-attention's
@@ -181,7 +180,7 @@ def autotune(configs: list, key: list[str]):
 
 
 def tuning_file(kernel: str, source: str, configs: list, gpu: str, version: str, folder: str) -> Path:
-    """The project's file of a kernel's autotune choices (Triton without ``cache_results``): one per kernel source,
+    """The project's file of a kernel's autotune choices: one per kernel source,
     configs, GPU name and Triton version, in ``<folder>/nats_autotune/``."""
     what = json.dumps([kernel, source, [str(c) for c in configs], gpu, version])
     return Path(folder) / "nats_autotune" / f"{kernel}-{hashlib.sha256(what.encode()).hexdigest()[:20]}.json"
@@ -197,7 +196,7 @@ def _source_key(fn) -> str:
 
 
 def keep_choices(tuner):
-    """Keep an autotuner's choices in `tuning_file` (for a Triton without ``cache_results``): read before its first
+    """Keep an autotuner's choices in `tuning_file`: read before its first
     call in a process, written after a call that tuned a new key. Returns the tuner."""
     run, state = tuner.run, {}
 
