@@ -15,13 +15,15 @@ the benchmark's dtype (``--model``: a folder or GGUF file instead); RoPE's conte
 (``max_position_embeddings``; speed does not depend on the weights). With random weights the NAtS scorers' types
 are random, so each scorer's global-type offset is calibrated on the prompt to keep a share ``--kept`` of the
 tokens (``--scorers``: a fine-tuned scorer file, whose types are then used as they are). A random prompt of
-``--prompt`` tokens is prefilled and ``--new`` tokens are decoded greedily, by every method through
-``model.generate``:
+``--prompt`` tokens is prefilled and ``--new`` tokens are decoded greedily:
 
 * ``dynamic``: transformers' ``DynamicCache`` (SDPA, eager: what ``generate`` does by default);
 * ``static``: transformers' ``StaticCache`` (SDPA; ``generate`` compiles the decode step, CUDA graphs);
-* ``full``, ``nats``, ``streaming_llm``: `nats.hf.StaticPolicyCache` (fixed-capacity buffers; ``generate``
-  compiles the decode step the same way); ``streaming_llm`` at the same kept share as NAtS;
+* ``full``, ``nats``, ``streaming_llm``: `nats.hf.StaticPolicyCache` (fixed-capacity buffers) decoded by
+  nats-generate's loop (`nats.hf.loop`: the step compiled with CUDA graphs, no host synchronisation per token);
+  ``streaming_llm`` at the same kept share as NAtS;
+* ``hf_full``, ``hf_nats``: the same caches through ``model.generate`` (which compiles the decode step the same
+  way, but waits for the GPU at every token before its host work for the next);
 * ``nats_torch_prefill``: ``nats`` whose prefill writes the cache with PyTorch operations
   (``prefill_kernel="torch"``, the reference) instead of the default two fused Triton launches per layer;
 * ``policy_nats``: the older `nats.hf.PolicyCache` (per-layer Python per token; not compiled), for reference;
@@ -42,7 +44,7 @@ the embedding table one row per sequence, plus the keys and values the cache hol
 P + new - 1 tokens seen per row, NAtS its pool segments and valid ring), the achieved GB/s (those bytes / step time)
 and their share of the bandwidth measured in the same run (a device-to-device copy) and of the data sheet's;
 ``x full``: tokens/s over the fastest full-cache row of the same prompt and batch (``sdpa_static``,
-``flex_static``, ``full``, ``static``, ``dynamic``), and for rows keeping less than all, ``bound``: the largest
+``flex_static``, ``full``, ``hf_full``, ``static``, ``dynamic``), and for rows keeping less than all, ``bound``: the largest
 ratio to a full cache those bytes allow (full bytes / the row's bytes).
 ``--equal-memory-gib M`` also runs each cache at the largest batch whose KV buffers fit M GiB. Writes
 ``bench_hf_decode.{md,json}`` into ``--out``.
@@ -91,9 +93,9 @@ LLAMA31_8B = dict(
 )
 SHAPES = {"smollm2-135m": SMOLLM2, "llama-3.2-1b": LLAMA32_1B, "llama-3.1-8b": LLAMA31_8B}
 TINY = dict(SMOLLM2, vocab_size=256, hidden_size=72, intermediate_size=128, num_hidden_layers=2)
-NATS = ("nats", "nats_torch_prefill", "policy_nats")  # the methods whose scorers are calibrated to a kept share
+NATS = ("nats", "hf_nats", "nats_torch_prefill", "policy_nats")  # the methods whose scorers are calibrated to a kept share
 FAST = {"sdpa_static": "sdpa", "flex_static": "flex"}  # gpt-fast-style full caches (benchmarks/gptfast_decode.py)
-FULL = ("sdpa_static", "flex_static", "full", "static", "dynamic")  # the full caches: "x full" is to the fastest
+FULL = ("sdpa_static", "flex_static", "full", "hf_full", "static", "dynamic")  # the full caches: "x full" is to the fastest
 
 
 def _gptfast():
@@ -199,7 +201,8 @@ def cache_maker(model, method: str, P: int, n_new: int, kept: float | None, batc
             return StaticCache(config=model.config, max_cache_len=P + n_new)
         if method == "policy_nats":
             return PolicyCache(model, "nats", max_len=P + n_new, track=False)
-        policy, extra = method, {"budget": budget} if method == "streaming_llm" else {}
+        policy = method.removeprefix("hf_")
+        extra = {"budget": budget} if policy == "streaming_llm" else {}
         if method == "nats_torch_prefill":
             policy, extra = "nats", {"prefill_kernel": "torch"}
         return StaticPolicyCache(model, policy, max_new_tokens=n_new, max_len=P + n_new, track=False, **extra)
@@ -219,12 +222,18 @@ def attention_of(model, method: str):
         model.config._attn_implementation = impl
 
 
-def generate(model, prompt: torch.Tensor, cache, n: int, compile_config=None) -> torch.Tensor:
-    """`n` greedy tokens after `prompt` through `cache` (``compile_config``: how generate compiles the step)."""
+def generate(model, prompt: torch.Tensor, cache, n: int, compile_config=None, method: str | None = None):
+    """`n` greedy tokens after `prompt` through `cache`: the project's caches of `method` through nats-generate's
+    loop (`nats.hf.loop`), unless `method` is one of ``hf_*`` or None: ``model.generate`` (``compile_config``: how
+    it compiles the step)."""
+    from nats.hf import StaticPolicyCache
     from nats.hf.compat import cache_kwargs
+    from nats.hf.loop import generate as loop
 
     if type(cache).__name__ == "GptFastDecoder":  # its own decode loop
         return cache.generate(prompt, n)
+    if isinstance(cache, StaticPolicyCache) and method is not None and not method.startswith("hf_"):
+        return loop(model, prompt, cache, n)
     extra = {} if compile_config is None else {"compile_config": compile_config}
     with torch.no_grad():
         return model.generate(
@@ -257,8 +266,8 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
 
     skips0 = cudagraph_skips()
     with attention_of(model, method):
-        generate(model, prompt, make_cache(), min(n_new, 4))  # warm-up: compiled, autotuned, CUDA graphs recorded
-        generate(model, prompt, make_cache(), min(n_new, 4))
+        generate(model, prompt, make_cache(), min(n_new, 4), method=method)  # warm-up: compiled, autotuned, CUDA graphs recorded
+        generate(model, prompt, make_cache(), min(n_new, 4), method=method)
         sync()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -268,11 +277,11 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
             if static_prefill is not None:
                 beside.append(static_prefill())
             t0 = time.perf_counter()
-            generate(model, prompt, make_cache(), 1)  # prefill + one token: the first token's latency
+            generate(model, prompt, make_cache(), 1, method=method)  # prefill + one token: the first token's latency
             sync()
             t1 = time.perf_counter()
             cache = make_cache()
-            out = generate(model, prompt, cache, n_new)
+            out = generate(model, prompt, cache, n_new, method=method)
             sync()
             t2 = time.perf_counter()
             prefills.append(t1 - t0)
@@ -345,7 +354,7 @@ def fit_batch(model, method: str, P: int, kept, budget: float, nbytes: float, ar
             calibrate(model, prompt, kept)
         cache = cache_maker(model, method, P, new_tokens(method, args), kept, B)()
         with attention_of(model, method):
-            generate(model, prompt, cache, 1)
+            generate(model, prompt, cache, 1, method=method)
         used = kv_bytes(cache)
         del cache
         if used <= budget or B == 1:
@@ -371,7 +380,7 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
     with attention_of(model, method):
         for label, n in (("prefill (+1 token)", 1), ("prefill + decode steps", min(17, n_new))):
             with torch_profile(activities=acts) as prof:
-                generate(model, prompt, make_cache(), n)
+                generate(model, prompt, make_cache(), n, method=method)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
             text += [
@@ -500,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                     per_seq[(r["method"], r["kept_target"])] = r["kv_mib"] * 2**20 / r["batch"]
             static = None
             for (method, kept), nbytes in per_seq.items():
-                if method not in ("static", "nats"):
+                if method not in ("static", "full", "flex_static", "nats"):
                     continue
                 B, prompt = fit_batch(model, method, P, kept, budget, nbytes, args, gen, device)
                 r = run(model, method, prompt, args, device, kept)
@@ -561,7 +570,7 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
         f"Bandwidth: {bw['measured'] / 1e9:.0f} GB/s measured (a device-to-device copy, read + write), data sheet "
         f"{sheet}. step GB: the weights (of the embedding one row per sequence) + the keys and values the cache holds; "
         f"GB/s: step GB / step time; x full: tokens/s over the fastest full-cache row of the prompt and batch "
-        f"(sdpa_static, flex_static, full, static, dynamic); bound x full: the largest x full those bytes allow "
+        f"(sdpa_static, flex_static, full, hf_full, static, dynamic); bound x full: the largest x full those bytes allow "
         f"(full bytes / the row's bytes, at the same share of the bandwidth); x StaticCache: over transformers' "
         f"StaticCache, which repeats each KV head for its query group and passes a mask to SDPA.\n"
         f"Command: `python benchmarks/bench_hf_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n"

@@ -51,9 +51,9 @@ for stage in $stages; do
     hf8k_large) hf hf8k_large --prompt 8192 --batch 32 64 --kept 0.25 --methods static nats ;;
     hf32k) hf hf32k --prompt 32768 --batch 1 8 --kept 0.25 --methods static nats ;;
     limit8b) hf limit8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 --kept 0.25 --new 64 --repeats 2 \
-      --methods sdpa_static static full nats flex_static ;;
+      --methods flex_static static full hf_full nats ;;
     limit8b_b8) hf limit8b_b8 --model-shape llama-3.1-8b --prompt 8192 --batch 8 --kept 0.25 --new 64 --repeats 2 \
-      --methods sdpa_static static full nats flex_static ;;
+      --methods flex_static static full hf_full nats ;;
     profile) hf profile --prompt 8192 --batch 1 --kept 0.25 --methods static nats nats_torch_prefill --profile ;;
     host) timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_host.py --prompt 8192 --out "$DEST/host" \
       >"$DEST/host.log" 2>&1

@@ -125,7 +125,7 @@ def test_decode_benchmark_smoke(tmp_path):
     from conftest import load_script
 
     bench = load_script("benchmarks/bench_hf_decode.py")
-    methods = ("sdpa_static", "dynamic", "static", "full", "nats")
+    methods = ("sdpa_static", "dynamic", "static", "full", "hf_full", "nats")
     argv = ["--smoke", "--out", str(tmp_path), "--methods", *methods, "--kept", "0.5"]
     assert bench.main([*argv, "--equal-memory-gib", "0.002"]) == 0
     rows = json.loads((tmp_path / "bench_hf_decode.json").read_text())["rows"]
@@ -135,7 +135,7 @@ def test_decode_benchmark_smoke(tmp_path):
     assert main[("full", 1)]["kept_share"] == 1.0 and main[("nats", 1)]["kept_share"] < 1.0
     assert main[("static", 2)]["x_static"] == 1.0 and main[("nats", 2)]["x_static"] > 0
     eq = {r["method"]: r for r in rows if "equal_memory_gib" in r}
-    assert set(eq) == {"static", "nats"} and all(r["batch"] >= 1 for r in eq.values())
+    assert set(eq) == {"static", "full", "nats"} and all(r["batch"] >= 1 for r in eq.values())
     assert all(r["kv_mib"] <= 0.002 * 1024 or r["batch"] == 1 for r in eq.values())  # the buffers fit the budget
     assert "Equal KV memory" in (tmp_path / "bench_hf_decode.md").read_text()
     assert json.loads((tmp_path / "bench_hf_decode.json").read_text())["complete"] is True
@@ -147,7 +147,7 @@ def test_decode_benchmark_smoke(tmp_path):
     assert main[("full", 2)]["limit_x_full"] == 1.0 and main[("nats", 2)]["limit_x_full"] > 1.0
     for b in (1, 2):  # x full: to the fastest full-cache row of the batch
         fastest = max(
-            (main[m, b] for m in ("sdpa_static", "dynamic", "static", "full")), key=lambda r: r["tokens_per_s"]
+            (main[m, b] for m in ("sdpa_static", "dynamic", "static", "full", "hf_full")), key=lambda r: r["tokens_per_s"]
         )
         assert main[("nats", b)]["full_method"] == fastest["method"]
         assert main[("nats", b)]["x_full"] == pytest.approx(main[("nats", b)]["tokens_per_s"] / fastest["tokens_per_s"])

@@ -1,12 +1,13 @@
-"""``nats-generate hf_model=...``: a transformers model continues a prompt through ``model.generate`` with a KV-cache
-policy, by default in the fixed-capacity cache that ``generate`` compiles on a GPU (`nats.hf.StaticPolicyCache`).
+"""``nats-generate hf_model=...``: a transformers model continues a prompt with a KV-cache policy, by default in the
+fixed-capacity cache (`nats.hf.StaticPolicyCache`) decoded by `nats.hf.loop.generate` (the step compiled with CUDA
+graphs on a GPU, no host synchronisation per token; ``model.generate``'s greedy tokens through the same cache).
 
     nats-generate hf_model=smollm2_135m prompt="The capital of France is" max_new_tokens=32
     nats-generate hf_model=smollm2_135m scorers=<run>/scorers.pt policy=nats prompt_file=book.txt
     nats-generate hf_model=smollm2_135m policy=streaming_llm budget=0.25 temperature=0.7 top_k=50 num_samples=4
 
-Every decodable policy has a fixed-capacity rule (`nats.cache.engine`); `nats.hf.PolicyCache` is the fallback for
-one that would not. The report has the same keys as the GPT kind's (`nats.generate`).
+Every decodable policy has a fixed-capacity rule (`nats.cache.engine`); `nats.hf.PolicyCache` (through
+``model.generate``) is the fallback for one that would not. The report has the same keys as the GPT kind's (`nats.generate`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nats.cache.engine import fixed_policies
 def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     from nats.hf import PolicyCache, StaticPolicyCache
     from nats.hf.compat import generate_through
+    from nats.hf.loop import generate as loop
     from nats.hf.pretrained import load_pretrained, prepare_model, pretrained_kwargs
 
     policy = str(cfg.policy)
@@ -49,7 +51,11 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     sample = {"do_sample": True, "temperature": temperature, "top_k": cfg.get("top_k")} if temperature > 0 else {}
     torch.manual_seed(int(cfg.get("seed", 0)))
     t0 = time.perf_counter()
-    out = generate_through(model, ids, cache, new, exact_length=True, **sample)
+    if fast:  # the loop without a host synchronisation per token (nats.hf.loop)
+        gen = torch.Generator(device).manual_seed(int(cfg.get("seed", 0))) if temperature > 0 else None
+        out = loop(model, ids, cache, new, temperature=temperature, top_k=cfg.get("top_k"), generator=gen)
+    else:
+        out = generate_through(model, ids, cache, new, exact_length=True, **sample)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0

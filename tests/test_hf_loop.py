@@ -1,0 +1,103 @@
+"""`nats.hf.loop.generate`: the decode loop without a host synchronisation per token (nats-generate's) gives
+``model.generate``'s tokens through the same cache: eager and compiled, unpadded and left-padded, greedy, with end
+tokens; transformers' StaticCache too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_nats import ids, tiny_model  # noqa: E402
+from test_hf_static_cache import greedy, nats_model  # noqa: E402
+
+from nats.hf import StaticPolicyCache, use_policy_caches  # noqa: E402
+from nats.hf.loop import generate  # noqa: E402
+
+NEW = 12
+
+
+def model_for(policy):
+    return nats_model() if policy == "nats" else use_policy_caches(tiny_model("llama"))
+
+
+@pytest.mark.parametrize("policy,kw", [("nats", {}), ("full", {}), ("streaming_llm", {"budget": 12})])
+def test_equals_model_generate(policy, kw):
+    model = model_for(policy)
+    prompt = ids(n=40, b=2, seed=3)
+    ref = greedy(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW, **kw), n=NEW)
+    got = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW, **kw), NEW, compile=False)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("policy", ["nats", "full"])
+def test_left_padded_batch_equals_model_generate(policy):
+    model = model_for(policy)
+    prompt = ids(n=30, b=3, seed=4)
+    mask = torch.ones_like(prompt)
+    mask[0, :7] = 0
+    mask[2, :2] = 0
+    ref = greedy(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), mask=mask, n=NEW)
+    cache = StaticPolicyCache(model, policy, max_new_tokens=NEW)
+    got = generate(model, prompt, cache, NEW, attention_mask=mask, compile=False)
+    assert torch.equal(got, ref)
+
+
+def test_compiled_step_equals_eager_and_is_reused():
+    """Compiled by inductor (on the CPU: no CUDA graphs), the loop's tokens equal the eager loop's; a second call
+    with a new cache and prompt compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    model = model_for("nats")
+    torch._dynamo.reset()
+    for seed in (5, 6):
+        prompt = ids(n=33, b=2, seed=seed)
+        eager = generate(model, prompt, StaticPolicyCache(model, "nats", max_new_tokens=NEW), NEW, compile=False)
+        got = generate(model, prompt, StaticPolicyCache(model, "nats", max_new_tokens=NEW), NEW, compile=True)
+        assert torch.equal(got, eager), seed
+        if seed == 5:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_end_tokens_pad_the_row_and_stop_when_every_row_ended():
+    model = model_for("full")
+    prompt = ids(n=20, b=2, seed=7)
+    free = generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=40), 40, compile=False)
+    end = int(free[0, 20 + 3])  # row 0's 4th new token ends it
+    got = generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=40), 40, eos_token_id=end,
+                   pad_token_id=0, compile=False, check_every=4)  # fmt: skip
+    for row in range(2):
+        new, ref = got[row, 20:], free[row, 20:]
+        hits = (ref == end).nonzero()
+        stop = int(hits[0]) + 1 if len(hits) else len(ref)
+        assert torch.equal(new[: min(stop, len(new))], ref[: min(stop, len(new))])
+        assert bool((new[stop:] == 0).all())
+    if bool((free[:, 20:] == end).any(1).all()):  # both rows ended: stopped early, at a check
+        assert got.shape[1] < 60 and (got.shape[1] - 20) % 4 == 0
+
+
+def test_transformers_static_cache_equals_model_generate():
+    from transformers import StaticCache
+
+    model = tiny_model("llama")
+    model.config._attn_implementation = "sdpa"
+    prompt = ids(n=25, b=2, seed=8)
+    ref = greedy(model, prompt, StaticCache(config=model.config, max_cache_len=25 + NEW), n=NEW)
+    got = generate(model, prompt, StaticCache(config=model.config, max_cache_len=25 + NEW), NEW, compile=False)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", ["nats", "full"])
+def test_gpu_cuda_graph_loop_equals_eager(policy):
+    """On a GPU the step is compiled with CUDA graphs (the Triton kernels inside): tokens equal the eager loop's,
+    in float32, for two prompts through new caches (a replay over an earlier cache's buffers would repeat it)."""
+    model = model_for(policy).cuda()
+    for seed in (9, 10):
+        prompt = ids(n=70, b=2, seed=seed).cuda()
+        eager = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW, compile=False)
+        got = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW, compile=True)
+        assert torch.equal(got, eager), (policy, seed)
