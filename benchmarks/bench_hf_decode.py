@@ -44,8 +44,8 @@ the embedding table one row per sequence, plus the keys and values the cache hol
 P + new - 1 tokens seen per row, NAtS its pool segments and valid ring), the achieved GB/s (those bytes / step time)
 and their share of the bandwidth measured in the same run (a device-to-device copy) and of the data sheet's;
 ``x full``: tokens/s over the fastest full-cache row of the same prompt and batch (``sdpa_static``,
-``flex_static``, ``full``, ``hf_full``, ``static``, ``dynamic``), and for rows keeping less than all, ``bound``: the largest
-ratio to a full cache those bytes allow (full bytes / the row's bytes).
+``flex_static``, ``full``, ``hf_full``, ``static``, ``dynamic``), and for rows keeping less than all,
+``bound``: the largest ratio to a full cache those bytes allow (full bytes / the row's bytes).
 ``--equal-memory-gib M`` also runs each cache at the largest batch whose KV buffers fit M GiB. Writes
 ``bench_hf_decode.{md,json}`` into ``--out``.
 """
@@ -93,9 +93,11 @@ LLAMA31_8B = dict(
 )
 SHAPES = {"smollm2-135m": SMOLLM2, "llama-3.2-1b": LLAMA32_1B, "llama-3.1-8b": LLAMA31_8B}
 TINY = dict(SMOLLM2, vocab_size=256, hidden_size=72, intermediate_size=128, num_hidden_layers=2)
-NATS = ("nats", "hf_nats", "nats_torch_prefill", "policy_nats")  # the methods whose scorers are calibrated to a kept share
+# the methods whose scorers are calibrated to a kept share
+NATS = ("nats", "hf_nats", "nats_torch_prefill", "policy_nats")
 FAST = {"sdpa_static": "sdpa", "flex_static": "flex"}  # gpt-fast-style full caches (benchmarks/gptfast_decode.py)
-FULL = ("sdpa_static", "flex_static", "full", "hf_full", "static", "dynamic")  # the full caches: "x full" is to the fastest
+# the full caches: "x full" is to the fastest
+FULL = ("sdpa_static", "flex_static", "full", "hf_full", "static", "dynamic")
 
 
 def _gptfast():
@@ -266,7 +268,8 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
 
     skips0 = cudagraph_skips()
     with attention_of(model, method):
-        generate(model, prompt, make_cache(), min(n_new, 4), method=method)  # warm-up: compiled, autotuned, CUDA graphs recorded
+        # warm-up: compiled, autotuned, CUDA graphs recorded
+        generate(model, prompt, make_cache(), min(n_new, 4), method=method)
         generate(model, prompt, make_cache(), min(n_new, 4), method=method)
         sync()
         if device.type == "cuda":
@@ -570,7 +573,8 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
         f"Bandwidth: {bw['measured'] / 1e9:.0f} GB/s measured (a device-to-device copy, read + write), data sheet "
         f"{sheet}. step GB: the weights (of the embedding one row per sequence) + the keys and values the cache holds; "
         f"GB/s: step GB / step time; x full: tokens/s over the fastest full-cache row of the prompt and batch "
-        f"(sdpa_static, flex_static, full, hf_full, static, dynamic); bound x full: the largest x full those bytes allow "
+        f"(sdpa_static, flex_static, full, hf_full, static, dynamic); bound x full: the largest x full those bytes "
+        f"allow "
         f"(full bytes / the row's bytes, at the same share of the bandwidth); x StaticCache: over transformers' "
         f"StaticCache, which repeats each KV head for its query group and passes a mask to SDPA.\n"
         f"Command: `python benchmarks/bench_hf_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n"

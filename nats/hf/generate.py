@@ -7,7 +7,8 @@ graphs on a GPU, no host synchronisation per token; ``model.generate``'s greedy 
     nats-generate hf_model=smollm2_135m policy=streaming_llm budget=0.25 temperature=0.7 top_k=50 num_samples=4
 
 Every decodable policy has a fixed-capacity rule (`nats.cache.engine`); `nats.hf.PolicyCache` (through
-``model.generate``) is the fallback for one that would not. The report has the same keys as the GPT kind's (`nats.generate`).
+``model.generate``) is the fallback for one that would not.
+The report has the same keys as the GPT kind's (`nats.generate`).
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ def decode_step(model, compile: bool, mode: str | None = "reduce-overhead"):
 
         def step(token: Tensor, position_ids: Tensor, cache_position: Tensor, cache) -> Tensor:
             extra = {"cache_position": cache_position} if with_position else {}
-            out = model(input_ids=token, position_ids=position_ids, use_cache=True, **extra, **cache_kwargs(model, cache))
+            kw = {**extra, **cache_kwargs(model, cache)}
+            out = model(input_ids=token, position_ids=position_ids, use_cache=True, **kw)
             return out.logits[:, -1].float()
 
         steps[key] = torch.compile(step, fullgraph=True, mode=mode) if compile else step
