@@ -98,11 +98,12 @@ def generate(
                 **({"cache_position": torch.arange(P, device=device)} if _takes_cache_position(model) else {}),
                 **cache_kwargs(model, cache))  # fmt: skip
     tokens = torch.empty(B, max_new_tokens, dtype=ids.dtype, device=device)
-    tokens[:, 0] = _choose(out.logits[:, -1].float(), temperature, top_k, generator)
+    cur = _choose(out.logits[:, -1].float(), temperature, top_k, generator)[:, None].to(ids.dtype)  # [B, 1]
+    tokens[:, :1] = cur
     del out
     eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
     pad = eos[0] if eos is not None and pad_token_id is None else pad_token_id
-    done = None if eos is None else torch.isin(tokens[:, 0], eos)
+    done = None if eos is None else torch.isin(cur[:, 0], eos)
     step = decode_step(model, compile)
     # the next token's position per row (its real tokens so far) and in the cache (padding included)
     pos = (torch.full((B, 1), P, device=device) if position is None else position[:, -1:] + 1).long()
@@ -114,12 +115,15 @@ def generate(
             break
         if compile:  # CUDA graphs: a new replay; its inputs are copied into the graph's own buffers
             torch.compiler.cudagraph_mark_step_begin()
-        logits = step(tokens[:, t - 1 : t], pos, cache_pos, cache)
+        # the token as a tensor of its own (a column of `tokens` would carry its row stride, max_new_tokens, into
+        # the compiled step's guards: a new length, a recompile)
+        logits = step(cur, pos, cache_pos, cache)
         nxt = _choose(logits, temperature, top_k, generator)
         if done is not None:
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             done |= torch.isin(nxt, eos)
-        tokens[:, t] = nxt
+        cur = nxt[:, None].to(ids.dtype)
+        tokens[:, t : t + 1] = cur
         pos += 1
         cache_pos += 1
     return torch.cat([ids, tokens[:, :n]], dim=1)
