@@ -1,5 +1,5 @@
-"""Generation speed and KV memory through transformers' ``model.generate``: NAtS' fixed-capacity cache against
-transformers' own caches, in one run.
+"""Decoding speed and KV memory: NAtS' fixed-capacity cache against the full caches (the project's, gpt-fast-style,
+transformers' own), in one run.
 
     python benchmarks/bench_hf_decode.py --out logs/bench/hf_decode              # SmolLM2-135M's shape, GPU
     python benchmarks/bench_hf_decode.py --prompt 32768 --batch 1 8 --kept 0.25 0.1
@@ -566,7 +566,8 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
     bw = args.bandwidth
     sheet = "unknown" if bw["datasheet"] is None else f"{bw['datasheet'] / 1e9:.0f} GB/s"
     head = (
-        f"# `model.generate` with NAtS' fixed-capacity cache and transformers' caches\n\n"
+        f"# Decoding speed: NAtS' fixed-capacity cache against the full caches (the project's, gpt-fast-style, "
+        f"transformers')\n\n"
         f"{name}, torch {torch.__version__}, transformers {transformers.__version__}, {dtype}; {shape}, "
         f"W = {args.window}, {args.new} new tokens (greedy); tokens/s over all sequences of the batch; graph skips: "
         f"compiled graphs inductor did not CUDA-graph (the log says why).\n"
