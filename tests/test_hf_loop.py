@@ -102,3 +102,27 @@ def test_gpu_cuda_graph_loop_equals_eager(policy):
         eager = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW, compile=False)
         got = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW, compile=True)
         assert torch.equal(got, eager), (policy, seed)
+
+
+def test_a_changing_workload_compiles_few_graphs_and_never_falls_back_to_eager(monkeypatch):
+    """One process serving requests of batch 1-16 and prompts of different lengths (the split-K count chosen as on a
+    132-SM GPU): the compiled step is reused after at most two graphs, and dynamo never reaches its recompile limit
+    (made an error here; past it, it would decode eagerly); each request's tokens equal the eager loop's."""
+    from torch._dynamo.utils import counters
+
+    from nats.cache import engine
+
+    monkeypatch.setattr(engine, "num_sms", lambda device: 132)
+    model = model_for("nats")
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    requests = [(1, 40), (2, 90), (16, 33), (3, 300), (8, 64), (1, 250), (5, 120), (16, 200), (2, 45), (1, 37)]
+    for i, (b, n) in enumerate(requests):
+        prompt = ids(n=n, b=b, seed=20 + i)
+        eager = generate(model, prompt, StaticPolicyCache(model, "nats", max_new_tokens=6), 6, compile=False)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8):
+            got = generate(model, prompt, StaticPolicyCache(model, "nats", max_new_tokens=6), 6, compile="aot_eager")
+        assert torch.equal(got, eager), (b, n)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] <= 2 and graphs[3:] == [graphs[-1]] * (len(requests) - 3), graphs

@@ -83,10 +83,9 @@ def _cuda_sms(index: int) -> int:  # read once per GPU: the prefill asks at ever
 
 def decode_splits(rows: int, bound: int, device: torch.device, sms: int | None = None) -> int:
     """Split-K count of the decode attention: about two programs per SM over the rows, at most 64, and splits of
-    about 256 keys or more (``bound``: the most keys a row can hold, known without a host synchronisation),
-    rounded up to a power of two. The count is a constant of the compiled decode step, so each distinct value is
-    one more graph: powers of two keep them to seven whatever the batches and prompt lengths a process serves
-    (dynamo falls back to eager decoding past its recompile limit)."""
+    about 256 keys or more (``bound``: the keys a row can hold, known without a host synchronisation: the pool's
+    slots per row, + the ring), rounded up to a power of two (at most seven launch shapes of the kernel, each
+    captured in the CUDA graphs of the decode steps that use it)."""
     sms = num_sms(device) if sms is None else sms
     n = max(1, min(64, math.ceil(2 * sms / rows), math.ceil(bound / 256)))
     return 1 << (n - 1).bit_length()
@@ -159,6 +158,14 @@ class SegmentStorage:
         """The packed buffers (the views' bases)."""
         return [t for t in (self.kv_pool, self.seg, self.ring_kv, self.ring_valid) if t is not None]
 
+    def storage_dynamic_dims(self) -> list[tuple[Tensor, tuple[int, ...]]]:
+        """The packed buffers with the dimensions that depend on the batch and on what the prompt keeps: the
+        pool's slots, the rows (the head dim and the ring's width do not change)."""
+        dims = [(self.kv_pool, (1,)), (self.seg, (1,))]
+        if self.ring_kv is not None:
+            dims += [(self.ring_kv, (1,)), (self.ring_valid, (0,))]
+        return dims
+
     def storage_kv_nbytes(self) -> int:
         """Bytes of the key/value buffers (pool and ring)."""
         return sum(t.numel() * t.element_size() for t in (self.kv_pool, self.ring_kv) if t is not None)
@@ -221,18 +228,26 @@ def pool_attention_op(
     ring_k: Tensor | None,
     ring_v: Tensor | None,
     ring_valid: Tensor | None,
-    splits: int,
 ) -> Tensor:
     """q ``[R, G, D]`` over segment ``[start[r], start[r] + length[r])`` of ``k_pool``/``v_pool`` ``[P, D]`` and the
-    valid ring slots (``ring_k``/``ring_v`` ``[R, W, D]``, ``ring_valid`` ``[R, W]``) -> ``[R, G, D]``."""
+    valid ring slots (``ring_k``/``ring_v`` ``[R, W, D]``, ``ring_valid`` ``[R, W]``) -> ``[R, G, D]``.
+
+    The split-K count is chosen here, when the op runs, from the rows and the pool's slots per row
+    (`decode_splits`), not by the compiled step: as a constant of the graph it made one more graph per value, and a
+    process serving changing batches and prompts reached dynamo's recompile limit (then decoding eagerly)."""
     backend = _attention.resolve_backend("auto", q.device)
     max_len = 0 if backend == "triton" else max(int(length.max()), 1)  # Triton reads the lengths on the device
+    R = q.shape[0]
+    splits = None
+    if backend == "triton":
+        bound = -(-k_pool.shape[0] // R) + (0 if ring_k is None else ring_k.shape[1])
+        splits = decode_splits(R, bound, q.device)
     return _attention.pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=ring_k, ring_v=ring_v,
                                     ring_valid=ring_valid, backend=backend, splits=splits)  # fmt: skip
 
 
 @pool_attention_op.register_fake
-def _(q, k_pool, v_pool, start, length, ring_k, ring_v, ring_valid, splits):
+def _(q, k_pool, v_pool, start, length, ring_k, ring_v, ring_valid):
     return torch.empty_like(q)
 
 
@@ -241,9 +256,8 @@ def attend(layer, qr: Tensor, ring: bool = False) -> Tensor:
     slots where ``ring``): `pool_attention_op`."""
     if ring:
         return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
-                                  layer.ring_v, layer.ring_valid, layer.splits)  # fmt: skip
-    return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None,
-                              layer.splits)  # fmt: skip
+                                  layer.ring_v, layer.ring_valid)  # fmt: skip
+    return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None)
 
 
 @dataclass
@@ -309,6 +323,11 @@ class FixedRule:
     def buffers(self, layer) -> list[Tensor]:
         """Extra device buffers of the rule (marked static, counted by ``tensors``)."""
         return []
+
+    def dynamic_dims(self, layer) -> list[tuple[Tensor, tuple[int, ...]]]:
+        """The rule's buffers with the dimensions that change from one generation to the next (default: all of
+        them): a decode loop marks them dynamic before its first compile (`nats.hf.loop`)."""
+        return [(t, tuple(range(t.dim()))) for t in self.buffers(layer)]
 
     # ------------------------------------------------------------------ decode
     def step(self, ctx, layer, core, qr: Tensor, kr: Tensor, vr: Tensor, pos: Tensor, hidden: Tensor) -> Tensor:

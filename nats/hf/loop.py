@@ -38,9 +38,11 @@ def _takes_cache_position(model) -> bool:
     return "cache_position" in inspect.signature(type(body).forward).parameters
 
 
-def decode_step(model, compile: bool, mode: str | None = "reduce-overhead"):
+def decode_step(model, compile: bool | str, mode: str | None = "reduce-overhead"):
     """The model's step ``(token [B, 1], position_ids [B, 1], cache_position [1], cache) -> logits [B, V]`` (float32),
-    compiled once per model and mode (``compile``), as ``generate`` keeps its compiled forward."""
+    compiled once per model and mode (``compile``: True, or the name of a torch.compile backend, then without a
+    mode), as ``generate`` keeps its compiled forward."""
+    mode = None if isinstance(compile, str) else mode
     key = (compile, mode)
     steps = _STEPS.setdefault(model, {})
     if key not in steps:
@@ -52,7 +54,10 @@ def decode_step(model, compile: bool, mode: str | None = "reduce-overhead"):
             out = model(input_ids=token, position_ids=position_ids, use_cache=True, **kw)
             return out.logits[:, -1].float()
 
-        steps[key] = torch.compile(step, fullgraph=True, mode=mode) if compile else step
+        if isinstance(compile, str):
+            steps[key] = torch.compile(step, fullgraph=True, backend=compile)
+        else:
+            steps[key] = torch.compile(step, fullgraph=True, mode=mode) if compile else step
     return steps[key]
 
 
@@ -79,13 +84,14 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
-    compile: bool | None = None,
+    compile: bool | str | None = None,
     check_every: int = 32,
 ) -> Tensor:
     """``ids`` ``[B, P]`` (left-padded where ``attention_mask`` has zeros) and up to ``max_new_tokens`` tokens after
     them, ``[B, P + n]``: greedy (``temperature`` 0) or sampled. With ``eos_token_id``, a row's tokens after its end
     token are ``pad_token_id`` and decoding stops once every row has ended (checked every ``check_every`` tokens,
-    the only host reads before the end). ``compile``: the step compiled with CUDA graphs (default: on CUDA)."""
+    the only host reads before the end). ``compile``: the step compiled with CUDA graphs (default: on CUDA; a
+    backend's name: compiled by it, without CUDA graphs)."""
     if max_new_tokens < 1:
         return ids
     B, P = ids.shape
@@ -105,6 +111,11 @@ def generate(
     pad = eos[0] if eos is not None and pad_token_id is None else pad_token_id
     done = None if eos is None else torch.isin(cur[:, 0], eos)
     step = decode_step(model, compile)
+    if compile:  # one compiled step for every batch and prompt: the sizes that change are dynamic from the start
+        for layer in getattr(cache, "layers", ()):
+            for t, dims in layer.dynamic_dims() if hasattr(layer, "dynamic_dims") else ():
+                for d in dims:
+                    torch._dynamo.maybe_mark_dynamic(t, d)
     # the next token's position per row (its real tokens so far) and in the cache (padding included)
     pos = (torch.full((B, 1), P, device=device) if position is None else position[:, -1:] + 1).long()
     cache_pos = torch.full((1,), P, dtype=torch.long, device=device)
@@ -113,10 +124,13 @@ def generate(
         if eos is not None and t % check_every == 0 and bool(done.all()):
             n = t
             break
-        if compile:  # CUDA graphs: a new replay; its inputs are copied into the graph's own buffers
+        if compile is True:  # CUDA graphs: a new replay; its inputs are copied into the graph's own buffers
             torch.compiler.cudagraph_mark_step_begin()
         # the token as a tensor of its own (a column of `tokens` would carry its row stride, max_new_tokens, into
         # the compiled step's guards: a new length, a recompile)
+        if compile and t == 1:
+            torch._dynamo.maybe_mark_dynamic(cur, 0)
+            torch._dynamo.maybe_mark_dynamic(pos, 0)
         logits = step(cur, pos, cache_pos, cache)
         nxt = _choose(logits, temperature, top_k, generator)
         if done is not None:

@@ -94,11 +94,11 @@ class StaticPolicyLayer(FixedRowsLayer, SegmentStorage):
         raise NotImplementedError("StaticPolicyCache: make a new cache per generate call")
 
     # ------------------------------------------------------------------ storage (nats.cache.engine.SegmentStorage)
-    def allocate(self, pool: Tensor, seg: Tensor, splits: int, area: Tensor | None, peak: Tensor | None) -> None:
+    def allocate(self, pool: Tensor, seg: Tensor, area: Tensor | None, peak: Tensor | None) -> None:
         """Take the layer's pool ``[2, P, D]`` (`nats.cache.engine.pool_fill`), its rows' bookkeeping ``[6, R]`` and,
         where the cache sizes are tracked, their sum and maximum over the prompt ``[R]`` (advanced by the decode
         steps)."""
-        self.kv_pool, self.seg, self.splits, self.area, self.peak = pool, seg, splits, area, peak
+        self.kv_pool, self.seg, self.area, self.peak = pool, seg, area, peak
         mark_static(*(t for t in (self.kv_pool, self.seg, self.area, self.peak) if t is not None))
         self.ready = True
 
@@ -110,6 +110,12 @@ class StaticPolicyLayer(FixedRowsLayer, SegmentStorage):
 
     def kv_nbytes(self) -> int:
         return self.storage_kv_nbytes()
+
+    def dynamic_dims(self) -> list[tuple[Tensor, tuple[int, ...]]]:
+        """The decode step's buffers with their dimensions that change with the batch and the prompt (`nats.hf.loop`
+        marks them dynamic, so that one compiled step serves every request)."""
+        rows = [(t, (0,)) for t in (getattr(self, "area", None), getattr(self, "peak", None)) if t is not None]
+        return self.storage_dynamic_dims() + rows + self.owner.rule.dynamic_dims(self)
 
 
 class StaticPolicyCache(Cache):
@@ -240,8 +246,6 @@ class StaticPolicyCache(Cache):
         area = peak = None
         if self.track:
             area, peak = plan.sizes.sum(-1).double(), plan.sizes.amax(-1)
-        bound = N + self.max_new_tokens + (core.window if rule.ring else 0)  # no host sync for the max
-        splits = engine.decode_splits(R, bound, q.device)
         # the pool is allocated one layer later (PoolLayout), all remaining ones at the last layer
         host = stream = None
         if q.is_cuda:  # the sizes' pinned slots and the stream, once per prefill
@@ -249,8 +253,8 @@ class StaticPolicyCache(Cache):
                 self._sizes_host = torch.empty(self.n_layer, dtype=torch.long, pin_memory=True)
                 self._stream = torch.cuda.current_stream(q.device)
             host, stream = self._sizes_host[layer.layer_idx : layer.layer_idx + 1], self._stream
-        self._unallocated.append((layer, PoolLayout(plan.rows, plan.end, plan.fill, host, stream), splits, plan,
-                                  area, peak, N))  # fmt: skip
+        self._unallocated.append((layer, PoolLayout(plan.rows, plan.end, plan.fill, host, stream), plan, area, peak,
+                                  N))  # fmt: skip
         last = layer.layer_idx == self.n_layer - 1
         while len(self._unallocated) > (0 if last else 1):
             self._fill_pool(*self._unallocated.pop(0))
@@ -282,12 +286,12 @@ class StaticPolicyCache(Cache):
             whole.extra = {name: torch.cat(parts) for name, parts in whole.extra.items()}
         return whole
 
-    def _fill_pool(self, layer, layout, splits, plan, area, peak, N) -> None:
+    def _fill_pool(self, layer, layout, plan, area, peak, N) -> None:
         """A prefilled layer's buffers: its pool, its bookkeeping, its ring (if the rule has one), the rule's own
         buffers, its sizes so far."""
         size = engine.rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
         pool = layout.fill(size)
-        layer.allocate(pool, layout.rows, splits, area, peak)
+        layer.allocate(pool, layout.rows, area, peak)
         if plan.ring is not None:
             layer.ring_kv, layer.ring_valid, layer.window = plan.ring
             mark_static(layer.ring_kv, layer.ring_valid)
