@@ -6,6 +6,8 @@ transformers' own), in one run.
     python benchmarks/bench_hf_decode.py --equal-memory-gib 2 --kept 0.25 0.1    # the largest batch each cache fits
     python benchmarks/bench_hf_decode.py --model-shape llama-3.1-8b --prompt 32768 --batch 1 \
         --methods sdpa_static static full nats --kept 0.25                       # against the HBM limit
+    python benchmarks/bench_hf_decode.py --model-shape llama-3.2-1b --methods full nats --batch 1 --mixed 50
+                                                                     # + 50 requests of batch 1-16, prompts 1k-32k
     python benchmarks/bench_hf_decode.py --smoke                                 # a tiny model on the CPU
 
 The model has SmolLM2-135M-Instruct's architecture (Llama: 30 layers, hidden 576, 9 query / 3 KV heads, vocab
@@ -46,7 +48,10 @@ and their share of the bandwidth measured in the same run (a device-to-device co
 ``x full``: tokens/s over the fastest full-cache row of the same prompt and batch (``sdpa_static``,
 ``flex_static``, ``full``, ``hf_full``, ``static``, ``dynamic``), and for rows keeping less than all,
 ``bound``: the largest ratio to a full cache those bytes allow (full bytes / the row's bytes).
-``--equal-memory-gib M`` also runs each cache at the largest batch whose KV buffers fit M GiB. Writes
+``--equal-memory-gib M`` also runs each cache at the largest batch whose KV buffers fit M GiB. ``--mixed N`` also
+serves N requests of changing batch and prompt length through each of the project's caches in one process, then the
+same requests again, all compiled (`mixed_workload`: the changing stream's tokens/s against its own warm speed, and
+the graphs it compiled; dynamo's recompile limit is made an error). Writes
 ``bench_hf_decode.{md,json}`` into ``--out``.
 """
 
@@ -122,7 +127,8 @@ def build_model(args, device, dtype):
     else:
         torch.manual_seed(0)
         cfg = transformers.LlamaConfig(**(TINY if args.smoke else SHAPES[getattr(args, "model_shape", "smollm2-135m")]))
-        cfg.max_position_embeddings = max(args.prompt) + args.new + 64
+        longest = max(max(args.prompt), args.mixed_prompt[1] if getattr(args, "mixed", 0) else 0)
+        cfg.max_position_embeddings = longest + args.new + 64
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # built where it runs, in its dtype: an 8B model in seconds, not minutes
         try:
@@ -451,10 +457,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=3, help="timed generate calls per row; the median is reported")
     ap.add_argument("--profile", action="store_true", help="kernel tables of a prefill and 16 decode steps")
+    ap.add_argument(
+        "--mixed",
+        type=int,
+        default=0,
+        help="also serve this many requests of changing batch and prompt "
+        "through each project method (a changing workload; --mixed-batch, --mixed-prompt)",
+    )
+    ap.add_argument("--mixed-batch", type=int, nargs=2, default=[1, 16], metavar=("MIN", "MAX"))
+    ap.add_argument("--mixed-prompt", type=int, nargs=2, default=[1024, 32768], metavar=("MIN", "MAX"))
     ap.add_argument("--smoke", action="store_true", help="tiny model, short prompt, CPU: tests the script")
     args = ap.parse_args(argv)
     if args.smoke:
         args.prompt, args.new, args.window, args.batch = [96], 8, 8, [1, 2]
+        args.mixed_batch, args.mixed_prompt = [1, 3], [24, 120]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = getattr(torch, "float32" if device.type == "cpu" else args.dtype)
     torch._dynamo.config.cache_size_limit = 64
@@ -519,8 +535,85 @@ def main(argv: list[str] | None = None) -> int:
                 r["equal_memory_gib"] = args.equal_memory_gib
                 static = r if method == "static" else static
                 record(r, static)
+    if args.mixed:
+        for method in args.methods:
+            if method in (*NATS, "full", "hf_full", "streaming_llm") and method != "policy_nats":
+                r = mixed_workload(model, method, args, device, gen)
+                r["mixed"] = True
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+                write(rows, args, argv, device, dtype)
     write(rows, args, argv, device, dtype, final=True)
     return 0
+
+
+def mixed_workload(model, method: str, args, device, gen) -> dict:
+    """``--mixed N`` requests of random batch (``--mixed-batch``) and prompt length (``--mixed-prompt``) served by
+    one process through `method`'s cache: each decoded twice, first in the changing stream (after one warm-up
+    request: what it meets is compiled or recorded then), then again with everything compiled (the single-shape
+    speed of the same requests). Dynamo's recompile limit is made an error: a fall-back to eager decoding fails the
+    row instead of slowing it. Returns the row: tokens/s of both passes, their ratio, the graphs compiled in the
+    first pass."""
+    kept = args.kept[0] if method in (*NATS, "streaming_llm") else None
+    rng = torch.Generator().manual_seed(1)
+    lo_b, hi_b = args.mixed_batch
+    lo_p, hi_p = args.mixed_prompt
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=rng))  # noqa: E731
+    shapes = [(draw(lo_b, hi_b), draw(lo_p, hi_p)) for _ in range(args.mixed)]
+    prompts = [torch.randint(0, model.config.vocab_size, s, generator=gen).to(device) for s in shapes]
+    n_new = new_tokens(method, args)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def serve(prompt) -> tuple[int, float]:
+        """(tokens decoded after the first, seconds they took) of one request."""
+        if method in NATS and kept is not None:
+            calibrate(model, prompt, kept)
+        make = cache_maker(model, method, prompt.shape[1], n_new, kept, prompt.shape[0])
+        sync()
+        t0 = time.perf_counter()
+        generate(model, prompt, make(), 1, method=method)
+        sync()
+        t1 = time.perf_counter()
+        generate(model, prompt, make(), n_new, method=method)
+        sync()
+        t2 = time.perf_counter()
+        return prompt.shape[0] * (n_new - 1), max(1e-9, (t2 - t1) - (t1 - t0))
+
+    with attention_of(model, method), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        serve(prompts[0])  # warm-up
+        g0 = graphs()
+        first = [serve(p) for p in prompts]
+        new_graphs = graphs() - g0
+        again = [serve(p) for p in prompts]
+    rate = lambda done: sum(n for n, _ in done) / sum(t for _, t in done)  # noqa: E731
+    return {
+        "method": method,
+        "kept_target": kept,
+        "requests": args.mixed,
+        "batches": f"{min(b for b, _ in shapes)}-{max(b for b, _ in shapes)}",
+        "prompts": f"{min(p for _, p in shapes)}-{max(p for _, p in shapes)}",
+        "tokens_per_s": rate(first),
+        "tokens_per_s_warm": rate(again),
+        "ratio": rate(first) / rate(again),
+        "new_graphs": new_graphs,
+    }
+
+
+def mixed_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| method | kept (target) | requests | batch | prompt | tokens/s, changing stream | tokens/s, same requests "
+        "compiled | ratio | new graphs in the stream |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {fmt(r['kept_target'], '.2f')} | {r['requests']} | {r['batches']} | {r['prompts']} | "
+            f"{r['tokens_per_s']:.1f} | {r['tokens_per_s_warm']:.1f} | {r['ratio']:.2f} | {r['new_graphs']} |"
+        )
+    return lines
 
 
 def bandwidth(device) -> dict:
@@ -580,12 +673,18 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
         f"StaticCache, which repeats each KV head for its query group and passes a mask to SDPA.\n"
         f"Command: `python benchmarks/bench_hf_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n"
     )
-    main_rows = [r for r in rows if "equal_memory_gib" not in r]
+    mixed_rows = [r for r in rows if r.get("mixed")]
+    main_rows = [r for r in rows if "equal_memory_gib" not in r and not r.get("mixed")]
     eq_rows = [r for r in rows if "equal_memory_gib" in r]
     text = head + "\n" + "\n".join(table(main_rows)) + "\n"
     if eq_rows:
         text += f"\n## Equal KV memory ({args.equal_memory_gib} GiB): the largest batch each cache fits\n\n"
         text += "\n".join(table(eq_rows)) + "\n"
+    if mixed_rows:
+        text += (f"\n## A changing workload: {args.mixed} requests of batch {args.mixed_batch[0]}-"
+                 f"{args.mixed_batch[1]} and prompts of {args.mixed_prompt[0]}-{args.mixed_prompt[1]} tokens in one "
+                 f"process, then the same requests again (all compiled)\n\n")  # fmt: skip
+        text += "\n".join(mixed_table(mixed_rows)) + "\n"
     if not final:
         text += "\n(incomplete: the run is still going, or was stopped)\n"
     out = Path(args.out)

@@ -18,6 +18,8 @@
 #               full caches (sdpa_static, flex_static), StaticCache, the project's full cache and NAtS against the
 #               memory-bandwidth limit (bytes per step, GB/s, share of the measured bandwidth, the bytes' bound)
 #   limit8b_b8  (not in the default list) the same at 8k, batch 8
+#   mixed       (not in the default list) Llama-3.2-1B's shape: 50 requests of batch 1-16 and prompts of 1k-32k in
+#               one process, the project's full cache and NAtS (~25% kept), against the same requests compiled
 # WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
 # (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 480), GPT_LIMIT (150), TEST_LIMIT (200).
 # Each stage's whole output: OUT/<stage>.log. tests/test_generate.py::test_cuda_matches_cpu trains from the embedded
@@ -54,6 +56,8 @@ for stage in $stages; do
       --methods flex_static static full hf_full nats ;;
     limit8b_b8) hf limit8b_b8 --model-shape llama-3.1-8b --prompt 8192 --batch 8 --kept 0.25 --new 64 --repeats 2 \
       --methods flex_static static full hf_full nats ;;
+    mixed) hf mixed --model-shape llama-3.2-1b --prompt 8192 --batch 1 --kept 0.25 --new 64 --repeats 1 \
+      --methods full nats --mixed 50 ;;
     profile) hf profile --prompt 8192 --batch 1 --kept 0.25 --methods static nats nats_torch_prefill --profile ;;
     host) timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_host.py --prompt 8192 --out "$DEST/host" \
       >"$DEST/host.log" 2>&1

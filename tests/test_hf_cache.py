@@ -127,8 +127,12 @@ def test_decode_benchmark_smoke(tmp_path):
     bench = load_script("benchmarks/bench_hf_decode.py")
     methods = ("sdpa_static", "dynamic", "static", "full", "hf_full", "nats")
     argv = ["--smoke", "--out", str(tmp_path), "--methods", *methods, "--kept", "0.5"]
-    assert bench.main([*argv, "--equal-memory-gib", "0.002"]) == 0
+    assert bench.main([*argv, "--equal-memory-gib", "0.002", "--mixed", "3"]) == 0
     rows = json.loads((tmp_path / "bench_hf_decode.json").read_text())["rows"]
+    mixed = {r["method"]: r for r in rows if r.get("mixed")}  # the changing workload: the project's caches
+    assert set(mixed) == {"full", "hf_full", "nats"} and all(r["ratio"] > 0 for r in mixed.values())
+    assert "A changing workload" in (tmp_path / "bench_hf_decode.md").read_text()
+    rows = [r for r in rows if not r.get("mixed")]
     main = {(r["method"], r["batch"]): r for r in rows if "equal_memory_gib" not in r}
     assert set(main) == {(m, b) for m in methods for b in (1, 2)}
     assert all(r["generated"] == r["new_tokens"] and r["tokens_per_s"] > 0 for r in rows)
