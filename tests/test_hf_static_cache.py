@@ -284,7 +284,9 @@ def test_inductor_compiled_step_equals_eager_with_several_rows():
     assert torch.equal(caches[1].fractions()["area"], caches[0].fractions()["area"])
 
 
-@pytest.mark.parametrize("policy,kw", [("full", {}), ("streaming_llm", {"budget": 64}), ("nats", {})])
+@pytest.mark.parametrize(
+    "policy,kw", [("full", {}), ("streaming_llm", {"budget": 64}), ("nats", {}), ("h2o", {"budget": 300})]
+)
 def test_the_compiled_step_does_no_work_that_grows_with_the_pool(policy, kw):
     """The decode step compiled by inductor (on the CPU: C++ kernels) has no loop over the pool: its only work that
     grows with the cache is the attention's read of the kept keys and values (the custom op). Appending the new

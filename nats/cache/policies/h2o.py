@@ -25,18 +25,21 @@ import torch
 
 from nats.cache.attention import masked_attention
 from nats.cache.base import LayerCache
-from nats.cache.engine import FixedRule, Plan, PromptState
+from nats.cache.engine import FixedRule, Plan, PromptState, write_kv
 from nats.cache.registry import register_cache
 
 _BIG = torch.iinfo(torch.long).max
 
 
-def h2o_step(k, v, slot_pos, score, kr, vr, qr, pos, budget: int, recent: int, zero):
+def h2o_step(k, v, slot_pos, score, kr, vr, qr, pos, budget: int, recent: int, zero, write=None):
     """One H2O step on a row's B slots (module docstring): k, v ``[R, B, D]``, ``slot_pos`` ``[R, B]`` (-1: empty),
     ``score`` ``[R, B]`` are updated in place; the new token kr, vr ``[R, D]`` at position ``pos`` ``[1]`` is
     admitted (evicting the lowest-scoring non-recent key of a full row), query qr ``[R, G, D]`` attends over the
     held keys and their scores grow by its probabilities. ``zero``: a device zero of the scores' dtype (CUDA-graph
-    capture refuses host scalars). Returns the output ``[R, G, D]`` and the keys each row holds ``[R]``."""
+    capture refuses host scalars). ``write(flat, kr, vr)``: writes the new key and value at the flat slots
+    ``row * B + slot`` where k and v are views of a buffer (one in-place write to the buffer itself: a compiled
+    step copies a view it writes through whole); by default into k and v. Returns the output ``[R, G, D]`` and the
+    keys each row holds ``[R]``."""
     R = slot_pos.shape[0]
     filled = slot_pos >= 0
     n = filled.sum(1)  # [R]
@@ -47,8 +50,11 @@ def h2o_step(k, v, slot_pos, score, kr, vr, qr, pos, budget: int, recent: int, z
     victim = torch.where(tie, slot_pos, torch.full_like(slot_pos, _BIG)).argmin(1)
     slot = torch.where(n >= budget, victim, n.clamp(max=budget - 1))  # [R]
     rows = torch.arange(R, device=slot_pos.device)
-    k[rows, slot] = kr
-    v[rows, slot] = vr
+    if write is None:
+        k[rows, slot] = kr
+        v[rows, slot] = vr
+    else:
+        write(rows * slot_pos.shape[1] + slot, kr, vr)
     slot_pos[rows, slot] = pos.expand(R)
     score[rows, slot] = zero
     valid = slot_pos >= 0
@@ -109,7 +115,7 @@ class H2ORule(FixedRule):
         R, B = layer.slot_pos.shape
         kv = layer.kv_pool[:, : R * B].view(2, R, B, -1)
         y, held = h2o_step(kv[0], kv[1], layer.slot_pos, layer.score, kr, vr, qr, pos, B, layer.h2o_recent,
-                           layer.h2o_zero)  # fmt: skip
+                           layer.h2o_zero, write=lambda flat, k, v: write_kv(layer.kv_pool, flat, k, v))  # fmt: skip
         layer.length.copy_(held)
         return y, held
 
