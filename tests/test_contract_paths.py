@@ -111,8 +111,9 @@ def test_policy_cache_batch_equals_each_prompt_alone(name):
 
 
 def test_decode_splits_take_few_values_over_a_changing_workload():
-    """The split-K count is a constant of the compiled decode step: batches 1-16 x prompts 1k-32k (8 KV heads, a
-    132-SM GPU and the CPU) give at most seven values, each a power of two, with splits of at least 128 keys."""
+    """The split-K count (a launch shape of the decode kernel, captured in the CUDA graphs): batches 1-16 x prompts
+    1k-32k (8 KV heads, a 132-SM GPU and the CPU) give at most seven values, each a power of two, with splits of at
+    least 128 keys."""
     from nats.cache.engine import decode_splits
 
     for sms in (132, 1):
@@ -123,6 +124,25 @@ def test_decode_splits_take_few_values_over_a_changing_workload():
                 assert s & (s - 1) == 0 and 1 <= s <= 64 and (prompt + 256) / s >= 128 or s == 1
                 seen.add(s)
         assert len(seen) <= 7, sorted(seen)
+
+
+def test_the_pool_attention_op_chooses_its_split_count_from_the_shapes(monkeypatch):
+    """On the Triton path the op chooses the split-K count when it runs, from the rows and the pool's slots per row
+    (+ the ring): for a full cache's pool that is the rows' capacity, as the prefill planned it."""
+    from nats.cache import attention, engine
+
+    seen = []
+    monkeypatch.setattr(attention, "resolve_backend", lambda backend, device: "triton")
+    monkeypatch.setattr(attention, "pool_attention", lambda q, *a, splits=None, **k: seen.append(splits) or q.clone())
+    monkeypatch.setattr(engine, "num_sms", lambda device: 132)
+    R, D, cap = 8, 16, 32768 + 64
+    q, pool = torch.zeros(R, 4, D), torch.zeros(R * cap + 1024, D)
+    rows = torch.zeros(R, dtype=torch.long)
+    engine.pool_attention_op(q, pool, pool, rows, rows, None, None, None)
+    ring = torch.zeros(R, 64, D)
+    engine.pool_attention_op(q, pool[: R * 300], pool[: R * 300], rows, rows, ring, ring, torch.zeros(R, 64).bool())
+    assert seen == [engine.decode_splits(R, cap + 128, q.device, sms=132), engine.decode_splits(R, 364, q.device, sms=132)]
+    assert seen[0] == 64
 
 
 @pytest.mark.parametrize("name", FIXED)
