@@ -141,7 +141,8 @@ def test_the_pool_attention_op_chooses_its_split_count_from_the_shapes(monkeypat
     engine.pool_attention_op(q, pool, pool, rows, rows, None, None, None)
     ring = torch.zeros(R, 64, D)
     engine.pool_attention_op(q, pool[: R * 300], pool[: R * 300], rows, rows, ring, ring, torch.zeros(R, 64).bool())
-    assert seen == [engine.decode_splits(R, cap + 128, q.device, sms=132), engine.decode_splits(R, 364, q.device, sms=132)]
+    expected = [engine.decode_splits(R, bound, q.device, sms=132) for bound in (cap + 128, 300 + 64)]
+    assert seen == expected
     assert seen[0] == 64
 
 
