@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -108,7 +107,8 @@ def generate(
     tokens[:, :1] = cur
     del out
     eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
-    pad = eos[0] if eos is not None and pad_token_id is None else pad_token_id
+    first = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id
+    pad = first if pad_token_id is None else pad_token_id  # the first end token, as generate pads
     done = None if eos is None else torch.isin(cur[:, 0], eos)
     step = decode_step(model, compile)
     if compile:  # one compiled step for every batch and prompt: the sizes that change are dynamic from the start
@@ -142,10 +142,3 @@ def generate(
         cache_pos += 1
     return torch.cat([ids, tokens[:, :n]], dim=1)
 
-
-def generate_kwargs(model) -> dict[str, Any]:
-    """The end and padding tokens of ``model.generation_config`` (as ``generate`` uses them)."""
-    eos = model.generation_config.eos_token_id
-    pad = model.generation_config.pad_token_id
-    first = eos[0] if isinstance(eos, list) else eos
-    return {"eos_token_id": eos, "pad_token_id": first if pad is None else pad}
