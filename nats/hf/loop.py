@@ -141,4 +141,3 @@ def generate(
         pos += 1
         cache_pos += 1
     return torch.cat([ids, tokens[:, :n]], dim=1)
-
