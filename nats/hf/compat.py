@@ -6,6 +6,9 @@ One place for it, so that the rest of `nats.hf` is written once:
   ``forward`` (and ``generate``); the attention modules receive it under the new name, and passing the old one
   warns. `cache_kwargs(model, cache)` gives ``{name: cache}`` for the model at hand, and `cache_from_kwargs`
   reads the cache an attention module was given under either name.
+* **Positions.** Up to ~5.2x the models' ``forward`` takes ``cache_position`` (and computes it from the cache's
+  length when absent, which a compiled decode step cannot do from a device tensor); later releases take positions
+  only: `takes_cache_position(model)`.
 * **Cache layer updates.** Up to 5.22 ``Cache.update`` received ``cache_kwargs`` (with ``cache_position``); from
   5.23 on nothing, or ``kwargs=``: the project's cache layers take ``*args, **kwargs`` and use none of them.
 
@@ -26,6 +29,12 @@ def cache_argument(model: Any) -> str:
     ``past_key_values``."""
     params = inspect.signature(type(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def takes_cache_position(model: Any) -> bool:
+    """Whether the model's decoder (``model.model``, else ``model``) takes ``cache_position``."""
+    body = getattr(model, "model", model)
+    return "cache_position" in inspect.signature(type(body).forward).parameters
 
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:

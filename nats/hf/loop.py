@@ -19,22 +19,14 @@ Tokens equal ``model.generate``'s greedy ones through the same cache (`tests/tes
 
 from __future__ import annotations
 
-import inspect
 import weakref
 
 import torch
 from torch import Tensor
 
-from nats.hf.compat import cache_kwargs
+from nats.hf.compat import cache_kwargs, takes_cache_position
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled decode steps, by mode
-
-
-def _takes_cache_position(model) -> bool:
-    """transformers up to ~5.2x takes ``cache_position`` (computed from the cache's length when absent, which
-    a compiled step cannot do from a device tensor); later releases take positions only."""
-    body = getattr(model, "model", model)
-    return "cache_position" in inspect.signature(type(body).forward).parameters
 
 
 def decode_step(model, compile: bool | str, mode: str | None = "reduce-overhead"):
@@ -45,7 +37,7 @@ def decode_step(model, compile: bool | str, mode: str | None = "reduce-overhead"
     key = (compile, mode)
     steps = _STEPS.setdefault(model, {})
     if key not in steps:
-        with_position = _takes_cache_position(model)
+        with_position = takes_cache_position(model)
 
         def step(token: Tensor, position_ids: Tensor, cache_position: Tensor, cache) -> Tensor:
             extra = {"cache_position": cache_position} if with_position else {}
@@ -100,7 +92,7 @@ def generate(
         attention_mask = None
     position = None if attention_mask is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=attention_mask, position_ids=position, use_cache=True, logits_to_keep=1,
-                **({"cache_position": torch.arange(P, device=device)} if _takes_cache_position(model) else {}),
+                **({"cache_position": torch.arange(P, device=device)} if takes_cache_position(model) else {}),
                 **cache_kwargs(model, cache))  # fmt: skip
     tokens = torch.empty(B, max_new_tokens, dtype=ids.dtype, device=device)
     cur = _choose(out.logits[:, -1].float(), temperature, top_k, generator)[:, None].to(ids.dtype)  # [B, 1]
