@@ -259,6 +259,27 @@ def new_tokens(method: str, args) -> int:
     return args.new if method not in ("dynamic", "policy_nats") else min(args.new, args.slow_new)
 
 
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_request(model, prompt: torch.Tensor, make_cache, n_new: int, method: str, device):
+    """One request timed as every row times it: the prefill and first token (a generation of one token), then the
+    whole generation through a new cache; the decode time is the difference. Returns (prefill seconds, decode
+    seconds, the output, the second generation's cache)."""
+    sync(device)
+    t0 = time.perf_counter()
+    generate(model, prompt, make_cache(), 1, method=method)  # prefill + one token: the first token's latency
+    sync(device)
+    t1 = time.perf_counter()
+    cache = make_cache()
+    out = generate(model, prompt, cache, n_new, method=method)
+    sync(device)
+    t2 = time.perf_counter()
+    return t1 - t0, max(1e-9, (t2 - t1) - (t1 - t0)), out, cache
+
+
 def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | None, static_prefill=None) -> dict:
     """One row; ``static_prefill``: a function timing one StaticCache prefill of the same prompt, called before each
     of this row's timed prefills (the row's prefill ratio then compares timings taken side by side)."""
@@ -267,17 +288,12 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     B, P = prompt.shape
     n_new = new_tokens(method, args)
     make_cache = cache_maker(model, method, P, n_new, kept, B)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
     skips0 = cudagraph_skips()
     with attention_of(model, method):
         # warm-up: compiled, autotuned, CUDA graphs recorded
         generate(model, prompt, make_cache(), min(n_new, 4), method=method)
         generate(model, prompt, make_cache(), min(n_new, 4), method=method)
-        sync()
+        sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         g0 = graphs()
@@ -285,16 +301,9 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
         for _ in range(max(1, getattr(args, "repeats", 1))):  # the median of repeated timings
             if static_prefill is not None:
                 beside.append(static_prefill())
-            t0 = time.perf_counter()
-            generate(model, prompt, make_cache(), 1, method=method)  # prefill + one token: the first token's latency
-            sync()
-            t1 = time.perf_counter()
-            cache = make_cache()
-            out = generate(model, prompt, cache, n_new, method=method)
-            sync()
-            t2 = time.perf_counter()
-            prefills.append(t1 - t0)
-            decodes.append(max(1e-9, (t2 - t1) - (t1 - t0)))
+            prefill_s, decode_s, out, cache = timed_request(model, prompt, make_cache, n_new, method, device)
+            prefills.append(prefill_s)
+            decodes.append(decode_s)
         new_graphs = graphs() - g0
     prefill_s = statistics.median(prefills)
     decode_s = statistics.median(decodes)
@@ -390,8 +399,7 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
         for label, n in (("prefill (+1 token)", 1), ("prefill + decode steps", min(17, n_new))):
             with torch_profile(activities=acts) as prof:
                 generate(model, prompt, make_cache(), n, method=method)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                sync(device)
             text += [
                 f"## {method} kept={kept} batch={B} prompt={P}: {label}",
                 prof.key_averages().table(key, row_limit=40, max_name_column_width=100),
@@ -563,24 +571,13 @@ def mixed_workload(model, method: str, args, device, gen) -> dict:
     prompts = [torch.randint(0, model.config.vocab_size, s, generator=gen).to(device) for s in shapes]
     n_new = new_tokens(method, args)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
     def serve(prompt) -> tuple[int, float]:
         """(tokens decoded after the first, seconds they took) of one request."""
         if method in NATS and kept is not None:
             calibrate(model, prompt, kept)
         make = cache_maker(model, method, prompt.shape[1], n_new, kept, prompt.shape[0])
-        sync()
-        t0 = time.perf_counter()
-        generate(model, prompt, make(), 1, method=method)
-        sync()
-        t1 = time.perf_counter()
-        generate(model, prompt, make(), n_new, method=method)
-        sync()
-        t2 = time.perf_counter()
-        return prompt.shape[0] * (n_new - 1), max(1e-9, (t2 - t1) - (t1 - t0))
+        _, decode_s, _, _ = timed_request(model, prompt, make, n_new, method, device)
+        return prompt.shape[0] * (n_new - 1), decode_s
 
     with attention_of(model, method), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         serve(prompts[0])  # warm-up
@@ -634,12 +631,10 @@ def static_prefill_timer(model, prompt: torch.Tensor, args, device):
 
     def once() -> float:
         with attention_of(model, "static"):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             t0 = time.perf_counter()
             generate(model, prompt, make(), 1)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             return time.perf_counter() - t0
 
     return once
