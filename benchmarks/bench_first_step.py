@@ -43,25 +43,6 @@ def _bench_nats_train():
     return mod
 
 
-def finetune_overrides(args, run_dir: Path) -> list[str]:
-    """A fine-tune experiment's overrides (a pretrained model's scorers, `nats.finetune`): no native model or token
-    windows to size, one validation example per task; the micro-batch stays the experiment's (1)."""
-    steps = args.steps
-    out = [
-        f"experiment={args.experiment}",
-        f"hydra.run.dir={run_dir}",
-        "callbacks=[default,step_timer]",
-        "logger=tensorboard_csv",
-        f"trainer.max_steps={steps}",
-        f"trainer.log_every_n_steps={steps}",
-        f"eval_every={steps}",
-        "final_validation=false",
-        "data.num_val_examples=1",
-        "trainer=cpu" if args.smoke else "trainer=gpu",
-    ]
-    return out + list(args.extra)
-
-
 def random_weights(folder: Path) -> list[str]:
     """The hf_model overrides of a model of `folder`'s shape with random weights: `folder` holds a transformers
     config.json and tokenizer; the weights are written into it once (the first step's kernel work depends on the
@@ -75,16 +56,10 @@ def random_weights(folder: Path) -> list[str]:
     return [f"hf_model.name_or_path={folder}", "hf_model.gguf_file=null"]
 
 
-def is_finetune(experiment: str) -> bool:
-    """An experiment of a pretrained transformers model (conf/experiment/finetune_*.yaml)."""
-    return experiment.startswith("finetune_")
-
-
 def run_once(bnt, name: str, args, workdir: Path, env: dict) -> dict:
     """One nats-train run into workdir/<name without spaces>: its timings and whether it printed the tuning line."""
     run_dir = workdir / name.replace(" ", "_")
-    overrides = finetune_overrides(args, run_dir) if is_finetune(args.experiment) else None
-    proc, _, t0, wall = bnt.train_in(run_dir, args.experiment, args, env, overrides)
+    proc, _, t0, wall = bnt.train_in(run_dir, args.experiment, args, env)
     timer = bnt.read_step_timer(run_dir, 0, args.log_every, 1)
     output = (proc.stdout + proc.stderr).splitlines()
     lines = [line for line in output if TUNING_LINE in line]

@@ -69,9 +69,12 @@ def train_overrides(exp: str, args, run_dir: Path) -> list[str]:
         f"trainer.max_steps={steps}",
         f"trainer.log_every_n_steps={args.log_every}",
         f"eval_every={steps}",
-        "final_validation=true",
-        f"data.max_eval_windows={args.eval_windows}",
     ]
+    if exp.startswith("finetune_"):  # a pretrained model's scorers (nats.finetune): no native model or windows to
+        # size; one validation example per task; the experiment's own micro-batch (1) and accumulation
+        device = "trainer=cpu" if args.smoke else "trainer=gpu"
+        return out + ["final_validation=false", "data.num_val_examples=1", device, *args.extra]
+    out += ["final_validation=true", f"data.max_eval_windows={args.eval_windows}"]
     if "tau_schedule" in callbacks:  # the schedule over this run, as a fig3 run anneals over its own max_steps
         out.append(f"callbacks.tau_schedule.steps={steps}")
     if args.smoke:
@@ -157,19 +160,16 @@ def recompiles(stderr: str) -> dict:
     return {"count": len(hits), "reasons": reasons}
 
 
-def train_in(
-    run_dir: Path, exp: str, args, env: dict, overrides: list[str] | None = None
-) -> tuple[subprocess.CompletedProcess, list[str], float, float]:
-    """`python -m nats.train` of experiment `exp` with the benchmark's overrides (`train_overrides`, or
-    `overrides`) in a fresh `run_dir`: the finished process (its output also in run_dir/bench_stdout.log,
-    bench_stderr.log), the overrides,
+def train_in(run_dir: Path, exp: str, args, env: dict) -> tuple[subprocess.CompletedProcess, list[str], float, float]:
+    """`python -m nats.train` of experiment `exp` with the benchmark's overrides (`train_overrides`) in a fresh
+    `run_dir`: the finished process (its output also in run_dir/bench_stdout.log, bench_stderr.log), the overrides,
     the start time and the wall-clock seconds. A failed run prints the end of its output and raises."""
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    overrides = train_overrides(exp, args, run_dir) if overrides is None else overrides
+    overrides = train_overrides(exp, args, run_dir)
     cmd = [sys.executable, "-m", "nats.train", *overrides]
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
