@@ -49,6 +49,7 @@ __all__ = [
     "mark_static",
     "num_sms",
     "decode_splits",
+    "write_kv",
     "attend",
     "pool_attention_op",
     "fixed_policies",
