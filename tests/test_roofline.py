@@ -50,3 +50,26 @@ def test_datasheet_and_measured_bandwidth():
     assert roofline.datasheet_bandwidth("NVIDIA H100 PCIe") == pytest.approx(2.0e12)
     assert roofline.datasheet_bandwidth("Some GPU") is None and roofline.datasheet_bandwidth(None) is None
     assert roofline.measured_bandwidth("cpu", nbytes=1 << 20, iters=2) > 0
+
+
+def test_graph_steps_splits_a_trace_into_replayed_steps():
+    """Two graph replays of three kernels each (one overlapping its neighbour), a kernel launched outside a graph:
+    the steps, their spans (start to the next step's start), busy time (the union of intervals) and gaps."""
+
+    def kernel(ts, dur, corr, name="k"):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    launch = [{"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "args": {"correlation": c}} for c in (7, 9)]
+    events = [
+        *launch,
+        kernel(100, 10, 7, "gemv"), kernel(112, 5, 7), kernel(114, 6, 7),  # busy 10 + (120 - 112) = 18
+        kernel(150, 10, 9, "gemv"), kernel(160, 10, 9), kernel(175, 5, 9),  # busy 25
+        kernel(300, 50, 3, "outside"),  # not replayed: left out
+    ]  # fmt: skip
+    s = roofline.graph_steps({"traceEvents": events})
+    assert s["steps"] == 2 and s["kernels_per_step"] == 3
+    assert s["span_us"] == 50  # 100 -> 150
+    assert s["busy_us"] == pytest.approx((18 + 25) / 2)
+    assert s["idle_us"] == pytest.approx(50 - 21.5) and s["between_us"] == 150 - 120
+    assert s["by_kernel"]["gemv"] == 10 and "outside" not in s["by_kernel"]
+    assert roofline.graph_steps({"traceEvents": events[2:]}) is None  # no launch: no steps

@@ -32,6 +32,7 @@ __all__ = [
     "measured_bandwidth",
     "step_stats",
     "limit_ratio",
+    "graph_steps",
 ]
 
 # HBM bandwidth from the vendors' data sheets, bytes/s, by a part of the name torch.cuda.get_device_name gives
@@ -126,3 +127,58 @@ def limit_ratio(full_bytes: float, step_bytes: float) -> float:
     """The largest speed-up over a full cache that a step reading ``step_bytes`` instead of ``full_bytes`` can have
     (the same model and batch; both steps at the same share of the bandwidth)."""
     return full_bytes / step_bytes
+
+
+def graph_steps(trace: dict) -> dict | None:
+    """Where the time of decode steps replayed as CUDA graphs goes, from a profiler's Chrome trace
+    (``torch.profiler.profile(...).export_chrome_trace``, loaded as a dict): the kernels each ``cudaGraphLaunch``
+    ran (matched by their correlation id) make one step. Returns the steps' count, the kernels per step, and per step
+    (medians, microseconds): ``span_us`` (first kernel's start to the next step's first kernel's start: the time a
+    token takes), ``busy_us`` (the union of its kernels' intervals), ``idle_us`` (span - busy: the gaps between
+    kernels inside the graph and between graphs), ``between_us`` (the last kernel's end to the next step's first
+    kernel's start: the part of the idle time between graphs, the host's launch of the next step), and the kernels'
+    total by name (``by_kernel``, us per step, the 12 largest). None if the trace has no graph launch."""
+    import statistics
+
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    launches = {
+        e["args"]["correlation"]
+        for e in events
+        if e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})
+    }
+    steps: dict[int, list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("cat") == "kernel" and e.get("args", {}).get("correlation") in launches:
+            steps.setdefault(e["args"]["correlation"], []).append((float(e["ts"]), float(e["dur"]), e["name"]))
+    if not steps:
+        return None
+    ordered = sorted((sorted(k) for k in steps.values()), key=lambda k: k[0][0])
+    spans, busys, between, totals = [], [], [], {}
+    for i, kernels in enumerate(ordered):
+        end = max(t + d for t, d, _ in kernels)
+        nxt = ordered[i + 1][0][0] if i + 1 < len(ordered) else end
+        busy, cur_s, cur_e = 0.0, None, None
+        for t, d, name in kernels:
+            totals[name] = totals.get(name, 0.0) + d
+            if cur_e is None or t > cur_e:
+                busy += 0.0 if cur_e is None else cur_e - cur_s
+                cur_s, cur_e = t, t + d
+            else:
+                cur_e = max(cur_e, t + d)
+        busy += cur_e - cur_s
+        if i + 1 < len(ordered):  # the last step has no next one: its span is not known
+            spans.append(nxt - kernels[0][0])
+            between.append(nxt - end)
+        busys.append(busy)
+    n = len(ordered)
+    span = statistics.median(spans) if spans else None
+    busy = statistics.median(busys)
+    return {
+        "steps": n,
+        "kernels_per_step": statistics.median(len(k) for k in ordered),
+        "span_us": span,
+        "busy_us": busy,
+        "idle_us": None if span is None else span - busy,
+        "between_us": statistics.median(between) if between else None,
+        "by_kernel": dict(sorted(((k, v / n) for k, v in totals.items()), key=lambda kv: -kv[1])[:12]),
+    }
