@@ -218,6 +218,19 @@ def cache_maker(model, method: str, P: int, n_new: int, kept: float | None, batc
     return make
 
 
+def projections(model, method: str, args) -> None:
+    """Each layer's q/k/v and gate/up projections as one product each (`nats.hf.fused`) for `method`'s row, unless
+    ``--unfused`` or the row is one of transformers' own caches (``static``, ``dynamic``: what a transformers user
+    runs)."""
+    from nats.hf.fused import fuse_projections, is_fused, unfuse_projections
+
+    fused = not getattr(args, "unfused", False) and method not in ("static", "dynamic")
+    if fused and not is_fused(model):
+        fuse_projections(model)
+    elif not fused and is_fused(model):
+        unfuse_projections(model)
+
+
 @contextlib.contextmanager
 def attention_of(model, method: str):
     """transformers' own caches run its SDPA attention; the project's caches the nats attention function."""
@@ -289,6 +302,7 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     n_new = new_tokens(method, args)
     make_cache = cache_maker(model, method, P, n_new, kept, B)
     skips0 = cudagraph_skips()
+    projections(model, method, args)
     with attention_of(model, method):
         # warm-up: compiled, autotuned, CUDA graphs recorded
         generate(model, prompt, make_cache(), min(n_new, 4), method=method)
@@ -489,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed generate calls per row; the median is reported")
     ap.add_argument("--profile", action="store_true", help="kernel tables of a prefill and 16 decode steps")
     ap.add_argument(
+        "--unfused",
+        action="store_true",
+        help="every row with the model's own q/k/v and gate/up products (default: fused, nats.hf.fused, for every row "
+        "but transformers' caches static and dynamic)",
+    )
+    ap.add_argument(
         "--mixed",
         type=int,
         default=0,
@@ -602,6 +622,7 @@ def mixed_workload(model, method: str, args, device, gen) -> dict:
         _, decode_s, _, _ = timed_request(model, prompt, make, n_new, method, device)
         return prompt.shape[0] * (n_new - 1), decode_s
 
+    projections(model, method, args)
     with attention_of(model, method), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         serve(prompts[0])  # warm-up
         g0 = graphs()
@@ -674,6 +695,11 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
         shape = f"{args.model} (its weights"
     elif not args.smoke:
         shape += ", fine-tuned scorers)" if args.scorers else ", scorers calibrated to the kept share)"
+    fusion = (
+        "Every row with the model's own q/k/v and gate/up products"
+        if getattr(args, "unfused", False)
+        else "q/k/v and gate/up projections as one product each (nats.hf.fused) in every row but static and dynamic"
+    )
     bw = args.bandwidth
     sheet = "unknown" if bw["datasheet"] is None else f"{bw['datasheet'] / 1e9:.0f} GB/s"
     head = (
@@ -688,7 +714,8 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
         f"(sdpa_static, flex_static, full, hf_full, static, dynamic); bound x full: the largest x full those bytes "
         f"allow "
         f"(full bytes / the row's bytes, at the same share of the bandwidth); x StaticCache: over transformers' "
-        f"StaticCache, which repeats each KV head for its query group and passes a mask to SDPA.\n"
+        f"StaticCache, which repeats each KV head for its query group and passes a mask to SDPA. "
+        f"{fusion}.\n"
         f"Command: `python benchmarks/bench_hf_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n"
     )
     mixed_rows = [r for r in rows if r.get("mixed")]

@@ -2,7 +2,8 @@
 full-cache baseline of `benchmarks/bench_hf_decode.py` (its rows ``sdpa_static`` and ``flex_static``).
 
 A hand-written greedy decode loop over the transformers model's own modules (embedding, q/k/v/o projections, MLPs,
-RMS norms, its rotary tables, LM head), not ``model.generate``: keys and values go into preallocated buffers
+RMS norms, its rotary tables, LM head; q/k/v as one product where `nats.hf.fused` fused them, as gpt-fast's
+``wqkv``), not ``model.generate``: keys and values go into preallocated buffers
 ``[B, Hkv, max_len, D]``, one pair per layer (a write into a view of one buffer of all layers would make the
 compiled step copy that buffer whole at every layer), each KV head is read once for its group of query heads
 (``enable_gqa=True``: no repeated KV heads), and no mask is built for a decode step:
@@ -69,9 +70,13 @@ class GptFastDecoder:
         cos, sin = self.cos[pos], self.sin[pos]
         for i, layer in enumerate(self.body.layers):
             a, h = layer.self_attn, layer.input_layernorm(x)
-            q = rotate(a.q_proj(h).view(B, T, self.n_head, self.head_dim).transpose(1, 2), cos, sin)
-            k = rotate(a.k_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
-            v = a.v_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            if hasattr(a, "qkv_weight"):  # fused (nats.hf.fused): one product, as gpt-fast's wqkv
+                q, k, v = F.linear(h, a.qkv_weight, a.qkv_bias).split(a._nats_split, dim=-1)
+            else:
+                q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q = rotate(q.view(B, T, self.n_head, self.head_dim).transpose(1, 2), cos, sin)
+            k = rotate(k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
             self.k[i].index_copy_(2, pos, k)
             self.v[i].index_copy_(2, pos, v)
             y = attend(i, q, k, v)

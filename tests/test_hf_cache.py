@@ -162,7 +162,8 @@ def test_decode_benchmark_smoke(tmp_path):
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_gptfast_decoder_equals_static_cache_generate(attention):
     """benchmarks/gptfast_decode.py (the gpt-fast-style full cache of the benchmark) decodes the greedy tokens of
-    model.generate with transformers' StaticCache, twice in a row from the same buffers."""
+    model.generate with transformers' StaticCache, twice in a row from the same buffers, and with the model's
+    projections fused."""
     from conftest import load_script
 
     bench = load_script("benchmarks/bench_hf_decode.py")
@@ -173,6 +174,10 @@ def test_gptfast_decoder_equals_static_cache_generate(attention):
     ref = greedy(model, prompt, transformers.StaticCache(config=model.config, max_cache_len=160), n=10)
     dec = bench._gptfast().GptFastDecoder(model, 2, 160, attention, compile=False)
     assert torch.equal(dec.generate(prompt, 10), ref) and torch.equal(dec.generate(prompt, 10), ref)
+    from nats.hf.fused import fuse_projections
+
+    fuse_projections(model)  # q/k/v as one product, as gpt-fast's wqkv (the benchmark's rows)
+    assert torch.equal(dec.generate(prompt, 10), ref)
     assert dec.kv_nbytes() == 2 * 2 * 2 * 3 * 160 * 8 * 4  # K and V: layers x batch x KV heads x slots x D x 4 B
 
 

@@ -1,6 +1,7 @@
 """``nats-generate hf_model=...``: a transformers model continues a prompt with a KV-cache policy, by default in the
 fixed-capacity cache (`nats.hf.StaticPolicyCache`) decoded by `nats.hf.loop.generate` (the step compiled with CUDA
-graphs on a GPU, no host synchronisation per token; ``model.generate``'s greedy tokens through the same cache).
+graphs on a GPU, no host synchronisation per token; ``model.generate``'s greedy tokens through the same cache), with
+each layer's q/k/v and gate/up projections fused (`nats.hf.fused`).
 
     nats-generate hf_model=smollm2_135m prompt="The capital of France is" max_new_tokens=32
     nats-generate hf_model=smollm2_135m scorers=<run>/scorers.pt policy=nats prompt_file=book.txt
@@ -26,6 +27,7 @@ from nats.cache.engine import fixed_policies
 def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     from nats.hf import PolicyCache, StaticPolicyCache
     from nats.hf.compat import generate_through
+    from nats.hf.fused import fuse_projections
     from nats.hf.loop import generate as loop
     from nats.hf.pretrained import load_pretrained, prepare_model, pretrained_kwargs
 
@@ -52,7 +54,8 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     sample = {"do_sample": True, "temperature": temperature, "top_k": cfg.get("top_k")} if temperature > 0 else {}
     torch.manual_seed(int(cfg.get("seed", 0)))
     t0 = time.perf_counter()
-    if fast:  # the loop without a host synchronisation per token (nats.hf.loop)
+    if fast:  # the loop without a host synchronisation per token (nats.hf.loop), one q/k/v and one gate/up product
+        fuse_projections(model)
         gen = torch.Generator(device).manual_seed(int(cfg.get("seed", 0))) if temperature > 0 else None
         out = loop(model, ids, cache, new, temperature=temperature, top_k=cfg.get("top_k"), generator=gen)
     else:

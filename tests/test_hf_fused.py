@@ -1,0 +1,97 @@
+"""`nats.hf.fuse_projections`: one q/k/v product and one gate/up product per layer give the unfused model's logits
+and greedy tokens (transformers' caches and the project's, eager and compiled), keep its parameters and bytes, and
+remove three matrix products per layer from the compiled decode step."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_nats import ids, tiny_model  # noqa: E402
+from test_hf_static_cache import greedy, nats_model  # noqa: E402
+
+from nats.cache import roofline  # noqa: E402
+from nats.hf import StaticPolicyCache, use_policy_caches  # noqa: E402
+from nats.hf.fused import fuse_projections, is_fused, unfuse_projections  # noqa: E402
+from nats.hf.loop import generate  # noqa: E402
+
+NEW = 10
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_fused_logits_and_tokens_equal_the_model(arch, attn):
+    """Forward logits and greedy tokens through transformers' DynamicCache (the cache's update is called as the
+    installed transformers calls it), for each supported family (Qwen2: biases in q/k/v)."""
+    model = tiny_model(arch)
+    model.config._attn_implementation = attn
+    x = ids(n=20, b=2, seed=7)
+    with torch.no_grad():
+        ref = model(x).logits
+    ref_tokens = greedy(model, x, transformers.DynamicCache(config=model.config))
+    fuse_projections(model)
+    assert is_fused(model)
+    with torch.no_grad():
+        out = model(x).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(greedy(model, x, transformers.DynamicCache(config=model.config)), ref_tokens)
+
+
+def test_fused_weights_are_views_and_the_bytes_stay():
+    model = tiny_model("qwen2")
+    names = [n for n, _ in model.named_parameters()]
+    keys = set(model.state_dict())
+    nbytes = roofline.weight_bytes(model)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fuse_projections(model)
+    fuse_projections(model)  # a second call changes nothing
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()  # no second copy
+    assert attn.v_proj.bias.untyped_storage().data_ptr() == attn.qkv_bias.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up_weight.untyped_storage().data_ptr()
+    assert [n for n, _ in model.named_parameters()] == names and set(model.state_dict()) == keys
+    assert roofline.weight_bytes(model) == nbytes
+    for n, p in model.named_parameters():
+        assert torch.equal(p, weights[n]), n
+    unfuse_projections(model)
+    assert not is_fused(model) and "forward" not in attn.__dict__ and "forward" not in mlp.__dict__
+    x = ids(n=12, b=1, seed=2)
+    with torch.no_grad():
+        out = model(x).logits
+    ref = tiny_model("qwen2")
+    with torch.no_grad():
+        torch.testing.assert_close(out, ref(x).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["nats", "full"])
+def test_fused_project_caches_equal_unfused(policy):
+    """Through the project's fixed-capacity cache and nats-generate's loop (the nats attention function)."""
+    model = nats_model() if policy == "nats" else use_policy_caches(tiny_model("llama"))
+    prompt = ids(n=40, b=2, seed=3)
+    ref = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW, compile=False)
+    fuse_projections(model)
+    got = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW, compile=False)
+    assert torch.equal(got, ref)
+
+
+def test_fused_compiled_step_has_three_products_fewer_per_layer():
+    """The decode step compiled by inductor: one product for q/k/v and one for gate/up (4 per layer and the LM head),
+    against 7 per layer unfused, with the same tokens."""
+    from torch._inductor.utils import run_and_get_code
+
+    def products(model):
+        torch._dynamo.reset()
+        cache = StaticPolicyCache(model, "full", max_new_tokens=4)
+        out, code = run_and_get_code(generate, model, ids(n=30, b=1, seed=4), cache, 4, compile="inductor")
+        return out, sum(len(re.findall(r"extern_kernels\.(?:mm|addmm|bmm)\(", src)) for src in code)
+
+    model = use_policy_caches(tiny_model("llama"))
+    ref, unfused = products(model)
+    out, fused = products(fuse_projections(model))
+    layers = model.config.num_hidden_layers
+    assert torch.equal(out, ref)
+    assert (unfused, fused) == (7 * layers + 1, 4 * layers + 1)
