@@ -429,8 +429,10 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
                     f"(between steps {fmt(steps['between_us'], '.0f')} us)"
                 )
                 print(line, flush=True)
-                kernels = [f"| {us:.1f} | {name[:100]} |" for name, us in steps["by_kernel"].items()]
-                text += ["### replayed steps", line, "", "| us per step | kernel |", "|---:|---|", *kernels]
+                per = steps["launches"]
+                kernels = [f"| {us:.1f} | {per[name]:g} | {name[:100]} |" for name, us in steps["by_kernel"].items()]
+                text += ["### replayed steps", line, "", "| us per step | launches | kernel |", "|---:|---:|---|"]
+                text += kernels
     (out / f"profile_{method}_{kept}_b{B}_n{P}.txt").write_text("\n".join(text))
 
 

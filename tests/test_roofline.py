@@ -71,5 +71,5 @@ def test_graph_steps_splits_a_trace_into_replayed_steps():
     assert s["span_us"] == 50  # 100 -> 150
     assert s["busy_us"] == pytest.approx((18 + 25) / 2)
     assert s["idle_us"] == pytest.approx(50 - 21.5) and s["between_us"] == 150 - 120
-    assert s["by_kernel"]["gemv"] == 10 and "outside" not in s["by_kernel"]
+    assert s["by_kernel"]["gemv"] == 10 and s["launches"]["k"] == 2 and "outside" not in s["by_kernel"]
     assert roofline.graph_steps({"traceEvents": events[2:]}) is None  # no launch: no steps

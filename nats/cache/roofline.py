@@ -137,7 +137,8 @@ def graph_steps(trace: dict) -> dict | None:
     token takes), ``busy_us`` (the union of its kernels' intervals), ``idle_us`` (span - busy: the gaps between
     kernels inside the graph and between graphs), ``between_us`` (the last kernel's end to the next step's first
     kernel's start: the part of the idle time between graphs, the host's launch of the next step), and the kernels'
-    total by name (``by_kernel``, us per step, the 12 largest). None if the trace has no graph launch."""
+    total by name (``by_kernel``, us per step, the 40 largest; ``launches``: their launches per step). None if the
+    trace has no graph launch."""
     import statistics
 
     events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
@@ -153,13 +154,14 @@ def graph_steps(trace: dict) -> dict | None:
     if not steps:
         return None
     ordered = sorted((sorted(k) for k in steps.values()), key=lambda k: k[0][0])
-    spans, busys, between, totals = [], [], [], {}
+    spans, busys, between, totals, counts = [], [], [], {}, {}
     for i, kernels in enumerate(ordered):
         end = max(t + d for t, d, _ in kernels)
         nxt = ordered[i + 1][0][0] if i + 1 < len(ordered) else end
         busy, cur_s, cur_e = 0.0, None, None
         for t, d, name in kernels:
             totals[name] = totals.get(name, 0.0) + d
+            counts[name] = counts.get(name, 0) + 1
             if cur_e is None or t > cur_e:
                 busy += 0.0 if cur_e is None else cur_e - cur_s
                 cur_s, cur_e = t, t + d
@@ -180,5 +182,6 @@ def graph_steps(trace: dict) -> dict | None:
         "busy_us": busy,
         "idle_us": None if span is None else span - busy,
         "between_us": statistics.median(between) if between else None,
-        "by_kernel": dict(sorted(((k, v / n) for k, v in totals.items()), key=lambda kv: -kv[1])[:12]),
+        "by_kernel": (top := dict(sorted(((k, v / n) for k, v in totals.items()), key=lambda kv: -kv[1])[:40])),
+        "launches": {k: counts[k] / n for k in top},
     }
