@@ -380,6 +380,23 @@ def test_triton_pool_attention_matches_torch(dtype):
     ref = torch_pool_attention(q, kp, vp, start, ln, int(ln.max()))
     out = triton_pool_attention(q, kp, vp, start, ln, int(ln.max()), splits=2)
     assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=0)
+    for bn in (16, 128):  # other keys per block (launch choices of benchmarks/sweep_pool_attention.py)
+        cfg = {"block_n": bn, "num_warps": 2, "num_stages": 2}
+        out = triton_pool_attention(q, kp, vp, start, ln, int(ln.max()), splits=3, config=cfg)
+        assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=0), bn
+
+
+def test_sweep_pool_attention_smoke(tmp_path):
+    """benchmarks/sweep_pool_attention.py --smoke: the default launch choice first, the others timed, all checked
+    against the PyTorch reference."""
+    import json
+
+    from conftest import load_script
+
+    assert load_script("benchmarks/sweep_pool_attention.py").main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
+    assert rows[0]["default"] and len(rows) == 3 and all(r["max_err"] < 1e-5 for r in rows)
+    assert "| tiny | default | 64 |" in (tmp_path / "sweep_pool_attention.md").read_text()
 
 
 def test_nats_decode_with_triton_backend():

@@ -136,16 +136,23 @@ def _combine_kernel(M, L, ACC, OUT, SPLITS, D: tl.constexpr, BLOCK_D: tl.constex
     tl.store(OUT + pid * D + offs_d, (num / den).to(OUT.dtype.element_ty), mask=dmask)
 
 
+def launch_config(rows: int, head_dim: int) -> dict:
+    """The split kernel's keys per block and launch (``rows``: KV rows, ``head_dim``: D)."""
+    return {"block_n": BLOCK_N, "num_warps": 4, "num_stages": 3}
+
+
 def default_splits(max_len: int, rows: int) -> int:
     """Split-K count: chunks of about 256 keys, at most 64 splits (rows x splits programs in all)."""
     return int(min(MAX_SPLITS, max(1, math.ceil(max(int(max_len), 1) / 256))))
 
 
 def triton_pool_attention(
-    q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None, splits=None
+    q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None, splits=None, config=None
 ):
     """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync); the
-    reference is :func:`decode_reference.torch_pool_attention`."""
+    reference is :func:`decode_reference.torch_pool_attention`. ``config``: the split kernel's launch,
+    ``{"block_n", "num_warps", "num_stages"}`` (default `launch_config`; `benchmarks/sweep_pool_attention.py`
+    times the choices)."""
     R, G, D = q.shape
     q = q.contiguous()
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or k_pool.stride(0) != D or v_pool.stride(0) != D:
@@ -167,6 +174,7 @@ def triton_pool_attention(
     else:
         W, rk, rv, rvalid = 1, k_pool, v_pool, start  # unused placeholders
     block_d = max(16, triton.next_power_of_2(D))
+    cfg = {**launch_config(R, D), **(config or {})}
     _pool_decode_kernel[(R, splits)](
         q,
         k_pool,
@@ -185,11 +193,13 @@ def triton_pool_attention(
         D=D,
         BLOCK_G=max(16, triton.next_power_of_2(G)),  # tl.dot's smallest tile; rows beyond G are masked
         BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=cfg["block_n"],
         HAS_RING=has_ring,
         W=W,
         BLOCK_W=max(16, triton.next_power_of_2(W)),
         IEEE=INTERPRET or q.dtype in (torch.float32, torch.float64),  # the interpreter has no bf16 dot
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     _combine_kernel[(R * G,)](m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS)
     return out

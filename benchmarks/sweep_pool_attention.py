@@ -1,0 +1,119 @@
+"""The split-K pool attention of a decode step (`nats_kernels.nats_attention.decode.triton_pool_attention`) over its
+launch choices: keys per block, warps, pipeline stages and split count, for the shapes of a full cache at batch 1
+and 8 (Llama-3.1-8B: 8 KV heads of 4 query heads, D = 128; Llama-3.2-1B: D = 64), against the bytes it must read
+(the keys and values, once) over a device-to-device copy's bandwidth measured in the same run. The default choice
+(`decode.launch_config`, `nats.cache.engine.decode_splits`) is the first row of each shape.
+
+    python benchmarks/sweep_pool_attention.py --out logs/bench/sweep_pool_attention
+    python benchmarks/sweep_pool_attention.py --smoke          # tiny shapes, two choices, on the CPU (interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def timed(fn, device, reps: int) -> float:
+    """Median seconds of ``fn()`` (CUDA events on a GPU, each call after an L2-flushing write)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nats.cache import roofline
+    from nats.cache.engine import decode_splits
+    from nats_kernels.nats_attention.decode import launch_config, triton_pool_attention
+    from nats_kernels.nats_attention.decode_reference import torch_pool_attention
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="logs/bench/sweep_pool_attention")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.smoke:  # (label, rows, G, D, keys)
+        shapes = [("tiny", 2, 2, 16, 200)]
+        choices = [(32, 4, 2, 4), (16, 2, 2, 2)]
+    else:
+        shapes = [(f"{name}, batch {b}, {n // 1024}k", 8 * b, 4, d, n) for name, d in (("8B", 128), ("1B", 64))
+                  for b in (1, 8) for n in (8192, 32768)]  # fmt: skip
+        choices = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (8, 16, 32, 64)))
+    bw = roofline.measured_bandwidth(device) if device.type == "cuda" else None
+    rows = []
+    for label, R, G, D, n in shapes:
+        torch.manual_seed(0)
+        q = torch.randn(R, G, D, device=device, dtype=dtype)
+        k = torch.randn(R * n, D, device=device, dtype=dtype)
+        v = torch.randn(R * n, D, device=device, dtype=dtype)
+        start = torch.arange(R, device=device, dtype=torch.int64) * n
+        length = torch.full((R,), n, device=device, dtype=torch.int64)
+        nbytes = 2 * R * n * D * k.element_size()
+        ref = torch_pool_attention(q.float(), k.float(), v.float(), start, length, n)
+        default = launch_config(R, D)
+        dsplits = decode_splits(R, n, device) if device.type == "cuda" else 2
+        tried = [(default["block_n"], default["num_warps"], default["num_stages"], dsplits), *choices]
+        for i, (bn, warps, stages, splits) in enumerate(tried):
+            cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages}
+            call = lambda: triton_pool_attention(q, k, v, start, length, n, splits=splits, config=cfg)  # noqa: E731
+            try:
+                out = call()
+                err = float((out.float() - ref).abs().max())
+                sec = timed(call, device, args.reps)
+            except Exception as e:  # a choice Triton cannot compile here (resources): a row saying so
+                rows.append({"shape": label, **cfg, "splits": splits, "error": str(e).splitlines()[0][:80]})
+                continue
+            rows.append({"shape": label, "default": i == 0, **cfg, "splits": splits, "us": sec * 1e6,
+                         "gbps": nbytes / sec / 1e9, "share": None if bw is None else nbytes / sec / bw,
+                         "max_err": err})  # fmt: skip
+        print(label, "done", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (interpreter)"
+    lines = [
+        f"# Split-K pool attention over its launch choices ({name}, torch {torch.__version__}, {dtype})",
+        "",
+        f"Bandwidth measured: {'-' if bw is None else f'{bw / 1e9:.0f} GB/s'}. Bytes: the keys and values read once. "
+        f"Command: `python benchmarks/sweep_pool_attention.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+        "",
+        "| shape | choice | block_n | warps | stages | splits | us | GB/s | of measured BW | max err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, *_ in shapes:
+        ok = [r for r in rows if r["shape"] == label and "us" in r]
+        best = sorted((r for r in ok if not r.get("default")), key=lambda r: r["us"])[:5]
+        for r in [x for x in ok if x.get("default")] + best:
+            share = "" if r["share"] is None else f"{100 * r['share']:.1f}%"
+            lines.append(
+                f"| {label} | {'default' if r.get('default') else 'fast'} | {r['block_n']} | {r['num_warps']} | "
+                f"{r['num_stages']} | {r['splits']} | {r['us']:.1f} | {r['gbps']:.0f} | {share} | {r['max_err']:.1e} |"
+            )
+    text = "\n".join(lines) + "\n"
+    (out / "sweep_pool_attention.md").write_text(text)
+    (out / "sweep_pool_attention.json").write_text(json.dumps({"device": name, "bandwidth": bw, "rows": rows}))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
