@@ -144,6 +144,9 @@ def test_the_pool_attention_op_chooses_its_split_count_from_the_shapes(monkeypat
     expected = [engine.decode_splits(R, bound, q.device, sms=132) for bound in (cap + 128, 300 + 64)]
     assert seen == expected
     assert seen[0] == 64
+    q = torch.zeros(R, 4, 128)  # head dim 128 and few rows: the kernel's launch choice caps the splits at 16
+    engine.pool_attention_op(q, pool[:, :1].expand(-1, 128), pool[:, :1].expand(-1, 128), rows, rows, None, None, None)
+    assert seen[-1] == 16
 
 
 @pytest.mark.parametrize("name", FIXED)

@@ -95,3 +95,17 @@ def test_fused_compiled_step_has_three_products_fewer_per_layer():
     layers = model.config.num_hidden_layers
     assert torch.equal(out, ref)
     assert (unfused, fused) == (7 * layers + 1, 4 * layers + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", ["nats", "full"])
+def test_fused_on_cuda_equals_unfused(policy):
+    """On a GPU: the Triton prefill writes (keys and values of the fused product strided differently) and the step
+    replayed as a CUDA graph give the unfused model's tokens."""
+    model = (nats_model() if policy == "nats" else use_policy_caches(tiny_model("llama"))).cuda()
+    prompt = ids(n=300, b=2, seed=5).cuda()
+    ref = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW)
+    fuse_projections(model)
+    got = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW)
+    assert torch.equal(got, ref)

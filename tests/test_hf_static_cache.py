@@ -394,6 +394,13 @@ def test_prefill_kernels_equal_the_kernels_one_by_one(n, D, device):
     odd = torch.empty(q.numel() + 1, device=device, dtype=dt)[1:].view(B, n, Hq, D).transpose(1, 2)
     assert prefill_kernels(odd.copy_(q), k, v, logits, bias, W, new) is None  # 2 or 4 bytes off: unaligned
     assert prefill_kernels(q, k, v.contiguous(), logits, bias, W, new) is None
+    # keys and values strided differently (fused q/k/v projections: rotary makes the keys contiguous, the values
+    # stay a view of the fused product) are taken as well
+    got = prefill_rows(t_ref, k, v.contiguous(), W, new)
+    assert torch.equal(got[0][1:], rows_ref[1:])  # (the starts, row 0, are written by prefill_pool)
+    for a, b in zip(got[1:], (end_ref, ring_ref, valid_ref, last_ref)):
+        assert torch.equal(a, b)
+    assert torch.equal(prefill_pool(t_ref, k.contiguous(), v, rows_ref, last_ref, size), pool_ref)
 
 
 @pytest.mark.parametrize(

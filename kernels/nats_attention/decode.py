@@ -137,8 +137,15 @@ def _combine_kernel(M, L, ACC, OUT, SPLITS, D: tl.constexpr, BLOCK_D: tl.constex
 
 
 def launch_config(rows: int, head_dim: int) -> dict:
-    """The split kernel's keys per block and launch (``rows``: KV rows, ``head_dim``: D)."""
-    return {"block_n": BLOCK_N, "num_warps": 4, "num_stages": 3}
+    """The split kernel's keys per block, warps and pipeline stages, and the most splits worth launching, for
+    ``rows`` KV rows (batch x KV heads) of head dim D. From `benchmarks/sweep_pool_attention.py` on an H200
+    (docs/results/bench_limit_h200.md): at D = 128 and a few rows (batch 1-2 of 8 KV heads) blocks of 128 keys and
+    at most 16 splits (one program per SM: 49 us at 32k keys, 22 us at 8k, against 54 and 73 us with the
+    choices before); with more rows or D = 64, blocks of 64 keys with 2 warps (and 2 stages where the rows fill
+    the GPU: 254 against 291 us at batch 8, 32k, D = 128)."""
+    if head_dim >= 128 and rows <= 16:
+        return {"block_n": 128, "num_warps": 4, "num_stages": 3, "max_splits": 16}
+    return {"block_n": BLOCK_N, "num_warps": 2, "num_stages": 3 if rows <= 16 else 2, "max_splits": MAX_SPLITS}
 
 
 def default_splits(max_len: int, rows: int) -> int:
@@ -174,7 +181,7 @@ def triton_pool_attention(
     else:
         W, rk, rv, rvalid = 1, k_pool, v_pool, start  # unused placeholders
     block_d = max(16, triton.next_power_of_2(D))
-    cfg = {**launch_config(R, D), **(config or {})}
+    cfg = {**launch_config(R, D), **(config or {})}  # (max_splits: the caller's, `decode_splits`)
     _pool_decode_kernel[(R, splits)](
         q,
         k_pool,

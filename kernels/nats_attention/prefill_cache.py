@@ -122,11 +122,11 @@ def _pool_meta(R: int, D: int) -> dict:
 
 def _checked(types: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     B, H, N, D = k.shape
-    if tuple(types.shape) != (B, H, N) or v.shape != k.shape or k.stride() != v.stride():
+    if tuple(types.shape) != (B, H, N) or v.shape != k.shape:
         raise ValueError(f"expected types [B, Hkv, N], k / v [B, Hkv, N, D] alike; got {tuple(types.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
-    if k.stride(-1) != 1:
-        k, v = k.contiguous(), v.contiguous()
+    if k.stride(-1) != 1 or k.stride() != v.stride():  # the kernels take one set of strides for both
+        k, v = k.contiguous(), v.contiguous()  # (fused q/k/v projections: rotary makes k contiguous, v a view)
     return types.reshape(B * H, N).contiguous(), k, v
 
 

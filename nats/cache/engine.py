@@ -82,13 +82,14 @@ def _cuda_sms(index: int) -> int:  # read once per GPU: the prefill asks at ever
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def decode_splits(rows: int, bound: int, device: torch.device, sms: int | None = None) -> int:
-    """Split-K count of the decode attention: about two programs per SM over the rows, at most 64, and splits of
+def decode_splits(rows: int, bound: int, device: torch.device, sms: int | None = None, most: int = 64) -> int:
+    """Split-K count of the decode attention: about two programs per SM over the rows, at most ``most`` (a power
+    of two: 64, or the kernel's `launch_config` for the rows and head dim), and splits of
     about 256 keys or more (``bound``: the keys a row can hold, known without a host synchronisation: the pool's
     slots per row, + the ring), rounded up to a power of two (at most seven launch shapes of the kernel, each
     captured in the CUDA graphs of the decode steps that use it)."""
     sms = num_sms(device) if sms is None else sms
-    n = max(1, min(64, math.ceil(2 * sms / rows), math.ceil(bound / 256)))
+    n = max(1, min(most, math.ceil(2 * sms / rows), math.ceil(bound / 256)))
     return 1 << (n - 1).bit_length()
 
 
@@ -242,7 +243,9 @@ def pool_attention_op(
     splits = None
     if backend == "triton":
         bound = -(-k_pool.shape[0] // R) + (0 if ring_k is None else ring_k.shape[1])
-        splits = decode_splits(R, bound, q.device)
+        from nats_kernels.nats_attention.decode import launch_config
+
+        splits = decode_splits(R, bound, q.device, most=launch_config(R, q.shape[-1])["max_splits"])
     return _attention.pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=ring_k, ring_v=ring_v,
                                     ring_valid=ring_valid, backend=backend, splits=splits)  # fmt: skip
 
