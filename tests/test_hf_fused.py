@@ -41,6 +41,23 @@ def test_fused_logits_and_tokens_equal_the_model(arch, attn):
     assert torch.equal(greedy(model, x, transformers.DynamicCache(config=model.config)), ref_tokens)
 
 
+def test_long_inputs_run_the_models_products(monkeypatch):
+    """Inputs of more than FUSED_MAX_TOKENS tokens (a prefill) take the model's own products: the same logits,
+    the fused matrices not read."""
+    from nats.hf import fused
+
+    model = tiny_model("llama")
+    x = ids(n=20, b=2, seed=7)
+    with torch.no_grad():
+        ref = model(x).logits
+    fuse_projections(model)
+    monkeypatch.setattr(fused, "FUSED_MAX_TOKENS", 8)
+    for layer in model.model.layers:  # unreadable fused matrices: the products must not use them
+        layer.self_attn.qkv_weight = layer.mlp.gate_up_weight = None
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_fused_weights_are_views_and_the_bytes_stay():
     model = tiny_model("qwen2")
     names = [n for n, _ in model.named_parameters()]

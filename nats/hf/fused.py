@@ -7,7 +7,8 @@ a reduction kernel, and at batch 1 they ran at ~38% of the bandwidth (one H200, 
 ~10 us of each layer's ~200 us. `fuse_projections` concatenates, in each decoder layer, the query, key and value
 weights into one ``[Hq*D + 2*Hkv*D, hidden]`` matrix (``self_attn.qkv_weight``) and the MLP's gate and up weights
 into one (``mlp.gate_up_weight``), as gpt-fast's ``wqkv`` does, and runs the layer's attention and MLP forwards
-with one product each: three products fewer per layer and the small products streamed together.
+with one product each: three products fewer per layer and the small products streamed together. Inputs of more
+than `FUSED_MAX_TOKENS` tokens (a prefill) run the model's own products.
 
 The original ``q_proj``/``k_proj``/``v_proj``/``gate_proj``/``up_proj`` weights become views of the fused matrices
 (no second copy in memory; parameters, ``state_dict`` and the bytes a step reads are those of the model), and
@@ -33,6 +34,10 @@ from nats.hf.hooks import _check_supported, _decoder_layers
 __all__ = ["fuse_projections", "unfuse_projections", "is_fused"]
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+#: inputs of more tokens (batch x length) run the model's own products: a prefill is bound by arithmetic, not by
+#: reading the weights, and the fused gate/up output would double the MLP's peak memory (Llama-3.1-8B, batch 8 x 32k:
+#: 15 GB instead of 7.5)
+FUSED_MAX_TOKENS = 256
 
 
 def is_fused(model: nn.Module) -> bool:
@@ -80,7 +85,10 @@ def _attention_forward(attn: nn.Module):
             kwargs = {**dict(zip(("past_key_values", "cache_position"), args)), **kwargs}
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
-        q, k, v = F.linear(hidden_states, attn.qkv_weight, attn.qkv_bias).split(split, dim=-1)
+        if hidden_states.numel() // hidden_states.shape[-1] > FUSED_MAX_TOKENS:  # a prefill: the model's products
+            q, k, v = attn.q_proj(hidden_states), attn.k_proj(hidden_states), attn.v_proj(hidden_states)
+        else:
+            q, k, v = F.linear(hidden_states, attn.qkv_weight, attn.qkv_bias).split(split, dim=-1)
         query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in (q, k, v))
         cos, sin = position_embeddings
         query, key = rotary(query, key, cos, sin)
@@ -107,6 +115,8 @@ def _mlp_forward(mlp: nn.Module):
     split = mlp._nats_split
 
     def forward(x: Tensor) -> Tensor:
+        if x.numel() // x.shape[-1] > FUSED_MAX_TOKENS:  # a prefill: the model's products (half the peak memory)
+            return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
         gate, up = F.linear(x, mlp.gate_up_weight, mlp.gate_up_bias).split(split, dim=-1)
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
