@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import platform
 import statistics
@@ -528,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, "float32" if device.type == "cpu" else args.dtype)
     torch._dynamo.config.cache_size_limit = 64
     args.bandwidth = bandwidth(device)
+    args.failed = []  # the rows not measured, and why
     from nats.hf import attach_nats, load_nats_state_dict
 
     model = build_model(args, device, dtype)
@@ -561,6 +563,14 @@ def main(argv: list[str] | None = None) -> int:
                     timer = None if static is None else static_prefill_timer(model, prompt, args, device)
                     try:
                         r = run(model, method, prompt, args, device, kept, timer)
+                    except torch.OutOfMemoryError:  # a row too large for the GPU: said under the table, others go on
+                        args.failed.append(f"prompt {P}, batch {B}, {method}{'' if kept is None else f' {kept}'}: "
+                                           f"out of GPU memory")  # fmt: skip
+                        print(f"{method} ran out of memory at prompt {P}, batch {B}: no row", flush=True)
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                        write(rows, args, argv, device, dtype)
+                        continue
                     except Exception:  # a gpt-fast-style baseline that fails to compile here: the other rows go on
                         if method not in FAST:
                             raise
@@ -724,6 +734,8 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
     main_rows = [r for r in rows if "equal_memory_gib" not in r and not r.get("mixed")]
     eq_rows = [r for r in rows if "equal_memory_gib" in r]
     text = head + "\n" + "\n".join(table(main_rows)) + "\n"
+    if getattr(args, "failed", None):
+        text += "\nNot measured: " + "; ".join(args.failed) + ".\n"
     if eq_rows:
         text += f"\n## Equal KV memory ({args.equal_memory_gib} GiB): the largest batch each cache fits\n\n"
         text += "\n".join(table(eq_rows)) + "\n"

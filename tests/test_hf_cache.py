@@ -247,6 +247,29 @@ def test_decode_benchmark_keeps_its_rows_when_stopped(tmp_path, monkeypatch):
     assert "| 96 | 1 | full |" in text and "incomplete" in text
 
 
+def test_decode_benchmark_row_out_of_memory_goes_on(tmp_path, monkeypatch):
+    """A row that runs out of GPU memory (the full cache at 8B, batch 8 x 32k on an H200) is said under the table;
+    the other rows are measured."""
+    import json
+
+    from conftest import load_script
+
+    bench = load_script("benchmarks/bench_hf_decode.py")
+    real = bench.run
+
+    def full_too_large(model, method, *a, **kw):
+        if method == "full":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB.")
+        return real(model, method, *a, **kw)
+
+    monkeypatch.setattr(bench, "run", full_too_large)
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--methods", "full", "nats", "--kept", "0.5"]) == 0
+    saved = json.loads((tmp_path / "bench_hf_decode.json").read_text())
+    assert [(r["method"], r["batch"]) for r in saved["rows"]] == [("nats", 1), ("nats", 2)] and saved["complete"]
+    text = (tmp_path / "bench_hf_decode.md").read_text()
+    assert "Not measured: prompt 96, batch 1, full: out of GPU memory; prompt 96, batch 2, full: out of" in text
+
+
 def test_decode_benchmark_profile_tables(tmp_path):
     """--profile writes, per method, the kernel tables of a prefill and of decode steps, each also by host time
     (where a CUDA-graphed decode shows as cudaGraphLaunch)."""
