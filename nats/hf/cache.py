@@ -26,6 +26,7 @@ greedy or sampled decoding (no beam search: a policy cache cannot be reordered),
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -50,8 +51,17 @@ class FixedRowsLayer(CacheLayerMixin):
 
     def __init__(self, owner, layer_idx: int):
         super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
+        # the owner by a weak reference: owner -> layers -> owner would be a reference cycle, and a cache (at 8B,
+        # batch 8 x 32k, 34 GB of buffers) would be freed only by Python's cyclic collector, requests after it
+        # allocating theirs meanwhile (out of memory after three requests)
+        self._owner = weakref.ref(owner)
+        self.layer_idx = layer_idx
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def owner(self):
+        """The cache this layer belongs to."""
+        return self._owner()
 
     def _refuse(self, what: str):
         raise NotImplementedError(f"{type(self.owner).__name__} does not support {what}")

@@ -19,6 +19,7 @@ Tokens equal ``model.generate``'s greedy ones through the same cache (`tests/tes
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import torch
@@ -112,6 +113,7 @@ def generate(
     pos = (torch.full((B, 1), P, device=device) if position is None else position[:, -1:] + 1).long()
     cache_pos = torch.full((1,), P, dtype=torch.long, device=device)
     n = max_new_tokens
+    graphs = _compiled_graphs()
     for t in range(1, max_new_tokens):
         if eos is not None and t % check_every == 0 and bool(done.all()):
             n = t
@@ -132,4 +134,13 @@ def generate(
         tokens[:, t : t + 1] = cur
         pos += 1
         cache_pos += 1
+    if _compiled_graphs() != graphs:  # the compiler's garbage (reference cycles) holds the cache it traced: free it
+        gc.collect()
     return torch.cat([ids, tokens[:, :n]], dim=1)
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
