@@ -3,7 +3,7 @@
 # references, transformers' generate (bench_hf_decode.py: compiled StaticCache against the fixed-capacity caches),
 # the GPT path (bench_decode.py), then the remaining GPU tests of both paths.
 #   bash benchmarks/gpu_generation.sh OUT_DIR [STAGE...]
-# STAGE (default: all of them but limit8b and limit8b_b8, in this order):
+# STAGE (default: all of them but those on request, in this order):
 #   kernels  the decode kernels' tests
 #   hf8k     8k prompt, batch 1 / 8, ~25% and ~10% kept: DynamicCache, StaticCache, NAtS (also with the PyTorch
 #            prefill writes)
@@ -14,12 +14,16 @@
 #   hf8k_large  8k prompt, batch 32 / 64, ~25% kept
 #   profile  kernel tables of the 8k batch-1 prefill and decode steps (StaticCache and NAtS)
 #   host     the host's work per decode step at 8k, batch 1 (bench_hf_host.py: guard check, prefill launches)
-#   limit8b     (not in the default list) Llama-3.1-8B's shape, 32k prompt, batch 1, ~25% kept: the gpt-fast-style
-#               full caches (sdpa_static, flex_static), StaticCache, the project's full cache and NAtS against the
-#               memory-bandwidth limit (bytes per step, GB/s, share of the measured bandwidth, the bytes' bound)
-#   limit8b_b8  (not in the default list) the same at 8k, batch 8
-#   mixed       (not in the default list) Llama-3.2-1B's shape: 50 requests of batch 1-16 and prompts of 1k-32k in
-#               one process, the project's full cache and NAtS (~25% kept), against the same requests compiled
+#   on request only (not in the default list), the decoding-at-the-limit rows (bench_hf_decode.py: the gpt-fast-style
+#   full cache, the project's full cache and NAtS ~25% kept through nats-generate's loop, each against the bandwidth):
+#   limit8b     Llama-3.1-8B's shape, 32k prompt, batch 1 and 8
+#   limit8b_8k  the same at 8k
+#   limit1b     Llama-3.2-1B's shape, 8k and 32k, batch 1 and 8
+#   smol8k      SmolLM2-135M's shape, 8k, batch 1, transformers' StaticCache beside them
+#   eq8b        Llama-3.1-8B's shape, 32k, equal KV memory (32 GiB): the largest batch each cache fits
+#   sweep       the pool attention's launch choices (sweep_pool_attention.py)
+#   mixed       Llama-3.2-1B's shape: 50 requests of batch 1-16 and prompts of 1k-32k in one process, the project's
+#               full cache and NAtS (~25% kept), against the same requests compiled
 # WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
 # (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 480), GPT_LIMIT (150), TEST_LIMIT (200).
 # Each stage's whole output: OUT/<stage>.log. tests/test_generate.py::test_cuda_matches_cpu trains from the embedded
@@ -52,10 +56,19 @@ for stage in $stages; do
     hf8k_eq) hf hf8k_eq --prompt 8192 --batch 1 --kept 0.25 0.1 --methods static nats --equal-memory-gib 2 ;;
     hf8k_large) hf hf8k_large --prompt 8192 --batch 32 64 --kept 0.25 --methods static nats ;;
     hf32k) hf hf32k --prompt 32768 --batch 1 8 --kept 0.25 --methods static nats ;;
-    limit8b) hf limit8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 --kept 0.25 --new 64 --repeats 2 \
-      --methods flex_static static full hf_full nats ;;
-    limit8b_b8) hf limit8b_b8 --model-shape llama-3.1-8b --prompt 8192 --batch 8 --kept 0.25 --new 64 --repeats 2 \
-      --methods flex_static static full hf_full nats ;;
+    limit8b) hf limit8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 8 --kept 0.25 --new 128 --repeats 2 \
+      --methods flex_static full nats ;;
+    limit8b_8k) hf limit8b_8k --model-shape llama-3.1-8b --prompt 8192 --batch 1 8 --kept 0.25 --new 128 \
+      --repeats 2 --methods flex_static full nats ;;
+    limit1b) hf limit1b --model-shape llama-3.2-1b --prompt 8192 32768 --batch 1 8 --kept 0.25 --new 128 \
+      --repeats 2 --methods flex_static full nats ;;
+    smol8k) hf smol8k --model-shape smollm2-135m --prompt 8192 --batch 1 --kept 0.25 --new 256 --repeats 2 \
+      --methods static flex_static full nats ;;
+    eq8b) hf eq8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 --kept 0.25 --new 64 --repeats 1 \
+      --methods full nats --equal-memory-gib 32 ;;
+    sweep) timeout "${GPT_LIMIT:-150}" python3 benchmarks/sweep_pool_attention.py --out "$DEST/sweep" \
+      >"$DEST/sweep.log" 2>&1
+      grep -E '^\|' "$DEST/sweep.log" | tail -50 ;;
     mixed) hf mixed --model-shape llama-3.2-1b --prompt 8192 --batch 1 --kept 0.25 --new 64 --repeats 1 \
       --methods full nats --mixed 50 ;;
     profile) hf profile --prompt 8192 --batch 1 --kept 0.25 --methods static nats nats_torch_prefill --profile ;;
@@ -67,10 +80,11 @@ for stage in $stages; do
       tail -n 12 "$DEST/gpt.log" ;;
     # the failures' tracebacks stay in the log (-rfE: the reason of each in the summary)
     tests) timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu \
-      tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py >"$DEST/gpu_tests.log" 2>&1
+      tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py tests/test_hf_loop.py \
+      tests/test_hf_fused.py >"$DEST/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$DEST/gpu_tests.log" | tail -8 ;;
     *) echo "unknown stage $stage (kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host limit8b" \
-      "limit8b_b8)" && exit 2 ;;
+      "limit8b_8k limit1b smol8k eq8b sweep mixed)" && exit 2 ;;
   esac
   echo "-- $stage: $(($(date +%s) - t0)) s"
 done
