@@ -13,6 +13,7 @@ Needs the ``hf`` extra (``pip install nats-attention[hf]``: transformers)::
 from nats.hf import attention as _attention
 from nats.hf.attention import ATTN_IMPLEMENTATION, nats_attention_forward
 from nats.hf.cache import PolicyCache, use_policy_caches
+from nats.hf.fused import fuse_projections, unfuse_projections
 from nats.hf.hooks import SUPPORTED_MODEL_TYPES
 from nats.hf.scorers import (
     HFNAtSScorer,
@@ -36,6 +37,7 @@ __all__ = [
     "StaticPolicyCache",
     "attach_nats",
     "detach_nats",
+    "fuse_projections",
     "is_attached",
     "load_nats_state_dict",
     "nats_attention_forward",
@@ -44,6 +46,7 @@ __all__ = [
     "nats_stats",
     "scorers",
     "set_force_type",
+    "unfuse_projections",
     "use_policy_caches",
 ]
 
