@@ -3,20 +3,21 @@
 A decode step of a Llama-family model reads every weight once, so its speed is the weights' bytes over the GPU's
 bandwidth, if each product streams its matrix at that bandwidth. The key and value projections of a grouped-query
 model are small (Llama-3.1-8B: 8 MB each, against 117 MB for an MLP matrix): cuBLAS splits them over the SMs and adds
-a reduction kernel, and at batch 1 they ran at ~38% of the bandwidth (one H200, docs/results/bench_limit_h200.md):
-~19 us of each layer's ~210 us with the reductions. `fuse_projections` concatenates, in each decoder layer, the query, key and value
-weights into one ``[Hq*D + 2*Hkv*D, hidden]`` matrix (``self_attn.qkv_weight``) and the MLP's gate and up weights
-into one (``mlp.gate_up_weight``), as gpt-fast's ``wqkv`` does, and runs the layer's attention and MLP forwards
-with one product each: three products fewer per layer and the small products streamed together. Inputs of more
-than `FUSED_MAX_TOKENS` tokens (a prefill) run the model's own products.
+a reduction kernel, and at batch 1 they ran at ~38% of the bandwidth (one H200, docs/results/bench_limit_h200.md): ~19
+us of each layer's ~210 us with the reductions. `fuse_projections` concatenates, in each decoder layer, the query, key
+and value weights into one ``[Hq*D + 2*Hkv*D, hidden]`` matrix (``self_attn.qkv_weight``) and the MLP's gate and up
+weights into one (``mlp.gate_up_weight``), as gpt-fast's ``wqkv`` does, and runs the layer's attention and MLP
+forwards with one product each: three products fewer per layer and the small products streamed together. Inputs of
+more than `FUSED_MAX_TOKENS` tokens (a prefill) run the model's own products.
 
-The original ``q_proj``/``k_proj``/``v_proj``/``gate_proj``/``up_proj`` weights become views of the fused matrices
-(no second copy in memory; parameters, ``state_dict`` and the bytes a step reads are those of the model), and
+The original ``q_proj``/``k_proj``/``v_proj``/``gate_proj``/``up_proj`` weights become views of the fused matrices (no
+second copy in memory; parameters, ``state_dict`` and the bytes a step reads are those of the model), and
 ``unfuse_projections`` restores the modules' own forwards. For inference: in-place changes of the weights reach the
 fused matrices (shared storage), but a parameter replaced after fusing (``model.to(...)`` casting or moving it,
-``load_state_dict(..., assign=True)``) no longer shares them, so fuse after loading and placing the model. Greedy tokens equal the unfused model's (`tests/test_hf_fused.py`).
-``nats-generate`` fuses the model it decodes with; ``benchmarks/bench_hf_decode.py`` fuses for every row but
-transformers' own caches (``static``, ``dynamic``: what a transformers user runs).
+``load_state_dict(..., assign=True)``) no longer shares them, so fuse after loading and placing the model. Greedy
+tokens equal the unfused model's (`tests/test_hf_fused.py`). ``nats-generate`` fuses the model it decodes with;
+``benchmarks/bench_hf_decode.py`` fuses for every row but transformers' own caches (``static``, ``dynamic``: what a
+transformers user runs).
 """
 
 from __future__ import annotations
