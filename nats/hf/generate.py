@@ -55,7 +55,10 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     torch.manual_seed(int(cfg.get("seed", 0)))
     t0 = time.perf_counter()
     if fast:  # the loop without a host synchronisation per token (nats.hf.loop), one q/k/v and one gate/up product
-        fuse_projections(model)
+        try:
+            fuse_projections(model)
+        except ValueError as e:  # e.g. quantized projections: decoded with the model's own products
+            print(f"nats-generate: {e}", flush=True)
         gen = torch.Generator(device).manual_seed(int(cfg.get("seed", 0))) if temperature > 0 else None
         out = loop(model, ids, cache, new, temperature=temperature, top_k=cfg.get("top_k"), generator=gen)
     else:
