@@ -126,3 +126,23 @@ def test_fused_on_cuda_equals_unfused(policy):
     fuse_projections(model)
     got = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW)
     assert torch.equal(got, ref)
+
+
+def test_projections_that_are_not_linear_layers_are_refused():
+    """A layer whose projections are not nn.Linear (a quantized model) is refused with one line saying why, before
+    any layer is changed."""
+
+    class Quantized(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = tiny_model("llama")
+    attn = model.model.layers[1].self_attn
+    attn.k_proj = Quantized(attn.k_proj)
+    with pytest.raises(ValueError, match="have no nn.Linear q_proj/k_proj/v_proj"):
+        fuse_projections(model)
+    assert not is_fused(model)  # the first layer was left as it was too

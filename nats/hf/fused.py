@@ -128,10 +128,9 @@ def fuse_projections(model: nn.Module) -> nn.Module:
     """Fuse each decoder layer's q/k/v and gate/up projections (module docstring); returns ``model``, changed in
     place. A model already fused is left as it is."""
     _check_supported(model, "fuse_projections")
-    for layer in _decoder_layers(model):
+    layers = _decoder_layers(model)
+    for layer in layers:  # every layer checked before any is changed: no half-fused model
         attn, mlp = layer.self_attn, layer.mlp
-        if hasattr(attn, "qkv_weight"):
-            continue
         if not all(isinstance(getattr(attn, n, None), nn.Linear) for n in QKV) or not all(
             isinstance(getattr(mlp, n, None), nn.Linear) for n in GATE_UP
         ):
@@ -139,6 +138,10 @@ def fuse_projections(model: nn.Module) -> nn.Module:
                 f"nats.hf.fuse_projections: {type(attn).__name__} / {type(mlp).__name__} have no nn.Linear "
                 f"{'/'.join(QKV)} and {'/'.join(GATE_UP)} (a quantized model?); decode it unfused"
             )
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if hasattr(attn, "qkv_weight"):
+            continue
         _fuse(attn, QKV, "qkv_weight", "qkv_bias")
         _fuse(mlp, GATE_UP, "gate_up_weight", "gate_up_bias")
         attn.forward = _attention_forward(attn)
