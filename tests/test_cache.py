@@ -386,6 +386,27 @@ def test_triton_pool_attention_matches_torch(dtype):
         assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=0), bn
 
 
+def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypatch):
+    """Without a split count the kernel takes `default_splits`, capped at its launch choice's ``max_splits`` (16 for
+    few rows of head dim 128); the launches are recorded, not run."""
+    from nats_kernels.nats_attention import decode
+
+    grids = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(decode, "_pool_decode_kernel", Launch())
+    monkeypatch.setattr(decode, "_combine_kernel", Launch())
+    for D, expected in ((128, 16), (64, 32)):  # 8192 keys: 32 splits of 256 by default
+        q, pool = torch.zeros(2, 4, D), torch.zeros(2 * 8192, D)
+        rows = torch.zeros(2, dtype=torch.long)
+        decode.triton_pool_attention(q, pool, pool, rows, rows, 8192)
+        assert grids[-2] == (2, expected), (D, grids)
+
+
 def test_sweep_pool_attention_smoke(tmp_path):
     """benchmarks/sweep_pool_attention.py --smoke: the default launch choice first, the others timed, all checked
     against the PyTorch reference."""

@@ -159,12 +159,13 @@ def triton_pool_attention(
     """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync); the
     reference is :func:`decode_reference.torch_pool_attention`. ``config``: the split kernel's launch,
     ``{"block_n", "num_warps", "num_stages"}`` (default `launch_config`; `benchmarks/sweep_pool_attention.py`
-    times the choices)."""
+    times the choices); without ``splits``, `default_splits` capped at the launch's ``max_splits``."""
     R, G, D = q.shape
     q = q.contiguous()
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or k_pool.stride(0) != D or v_pool.stride(0) != D:
         raise ValueError("k_pool and v_pool must be contiguous [P, D]")
-    splits = int(splits or default_splits(max_len, R * G))
+    cfg = {**launch_config(R, D), **(config or {})}
+    splits = int(splits or min(default_splits(max_len, R * G), cfg["max_splits"]))
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     dev = q.device
@@ -181,7 +182,6 @@ def triton_pool_attention(
     else:
         W, rk, rv, rvalid = 1, k_pool, v_pool, start  # unused placeholders
     block_d = max(16, triton.next_power_of_2(D))
-    cfg = {**launch_config(R, D), **(config or {})}  # (max_splits: the caller's, `decode_splits`)
     _pool_decode_kernel[(R, splits)](
         q,
         k_pool,
