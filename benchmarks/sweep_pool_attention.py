@@ -20,23 +20,16 @@ from pathlib import Path
 import torch
 
 
-def timed(fn, device, reps: int) -> float:
-    """Median seconds of ``fn()`` (CUDA events on a GPU, each call after an L2-flushing write)."""
+def timed(fn, device) -> float:
+    """Median seconds of ``fn()``: ``triton.testing.do_bench`` on a GPU (its warm-up, an L2 flush before each call),
+    one call on the CPU."""
     if device.type != "cuda":
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+    import triton.testing
+
+    return triton.testing.do_bench(fn, return_mode="median") / 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="logs/bench/sweep_pool_attention")
-    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -73,16 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         default = launch_config(R, D)
         dsplits = decode_splits(R, n, device) if device.type == "cuda" else 2
         tried = [(default["block_n"], default["num_warps"], default["num_stages"], dsplits), *choices]
-        # warm-up with the default (compiled, the GPU's clocks up): the first timed row was slower than its repeats
-        warm = {"block_n": default["block_n"], "num_warps": default["num_warps"], "num_stages": default["num_stages"]}
-        timed(lambda: triton_pool_attention(q, k, v, start, length, n, splits=dsplits, config=warm), device, 20)
         for i, (bn, warps, stages, splits) in enumerate(tried):
             cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages}
             call = lambda: triton_pool_attention(q, k, v, start, length, n, splits=splits, config=cfg)  # noqa: E731
             try:
                 out = call()
                 err = float((out.float() - ref).abs().max())
-                sec = timed(call, device, args.reps)
+                sec = timed(call, device)
             except Exception as e:  # a choice Triton cannot compile here (resources): a row saying so
                 rows.append({"shape": label, **cfg, "splits": splits, "error": str(e).splitlines()[0][:80]})
                 continue
