@@ -140,6 +140,7 @@ def graph_steps(trace: dict) -> dict | None:
     total by name (``by_kernel``, us per step, the 40 largest; ``launches``: their launches per step). None if the
     trace has no graph launch."""
     import statistics
+    from collections import Counter
 
     events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
     launches = {
@@ -154,24 +155,19 @@ def graph_steps(trace: dict) -> dict | None:
     if not steps:
         return None
     ordered = sorted((sorted(k) for k in steps.values()), key=lambda k: k[0][0])
-    spans, busys, between, totals, counts = [], [], [], {}, {}
+    spans, busys, between, totals, counts = [], [], [], Counter(), Counter()
     for i, kernels in enumerate(ordered):
-        end = max(t + d for t, d, _ in kernels)
-        nxt = ordered[i + 1][0][0] if i + 1 < len(ordered) else end
-        busy, cur_s, cur_e = 0.0, None, None
+        busy, reach = 0.0, kernels[0][0]  # the union of the intervals: each kernel adds what lies past the reach
         for t, d, name in kernels:
-            totals[name] = totals.get(name, 0.0) + d
-            counts[name] = counts.get(name, 0) + 1
-            if cur_e is None or t > cur_e:
-                busy += 0.0 if cur_e is None else cur_e - cur_s
-                cur_s, cur_e = t, t + d
-            else:
-                cur_e = max(cur_e, t + d)
-        busy += cur_e - cur_s
-        if i + 1 < len(ordered):  # the last step has no next one: its span is not known
-            spans.append(nxt - kernels[0][0])
-            between.append(nxt - end)
+            totals[name] += d
+            counts[name] += 1
+            busy += max(0.0, t + d - max(t, reach))
+            reach = max(reach, t + d)
         busys.append(busy)
+        if i + 1 < len(ordered):  # the last step has no next one: its span is not known
+            nxt = ordered[i + 1][0][0]
+            spans.append(nxt - kernels[0][0])
+            between.append(nxt - reach)
     n = len(ordered)
     span = statistics.median(spans) if spans else None
     busy = statistics.median(busys)
