@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from test_hf_nats import ARCHS, ids, tiny_model  # noqa: E402
 
 from nats.hf import PolicyCache, attach_nats, use_policy_caches  # noqa: E402
-from nats.hf.compat import cache_argument, cache_from_kwargs, cache_kwargs  # noqa: E402
+from nats.hf.compat import cache_argument, cache_from_kwargs, cache_kwargs, update_cache  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -55,3 +55,19 @@ def test_generate_path_uses_no_deprecated_argument():
     deprecated = [str(w.message) for w in caught if "deprecat" in str(w.message).lower()]
     assert deprecated == []
     assert cache.layers[0].policy.t == 12 + 3  # the prompt and every new token but the last went through the cache
+
+
+def test_update_cache_calls_update_as_each_release_does():
+    """5.23+: ``update(k, v, layer, kwargs=<the forward's kwargs>)``; before: ``update(k, v, layer, {sin, cos,
+    cache_position})`` (the GPU image's 5.17 takes this branch)."""
+    calls = []
+
+    class Recorder:
+        def update(self, k, v, layer_idx, *args, **kw):
+            calls.append((layer_idx, args, kw))
+            return k, v
+
+    kwargs = {"cache_position": "pos", "other": 1}
+    assert update_cache(Recorder(), "k", "v", 3, kwargs, "cos", "sin", new_style=True) == ("k", "v")
+    update_cache(Recorder(), "k", "v", 3, kwargs, "cos", "sin", new_style=False)
+    assert calls == [(3, (), {"kwargs": kwargs}), (3, ({"sin": "sin", "cos": "cos", "cache_position": "pos"},), {})]

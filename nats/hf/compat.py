@@ -10,7 +10,8 @@ One place for it, so that the rest of `nats.hf` is written once:
   length when absent, which a compiled decode step cannot do from a device tensor); later releases take positions
   only: `takes_cache_position(model)`.
 * **Cache layer updates.** Up to 5.22 ``Cache.update`` received ``cache_kwargs`` (with ``cache_position``); from
-  5.23 on nothing, or ``kwargs=``: the project's cache layers take ``*args, **kwargs`` and use none of them.
+  5.23 on nothing, or ``kwargs=``: the project's cache layers take ``*args, **kwargs`` and use none of them;
+  `update_cache` calls it as the installed release does (the fused attention forward, `nats.hf.fused`).
 
 The tested range is stated once, in ``TESTED`` (and quoted by docs/hf.md); ``tests/test_hf_compat.py`` runs on
 whatever a fresh install resolves, so a release that breaks the integration fails the default test suite.
@@ -35,6 +36,16 @@ def takes_cache_position(model: Any) -> bool:
     """Whether the model's decoder (``model.model``, else ``model``) takes ``cache_position``."""
     body = getattr(model, "model", model)
     return "cache_position" in inspect.signature(type(body).forward).parameters
+
+
+def update_cache(cache: Any, key: Any, value: Any, layer_idx: int, kwargs: dict, cos: Any, sin: Any,
+                 new_style: bool) -> tuple[Any, Any]:  # fmt: skip
+    """``cache.update`` as an attention module of the installed release calls it (``new_style``:
+    ``cache_argument(module) == "cache"``, decided once outside a compiled step): ``kwargs=`` the forward's keyword
+    arguments (5.23+), else a dict of the rotary tables and ``cache_position``."""
+    if new_style:
+        return cache.update(key, value, layer_idx, kwargs=kwargs)
+    return cache.update(key, value, layer_idx, {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")})
 
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:

@@ -22,14 +22,13 @@ transformers user runs).
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nats.hf.compat import cache_from_kwargs
+from nats.hf.compat import cache_argument, cache_from_kwargs, update_cache
 from nats.hf.hooks import _check_supported, _decoder_layers
 
 __all__ = ["fuse_projections", "unfuse_projections", "is_fused"]
@@ -69,13 +68,12 @@ def _attention_forward(attn: nn.Module):
     """``attn``'s forward (a Llama-family attention, `transformers.models.llama.modeling_llama.LlamaAttention`) with
     the query, key and value projections as one product; the rest as its class does it: rotary embedding and
     attention function from its own modeling module, the cache updated as its transformers release updates it
-    (newer: ``cache.update(..., kwargs=kwargs)``; older: a dict of the rotary tables and ``cache_position``), the
-    sliding window passed where Mistral and Qwen2 pass it."""
+    (`nats.hf.compat.update_cache`), the sliding window passed where Mistral and Qwen2 pass it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     modeling = sys.modules[type(attn).__module__]
     rotary, eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
-    update_kwargs = "cache" in inspect.signature(type(attn).forward).parameters
+    new_style = cache_argument(attn) == "cache"
     window = {}
     if attn.config.model_type in ("mistral", "qwen2"):
         window = {"sliding_window": getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))}
@@ -95,11 +93,7 @@ def _attention_forward(attn: nn.Module):
         query, key = rotary(query, key, cos, sin)
         cache = cache_from_kwargs(kwargs)
         if cache is not None:
-            if update_kwargs:
-                key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
-            else:
-                extra = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
-                key, value = cache.update(key, value, attn.layer_idx, extra)
+            key, value = update_cache(cache, key, value, attn.layer_idx, kwargs, cos, sin, new_style)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
         rest = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "cache_position")}
         dropout = 0.0 if not attn.training else attn.attention_dropout
