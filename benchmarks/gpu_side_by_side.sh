@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Groups of gpu_generation.sh stages side by side on one machine of several GPUs, one GPU per group (each run is
+# alone on its GPU; its ratios are of rows measured on that GPU in the same run):
+#   bash benchmarks/gpu_side_by_side.sh OUT_DIR "STAGE [STAGE...]" "STAGE..." ...
+# A group's words of the form NAME=VALUE are set in its environment (e.g. "HF_LIMIT=540 limit8b"). Group i runs on
+# GPU i (CUDA_VISIBLE_DEVICES), writes OUT_DIR/gpu<i>/ and its summary OUT_DIR/gpu<i>.out, printed here at the end.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEST=${1:?usage: gpu_side_by_side.sh OUT_DIR "STAGES" ...}
+shift
+source benchmarks/gpu_site.sh # installs once, before the groups start
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$#" -le "$gpus" ] || { echo "$# groups but $gpus GPUs: give at most one group per GPU"; exit 2; }
+i=0
+for group in "$@"; do
+  (
+    stages=()
+    for w in $group; do
+      if [[ $w == *=* ]]; then export "${w?}"; else stages+=("$w"); fi
+    done
+    CUDA_VISIBLE_DEVICES=$i bash benchmarks/gpu_generation.sh "$DEST/gpu$i" "${stages[@]}" >"$DEST/gpu$i.out" 2>&1
+  ) &
+  i=$((i + 1))
+done
+wait
+for ((j = 0; j < i; j++)); do
+  echo "=== GPU $j"
+  cat "$DEST/gpu$j.out"
+done
