@@ -450,17 +450,25 @@ def replayed_steps(prof) -> dict | None:
 
 
 def best_full(rows: list[dict]) -> None:
-    """Each row's ``x_full``: its tokens/s over the fastest full-cache row (`FULL`) of the same prompt and batch (and
-    equal-memory setting), and that row's method (``full_method``)."""
+    """Each row's ``x_full``: its tokens/s over the fastest full-cache row (`FULL`) of the same prompt and batch, or,
+    at equal KV memory, of the same prompt and memory (whatever batch that cache fits), and that row's method
+    (``full_method``). At equal memory the bytes' bound (``limit_x_full``) is then of tokens per byte: (batch / step
+    bytes) of the row over those of that full row."""
+
+    def key(r):
+        gib = r.get("equal_memory_gib")
+        return (r["prompt"], r["batch"]) if gib is None else (r["prompt"], "equal", gib)
+
     best: dict = {}
     for r in rows:
-        key = (r["prompt"], r["batch"], r.get("equal_memory_gib"))
-        if r["method"] in FULL and r["tokens_per_s"] > best.get(key, {}).get("tokens_per_s", 0):
-            best[key] = r
+        if r["method"] in FULL and r["tokens_per_s"] > best.get(key(r), {}).get("tokens_per_s", 0):
+            best[key(r)] = r
     for r in rows:
-        b = best.get((r["prompt"], r["batch"], r.get("equal_memory_gib")))
+        b = best.get(key(r))
         r["x_full"] = None if b is None else r["tokens_per_s"] / b["tokens_per_s"]
         r["full_method"] = None if b is None else b["method"]
+        if b is not None and r.get("equal_memory_gib") is not None:
+            r["limit_x_full"] = (r["batch"] / r["step_gb"]) / (b["batch"] / b["step_gb"])
 
 
 def fmt(x, spec: str) -> str:
@@ -501,7 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--kept", type=float, nargs="+", default=[0.25, 0.1], help="NAtS kept shares (calibrated)")
     ap.add_argument("--methods", nargs="+", default=["static", "full", "nats", "streaming_llm"])
-    ap.add_argument("--equal-memory-gib", type=float, default=None)
+    ap.add_argument(
+        "--equal-memory-gib", type=float, nargs="+", default=None, metavar="GIB",
+        help="also run each cache at the largest batch whose KV buffers fit GIB (one setting per value)",
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=3, help="timed generate calls per row; the median is reported")
     ap.add_argument("--profile", action="store_true", help="kernel tables of a prefill and 16 decode steps")
@@ -549,6 +560,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r), flush=True)
         write(rows, args, argv, device, dtype)
 
+    def out_of_memory(what: str) -> None:
+        """A row too large for the GPU: said under the table, the others go on."""
+        args.failed.append(f"{what}: out of GPU memory")
+        print(f"{what}: out of GPU memory, no row", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        write(rows, args, argv, device, dtype)
+
     gen = torch.Generator().manual_seed(0)
     for P in args.prompt:
         base = torch.randint(0, model.config.vocab_size, (max(args.batch), P), generator=gen).to(device)
@@ -564,12 +583,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         r = run(model, method, prompt, args, device, kept, timer)
                     except torch.OutOfMemoryError:  # a row too large for the GPU: said under the table, others go on
-                        args.failed.append(f"prompt {P}, batch {B}, {method}{'' if kept is None else f' {kept}'}: "
-                                           f"out of GPU memory")  # fmt: skip
-                        print(f"{method} ran out of memory at prompt {P}, batch {B}: no row", flush=True)
-                        gc.collect()
-                        torch.cuda.empty_cache()
-                        write(rows, args, argv, device, dtype)
+                        out_of_memory(f"prompt {P}, batch {B}, {method}{'' if kept is None else f' {kept}'}")
                         continue
                     except Exception:  # a gpt-fast-style baseline that fails to compile here: the other rows go on
                         if method not in FAST:
@@ -583,19 +597,22 @@ def main(argv: list[str] | None = None) -> int:
                     record(r, static)
                     if args.profile:
                         profile(model, method, prompt, args, device, kept)
-        if args.equal_memory_gib:
-            budget = args.equal_memory_gib * 2**30
-            per_seq = {}
-            for r in rows:
-                if r["prompt"] == P and r["batch"] == min(args.batch):
-                    per_seq[(r["method"], r["kept_target"])] = r["kv_mib"] * 2**20 / r["batch"]
+        per_seq = {}
+        for r in rows:
+            if r["prompt"] == P and r["batch"] == min(args.batch) and "equal_memory_gib" not in r:
+                per_seq[(r["method"], r["kept_target"])] = r["kv_mib"] * 2**20 / r["batch"]
+        for gib in args.equal_memory_gib or ():
             static = None
             for (method, kept), nbytes in per_seq.items():
                 if method not in ("static", "full", "flex_static", "nats"):
                     continue
-                B, prompt = fit_batch(model, method, P, kept, budget, nbytes, args, gen, device)
-                r = run(model, method, prompt, args, device, kept)
-                r["equal_memory_gib"] = args.equal_memory_gib
+                try:
+                    B, prompt = fit_batch(model, method, P, kept, gib * 2**30, nbytes, args, gen, device)
+                    r = run(model, method, prompt, args, device, kept)
+                except torch.OutOfMemoryError:
+                    out_of_memory(f"prompt {P}, {method}{'' if kept is None else f' {kept}'} at {gib:g} GiB of KV")
+                    continue
+                r["equal_memory_gib"] = gib
                 static = r if method == "static" else static
                 record(r, static)
     if args.mixed:
@@ -736,9 +753,10 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
     text = head + "\n" + "\n".join(table(main_rows)) + "\n"
     if getattr(args, "failed", None):
         text += "\nNot measured: " + "; ".join(args.failed) + ".\n"
-    if eq_rows:
-        text += f"\n## Equal KV memory ({args.equal_memory_gib} GiB): the largest batch each cache fits\n\n"
-        text += "\n".join(table(eq_rows)) + "\n"
+    for gib in sorted({r["equal_memory_gib"] for r in eq_rows}):
+        text += (f"\n## Equal KV memory ({gib:g} GiB): the largest batch each cache fits (x full: over the fastest "
+                 f"full cache at this memory, whatever its batch; bound x full: tokens per byte over its)\n\n")
+        text += "\n".join(table([r for r in eq_rows if r["equal_memory_gib"] == gib])) + "\n"
     if mixed_rows:
         text += (f"\n## A changing workload: {args.mixed} requests of batch {args.mixed_batch[0]}-"
                  f"{args.mixed_batch[1]} and prompts of {args.mixed_prompt[0]}-{args.mixed_prompt[1]} tokens in one "

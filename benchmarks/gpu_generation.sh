@@ -19,8 +19,11 @@
 #   limit8b     Llama-3.1-8B's shape, 32k prompt, batch 1 and 8
 #   limit8b_8k  the same at 8k
 #   limit1b     Llama-3.2-1B's shape, 8k and 32k, batch 1 and 8
+#               (the limit stages' batches: LIMIT_BATCH, default "1 8"; methods: LIMIT_METHODS, commas or spaces)
+#   profile1b   Llama-3.2-1B's shape, 8k, batch 1: where a decode step's time goes (full and NAtS; --profile)
 #   smol8k      SmolLM2-135M's shape, 8k, batch 1, transformers' StaticCache beside them
-#   eq8b        Llama-3.1-8B's shape, 32k, equal KV memory (32 GiB): the largest batch each cache fits
+#   eq8b        Llama-3.1-8B's shape, 32k, equal KV memory (EQ_GIB, default 8 and 32 GiB): the largest batch each
+#               cache fits
 #   sweep       the pool attention's launch choices (sweep_pool_attention.py)
 #   mixed       Llama-3.2-1B's shape: 50 requests of batch 1-16 and prompts of 1k-32k in one process, the project's
 #               full cache and NAtS (~25% kept), against the same requests compiled
@@ -33,6 +36,9 @@ cd "$(dirname "$0")/.."
 DEST=${1:-logs/bench/generation} # read by gpu_site.sh too
 shift || true
 stages=${*:-kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host}
+LIMIT_BATCH=${LIMIT_BATCH:-1 8}
+LIMIT_METHODS=${LIMIT_METHODS:-flex_static full nats}
+LIMIT_METHODS=${LIMIT_METHODS//,/ }
 source benchmarks/gpu_site.sh
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 hf() { # name, bench_hf_decode.py arguments: the whole output in OUT/<name>.log (compile and CUDA-graph warnings
@@ -56,16 +62,18 @@ for stage in $stages; do
     hf8k_eq) hf hf8k_eq --prompt 8192 --batch 1 --kept 0.25 0.1 --methods static nats --equal-memory-gib 2 ;;
     hf8k_large) hf hf8k_large --prompt 8192 --batch 32 64 --kept 0.25 --methods static nats ;;
     hf32k) hf hf32k --prompt 32768 --batch 1 8 --kept 0.25 --methods static nats ;;
-    limit8b) hf limit8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 8 --kept 0.25 --new 128 --repeats 2 \
-      --methods flex_static full nats ;;
-    limit8b_8k) hf limit8b_8k --model-shape llama-3.1-8b --prompt 8192 --batch 1 8 --kept 0.25 --new 128 \
-      --repeats 2 --methods flex_static full nats ;;
-    limit1b) hf limit1b --model-shape llama-3.2-1b --prompt 8192 32768 --batch 1 8 --kept 0.25 --new 128 \
-      --repeats 2 --methods flex_static full nats ;;
+    limit8b) hf limit8b --model-shape llama-3.1-8b --prompt 32768 --batch $LIMIT_BATCH --kept 0.25 --new 128 \
+      --repeats 2 --methods $LIMIT_METHODS ;;
+    limit8b_8k) hf limit8b_8k --model-shape llama-3.1-8b --prompt 8192 --batch $LIMIT_BATCH --kept 0.25 --new 128 \
+      --repeats 2 --methods $LIMIT_METHODS ;;
+    limit1b) hf limit1b --model-shape llama-3.2-1b --prompt 8192 32768 --batch $LIMIT_BATCH --kept 0.25 --new 128 \
+      --repeats 2 --methods $LIMIT_METHODS ;;
+    profile1b) hf profile1b --model-shape llama-3.2-1b --prompt 8192 --batch 1 --kept 0.25 --new 32 --repeats 1 \
+      --methods full nats --profile ;;
     smol8k) hf smol8k --model-shape smollm2-135m --prompt 8192 --batch 1 --kept 0.25 --new 256 --repeats 2 \
       --methods static flex_static full nats ;;
     eq8b) hf eq8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 --kept 0.25 --new 64 --repeats 1 \
-      --methods full nats --equal-memory-gib 32 ;;
+      --methods full nats --equal-memory-gib ${EQ_GIB:-8 32} ;;
     sweep) timeout "${GPT_LIMIT:-150}" python3 benchmarks/sweep_pool_attention.py --out "$DEST/sweep" \
       >"$DEST/sweep.log" 2>&1
       grep -E '^\|' "$DEST/sweep.log" | tail -50 ;;
@@ -84,7 +92,7 @@ for stage in $stages; do
       tests/test_hf_fused.py >"$DEST/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$DEST/gpu_tests.log" | tail -8 ;;
     *) echo "unknown stage $stage (kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host limit8b" \
-      "limit8b_8k limit1b smol8k eq8b sweep mixed)" && exit 2 ;;
+      "limit8b_8k limit1b profile1b smol8k eq8b sweep mixed)" && exit 2 ;;
   esac
   echo "-- $stage: $(($(date +%s) - t0)) s"
 done

@@ -142,6 +142,12 @@ def test_decode_benchmark_smoke(tmp_path):
     assert set(eq) == {"static", "full", "nats"} and all(r["batch"] >= 1 for r in eq.values())
     assert all(r["kv_mib"] <= 0.002 * 1024 or r["batch"] == 1 for r in eq.values())  # the buffers fit the budget
     assert "Equal KV memory" in (tmp_path / "bench_hf_decode.md").read_text()
+    # at equal memory, x full is over the fastest full cache at that memory whatever its batch, and the bound is of
+    # tokens per byte
+    fastest = max((eq["static"], eq["full"]), key=lambda r: r["tokens_per_s"])
+    assert eq["nats"]["x_full"] == pytest.approx(eq["nats"]["tokens_per_s"] / fastest["tokens_per_s"])
+    per_byte = lambda r: r["batch"] / r["step_gb"]  # noqa: E731
+    assert eq["nats"]["limit_x_full"] == pytest.approx(per_byte(eq["nats"]) / per_byte(fastest))
     assert json.loads((tmp_path / "bench_hf_decode.json").read_text())["complete"] is True
     assert all(isinstance(r["cudagraph_skips"], int) for r in rows)
     # against the bandwidth limit: the bytes of a step, the GB/s, their share of the copy measured in the run
