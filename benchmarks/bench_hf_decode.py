@@ -510,7 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kept", type=float, nargs="+", default=[0.25, 0.1], help="NAtS kept shares (calibrated)")
     ap.add_argument("--methods", nargs="+", default=["static", "full", "nats", "streaming_llm"])
     ap.add_argument(
-        "--equal-memory-gib", type=float, nargs="+", default=None, metavar="GIB",
+        "--equal-memory-gib",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="GIB",
         help="also run each cache at the largest batch whose KV buffers fit GIB (one setting per value)",
     )
     ap.add_argument("--dtype", default="bfloat16")
@@ -754,8 +758,10 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
     if getattr(args, "failed", None):
         text += "\nNot measured: " + "; ".join(args.failed) + ".\n"
     for gib in sorted({r["equal_memory_gib"] for r in eq_rows}):
-        text += (f"\n## Equal KV memory ({gib:g} GiB): the largest batch each cache fits (x full: over the fastest "
-                 f"full cache at this memory, whatever its batch; bound x full: tokens per byte over its)\n\n")
+        text += (
+            f"\n## Equal KV memory ({gib:g} GiB): the largest batch each cache fits (x full: over the fastest "
+            f"full cache at this memory, whatever its batch; bound x full: its tokens per byte over that row's)\n\n"
+        )
         text += "\n".join(table([r for r in eq_rows if r["equal_memory_gib"] == gib])) + "\n"
     if mixed_rows:
         text += (f"\n## A changing workload: {args.mixed} requests of batch {args.mixed_batch[0]}-"
