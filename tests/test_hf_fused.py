@@ -58,6 +58,26 @@ def test_long_inputs_run_the_models_products(monkeypatch):
         torch.testing.assert_close(model(x).logits, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_a_large_prefills_mlp_runs_in_chunks(monkeypatch):
+    """Inputs of more than PREFILL_MLP_TOKENS tokens go through the MLP a chunk at a time (batch x length flattened,
+    the last chunk shorter): the same logits, and no MLP call sees more tokens than a chunk."""
+    from nats.hf import fused
+
+    model = tiny_model("llama")
+    x = ids(n=20, b=3, seed=8)  # 60 tokens: chunks of 16, 16, 16, 12
+    with torch.no_grad():
+        ref = model(x).logits
+    fuse_projections(model)
+    monkeypatch.setattr(fused, "FUSED_MAX_TOKENS", 8)
+    monkeypatch.setattr(fused, "PREFILL_MLP_TOKENS", 16)
+    seen = []
+    up = model.model.layers[0].mlp.up_proj
+    up.register_forward_hook(lambda m, args, out: seen.append(args[0].numel() // args[0].shape[-1]))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ref, atol=1e-5, rtol=1e-5)
+    assert seen == [16, 16, 16, 12]
+
+
 def test_fused_weights_are_views_and_the_bytes_stay():
     model = tiny_model("qwen2")
     names = [n for n, _ in model.named_parameters()]

@@ -8,7 +8,8 @@ us of each layer's ~210 us with the reductions. `fuse_projections` concatenates,
 and value weights into one ``[Hq*D + 2*Hkv*D, hidden]`` matrix (``self_attn.qkv_weight``) and the MLP's gate and up
 weights into one (``mlp.gate_up_weight``), as gpt-fast's ``wqkv`` does, and runs the layer's attention and MLP
 forwards with one product each: three products fewer per layer and the small products streamed together. Inputs of
-more than `FUSED_MAX_TOKENS` tokens (a prefill) run the model's own products.
+more than `FUSED_MAX_TOKENS` tokens (a prefill) run the model's own products, the MLP over at most
+`PREFILL_MLP_TOKENS` tokens at a time (a batched prefill's peak memory).
 
 The original ``q_proj``/``k_proj``/``v_proj``/``gate_proj``/``up_proj`` weights become views of the fused matrices (no
 second copy in memory; parameters, ``state_dict`` and the bytes a step reads are those of the model), and
@@ -38,6 +39,10 @@ QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 #: reading the weights, and the fused gate/up output would double the MLP's peak memory (Llama-3.1-8B, batch 8 x 32k:
 #: 15 GB instead of 7.5)
 FUSED_MAX_TOKENS = 256
+#: a prefill's MLP runs over at most this many tokens at a time: its intermediates (gate, up, their product; 3 x 28 KB
+#: per token at Llama-3.1-8B's width) were the largest part of a batched prefill's peak memory (31 sequences x 32k at
+#: once ran out of an H200's 141 GB with a KV cache of 8 GiB); the chunks' results are the same rows' products
+PREFILL_MLP_TOKENS = 32768
 
 
 def is_fused(model: nn.Module) -> bool:
@@ -109,9 +114,19 @@ def _mlp_forward(mlp: nn.Module):
     """``mlp``'s forward, ``down(act(gate(x)) * up(x))``, with the gate and up projections as one product."""
     split = mlp._nats_split
 
+    def own(x: Tensor) -> Tensor:
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
     def forward(x: Tensor) -> Tensor:
-        if x.numel() // x.shape[-1] > FUSED_MAX_TOKENS:  # a prefill: the model's products (half the peak memory)
-            return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        tokens = x.numel() // x.shape[-1]
+        if tokens > PREFILL_MLP_TOKENS:  # a large prefill: the model's products, a chunk of tokens at a time
+            flat = x.reshape(tokens, x.shape[-1])
+            out = flat.new_empty(tokens, mlp.down_proj.out_features)
+            for i in range(0, tokens, PREFILL_MLP_TOKENS):
+                out[i : i + PREFILL_MLP_TOKENS] = own(flat[i : i + PREFILL_MLP_TOKENS])
+            return out.view(*x.shape[:-1], -1)
+        if tokens > FUSED_MAX_TOKENS:  # a prefill: the model's products (half the peak memory)
+            return own(x)
         gate, up = F.linear(x, mlp.gate_up_weight, mlp.gate_up_bias).split(split, dim=-1)
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
