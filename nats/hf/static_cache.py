@@ -40,6 +40,7 @@ from nats.cache import engine
 from nats.cache.budget import check_budget_value, row_budgets
 from nats.cache.engine import PoolLayout, PromptState, SegmentStorage, mark_static
 from nats.cache.registry import get_cache_class
+from nats.hf.buffers import CacheBuffers
 from nats.hf.cache import FixedRowsLayer
 
 
@@ -136,6 +137,11 @@ class StaticPolicyCache(Cache):
             `nats_kernels.nats_attention.prefill_cache`), ``"torch"`` (some thirty small PyTorch operations per
             layer, the kernels' reference) or ``"auto"`` (default: Triton for CUDA tensors where the kernels
             import, else PyTorch).
+        row_slots: each layer's pool takes at least rows x ``row_slots`` slots (rows: sequences x KV heads), so that
+            requests of the same batch have pools of the same size (a serving process: `nats.hf.buffers`); a prompt
+            that needs more gets a larger pool.
+        buffers: a `nats.hf.CacheBuffers` that successive caches decode from (the same addresses for every request;
+            `nats.hf.buffers`).
         **options: the policy's options (``sinks=`` for streaming_llm; ``window=``, ``kernel=``, ``pooling=`` for
             snapkv / pyramidkv; NAtS' window comes from its scorers).
     """
@@ -150,6 +156,8 @@ class StaticPolicyCache(Cache):
         max_len: int | None = None,
         track: bool = True,
         prefill_kernel: str = "auto",
+        row_slots: int | None = None,
+        buffers: CacheBuffers | None = None,
         **options: Any,
     ):
         from nats.hf.hooks import routed_cores  # noqa: PLC0415
@@ -184,6 +192,9 @@ class StaticPolicyCache(Cache):
                 f"StaticPolicyCache: prefill_kernel must be 'auto', 'torch' or 'triton', got {prefill_kernel!r}"
             )
         self.prefill_kernel = prefill_kernel
+        if row_slots is not None and (int(row_slots) != row_slots or row_slots < 1):
+            raise ValueError(f"StaticPolicyCache: row_slots must be a positive integer, got {row_slots!r}")
+        self.row_slots, self.buffers = row_slots, buffers
         self.n_head, self.n_layer = config.num_attention_heads, len(self.cores)
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         if self.max_len < 1:
@@ -258,6 +269,8 @@ class StaticPolicyCache(Cache):
         last = layer.layer_idx == self.n_layer - 1
         while len(self._unallocated) > (0 if last else 1):
             self._fill_pool(*self._unallocated.pop(0))
+        if last and self.buffers is not None:
+            self.buffers.adopt(self)
         return y if direct is not None else state.y
 
     def _prompt_padded(self, layer, core, q, k, v, hidden, groups) -> PromptState:
@@ -289,7 +302,10 @@ class StaticPolicyCache(Cache):
     def _fill_pool(self, layer, layout, plan, area, peak, N) -> None:
         """A prefilled layer's buffers: its pool, its bookkeeping, its ring (if the rule has one), the rule's own
         buffers, its sizes so far."""
-        size = engine.rounded(layout.size() + 1)  # + the scratch slot (the last one) where skipped writes go
+        need = layout.size() + 1  # + the scratch slot (the last one) where skipped writes go
+        size = engine.rounded(need)
+        if self.row_slots is not None and need <= layout.rows.shape[-1] * self.row_slots + 1:
+            size = layout.rows.shape[-1] * self.row_slots + 1  # a size that depends on the batch alone
         pool = layout.fill(size)
         layer.allocate(pool, layout.rows, area, peak)
         if plan.ring is not None:
