@@ -50,8 +50,9 @@ and their share of the bandwidth measured in the same run (a device-to-device co
 ``bound``: the largest ratio to a full cache those bytes allow (full bytes / the row's bytes).
 ``--equal-memory-gib M`` also runs each cache at the largest batch whose KV buffers fit M GiB. ``--mixed N`` also
 serves N requests of changing batch and prompt length through each of the project's caches in one process, then the
-same requests again, all compiled (`mixed_workload`: the changing stream's tokens/s against its own warm speed, and
-the graphs it compiled; dynamo's recompile limit is made an error). Writes
+same requests again (`mixed_workload`: fixed buffers and pools of one size per batch, as a serving engine runs; the
+changing stream's tokens/s against the same requests again, the graphs it compiled and the CUDA graphs it recorded;
+dynamo's recompile limit is made an error). Writes
 ``bench_hf_decode.{md,json}`` into ``--out``.
 """
 
@@ -189,8 +190,26 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
-def cache_maker(model, method: str, P: int, n_new: int, kept: float | None, batch: int = 1):
-    """A function that makes a fresh cache of `method` for `batch` prompts of P tokens and n_new new ones."""
+_RECORDINGS = []  # CUDA graphs recorded so far (a callback of torch's CUDA-graph trees appends to it)
+
+
+def cudagraph_recordings() -> int:
+    """CUDA graphs torch's CUDA-graph trees have recorded in this process (each costs a warm-up run and a capture)."""
+    if not _RECORDINGS:
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+        def count(args):
+            if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
+                _RECORDINGS[0] += 1
+
+        _RECORDINGS.append(0)
+        callback_handler.register_start_callback(count)
+    return _RECORDINGS[0]
+
+
+def cache_maker(model, method: str, P: int, n_new: int, kept: float | None, batch: int = 1, **serving):
+    """A function that makes a fresh cache of `method` for `batch` prompts of P tokens and n_new new ones
+    (``serving``: ``row_slots`` and ``buffers`` for the project's fixed-capacity caches, `nats.hf.buffers`)."""
     from transformers import DynamicCache, StaticCache
 
     from nats.hf import PolicyCache, StaticPolicyCache
@@ -214,7 +233,8 @@ def cache_maker(model, method: str, P: int, n_new: int, kept: float | None, batc
         extra = {"budget": budget} if policy == "streaming_llm" else {}
         if method == "nats_torch_prefill":
             policy, extra = "nats", {"prefill_kernel": "torch"}
-        return StaticPolicyCache(model, policy, max_new_tokens=n_new, max_len=P + n_new, track=False, **extra)
+        return StaticPolicyCache(model, policy, max_new_tokens=n_new, max_len=P + n_new, track=False, **extra,
+                                 **serving)  # fmt: skip
 
     return make
 
@@ -533,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also serve this many requests of changing batch and prompt "
         "through each project method (a changing workload; --mixed-batch, --mixed-prompt)",
     )
+    ap.add_argument("--mixed-only", action="store_true", help="with --mixed: no single-shape rows before it")
     ap.add_argument("--mixed-batch", type=int, nargs=2, default=[1, 16], metavar=("MIN", "MAX"))
     ap.add_argument("--mixed-prompt", type=int, nargs=2, default=[1024, 32768], metavar=("MIN", "MAX"))
     ap.add_argument("--smoke", action="store_true", help="tiny model, short prompt, CPU: tests the script")
@@ -573,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         write(rows, args, argv, device, dtype)
 
     gen = torch.Generator().manual_seed(0)
-    for P in args.prompt:
+    for P in [] if args.mixed and args.mixed_only else args.prompt:
         base = torch.randint(0, model.config.vocab_size, (max(args.batch), P), generator=gen).to(device)
         for B in args.batch:
             prompt = base[:B]
@@ -633,11 +654,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def mixed_workload(model, method: str, args, device, gen) -> dict:
     """``--mixed N`` requests of random batch (``--mixed-batch``) and prompt length (``--mixed-prompt``) served by
-    one process through `method`'s cache: each decoded twice, first in the changing stream (after one warm-up
-    request: what it meets is compiled or recorded then), then again with everything compiled (the single-shape
-    speed of the same requests). Dynamo's recompile limit is made an error: a fall-back to eager decoding fails the
-    row instead of slowing it. Returns the row: tokens/s of both passes, their ratio, the graphs compiled in the
-    first pass."""
+    one process through `method`'s cache, as a serving engine runs them: fixed buffers (`nats.hf.CacheBuffers`, every
+    request decoding from the same addresses) and pools of one size per batch (``row_slots``: the longest prompt and
+    the new tokens for the full cache; for NAtS 1.2 x its kept share of the longest prompt, the new tokens and 64),
+    after a warm-up that records the decode step's CUDA graph of every batch size (largest first, short prompts).
+    NAtS' scorers are calibrated to the kept share once, on the first request (each request then keeps what the
+    scorers choose, as a trained model's would).
+    Each request is decoded twice, first in the changing stream, then again (the speed of the same requests with
+    everything in place). Dynamo's recompile limit is made an error: a fall-back to eager decoding fails the row
+    instead of slowing it. Returns the row: tokens/s of both passes, their ratio, the graphs compiled and the CUDA
+    graphs recorded in the stream."""
+    from nats.hf import CacheBuffers
+
     kept = args.kept[0] if method in (*NATS, "streaming_llm") else None
     rng = torch.Generator().manual_seed(1)
     lo_b, hi_b = args.mixed_batch
@@ -646,21 +674,25 @@ def mixed_workload(model, method: str, args, device, gen) -> dict:
     shapes = [(draw(lo_b, hi_b), draw(lo_p, hi_p)) for _ in range(args.mixed)]
     prompts = [torch.randint(0, model.config.vocab_size, s, generator=gen).to(device) for s in shapes]
     n_new = new_tokens(method, args)
+    slots = hi_p + n_new if kept is None or method not in NATS else int(1.2 * kept * hi_p) + n_new + 64
+    serving = {"row_slots": slots, "buffers": CacheBuffers()}
+
+    if method in NATS and kept is not None:  # once, on the first request: the scorers then stay as a model's would
+        calibrate(model, prompts[0], kept)
 
     def serve(prompt) -> tuple[int, float]:
         """(tokens decoded after the first, seconds they took) of one request."""
-        if method in NATS and kept is not None:
-            calibrate(model, prompt, kept)
-        make = cache_maker(model, method, prompt.shape[1], n_new, kept, prompt.shape[0])
+        make = cache_maker(model, method, hi_p, n_new, kept, prompt.shape[0], **serving)
         _, decode_s, _, _ = timed_request(model, prompt, make, n_new, method, device)
         return prompt.shape[0] * (n_new - 1), decode_s
 
     projections(model, method, args)
     with attention_of(model, method), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        serve(prompts[0])  # warm-up
-        g0 = graphs()
+        for b in range(hi_b, lo_b - 1, -1):  # warm-up: the step's graph of every batch size
+            serve(torch.randint(0, model.config.vocab_size, (b, lo_p), generator=gen).to(device))
+        g0, r0 = graphs(), cudagraph_recordings()
         first = [serve(p) for p in prompts]
-        new_graphs = graphs() - g0
+        new_graphs, recorded = graphs() - g0, cudagraph_recordings() - r0
         again = [serve(p) for p in prompts]
     rate = lambda done: sum(n for n, _ in done) / sum(t for _, t in done)  # noqa: E731
     return {
@@ -669,23 +701,28 @@ def mixed_workload(model, method: str, args, device, gen) -> dict:
         "requests": args.mixed,
         "batches": f"{min(b for b, _ in shapes)}-{max(b for b, _ in shapes)}",
         "prompts": f"{min(p for _, p in shapes)}-{max(p for _, p in shapes)}",
+        "row_slots": slots,
+        "buffers_gib": serving["buffers"].nbytes() / 2**30,
         "tokens_per_s": rate(first),
         "tokens_per_s_warm": rate(again),
         "ratio": rate(first) / rate(again),
         "new_graphs": new_graphs,
+        "cudagraphs_recorded": recorded,
     }
 
 
 def mixed_table(rows: list[dict]) -> list[str]:
     lines = [
-        "| method | kept (target) | requests | batch | prompt | tokens/s, changing stream | tokens/s, same requests "
-        "compiled | ratio | new graphs in the stream |",
-        "|---|---:|---:|---|---|---:|---:|---:|---:|",
+        "| method | kept (target) | requests | batch | prompt | slots per row | buffers GiB | tokens/s, changing "
+        "stream | tokens/s, same requests again | ratio | new graphs in the stream | CUDA graphs recorded in the "
+        "stream |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {fmt(r['kept_target'], '.2f')} | {r['requests']} | {r['batches']} | {r['prompts']} | "
-            f"{r['tokens_per_s']:.1f} | {r['tokens_per_s_warm']:.1f} | {r['ratio']:.2f} | {r['new_graphs']} |"
+            f"{r['row_slots']} | {r['buffers_gib']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s_warm']:.1f} | "
+            f"{r['ratio']:.2f} | {r['new_graphs']} | {r['cudagraphs_recorded']} |"
         )
     return lines
 
@@ -766,7 +803,7 @@ def write(rows: list[dict], args, argv, device, dtype, final: bool = False) -> N
     if mixed_rows:
         text += (f"\n## A changing workload: {args.mixed} requests of batch {args.mixed_batch[0]}-"
                  f"{args.mixed_batch[1]} and prompts of {args.mixed_prompt[0]}-{args.mixed_prompt[1]} tokens in one "
-                 f"process, then the same requests again (all compiled)\n\n")  # fmt: skip
+                 f"process (fixed buffers, one pool size per batch), then the same requests again\n\n")  # fmt: skip
         text += "\n".join(mixed_table(mixed_rows)) + "\n"
     if not final:
         text += "\n(incomplete: the run is still going, or was stopped)\n"

@@ -26,7 +26,7 @@
 #               cache fits
 #   sweep       the pool attention's launch choices (sweep_pool_attention.py)
 #   mixed       Llama-3.2-1B's shape: 50 requests of batch 1-16 and prompts of 1k-32k in one process, the project's
-#               full cache and NAtS (~25% kept), against the same requests compiled
+#               full cache and NAtS (~25% kept; methods: MIXED_METHODS), against the same requests again
 # WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
 # (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 480), GPT_LIMIT (150), TEST_LIMIT (200).
 # Each stage's whole output: OUT/<stage>.log. tests/test_generate.py::test_cuda_matches_cpu trains from the embedded
@@ -39,6 +39,11 @@ stages=${*:-kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host}
 LIMIT_BATCH=${LIMIT_BATCH:-1 8}
 LIMIT_METHODS=${LIMIT_METHODS:-flex_static full nats}
 LIMIT_METHODS=${LIMIT_METHODS//,/ }
+MIXED_METHODS=${MIXED_METHODS:-full nats}
+MIXED_METHODS=${MIXED_METHODS//,/ }
+MIXED_ONLY=${MIXED_ONLY:+--mixed-only} # MIXED_ONLY=1: the mixed stage without its single-shape rows
+EQ_GIB=${EQ_GIB:-8 32}
+EQ_GIB=${EQ_GIB//,/ }
 source benchmarks/gpu_site.sh
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 hf() { # name, bench_hf_decode.py arguments: the whole output in OUT/<name>.log (compile and CUDA-graph warnings
@@ -73,12 +78,12 @@ for stage in $stages; do
     smol8k) hf smol8k --model-shape smollm2-135m --prompt 8192 --batch 1 --kept 0.25 --new 256 --repeats 2 \
       --methods static flex_static full nats ;;
     eq8b) hf eq8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 --kept 0.25 --new 64 --repeats 1 \
-      --methods full nats --equal-memory-gib ${EQ_GIB:-8 32} ;;
+      --methods full nats --equal-memory-gib $EQ_GIB ;;
     sweep) timeout "${GPT_LIMIT:-150}" python3 benchmarks/sweep_pool_attention.py --out "$DEST/sweep" \
       >"$DEST/sweep.log" 2>&1
       grep -E '^\|' "$DEST/sweep.log" | tail -50 ;;
     mixed) hf mixed --model-shape llama-3.2-1b --prompt 8192 --batch 1 --kept 0.25 --new 64 --repeats 1 \
-      --methods full nats --mixed 50 ;;
+      --methods $MIXED_METHODS --mixed 50 $MIXED_ONLY ;;
     profile) hf profile --prompt 8192 --batch 1 --kept 0.25 --methods static nats nats_torch_prefill --profile ;;
     host) timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_host.py --prompt 8192 --out "$DEST/host" \
       >"$DEST/host.log" 2>&1
@@ -89,7 +94,7 @@ for stage in $stages; do
     # the failures' tracebacks stay in the log (-rfE: the reason of each in the summary)
     tests) timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu \
       tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py tests/test_hf_loop.py \
-      tests/test_hf_fused.py >"$DEST/gpu_tests.log" 2>&1
+      tests/test_hf_fused.py tests/test_hf_buffers.py >"$DEST/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$DEST/gpu_tests.log" | tail -8 ;;
     *) echo "unknown stage $stage (kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host limit8b" \
       "limit8b_8k limit1b profile1b smol8k eq8b sweep mixed)" && exit 2 ;;

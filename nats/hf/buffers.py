@@ -25,6 +25,7 @@ graphs of its own).
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import torch
@@ -52,7 +53,11 @@ class CacheBuffers:
         (the cache keeping its own buffers) while another cache that adopted them is still alive."""
         owner = self._owner() if self._owner is not None else None
         if owner is not None and owner is not cache:
-            return False
+            del owner
+            gc.collect()  # a finished cache that only a reference cycle keeps (e.g. a compiler's garbage)
+            owner = self._owner()
+            if owner is not None and owner is not cache:
+                return False
         self._owner = weakref.ref(cache)
         views: dict[int, Tensor] = {}  # id of a cache tensor -> its view (the tensors stay alive in `layers`)
         for layer in cache.layers:
