@@ -21,6 +21,7 @@
 #   limit1b     Llama-3.2-1B's shape, 8k and 32k, batch 1 and 8
 #               (the limit stages' batches: LIMIT_BATCH, default "1 8"; methods: LIMIT_METHODS, commas or spaces)
 #   profile1b   Llama-3.2-1B's shape, 8k, batch 1: where a decode step's time goes (full and NAtS; --profile)
+#   profile8b   the same at Llama-3.1-8B's shape, 32k, batch 8 (methods: LIMIT_METHODS)
 #   smol8k      SmolLM2-135M's shape, 8k, batch 1, transformers' StaticCache beside them
 #   eq8b        Llama-3.1-8B's shape, 32k, equal KV memory (EQ_GIB, default 8 and 32 GiB): the largest batch each
 #               cache fits
@@ -73,6 +74,8 @@ for stage in $stages; do
       --repeats 2 --methods $LIMIT_METHODS ;;
     limit1b) hf limit1b --model-shape llama-3.2-1b --prompt 8192 32768 --batch $LIMIT_BATCH --kept 0.25 --new 128 \
       --repeats 2 --methods $LIMIT_METHODS ;;
+    profile8b) hf profile8b --model-shape llama-3.1-8b --prompt 32768 --batch 8 --kept 0.25 --new 32 --repeats 1 \
+      --methods $LIMIT_METHODS --profile ;;
     profile1b) hf profile1b --model-shape llama-3.2-1b --prompt 8192 --batch 1 --kept 0.25 --new 32 --repeats 1 \
       --methods full nats --profile ;;
     smol8k) hf smol8k --model-shape smollm2-135m --prompt 8192 --batch 1 --kept 0.25 --new 256 --repeats 2 \
@@ -97,7 +100,7 @@ for stage in $stages; do
       tests/test_hf_fused.py tests/test_hf_buffers.py >"$DEST/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$DEST/gpu_tests.log" | tail -8 ;;
     *) echo "unknown stage $stage (kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host limit8b" \
-      "limit8b_8k limit1b profile1b smol8k eq8b sweep mixed)" && exit 2 ;;
+      "limit8b_8k limit1b profile1b profile8b smol8k eq8b sweep mixed)" && exit 2 ;;
   esac
   echo "-- $stage: $(($(date +%s) - t0)) s"
 done
