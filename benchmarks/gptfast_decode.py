@@ -116,12 +116,15 @@ class GptFastDecoder:
         return self._layers(token[:, None], pos, attend).argmax(-1)
 
     @torch.no_grad()
-    def generate(self, prompt: Tensor, n: int) -> Tensor:
-        """``prompt`` ``[B, P]`` and ``n`` greedy tokens after it, ``[B, P + n]`` (as ``model.generate`` returns)."""
+    def generate(self, prompt: Tensor, n: int, on_prefill=None) -> Tensor:
+        """``prompt`` ``[B, P]`` and ``n`` greedy tokens after it, ``[B, P + n]`` (as ``model.generate`` returns);
+        ``on_prefill``: called once after the prompt's forward, before the decode steps."""
         B, P = prompt.shape
         if P + n > self.max_len or B != self.k[0].shape[0]:
             raise ValueError(f"GptFastDecoder: batch {B}, {P} + {n} tokens do not fit {tuple(self.k[0].shape)}")
         out = [prompt, self._prefill(prompt)[:, None]]
+        if on_prefill is not None:
+            on_prefill()
         pos = torch.full((1,), P, dtype=torch.long, device=prompt.device)
         for t in range(P, P + n - 1):
             token = self.step(out[-1][:, 0], pos, *((t + 1,) if self.attention == "sdpa" else ()))

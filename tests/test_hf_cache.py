@@ -308,3 +308,27 @@ def test_host_benchmark_smoke(tmp_path):
     assert timed < rows["nats"]["prefill_attention_ms"]  # parts of the attention function's time
     assert "| nats | 9 |" in (tmp_path / "bench_hf_host.md").read_text()
     assert "_prefill" in (tmp_path / "python_prefill_nats.txt").read_text()  # StaticPolicyCache._prefill's line
+
+
+def test_bench_times_the_decode_steps_apart_from_the_prefill(monkeypatch):
+    """A timed request is one generation: the prefill until `on_prefill`, the decode steps after it (not the
+    difference with a second, one-token generation, whose prefill's jitter moved the decode time)."""
+    import time
+
+    from conftest import load_script
+
+    bench = load_script("benchmarks/bench_hf_decode.py")
+    calls = []
+
+    def fake(model, prompt, cache, n, method=None, on_prefill=None):
+        calls.append(n)
+        time.sleep(0.2)  # the prefill
+        on_prefill()
+        time.sleep(0.05)  # the decode steps
+        return prompt
+
+    monkeypatch.setattr(bench, "generate", fake)
+    prefill_s, decode_s, _, cache = bench.timed_request(None, torch.zeros(1, 3), lambda: "cache", 8, "full",
+                                                        torch.device("cpu"))  # fmt: skip
+    assert calls == [8] and cache == "cache"
+    assert 0.2 <= prefill_s < 0.25 and 0.05 <= decode_s < 0.1

@@ -62,6 +62,17 @@ def test_compiled_step_equals_eager_and_is_reused():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_on_prefill_is_called_once_between_the_prompt_and_the_decode_steps():
+    model = model_for("full")
+    forwards, seen = [], []
+    model.register_forward_hook(lambda m, args, kwargs, out: forwards.append(kwargs["input_ids"].shape[1]),
+                                with_kwargs=True)  # fmt: skip
+    prompt = ids(n=20, b=2, seed=7)
+    generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=NEW), NEW, compile=False,
+             on_prefill=lambda: seen.append(list(forwards)))  # fmt: skip
+    assert seen == [[20]] and forwards == [20] + [1] * (NEW - 1)
+
+
 def test_end_tokens_pad_the_row_and_stop_when_every_row_ended():
     model = model_for("full")
     prompt = ids(n=20, b=2, seed=7)

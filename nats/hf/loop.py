@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -78,12 +79,15 @@ def generate(
     generator: torch.Generator | None = None,
     compile: bool | str | None = None,
     check_every: int = 32,
+    on_prefill: Callable[[], None] | None = None,
 ) -> Tensor:
     """``ids`` ``[B, P]`` (left-padded where ``attention_mask`` has zeros) and up to ``max_new_tokens`` tokens after
     them, ``[B, P + n]``: greedy (``temperature`` 0) or sampled. With ``eos_token_id``, a row's tokens after its end
     token are ``pad_token_id`` and decoding stops once every row has ended (checked every ``check_every`` tokens,
     the only host reads before the end). ``compile``: the step compiled with CUDA graphs (default: on CUDA; a
-    backend's name: compiled by it, without CUDA graphs)."""
+    backend's name: compiled by it, without CUDA graphs). ``on_prefill``: called once, after the prompt's forward and
+    the first token's choice are queued and before the first decode step is (a benchmark synchronises there and
+    times the decode steps alone)."""
     if max_new_tokens < 1:
         return ids
     B, P = ids.shape
@@ -103,6 +107,8 @@ def generate(
     first = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id
     pad = first if pad_token_id is None else pad_token_id  # the first end token, as generate pads
     done = None if eos is None else torch.isin(cur[:, 0], eos)
+    if on_prefill is not None:
+        on_prefill()
     step = decode_step(model, compile)
     if compile:  # one compiled step for every batch and prompt: the sizes that change are dynamic from the start
         for layer in getattr(cache, "layers", ()):
