@@ -74,6 +74,28 @@ def test_a_cache_made_while_another_holds_the_buffers_keeps_its_own():
     assert buffers.nbytes() == held  # the same buffers again, none added
 
 
+def test_each_layers_fresh_pool_is_freed_once_adopted(monkeypatch):
+    """Layer by layer, during the prefill (before the last layer is ready): when a layer's pool is placed in the
+    buffers, the earlier layers' fresh pools are gone (the cache's memory is not held twice for the whole prefill)."""
+    import weakref
+
+    model = model_for("full")
+    buffers, fresh = CacheBuffers(), []
+    place = CacheBuffers._place
+
+    def watched(self, key, t):
+        if key[1] == "kv_pool":
+            assert [r() for r in fresh] == [None] * len(fresh), key
+            assert key[0] == len(fresh) and not cache.layers[-1].ready or key[0] == len(cache.layers) - 1, key
+            fresh.append(weakref.ref(t))
+        return place(self, key, t)
+
+    monkeypatch.setattr(CacheBuffers, "_place", watched)
+    cache = StaticPolicyCache(model, "full", max_new_tokens=NEW, buffers=buffers)
+    generate(model, ids(n=30, b=2, seed=6), cache, NEW, compile=False)
+    assert len(fresh) == model.config.num_hidden_layers
+
+
 def test_row_slots_must_be_a_positive_integer():
     model = model_for("full")
     with pytest.raises(ValueError, match="row_slots must be a positive integer"):

@@ -17,8 +17,9 @@ size, recorded once (a warm-up over the batch sizes records them before the firs
         cache = StaticPolicyCache(model, "nats", max_new_tokens=64, row_slots=12_288, buffers=buffers)
         out = generate(model, ids, cache, 64)
 
-The cache's buffers are copied into the views at the end of its prefill (one pass over the KV cache, and its memory
-twice for that moment); the buffers stay allocated between requests, as a serving engine's do. One cache at a time
+Each layer's buffers are copied into the views as soon as the prefill has made them (one pass over the KV cache; one
+layer's cache twice in memory for that moment); the buffers stay allocated between requests, as a serving engine's
+do. One cache at a time
 decodes from them: a cache made while the previous one is still alive keeps its own buffers (correct, but it records
 graphs of its own).
 """
@@ -47,10 +48,11 @@ class CacheBuffers:
         """Bytes held now."""
         return sum(t.numel() * t.element_size() for t in self._flat.values())
 
-    def adopt(self, cache) -> bool:
-        """Move ``cache``'s decode buffers (every tensor its layers' ``tensors()`` lists) into views of these buffers,
-        their contents copied; a tensor several layers share (the position counter) becomes one view. Returns False
-        (the cache keeping its own buffers) while another cache that adopted them is still alive."""
+    def adopt(self, cache, layer=None) -> bool:
+        """Move the decode buffers of ``cache``'s ``layer`` (default: every layer; each tensor its ``tensors()``
+        lists) into views of these buffers, their contents copied; a tensor other layers of the cache refer to too
+        (the position counter) is replaced there as well. Returns False (the cache keeping its own buffers) while
+        another cache that adopted them is still alive."""
         owner = self._owner() if self._owner is not None else None
         if owner is not None and owner is not cache:
             del owner
@@ -59,15 +61,22 @@ class CacheBuffers:
             if owner is not None and owner is not cache:
                 return False
         self._owner = weakref.ref(cache)
-        views: dict[int, Tensor] = {}  # id of a cache tensor -> its view (the tensors stay alive in `layers`)
-        for layer in cache.layers:
-            wanted = {id(t) for t in layer.tensors()}
-            for name, value in list(vars(layer).items()):
-                if isinstance(value, Tensor) and id(value) in wanted:
-                    if id(value) not in views:
-                        views[id(value)] = self._place((layer.layer_idx, name), value)
-                    setattr(layer, name, views[id(value)])
+        for one in cache.layers if layer is None else [layer]:
+            wanted = {id(t) for t in one.tensors()}
+            for name, value in list(vars(one).items()):
+                if not isinstance(value, Tensor) or id(value) not in wanted or self._holds(value):
+                    continue
+                view = self._place((one.layer_idx, name), value)
+                for other in cache.layers:  # every reference to the tensor, so that it is freed now
+                    for n, v in list(vars(other).items()):
+                        if v is value:
+                            setattr(other, n, view)
+                del value
         return True
+
+    def _holds(self, t: Tensor) -> bool:
+        """``t`` is a view of one of these buffers (adopted already)."""
+        return any(t.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in self._flat.values())
 
     def _place(self, key: tuple[int, str], t: Tensor) -> Tensor:
         """A view of the buffer for ``key`` shaped as ``t``, holding ``t``'s values (the buffer grown first if it is

@@ -269,8 +269,6 @@ class StaticPolicyCache(Cache):
         last = layer.layer_idx == self.n_layer - 1
         while len(self._unallocated) > (0 if last else 1):
             self._fill_pool(*self._unallocated.pop(0))
-        if last and self.buffers is not None:
-            self.buffers.adopt(self)
         return y if direct is not None else state.y
 
     def _prompt_padded(self, layer, core, q, k, v, hidden, groups) -> PromptState:
@@ -319,6 +317,8 @@ class StaticPolicyCache(Cache):
             mark_static(*extra)
         layer.real = self._real_rows
         layer.prompt_width = N
+        if self.buffers is not None:  # the layer's buffers into the fixed ones, the fresh ones freed at once
+            self.buffers.adopt(self, layer)
 
     # ------------------------------------------------------------------ decode (compiled by generate)
     def _decode(self, layer, q, k, v, hidden) -> Tensor:
