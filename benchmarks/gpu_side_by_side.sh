@@ -3,7 +3,9 @@
 # alone on its GPU; its ratios are of rows measured on that GPU in the same run):
 #   bash benchmarks/gpu_side_by_side.sh OUT_DIR "STAGE [STAGE...]" "STAGE..." ...
 # A group's words of the form NAME=VALUE are set in its environment (e.g. "HF_LIMIT=540 limit8b"). Group i runs on
-# GPU i (CUDA_VISIBLE_DEVICES), writes OUT_DIR/gpu<i>/ and its summary OUT_DIR/gpu<i>.out, printed here at the end.
+# GPU i (CUDA_VISIBLE_DEVICES), writes OUT_DIR/gpu<i>/ and its summary OUT_DIR/gpu<i>.out, printed here at the end,
+# then the decoding-at-the-limit targets over every bench_hf_decode result (benchmarks/limit_targets.py,
+# OUT_DIR/targets.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:?usage: gpu_side_by_side.sh OUT_DIR "STAGES" ...}
@@ -27,3 +29,8 @@ for ((j = 0; j < i; j++)); do
   echo "=== GPU $j"
   cat "$DEST/gpu$j.out"
 done
+mapfile -t results < <(find "$DEST" -name bench_hf_decode.json | sort)
+if [ "${#results[@]}" -gt 0 ]; then # the decoding-at-the-limit targets over every bench_hf_decode result
+  echo "=== targets"
+  python3 benchmarks/limit_targets.py "${results[@]}" --out "$DEST/targets.md"
+fi
