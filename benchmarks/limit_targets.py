@@ -6,9 +6,9 @@ setting, with the measured value, the goal and whether it is met.
 
 Targets (one GPU; a benchmark's numbers, not a timed test):
 
-* the fastest full cache of each prompt and batch at >= 70% of the bandwidth measured in its run (a device-to-device
-  copy; ``FULL_SHARE``);
-* each NAtS row at >= 70% of the bandwidth for its own bytes (``NATS_SHARE``), and at >= 0.9 x the speed-up over the
+* at Llama-3.1-8B's and Llama-3.2-1B's shapes (any but SmolLM2-135M's), the fastest full cache of each prompt and
+  batch at >= 70% of the bandwidth measured in its run (a device-to-device copy; ``FULL_SHARE``); each NAtS row
+  at >= 70% of the bandwidth for its own bytes (``NATS_SHARE``), and at >= 0.9 x the speed-up over the
   fastest full cache that the bytes allow (``OF_BOUND``);
 * at equal KV memory of 32 GiB at Llama-3.1-8B's shape, NAtS >= 3.5x the fastest full cache's tokens/s
   (``EQUAL_MEMORY_X``; other budgets: the 0.9 x bound target only);
@@ -52,13 +52,16 @@ def checks(result: dict) -> list[tuple[str, str, str, str, bool]]:
     for r in main:
         if r["method"] in FULL and r["tokens_per_s"] > best.get((r["prompt"], r["batch"]), {}).get("tokens_per_s", 0):
             best[(r["prompt"], r["batch"])] = r
+    smol = shape == "smollm2-135m"  # its target is in tokens/s (at ~0.5 GB a step is bound by launches)
     for (P, B), r in sorted(best.items()):
         share = r.get("share_of_measured")
+        if smol:
+            continue
         if share is not None:
             add("fastest full cache at the bandwidth", f"{P} prompt, batch {B}, {r['method']}", f"{share:.1%}",
                 f">= {FULL_SHARE:.0%}", share >= FULL_SHARE)  # fmt: skip
     for r in rows:
-        if r.get("mixed") or r["method"] not in NATS:
+        if r.get("mixed") or r["method"] not in NATS or smol:
             continue
         gib = r.get("equal_memory_gib")
         setting = f"{r['prompt']} prompt, batch {r['batch']}" + ("" if gib is None else f", {gib:g} GiB of KV")
@@ -77,7 +80,7 @@ def checks(result: dict) -> list[tuple[str, str, str, str, bool]]:
             ratio = r["prefill_s"] / full["prefill_s"]
             add("NAtS prefill over the fastest full cache's", setting, f"{ratio:.2f}x", f"<= {PREFILL_X}x",
                 ratio <= PREFILL_X)  # fmt: skip
-    if shape == "smollm2-135m":
+    if smol:
         for r in main:
             if r["prompt"] == 8192 and r["batch"] == 1 and r["method"] in ("full", "nats"):
                 add("SmolLM2 decoding speed", f"8192 prompt, batch 1, {r['method']}", f"{r['tokens_per_s']:.0f} tok/s",
