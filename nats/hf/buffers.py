@@ -19,9 +19,8 @@ size, recorded once (a warm-up over the batch sizes records them before the firs
 
 Each layer's buffers are copied into the views as soon as the prefill has made them (one pass over the KV cache; one
 layer's cache twice in memory for that moment); the buffers stay allocated between requests, as a serving engine's
-do. One cache at a time
-decodes from them: a cache made while the previous one is still alive keeps its own buffers (correct, but it records
-graphs of its own).
+do. One cache at a time decodes from them: a cache made while the previous one is still alive keeps its own buffers
+(correct, but it records graphs of its own).
 """
 
 from __future__ import annotations
@@ -61,17 +60,19 @@ class CacheBuffers:
             if owner is not None and owner is not cache:
                 return False
         self._owner = weakref.ref(cache)
+        refs: dict[int, list] = {}  # id of each tensor the cache's layers hold -> (layer, attribute) holding it
+        for other in cache.layers:
+            for n, v in vars(other).items():
+                if isinstance(v, Tensor):
+                    refs.setdefault(id(v), []).append((other, n))
         for one in cache.layers if layer is None else [layer]:
-            wanted = {id(t) for t in one.tensors()}
-            for name, value in list(vars(one).items()):
-                if not isinstance(value, Tensor) or id(value) not in wanted or self._holds(value):
+            for t in one.tensors():
+                if id(t) not in refs or self._holds(t):
                     continue
-                view = self._place((one.layer_idx, name), value)
-                for other in cache.layers:  # every reference to the tensor, so that it is freed now
-                    for n, v in list(vars(other).items()):
-                        if v is value:
-                            setattr(other, n, view)
-                del value
+                owner_layer, name = refs[id(t)][0]
+                view = self._place((owner_layer.layer_idx, name), t)
+                for other, n in refs.pop(id(t)):  # every reference to the tensor, so that it is freed now
+                    setattr(other, n, view)
         return True
 
     def _holds(self, t: Tensor) -> bool:
