@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nats.hf.fused import fused_sizes
+
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE as transformers' Llama applies it (``cos``, ``sin``: ``[T, D]``)."""
@@ -71,7 +73,7 @@ class GptFastDecoder:
         for i, layer in enumerate(self.body.layers):
             a, h = layer.self_attn, layer.input_layernorm(x)
             if hasattr(a, "qkv_weight"):  # fused (nats.hf.fused): one product, as gpt-fast's wqkv
-                q, k, v = F.linear(h, a.qkv_weight, a.qkv_bias).split(a._nats_split, dim=-1)
+                q, k, v = F.linear(h, a.qkv_weight, a.qkv_bias).split(fused_sizes(a), dim=-1)
             else:
                 q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
             q = rotate(q.view(B, T, self.n_head, self.head_dim).transpose(1, 2), cos, sin)

@@ -78,6 +78,18 @@ def test_a_large_prefills_mlp_runs_in_chunks(monkeypatch):
     assert seen == [16, 16, 16, 12]
 
 
+def test_fused_sizes_split_the_fused_products():
+    from nats.hf.fused import fused_sizes
+
+    model = tiny_model("llama")
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    with pytest.raises(ValueError, match="not fused"):
+        fused_sizes(attn)
+    fuse_projections(model)
+    assert fused_sizes(attn) == [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+    assert fused_sizes(mlp) == [mlp.gate_proj.out_features, mlp.up_proj.out_features]
+
+
 def test_fused_weights_are_views_and_the_bytes_stay():
     model = tiny_model("qwen2")
     names = [n for n, _ in model.named_parameters()]

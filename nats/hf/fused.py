@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from nats.hf.compat import cache_argument, cache_from_kwargs, update_cache
 from nats.hf.hooks import _check_supported, _decoder_layers
 
-__all__ = ["fuse_projections", "unfuse_projections", "is_fused"]
+__all__ = ["fuse_projections", "unfuse_projections", "is_fused", "fused_sizes"]
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 #: inputs of more tokens (batch x length) run the model's own products: a prefill is bound by arithmetic, not by
@@ -43,6 +43,14 @@ FUSED_MAX_TOKENS = 256
 #: per token at Llama-3.1-8B's width) were the largest part of a batched prefill's peak memory (31 sequences x 32k at
 #: once ran out of an H200's 141 GB with a KV cache of 8 GiB); the chunks' results are the same rows' products
 PREFILL_MLP_TOKENS = 32768
+
+
+def fused_sizes(module: nn.Module) -> list[int]:
+    """The output sizes of the products a fused ``module`` (a decoder layer's attention or MLP) runs as one: q, k, v
+    or gate, up; split the fused product's last dimension by them."""
+    if not hasattr(module, "_nats_split"):
+        raise ValueError(f"nats.hf.fused_sizes: {type(module).__name__} is not fused (call fuse_projections first)")
+    return list(module._nats_split)
 
 
 def is_fused(model: nn.Module) -> bool:
