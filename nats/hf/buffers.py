@@ -41,6 +41,7 @@ class CacheBuffers:
 
     def __init__(self):
         self._flat: dict[tuple[int, str], Tensor] = {}
+        self._starts: set[int] = set()  # the buffers' addresses (a view's storage starts at its buffer's)
         self._owner: weakref.ref | None = None
 
     def nbytes(self) -> int:
@@ -77,7 +78,7 @@ class CacheBuffers:
 
     def _holds(self, t: Tensor) -> bool:
         """``t`` is a view of one of these buffers (adopted already)."""
-        return any(t.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in self._flat.values())
+        return t.untyped_storage().data_ptr() in self._starts
 
     def _place(self, key: tuple[int, str], t: Tensor) -> Tensor:
         """A view of the buffer for ``key`` shaped as ``t``, holding ``t``'s values (the buffer grown first if it is
@@ -88,6 +89,7 @@ class CacheBuffers:
             self._flat.pop(key, None)  # the old buffer freed before the larger one is allocated
             flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
             self._flat[key] = flat
+            self._starts = {f.data_ptr() for f in self._flat.values()}
         view = flat[: t.numel()].view(t.shape)
         view.copy_(t)
         mark_static(view)
