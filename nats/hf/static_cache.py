@@ -301,9 +301,8 @@ class StaticPolicyCache(Cache):
         """A prefilled layer's buffers: its pool, its bookkeeping, its ring (if the rule has one), the rule's own
         buffers, its sizes so far."""
         need = layout.size() + 1  # + the scratch slot (the last one) where skipped writes go
-        size = engine.rounded(need)
-        if self.row_slots is not None and need <= layout.rows.shape[-1] * self.row_slots + 1:
-            size = layout.rows.shape[-1] * self.row_slots + 1  # a size that depends on the batch alone
+        fixed = None if self.row_slots is None else layout.rows.shape[-1] * self.row_slots + 1  # by the batch alone
+        size = fixed if fixed is not None and need <= fixed else engine.rounded(need)
         pool = layout.fill(size)
         layer.allocate(pool, layout.rows, area, peak)
         if plan.ring is not None:
