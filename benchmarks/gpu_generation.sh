@@ -19,7 +19,7 @@
 #   limit8b     Llama-3.1-8B's shape, 32k prompt, batch 1 and 8
 #   limit8b_8k  the same at 8k
 #   limit1b     Llama-3.2-1B's shape, 8k and 32k, batch 1 and 8
-#               (the limit stages' batches: LIMIT_BATCH, default "1 8"; methods: LIMIT_METHODS, commas or spaces)
+#               (the limit stages' batches: LIMIT_BATCH, default "1 8"; methods: LIMIT_METHODS; commas or spaces)
 #   profile1b   Llama-3.2-1B's shape, 8k, batch 1: where a decode step's time goes (full and NAtS; --profile)
 #   profile8b   the same at Llama-3.1-8B's shape, 32k, batch 8 (methods: LIMIT_METHODS)
 #   smol8k      SmolLM2-135M's shape, 8k, batch 1, transformers' StaticCache beside them
@@ -38,6 +38,7 @@ DEST=${1:-logs/bench/generation} # read by gpu_site.sh too
 shift || true
 stages=${*:-kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host}
 LIMIT_BATCH=${LIMIT_BATCH:-1 8}
+LIMIT_BATCH=${LIMIT_BATCH//,/ }
 LIMIT_METHODS=${LIMIT_METHODS:-flex_static full nats}
 LIMIT_METHODS=${LIMIT_METHODS//,/ }
 MIXED_METHODS=${MIXED_METHODS:-full nats}
