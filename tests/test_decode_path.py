@@ -74,6 +74,31 @@ def test_forward_with_caches_equals_parallel_forward(kind):
     assert torch.equal(seq, torch.cat(out, 1))
 
 
+@pytest.mark.parametrize("kind", ["dense", "nats"])
+def test_compiled_decode_equals_eager_with_one_compile_for_every_layer(kind):
+    """GPT.compiled_decode: the dense work around the caches traced as one graph per part (fullgraph), shared by
+    every layer (no compile per block), the same logits as the eager step, the eager parts back after the block."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = tiny({"name": "dense"}) if kind == "dense" else nats_model()
+    policy = "full" if kind == "dense" else "nats"
+    torch.manual_seed(3)
+    idx = torch.randint(0, V, (2, 24))
+    P = 12
+    eager_parts = model.blocks[0].decode_parts
+    with eval_mode(model):
+        caches, compiled = make_caches(model, policy, 2, 24), make_caches(model, policy, 2, 24)
+        model(idx[:, :P], caches=caches), model(idx[:, :P], caches=compiled)
+        for i in range(P, 24):
+            want = model(idx[:, i : i + 1], caches=caches, pos=i).logits
+            with model.compiled_decode("aot_eager"):
+                assert model.blocks[-1].decode_parts != eager_parts
+                got = model(idx[:, i : i + 1], caches=compiled, pos=torch.tensor([i])).logits
+            assert torch.allclose(got, want, atol=1e-5, rtol=0), i
+    assert all(b.decode_parts == eager_parts for b in model.blocks)
+    assert len(model.blocks) > 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
 def test_decode_module_does_not_run_the_block_itself():
     """The block is written once (nats/models/gpt.py): the decode functions call the model's forward."""
     src = inspect.getsource(decode)

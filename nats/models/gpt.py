@@ -14,8 +14,9 @@ op that never returns the logits.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -244,6 +245,21 @@ class MLP(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
+def before_cache(block: Block, x, rope, positions):
+    """A decode step's work in ``block`` before its layer's KV cache: (q, k, v with RoPE applied, the normalised
+    input h that NAtS' scorer reads)."""
+    h = block.ln_1(x)
+    q, k, v = block.attn.project(h, rope, positions)
+    return q, k, v, h
+
+
+def after_cache(block: Block, x, y, h):
+    """... and after it: ``y``, the cache's attention output, through the output gate and projection, then the
+    MLP, with both residuals."""
+    x = x + block.attn.gate_and_project(y, h)
+    return x + block.mlp(block.ln_2(x))
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
 
@@ -253,8 +269,15 @@ class Block(nn.Module):
         self.attn = Attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        self.decode_parts = (before_cache, after_cache)  # compiled within GPT.compiled_decode
 
     def forward(self, x, rope, positions, cache=None, decode: bool = False):
+        if cache is not None and decode:  # one token through the layer's KV cache
+            before, after = self.decode_parts
+            q, k, v, h = before(self, x, rope, positions)
+            with torch.no_grad():  # a cache's buffers hold keys and values, never their autograd history
+                y = cache.step(q, k, v, h, positions)
+            return after(self, x, y, h), None
         a, out = self.attn(self.ln_1(x), rope, positions, cache, decode)
         x = x + a
         x = x + self.mlp(self.ln_2(x))
@@ -365,6 +388,26 @@ class GPT(nn.Module):
         # step on an H100, benchmarks/bench_train.py). To differentiate the logits, call without targets.
         return GPTOutput(logits=logits.detach(), loss=loss, aux_loss=aux_loss, stats=stats)
 
+    @contextlib.contextmanager
+    def compiled_decode(self, backend: str | None = "inductor") -> Iterator[GPT]:
+        """Within the block, decode steps run their dense work around each layer's KV cache (`before_cache`:
+        LayerNorm, q/k/v product, RoPE; `after_cache`: output gate and projection, MLP, residuals) compiled by
+        ``torch.compile`` with ``backend``, one compile for every layer (the blocks share the code: their weights
+        are its inputs). Eager, a GPT-2-small step at batch 8 is ~25 kernels per layer of a few microseconds each:
+        its time is the kernels' latency, not the bytes they read (``benchmarks/bench_decode.py``). The caches' own
+        kernels stay as they are. Static shapes (one compile per batch size); inductor rounds to bf16 where eager
+        does (``emulate_precision_casts``). `nats.cache.decode.GraphDecoder` runs its warm-up and its captures in
+        it; ``backend=None`` is the eager functions."""
+        saved = [block.decode_parts for block in self.blocks]
+        parts = (before_cache, after_cache) if backend is None else _compiled_decode_parts(backend)
+        for block in self.blocks:
+            block.decode_parts = parts
+        try:
+            yield self
+        finally:
+            for block, old in zip(self.blocks, saved, strict=True):
+                block.decode_parts = old
+
     def _check_caches(self, caches: Sequence[Any], n: int, decode: bool, targets) -> None:
         if len(caches) != len(self.blocks):
             raise ValueError(f"need one cache per layer: {len(caches)} caches for {len(self.blocks)} layers")
@@ -381,3 +424,18 @@ class GPT(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w = x.to(dtype), w.to(dtype)
         return linear_cross_entropy(x.reshape(-1, x.size(-1)), w, targets.reshape(-1))  # [B*N, C], [B*N]
+
+
+_COMPILED_DECODE: dict[str, tuple] = {}
+
+
+def _compiled_decode_parts(backend: str) -> tuple:
+    """`before_cache` and `after_cache` compiled with ``backend``, made once per process (dynamo's code cache is
+    per function: one compile serves every block and model of the same shapes)."""
+    if backend not in _COMPILED_DECODE:
+        options = {"emulate_precision_casts": True} if backend == "inductor" else None
+        _COMPILED_DECODE[backend] = tuple(
+            torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
+            for fn in (before_cache, after_cache)
+        )
+    return _COMPILED_DECODE[backend]
