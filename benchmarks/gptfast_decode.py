@@ -13,7 +13,11 @@ compiled step copy that buffer whole at every layer), each KV head is read once 
   dynamic (one graph after a recompile), without CUDA graphs (the slice's length changes every step);
 * ``attention="flex"``: FlexAttention over the whole buffer with a block mask of the keys up to the position (the
   blocks past it are skipped, not read), so every step has the same shapes: compiled with static shapes and CUDA
-  graphs (``mode="reduce-overhead"``), as gpt-fast decodes.
+  graphs (``mode="reduce-overhead"``), as gpt-fast decodes. Each step begins a new CUDA-graph replay
+  (``torch.compiler.cudagraph_mark_step_begin``): once anything in the process has called it (`nats.hf.loop`
+  does), CUDA-graph trees no longer start one by themselves, and a step whose previous output is still referenced
+  records a new graph; in `benchmarks/bench_hf_decode.py` the flex rows that followed a row of the project's loop
+  recorded a graph at nearly every step (124 of 127; 0.07-0.15x the full cache) until the decoder marked its steps.
 
 The prefill (the prompt, eager) is causal SDPA over the prompt's own keys. Greedy tokens equal ``model.generate``'s
 with transformers' ``StaticCache`` (`tests/test_hf_cache.py`).
@@ -58,10 +62,8 @@ class GptFastDecoder:
             self.blocks = torch.arange(-(-max_len // self.block), device=p.device, dtype=torch.int32)
         step = self._decode_sdpa if attention == "sdpa" else self._decode_flex
         if compile:
-            # flex: static shapes, one graph per decoder shape. Compiled with dynamic=None, a second decoder of
-            # another batch or length recompiled the shared code with dynamic sizes, and CUDA-graph trees then
-            # recorded a new graph at nearly every step (124 of 127 steps at Llama-3.2-1B's shape, batch 8 after
-            # batch 1; one H200): 0.09x the project's full cache. sdpa: the length is dynamic by design.
+            # flex: static shapes, one graph per decoder shape, as gpt-fast compiles; sdpa: the length is dynamic
+            # by design
             flex = attention == "flex"
             mode = "reduce-overhead" if flex and p.is_cuda else None
             step = torch.compile(step, mode=mode, fullgraph=True, dynamic=False if flex else None)
@@ -133,7 +135,10 @@ class GptFastDecoder:
         if on_prefill is not None:
             on_prefill()
         pos = torch.full((1,), P, dtype=torch.long, device=prompt.device)
+        graphs = self.attention == "flex" and self.k[0].is_cuda
         for t in range(P, P + n - 1):
+            if graphs:  # each step a new replay (its output is cloned below; module docstring)
+                torch.compiler.cudagraph_mark_step_begin()
             token = self.step(out[-1][:, 0], pos, *((t + 1,) if self.attention == "sdpa" else ()))
             out.append(token[:, None].clone())  # CUDA graphs reuse their output buffer
             pos += 1
