@@ -105,11 +105,17 @@ def checks(result: dict) -> list[tuple[str, str, str, str, bool]]:
     return out
 
 
-def table(results: list[dict]) -> str:
-    lines = ["| target | setting | measured | goal | met |", "|---|---|---|---|---|"]
-    for result in results:
+def table(results: list[dict], sources: list[str] | None = None) -> str:
+    """The targets of every result, one line each; with ``sources`` (one name per result, e.g. its file) a first
+    column says which result a line comes from."""
+    head = "| target | setting | measured | goal | met |"
+    if sources is not None:
+        head = "| result " + head
+    lines = [head, "|---" * head.count(" | ") + "|---|"]
+    for i, result in enumerate(results):
         for target, setting, measured, goal, met in checks(result):
-            lines.append(f"| {target} | {setting} | {measured} | {goal} | {'yes' if met else '**no**'} |")
+            line = f"| {target} | {setting} | {measured} | {goal} | {'yes' if met else '**no**'} |"
+            lines.append(line if sources is None else f"| {sources[i]} {line}")
     return "\n".join(lines) + "\n"
 
 
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(
                 f"limit_targets: cannot read {path} ({e}); pass bench_hf_decode.py's JSON output"
             ) from None
-    text = table(results)
+    text = table(results, [Path(p).stem for p in args.results] if len(args.results) > 1 else None)
     print(text, end="")
     if args.out:
         Path(args.out).write_text(text)

@@ -75,5 +75,12 @@ def test_the_script_writes_its_table_and_names_a_bad_file(tmp_path, capsys):
     path.write_text(json.dumps(result([row("full", 160, 0.74)])))
     assert targets.main([str(path), "--out", str(tmp_path / "t.md")]) == 0
     assert "| fastest full cache at the bandwidth |" in (tmp_path / "t.md").read_text()
+    other = tmp_path / "run_b.json"
+    other.write_text(json.dumps(result([row("full", 150, 0.65)])))
+    assert targets.main([str(path), str(other), "--out", str(tmp_path / "t.md")]) == 0
+    lines = (tmp_path / "t.md").read_text().splitlines()  # several results: a first column names each line's
+    assert lines[0].startswith("| result | target |") and lines[1].count("|---") == 6
+    theirs = [line for line in lines if line.startswith("| run_b | fastest full cache at the bandwidth")]
+    assert lines[2].startswith("| r | fastest full") and len(theirs) == 1 and theirs[0].endswith("| **no** |")
     with pytest.raises(SystemExit, match="cannot read .*missing.json"):
         targets.main([str(tmp_path / "missing.json")])
