@@ -98,7 +98,7 @@ for stage in $stages; do
     # the failures' tracebacks stay in the log (-rfE: the reason of each in the summary)
     tests) timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu \
       tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py tests/test_hf_loop.py \
-      tests/test_hf_fused.py tests/test_hf_buffers.py >"$DEST/gpu_tests.log" 2>&1
+      tests/test_hf_fused.py tests/test_hf_buffers.py tests/test_hf_cache.py >"$DEST/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$DEST/gpu_tests.log" | tail -8 ;;
     *) echo "unknown stage $stage (kernels hf8k hf8k_eq hf32k gpt tests hf8k_large profile host limit8b" \
       "limit8b_8k limit1b profile1b profile8b smol8k eq8b sweep mixed)" && exit 2 ;;

@@ -187,6 +187,41 @@ def test_gptfast_decoder_equals_static_cache_generate(attention):
     assert dec.kv_nbytes() == 2 * 2 * 2 * 3 * 160 * 8 * 4  # K and V: layers x batch x KV heads x slots x D x 4 B
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_gptfast_flex_decoder_replays_its_graph_after_the_projects_loop():
+    """After nats.hf.loop has marked its steps (CUDA-graph trees then stop starting replays by themselves), the
+    gpt-fast-style flex decoder still replays one recorded graph per shape: a second generation records none, and
+    decodes transformers' StaticCache tokens (float32)."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    from conftest import load_script
+    from nats.hf import StaticPolicyCache
+    from nats.hf.loop import generate
+
+    bench = load_script("benchmarks/bench_hf_decode.py")
+    args = bench.argparse.Namespace(model=None, smoke=True, prompt=[150], new=10)
+    model = bench.build_model(args, torch.device("cuda"), torch.float32)
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0)).cuda()
+    ref = greedy(model, prompt, transformers.StaticCache(config=model.config, max_cache_len=160), n=10)
+    generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=10), 10, compile=True)  # marks steps
+    recorded = []
+
+    def count(info):
+        if info.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
+            recorded.append(1)
+
+    dec = bench._gptfast().GptFastDecoder(model, 2, 160, "flex", compile=True)
+    assert torch.equal(dec.generate(prompt, 10), ref)  # compiled and recorded here
+    callback_handler.register_start_callback(count)
+    try:
+        assert torch.equal(dec.generate(prompt, 10), ref)
+    finally:
+        callback_handler.remove_start_callback(count)
+    assert recorded == []
+
+
 def test_decode_benchmark_model_shapes_weight_bytes():
     """--model-shape builds each shape (here on the meta device, no memory); the bytes a decode step reads of its
     weights: every parameter once, of an untied embedding table one row per sequence."""
