@@ -218,18 +218,18 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, N, H * D)  # [B, N, C]
         return self.resid_dropout(self.proj(y))
 
-    def forward(self, x, rope, positions, cache=None, decode: bool = False):
+    def forward(self, x, rope, positions, cache=None):
         """x [B, N, C] -> ([B, N, C], the core's AttentionOutput: y, aux_loss, stats).
 
-        With a layer KV cache (`nats.cache.base.LayerCache`) the cache replaces the core: its ``prefill`` for a
-        prompt (from an empty cache), its ``step`` for one token at ``positions`` (``decode``); the second
-        value is then None."""
+        With a layer KV cache (`nats.cache.base.LayerCache`) the cache's ``prefill`` of a prompt (from an empty
+        cache) replaces the core; the second value is then None. (A decode step, one token through the cache's
+        ``step``, is `Block.forward`'s: `before_cache`, the cache, `after_cache`.)"""
         q, k, v = self.project(x, rope, positions)
         if cache is None:
             out = self.core(q, k, v, x)
             return self.gate_and_project(out.y, x), out
         with torch.no_grad():  # a cache's buffers hold keys and values, never their autograd history
-            y = cache.step(q, k, v, x, positions) if decode else cache.prefill(q, k, v, x)
+            y = cache.prefill(q, k, v, x)
         return self.gate_and_project(y, x), None
 
 
@@ -278,7 +278,7 @@ class Block(nn.Module):
             with torch.no_grad():  # a cache's buffers hold keys and values, never their autograd history
                 y = cache.step(q, k, v, h, positions)
             return after(self, x, y, h), None
-        a, out = self.attn(self.ln_1(x), rope, positions, cache, decode)
+        a, out = self.attn(self.ln_1(x), rope, positions, cache)
         x = x + a
         x = x + self.mlp(self.ln_2(x))
         return x, out
