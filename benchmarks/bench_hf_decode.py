@@ -176,35 +176,12 @@ def kv_bytes(cache) -> int:
     return total
 
 
-def graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 def cudagraph_skips() -> int:
     """Compiled graphs that inductor left out of CUDA graphs (it logs the reason: "skipping cudagraphs due to ...");
     such a decode step launches every kernel from the host."""
     from torch._dynamo.utils import counters
 
     return int(counters["inductor"]["cudagraph_skips"])
-
-
-_RECORDINGS = []  # CUDA graphs recorded so far (a callback of torch's CUDA-graph trees appends to it)
-
-
-def cudagraph_recordings() -> int:
-    """CUDA graphs torch's CUDA-graph trees have recorded in this process (each costs a warm-up run and a capture)."""
-    if not _RECORDINGS:
-        from torch._dynamo.callback import CallbackTrigger, callback_handler
-
-        def count(args):
-            if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
-                _RECORDINGS[0] += 1
-
-        _RECORDINGS.append(0)
-        callback_handler.register_start_callback(count)
-    return _RECORDINGS[0]
 
 
 def cache_maker(model, method: str, P: int, n_new: int, kept: float | None, batch: int = 1, **serving):
@@ -346,6 +323,7 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     """One row; ``static_prefill``: a function timing one StaticCache prefill of the same prompt, called before each
     of this row's timed prefills (the row's prefill ratio then compares timings taken side by side)."""
     from nats.hf import CacheBuffers, PolicyCache, StaticPolicyCache
+    from nats.hf.loop import compiled_graphs, cudagraph_recordings
 
     B, P = prompt.shape
     n_new = new_tokens(method, args)
@@ -362,7 +340,7 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
         sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        g0, r0 = graphs(), cudagraph_recordings()
+        g0, r0 = compiled_graphs(), cudagraph_recordings()
         prefills, decodes, beside = [], [], []
         for _ in range(max(1, getattr(args, "repeats", 1))):  # the median of repeated timings
             if static_prefill is not None:
@@ -371,7 +349,7 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
             prefill_s, decode_s, out, cache = timed_request(model, prompt, make_cache, n_new, method, device)
             prefills.append(prefill_s)
             decodes.append(decode_s)
-        new_graphs, recorded = graphs() - g0, cudagraph_recordings() - r0
+        new_graphs, recorded = compiled_graphs() - g0, cudagraph_recordings() - r0
     prefill_s = statistics.median(prefills)
     decode_s = statistics.median(decodes)
     seen = P + n_new - 1
@@ -699,6 +677,7 @@ def mixed_workload(model, method: str, args, device, gen) -> dict:
     instead of slowing it. Returns the row: tokens/s of both passes, their ratio, the graphs compiled and the CUDA
     graphs recorded in the stream."""
     from nats.hf import CacheBuffers
+    from nats.hf.loop import compiled_graphs, cudagraph_recordings
 
     kept = args.kept[0] if method in (*NATS, "streaming_llm") else None
     rng = torch.Generator().manual_seed(1)
@@ -724,9 +703,9 @@ def mixed_workload(model, method: str, args, device, gen) -> dict:
     with attention_of(model, method), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for b in range(hi_b, lo_b - 1, -1):  # warm-up: the step's graph of every batch size
             serve(torch.randint(0, model.config.vocab_size, (b, lo_p), generator=gen).to(device))
-        g0, r0 = graphs(), cudagraph_recordings()
+        g0, r0 = compiled_graphs(), cudagraph_recordings()
         first = [serve(p) for p in prompts]
-        new_graphs, recorded = graphs() - g0, cudagraph_recordings() - r0
+        new_graphs, recorded = compiled_graphs() - g0, cudagraph_recordings() - r0
         again = [serve(p) for p in prompts]
     rate = lambda done: sum(n for n, _ in done) / sum(t for _, t in done)  # noqa: E731
     return {

@@ -108,26 +108,17 @@ def test_row_slots_must_be_a_positive_integer():
 def test_gpu_a_changing_workload_records_one_graph_per_batch(policy):
     """CUDA graphs: once each batch size has been seen, the requests after it record no graph (same addresses, same
     sizes) and decode the eager loop's tokens (float32)."""
-    from torch._dynamo.callback import CallbackTrigger, callback_handler
+    from nats.hf.loop import cudagraph_recordings
 
     model = model_for(policy).cuda()
-    recorded = []
-
-    def count(args):
-        if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
-            recorded.append(1)
-
-    callback_handler.register_start_callback(count)
-    try:
-        buffers, after = CacheBuffers(), []
-        for i, (b, n) in enumerate([(2, 70), (1, 40), (2, 90), (1, 55), (2, 64), (1, 81)]):
-            prompt = ids(n=n, b=b, seed=40 + i).cuda()
-            eager = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW, compile=False)
-            cache = StaticPolicyCache(model, policy, max_new_tokens=NEW, row_slots=128, buffers=buffers)
-            got = generate(model, prompt, cache, NEW, compile=True)
-            assert torch.equal(got, eager), (policy, b, n)
-            del cache
-            after.append(len(recorded))
-    finally:
-        callback_handler.remove_start_callback(count)
+    start = cudagraph_recordings()
+    buffers, after = CacheBuffers(), []
+    for i, (b, n) in enumerate([(2, 70), (1, 40), (2, 90), (1, 55), (2, 64), (1, 81)]):
+        prompt = ids(n=n, b=b, seed=40 + i).cuda()
+        eager = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW, compile=False)
+        cache = StaticPolicyCache(model, policy, max_new_tokens=NEW, row_slots=128, buffers=buffers)
+        got = generate(model, prompt, cache, NEW, compile=True)
+        assert torch.equal(got, eager), (policy, b, n)
+        del cache
+        after.append(cudagraph_recordings() - start)
     assert after[1] > 0 and after[2:] == [after[1]] * 4, after

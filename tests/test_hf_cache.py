@@ -193,11 +193,9 @@ def test_gpu_gptfast_flex_decoder_replays_its_graph_after_the_projects_loop():
     """After nats.hf.loop has marked its steps (CUDA-graph trees then stop starting replays by themselves), the
     gpt-fast-style flex decoder still replays one recorded graph per shape: a second generation records none, and
     decodes transformers' StaticCache tokens (float32)."""
-    from torch._dynamo.callback import CallbackTrigger, callback_handler
-
     from conftest import load_script
     from nats.hf import StaticPolicyCache
-    from nats.hf.loop import generate
+    from nats.hf.loop import cudagraph_recordings, generate
 
     bench = load_script("benchmarks/bench_hf_decode.py")
     args = bench.argparse.Namespace(model=None, smoke=True, prompt=[150], new=10)
@@ -206,20 +204,11 @@ def test_gpu_gptfast_flex_decoder_replays_its_graph_after_the_projects_loop():
     prompt = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0)).cuda()
     ref = greedy(model, prompt, transformers.StaticCache(config=model.config, max_cache_len=160), n=10)
     generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=10), 10, compile=True)  # marks steps
-    recorded = []
-
-    def count(info):
-        if info.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
-            recorded.append(1)
-
     dec = bench._gptfast().GptFastDecoder(model, 2, 160, "flex", compile=True)
     assert torch.equal(dec.generate(prompt, 10), ref)  # compiled and recorded here
-    callback_handler.register_start_callback(count)
-    try:
-        assert torch.equal(dec.generate(prompt, 10), ref)
-    finally:
-        callback_handler.remove_start_callback(count)
-    assert recorded == []
+    before = cudagraph_recordings()
+    assert torch.equal(dec.generate(prompt, 10), ref)
+    assert cudagraph_recordings() == before
 
 
 def test_decode_benchmark_model_shapes_weight_bytes():

@@ -119,7 +119,7 @@ def generate(
     pos = (torch.full((B, 1), P, device=device) if position is None else position[:, -1:] + 1).long()
     cache_pos = torch.full((1,), P, dtype=torch.long, device=device)
     n = max_new_tokens
-    graphs = _compiled_graphs()
+    graphs = compiled_graphs()
     for t in range(1, max_new_tokens):
         if eos is not None and t % check_every == 0 and bool(done.all()):
             n = t
@@ -140,13 +140,31 @@ def generate(
         tokens[:, t : t + 1] = cur
         pos += 1
         cache_pos += 1
-    if _compiled_graphs() != graphs:  # the compiler's garbage (reference cycles) holds the cache it traced: free it
+    if compiled_graphs() != graphs:  # the compiler's garbage (reference cycles) holds the cache it traced: free it
         gc.collect()
     return torch.cat([ids, tokens[:, :n]], dim=1)
 
 
-def _compiled_graphs() -> int:
+def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"]
+    return int(counters["stats"]["unique_graphs"])
+
+
+_RECORDINGS: list[int] = []  # CUDA graphs recorded so far (a callback of torch's CUDA-graph trees adds to it)
+
+
+def cudagraph_recordings() -> int:
+    """CUDA graphs torch's CUDA-graph trees have recorded in this process since the first call (each costs a warm-up
+    run and a capture): the difference of two calls counts the recordings between them."""
+    if not _RECORDINGS:
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+        def count(args):
+            if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
+                _RECORDINGS[0] += 1
+
+        _RECORDINGS.append(0)
+        callback_handler.register_start_callback(count)
+    return _RECORDINGS[0]
