@@ -61,12 +61,12 @@ class GptFastDecoder:
             self.block = 128  # FlexAttention's KV block
             self.blocks = torch.arange(-(-max_len // self.block), device=p.device, dtype=torch.int32)
         step = self._decode_sdpa if attention == "sdpa" else self._decode_flex
+        self.cudagraphs = compile and attention == "flex" and p.is_cuda  # each step a CUDA-graph replay
         if compile:
             # flex: static shapes, one graph per decoder shape, as gpt-fast compiles; sdpa: the length is dynamic
             # by design
-            flex = attention == "flex"
-            mode = "reduce-overhead" if flex and p.is_cuda else None
-            step = torch.compile(step, mode=mode, fullgraph=True, dynamic=False if flex else None)
+            mode = "reduce-overhead" if self.cudagraphs else None
+            step = torch.compile(step, mode=mode, fullgraph=True, dynamic=False if attention == "flex" else None)
         self.step = step
 
     def kv_nbytes(self) -> int:
@@ -135,9 +135,8 @@ class GptFastDecoder:
         if on_prefill is not None:
             on_prefill()
         pos = torch.full((1,), P, dtype=torch.long, device=prompt.device)
-        graphs = self.attention == "flex" and self.k[0].is_cuda
         for t in range(P, P + n - 1):
-            if graphs:  # each step a new replay (its output is cloned below; module docstring)
+            if self.cudagraphs:  # each step a new replay (its output is cloned below; module docstring)
                 torch.compiler.cudagraph_mark_step_begin()
             token = self.step(out[-1][:, 0], pos, *((t + 1,) if self.attention == "sdpa" else ()))
             out.append(token[:, None].clone())  # CUDA graphs reuse their output buffer
