@@ -2,7 +2,7 @@
 launch choices: keys per block, warps, pipeline stages and split count, for the shapes of a full cache at batch 1
 and 8 (Llama-3.1-8B: 8 KV heads of 4 query heads, D = 128; Llama-3.2-1B: D = 64), against the bytes it must read
 (the keys and values, once) over a device-to-device copy's bandwidth measured in the same run. The default choice
-(`decode.launch_config`, `nats.cache.engine.decode_splits`) is the first row of each shape.
+(`decode.launch_config`, `nats.cache.engine.pool_splits`) is the first row of each shape.
 
     python benchmarks/sweep_pool_attention.py --out logs/bench/sweep_pool_attention
     python benchmarks/sweep_pool_attention.py --smoke          # tiny shapes, two choices, on the CPU (interpreter)
@@ -34,7 +34,7 @@ def timed(fn, device) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from nats.cache import roofline
-    from nats.cache.engine import decode_splits
+    from nats.cache.engine import pool_splits
     from nats_kernels.nats_attention.decode import launch_config, triton_pool_attention
     from nats_kernels.nats_attention.decode_reference import torch_pool_attention
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = 2 * R * n * D * k.element_size()
         ref = torch_pool_attention(q.float(), k.float(), v.float(), start, length, n)
         default = launch_config(R, D)
-        dsplits = decode_splits(R, n, device) if device.type == "cuda" else 2
+        dsplits = pool_splits(R, n, D, device) if device.type == "cuda" else 2  # what the decode step launches
         tried = [(default["block_n"], default["num_warps"], default["num_stages"], dsplits), *choices]
         for i, (bn, warps, stages, splits) in enumerate(tried):
             cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages}

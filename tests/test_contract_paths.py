@@ -146,7 +146,7 @@ def test_the_pool_attention_op_chooses_its_split_count_from_the_shapes(monkeypat
     assert seen[0] == 64
     q = torch.zeros(R, 4, 128)  # head dim 128 and few rows: the kernel's launch choice caps the splits at 16
     engine.pool_attention_op(q, pool[:, :1].expand(-1, 128), pool[:, :1].expand(-1, 128), rows, rows, None, None, None)
-    assert seen[-1] == 16
+    assert seen[-1] == 16 == engine.pool_splits(R, cap + 128, 128, q.device)  # what the launch sweep calls default
 
 
 @pytest.mark.parametrize("name", FIXED)

@@ -49,6 +49,7 @@ __all__ = [
     "mark_static",
     "num_sms",
     "decode_splits",
+    "pool_splits",
     "write_kv",
     "attend",
     "pool_attention_op",
@@ -91,6 +92,14 @@ def decode_splits(rows: int, bound: int, device: torch.device, sms: int | None =
     sms = num_sms(device) if sms is None else sms
     n = max(1, min(most, math.ceil(2 * sms / rows), math.ceil(bound / 256)))
     return 1 << (n - 1).bit_length()
+
+
+def pool_splits(rows: int, bound: int, head_dim: int, device: torch.device) -> int:
+    """The split-K count the decode attention launches with (`pool_attention_op`): `decode_splits` capped by the
+    kernel's launch choice for the rows and head dim (`nats_kernels.nats_attention.decode.launch_config`)."""
+    from nats_kernels.nats_attention.decode import launch_config  # noqa: PLC0415
+
+    return decode_splits(rows, bound, device, most=launch_config(rows, head_dim)["max_splits"])
 
 
 def plan_rows(keep: Tensor, cap: Tensor, n_global: Tensor | None = None, count: Tensor | None = None):
@@ -235,7 +244,7 @@ def pool_attention_op(
     valid ring slots (``ring_k``/``ring_v`` ``[R, W, D]``, ``ring_valid`` ``[R, W]``) -> ``[R, G, D]``.
 
     The split-K count is chosen here, when the op runs, from the rows and the pool's slots per row
-    (`decode_splits`), not by the compiled step: as a constant of the graph it made one more graph per value, and a
+    (`pool_splits`), not by the compiled step: as a constant of the graph it made one more graph per value, and a
     process serving changing batches and prompts reached dynamo's recompile limit (then decoding eagerly)."""
     backend = _attention.resolve_backend("auto", q.device)
     max_len = 0 if backend == "triton" else max(int(length.max()), 1)  # Triton reads the lengths on the device
@@ -243,9 +252,7 @@ def pool_attention_op(
     splits = None
     if backend == "triton":
         bound = -(-k_pool.shape[0] // R) + (0 if ring_k is None else ring_k.shape[1])
-        from nats_kernels.nats_attention.decode import launch_config
-
-        splits = decode_splits(R, bound, q.device, most=launch_config(R, q.shape[-1])["max_splits"])
+        splits = pool_splits(R, bound, q.shape[-1], q.device)
     return _attention.pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=ring_k, ring_v=ring_v,
                                     ring_valid=ring_valid, backend=backend, splits=splits)  # fmt: skip
 
