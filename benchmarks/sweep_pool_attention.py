@@ -1,10 +1,12 @@
 """The split-K pool attention of a decode step (`nats_kernels.nats_attention.decode.triton_pool_attention`) over its
 launch choices: keys per block, warps, pipeline stages and split count, for the shapes of a full cache at batch 1
-and 8 (Llama-3.1-8B: 8 KV heads of 4 query heads, D = 128; Llama-3.2-1B: D = 64), against the bytes it must read
+and 8 (Llama-3.1-8B: 8 KV heads of 4 query heads, D = 128; Llama-3.2-1B: D = 64) and NAtS' shorter rows (as long,
+or of uneven lengths: ", spread"), against the bytes it must read
 (the keys and values, once) over a device-to-device copy's bandwidth measured in the same run. The default choice
 (`decode.launch_config`, `nats.cache.engine.pool_splits`) is the first row of each shape.
 
     python benchmarks/sweep_pool_attention.py --out logs/bench/sweep_pool_attention
+    python benchmarks/sweep_pool_attention.py --shapes "8B, batch 8"   # only the shapes whose label has it
     python benchmarks/sweep_pool_attention.py --smoke          # tiny shapes, two choices, on the CPU (interpreter)
 """
 
@@ -41,33 +43,44 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="logs/bench/sweep_pool_attention")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--shapes", default="", help="comma-separated substrings: only the shapes whose label has one")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.smoke:  # (label, rows, G, D, keys)
-        shapes = [("tiny", 2, 2, 16, 200)]
+    if args.smoke:  # (label, rows, G, D, keys: the mean of a row's; spread: rows of 1/4 to 7/4 of it)
+        shapes = [("tiny", 2, 2, 16, 200, False), ("tiny, spread", 2, 2, 16, 200, True)]
         choices = [(32, 4, 2, 4), (16, 2, 2, 2)]
     else:
-        shapes = [(f"{name}, batch {b}, {n // 1024}k", 8 * b, 4, d, n) for name, d in (("8B", 128), ("1B", 64))
-                  for b in (1, 8) for n in (8192, 32768)]  # fmt: skip
-        choices = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (8, 16, 32, 64)))
+        # a full cache's rows (every row the prompt's length) and NAtS' at a quarter of it: as long, or spread
+        # evenly from 1/4 to 7/4 of the mean as heads that keep different shares make them
+        shapes = [(f"{name}, batch {b}, {n // 1024}k{', spread' if spread else ''}", 8 * b, 4, d, n, spread)
+                  for name, d in (("8B", 128), ("1B", 64)) for b in (1, 8) for n in (2048, 8192, 32768)
+                  for spread in (False, True) if not (spread and n == 32768)]  # fmt: skip
+        choices = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (4, 8, 16, 32, 64)))
+    if args.shapes:
+        shapes = [s for s in shapes if any(w.strip() in s[0] for w in args.shapes.split(","))]
     bw = roofline.measured_bandwidth(device) if device.type == "cuda" else None
     rows = []
-    for label, R, G, D, n in shapes:
+    for label, R, G, D, n, spread in shapes:
         torch.manual_seed(0)
+        cap = 2 * n if spread else n  # each row's slots
         q = torch.randn(R, G, D, device=device, dtype=dtype)
-        k = torch.randn(R * n, D, device=device, dtype=dtype)
-        v = torch.randn(R * n, D, device=device, dtype=dtype)
-        start = torch.arange(R, device=device, dtype=torch.int64) * n
-        length = torch.full((R,), n, device=device, dtype=torch.int64)
-        nbytes = 2 * R * n * D * k.element_size()
-        ref = torch_pool_attention(q.float(), k.float(), v.float(), start, length, n)
+        k = torch.randn(R * cap, D, device=device, dtype=dtype)
+        v = torch.randn(R * cap, D, device=device, dtype=dtype)
+        start = torch.arange(R, device=device, dtype=torch.int64) * cap
+        if spread:  # 1/4 to 7/4 of n, in a shuffled order
+            lens = torch.linspace(n / 4, 7 * n / 4, R).round().long()[torch.randperm(R)]
+        else:
+            lens = torch.full((R,), n, dtype=torch.int64)
+        length = lens.to(device)
+        nbytes = 2 * int(lens.sum()) * D * k.element_size()
+        ref = torch_pool_attention(q.float(), k.float(), v.float(), start, length, cap)
         default = launch_config(R, D)
-        dsplits = pool_splits(R, n, D, device) if device.type == "cuda" else 2  # what the decode step launches
+        dsplits = pool_splits(R, cap, D, device) if device.type == "cuda" else 2  # what the decode step launches
         tried = [(default["block_n"], default["num_warps"], default["num_stages"], dsplits), *choices]
         for i, (bn, warps, stages, splits) in enumerate(tried):
             cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages}
-            call = lambda: triton_pool_attention(q, k, v, start, length, n, splits=splits, config=cfg)  # noqa: E731
+            call = lambda: triton_pool_attention(q, k, v, start, length, cap, splits=splits, config=cfg)  # noqa: E731
             try:
                 out = call()
                 err = float((out.float() - ref).abs().max())

@@ -416,8 +416,16 @@ def test_sweep_pool_attention_smoke(tmp_path):
 
     assert load_script("benchmarks/sweep_pool_attention.py").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
-    assert rows[0]["default"] and len(rows) == 3 and all(r["max_err"] < 1e-5 for r in rows)
-    assert "| tiny | default | 64 |" in (tmp_path / "sweep_pool_attention.md").read_text()
+    assert [r["shape"] for r in rows] == ["tiny"] * 3 + ["tiny, spread"] * 3
+    assert rows[0]["default"] and rows[3]["default"] and all(r["max_err"] < 1e-5 for r in rows)
+    text = (tmp_path / "sweep_pool_attention.md").read_text()
+    assert "| tiny | default | 64 |" in text and "| tiny, spread | default | 64 |" in text
+    one = load_script("benchmarks/sweep_pool_attention.py").main(
+        ["--smoke", "--shapes", "spread", "--out", str(tmp_path)]
+    )
+    assert one == 0 and {
+        r["shape"] for r in json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
+    } == {"tiny, spread"}
 
 
 def test_nats_decode_with_triton_backend():

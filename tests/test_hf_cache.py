@@ -137,6 +137,9 @@ def test_decode_benchmark_smoke(tmp_path):
     assert set(main) == {(m, b) for m in methods for b in (1, 2)}
     assert all(r["generated"] == r["new_tokens"] and r["tokens_per_s"] > 0 for r in rows)
     assert main[("full", 1)]["kept_share"] == 1.0 and main[("nats", 1)]["kept_share"] < 1.0
+    held = main[("nats", 2)]["row_kept"]  # how even NAtS' rows are (the decode attention splits each row alike)
+    assert 0 < held["min"] <= held["mean"] <= held["max"] and held["layer_max_over_mean"] >= 1
+    assert "row_kept" in main[("full", 2)]
     assert main[("static", 2)]["x_static"] == 1.0 and main[("nats", 2)]["x_static"] > 0
     eq = {r["method"]: r for r in rows if "equal_memory_gib" in r}
     assert set(eq) == {"static", "full", "nats"} and all(r["batch"] >= 1 for r in eq.values())
