@@ -380,10 +380,35 @@ def test_triton_pool_attention_matches_torch(dtype):
     ref = torch_pool_attention(q, kp, vp, start, ln, int(ln.max()))
     out = triton_pool_attention(q, kp, vp, start, ln, int(ln.max()), splits=2)
     assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=0)
-    for bn in (16, 128):  # other keys per block (launch choices of benchmarks/sweep_pool_attention.py)
-        cfg = {"block_n": bn, "num_warps": 2, "num_stages": 2}
+    for bn, balanced in ((16, True), (128, True), (16, False)):  # launch choices (benchmarks/sweep_pool_attention.py)
+        cfg = {"block_n": bn, "num_warps": 2, "num_stages": 2, "balanced": balanced}
         out = triton_pool_attention(q, kp, vp, start, ln, int(ln.max()), splits=3, config=cfg)
-        assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=0), bn
+        assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=0), (bn, balanced)
+    cfg = {"balanced": False}  # each row in equal chunks of its own, the ring in the first
+    out = triton_pool_attention(q, kp, vp, start, length, int(length.max()), rk, rv, rvalid, splits=3, config=cfg)
+    assert torch.allclose(out.float(), torch_pool_attention(q, kp, vp, start, length, 130, rk, rv, rvalid).float(),
+                          atol=tol, rtol=0)  # fmt: skip
+
+
+def test_triton_pool_attention_balances_uneven_rows():
+    """The work-balanced split: chunks of one size over all rows (the rows' mean over the split count), so one long
+    row among empty ones takes most of the programs (here 125 chunks of 16 keys, merged 64 at a time), and the
+    empty rows still take their ring; the result equals the reference either way."""
+    from nats_kernels.nats_attention.decode import triton_pool_attention
+
+    torch.manual_seed(1)
+    R, G, D, W = 8, 2, 16, 2
+    length = torch.tensor([0, 0, 2000, 0, 5, 0, 0, 40])
+    start = torch.arange(R) * 2000
+    kp, vp, q = torch.randn(R * 2000 + 1, D), torch.randn(R * 2000 + 1, D), torch.randn(R, G, D)
+    rk, rv, rvalid = torch.randn(R, W, D), torch.randn(R, W, D), torch.ones(R, W, dtype=torch.bool)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, kp, vp, start, length, rk, rv, rvalid = (t.to(dev) for t in (q, kp, vp, start, length, rk, rv, rvalid))
+    ref = torch_pool_attention(q, kp, vp, start, length, 2000, rk, rv, rvalid)
+    for balanced in (True, False):
+        cfg = {"block_n": 16, "num_warps": 2, "num_stages": 2, "balanced": balanced}
+        out = triton_pool_attention(q, kp, vp, start, length, 2000, rk, rv, rvalid, splits=64, config=cfg)
+        assert torch.allclose(out, ref, atol=1e-5, rtol=0), balanced
 
 
 def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypatch):
@@ -404,7 +429,7 @@ def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypat
         q, pool = torch.zeros(2, 4, D), torch.zeros(2 * 8192, D)
         rows = torch.zeros(2, dtype=torch.long)
         decode.triton_pool_attention(q, pool, pool, rows, rows, 8192)
-        assert grids[-2] == (2, expected), (D, grids)
+        assert grids[-2] == (2 * (expected + 1),), (D, grids)  # the balanced split's programs: R x (splits + 1)
 
 
 def test_sweep_pool_attention_smoke(tmp_path):

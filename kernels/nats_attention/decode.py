@@ -3,14 +3,17 @@ the fused per-step update of the NAtS KV cache. The exact PyTorch reference is `
 (``torch_pool_attention``); ``nats.cache.attention.pool_attention`` picks one of the two (tests/test_cache.py
 compares them).
 
-Grid ``(R, SPLITS)``: program (r, s) takes the G query heads of KV row r (GQA: the heads sharing that KV head)
-and the s-th of SPLITS equal chunks of the row's segment ``[start[r], start[r] + length[r])`` (chunk =
-ceil(length / SPLITS) rounded up to BLOCK_N; ``start``/``length`` are read on the device, so launches need no
-host synchronisation and can be captured in CUDA graphs). Each key and value block is read once for the whole
-group: scores ``[G, BLOCK_N]`` and the weighted values are two small ``tl.dot`` (the G heads padded to 16
-rows). Split 0 also takes the ring slots (NAtS' sliding tokens) whose valid flag is set. Each program keeps an
-online softmax per head (max, sum, weighted V) in float32 and writes it to a partial buffer; a second kernel
-combines the SPLITS partials of every (r, g).
+Each program takes the G query heads of one KV row r (GQA: the heads sharing that KV head) over one chunk of the
+row's segment ``[start[r], start[r] + length[r])``. The chunks are work-balanced (as FlashInfer's planner
+balances its decode): one size for all rows, their mean length over SPLITS rounded up to BLOCK_N, so a row that
+holds more keys (NAtS' heads keep different shares) takes more programs, and the grid ``(R * (SPLITS + 1),)``
+finishes when the rows' average chunk does, not the longest row's. ``start``/``length`` are read on the device
+(each program finds its row and chunk from the lengths), so launches need no host synchronisation and can be
+captured in CUDA graphs. Launch option ``balanced=False``: grid ``(R, SPLITS)``, SPLITS equal chunks of each
+row. Each key and value block is read once for the whole group: scores ``[G, BLOCK_N]`` and the weighted values
+are two small ``tl.dot`` (the G heads padded to 16 rows). A row's first chunk also takes the ring slots (NAtS'
+sliding tokens) whose valid flag is set. Each program keeps an online softmax per head (max, sum, weighted V) in
+float32 and writes it to a partial buffer; a second kernel merges the partials of every (r, g).
 
 Without a CUDA GPU the kernels run in Triton's CPU interpreter (chosen in one place for every kernel, before
 triton is imported: ``_env.py``): slow, for tests only.
@@ -79,9 +82,19 @@ def _pool_decode_kernel(
     W: tl.constexpr,
     BLOCK_W: tl.constexpr,
     IEEE: tl.constexpr,
+    R,
+    BALANCED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    r = tl.program_id(0)
-    split = tl.program_id(1)
+    if BALANCED:  # grid (R * (SPLITS + 1),): chunks of one size over all rows, program p the p-th chunk
+        p = tl.program_id(0)
+        # the grid's last programs may have no chunk: split >= n_r, so lo >= length (no keys) and no ring; their
+        # partials go to slots no row's merge reads
+        r, split, n_r, per = _balanced_chunk(LEN, R, p, SPLITS, BLOCK_N, BLOCK_R)
+        out = p * G  # partial results in chunk order, G heads each
+    else:  # grid (R, SPLITS): row r's segment in SPLITS equal chunks
+        r = tl.program_id(0)
+        split = tl.program_id(1)
     offs_g = tl.arange(0, BLOCK_G)
     gmask = offs_g < G
     offs_d = tl.arange(0, BLOCK_D)
@@ -92,7 +105,9 @@ def _pool_decode_kernel(
         q = q.to(tl.float32)
     start = tl.load(START + r).to(tl.int64)  # pool offsets in int64; positions inside a segment in int32
     length = tl.load(LEN + r).to(tl.int32)
-    per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    if not BALANCED:
+        per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        out = heads * SPLITS + split
     lo = split * per
     hi = tl.minimum(lo + per, length)
 
@@ -111,28 +126,89 @@ def _pool_decode_kernel(
             valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
             rrows = r.to(tl.int64) * W + offs_w
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale, IEEE)
-    out = heads * SPLITS + split
+    if BALANCED:
+        out = out + offs_g
     tl.store(M_OUT + out, m_i, mask=gmask)
     tl.store(L_OUT + out, l_i, mask=gmask)
     tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
 
 
 @triton.jit
-def _combine_kernel(M, L, ACC, OUT, SPLITS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _balanced_chunk(LEN, R, p, SPLITS, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The work-balanced split of R rows (lengths ``LEN``, read on the device) into chunks of one size ``per``: the
+    rows' mean over SPLITS, rounded up to BLOCK_N. Row i takes ``n_i = max(1, ceil(LEN[i] / per))`` chunks (at
+    least one: its ring), in row order; their sum is at most R * (SPLITS + 1). Chunk p is row r's split-th:
+    returns (r, split, n_r, per); past the last chunk r = R - 1 and split >= n_r (split * per >= LEN[r])."""
+    offs_r = tl.arange(0, BLOCK_R)
+    n, per = _chunk_counts(LEN, R, SPLITS, BLOCK_N, BLOCK_R)
+    ends = tl.cumsum(n, axis=0)  # row i's chunks end at ends[i]
+    r = tl.minimum(tl.sum((ends <= p).to(tl.int32), axis=0), R - 1)
+    first = tl.sum(tl.where(offs_r < r, n, 0), axis=0)
+    n_r = tl.sum(tl.where(offs_r == r, n, 0), axis=0)
+    return r, p - first, n_r, per
+
+
+@triton.jit
+def _chunk_counts(LEN, R, SPLITS, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """`_balanced_chunk`'s chunks per row ``n [BLOCK_R]`` (0 past R) and their size ``per``."""
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < R
+    lens = tl.load(LEN + offs_r, mask=rmask, other=0).to(tl.int32)
+    per = tl.maximum(tl.cdiv(tl.cdiv(tl.sum(lens, axis=0), R * SPLITS), BLOCK_N), 1) * BLOCK_N
+    return tl.where(rmask, tl.maximum(tl.cdiv(lens, per), 1), 0), per
+
+
+@triton.jit
+def _combine_kernel(
+    M,
+    L,
+    ACC,
+    OUT,
+    SPLITS,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    LEN,
+    R,
+    G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BALANCED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Program pid = r * G + g: the partials of query head g of row r merged (online, BLOCK_S partials at a time)."""
     pid = tl.program_id(0)
+    if BALANCED:  # row r's n_r chunks, from its first, in chunk order
+        r = pid // G
+        g = pid % G
+        offs_r = tl.arange(0, BLOCK_R)
+        n, _ = _chunk_counts(LEN, R, SPLITS, BLOCK_N, BLOCK_R)
+        first = tl.sum(tl.where(offs_r < r, n, 0), axis=0)
+        n_r = tl.sum(tl.where(offs_r == r, n, 0), axis=0)
+        base = first * G + g
+        step = G
+    else:
+        base = pid * SPLITS
+        n_r = SPLITS
+        step = 1
     offs_s = tl.arange(0, BLOCK_S)
-    ok = offs_s < SPLITS
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    m = tl.load(M + pid * SPLITS + offs_s, mask=ok, other=float("-inf"))
-    l = tl.load(L + pid * SPLITS + offs_s, mask=ok, other=0.0)
-    mx = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx))
-    acc = tl.load(
-        ACC + (pid * SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0
-    )
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l * w, axis=0)
+    mx = tl.full([], float("-inf"), tl.float32)
+    den = tl.zeros([], dtype=tl.float32)
+    num = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_r, BLOCK_S):
+        ok = s0 + offs_s < n_r
+        idx = base + (s0 + offs_s) * step
+        m = tl.load(M + idx, mask=ok, other=float("-inf"))
+        l = tl.load(L + idx, mask=ok, other=0.0)
+        acc = tl.load(ACC + idx[:, None] * D + offs_d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+        new = tl.maximum(mx, tl.max(m, axis=0))
+        safe = tl.where(new == float("-inf"), 0.0, new)
+        alpha = tl.where(mx == float("-inf"), 0.0, tl.exp(mx - safe))
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - safe))
+        num = num * alpha + tl.sum(acc * w[:, None], axis=0)
+        den = den * alpha + tl.sum(l * w, axis=0)
+        mx = new
     tl.store(OUT + pid * D + offs_d, (num / den).to(OUT.dtype.element_ty), mask=dmask)
 
 
@@ -158,8 +234,9 @@ def triton_pool_attention(
 ):
     """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync); the
     reference is :func:`decode_reference.torch_pool_attention`. ``config``: the split kernel's launch,
-    ``{"block_n", "num_warps", "num_stages"}`` (default `launch_config`; `benchmarks/sweep_pool_attention.py`
-    times the choices); without ``splits``, `default_splits` capped at the launch's ``max_splits``."""
+    ``{"block_n", "num_warps", "num_stages", "balanced"}`` (default `launch_config`, balanced;
+    `benchmarks/sweep_pool_attention.py` times the choices); ``splits``: the programs per row (on average, where
+    balanced); without it, `default_splits` capped at the launch's ``max_splits``."""
     R, G, D = q.shape
     q = q.contiguous()
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or k_pool.stride(0) != D or v_pool.stride(0) != D:
@@ -168,10 +245,12 @@ def triton_pool_attention(
     splits = int(splits or min(default_splits(max_len, R * G), cfg["max_splits"]))
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
+    balanced = bool(cfg.get("balanced", True))
+    chunks = R * (splits + 1) if balanced else R * splits  # the split kernel's programs, one partial each
     dev = q.device
-    m = torch.empty(R * G * splits, device=dev, dtype=torch.float32)
-    l = torch.empty(R * G * splits, device=dev, dtype=torch.float32)
-    acc = torch.empty(R * G * splits, D, device=dev, dtype=torch.float32)
+    m = torch.empty(chunks * G, device=dev, dtype=torch.float32)
+    l = torch.empty(chunks * G, device=dev, dtype=torch.float32)
+    acc = torch.empty(chunks * G, D, device=dev, dtype=torch.float32)
     out = torch.empty(R, G, D, device=dev, dtype=q.dtype)
     has_ring = ring_k is not None
     if has_ring:
@@ -182,7 +261,8 @@ def triton_pool_attention(
     else:
         W, rk, rv, rvalid = 1, k_pool, v_pool, start  # unused placeholders
     block_d = max(16, triton.next_power_of_2(D))
-    _pool_decode_kernel[(R, splits)](
+    block_r = max(16, triton.next_power_of_2(R))
+    _pool_decode_kernel[(chunks,) if balanced else (R, splits)](
         q,
         k_pool,
         v_pool,
@@ -205,10 +285,16 @@ def triton_pool_attention(
         W=W,
         BLOCK_W=max(16, triton.next_power_of_2(W)),
         IEEE=INTERPRET or q.dtype in (torch.float32, torch.float64),  # the interpreter has no bf16 dot
+        R=R,
+        BALANCED=balanced,
+        BLOCK_R=block_r,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    _combine_kernel[(R * G,)](m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS)
+    _combine_kernel[(R * G,)](
+        m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, G=G,
+        BLOCK_N=cfg["block_n"], BALANCED=balanced, BLOCK_R=block_r,
+    )  # fmt: skip
     return out
 
 
