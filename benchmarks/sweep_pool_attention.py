@@ -1,5 +1,6 @@
 """The split-K pool attention of a decode step (`nats_kernels.nats_attention.decode.triton_pool_attention`) over its
-launch choices: keys per block, warps, pipeline stages and split count, for the shapes of a full cache at batch 1
+launch choices: keys per block, warps, pipeline stages, split count and whether the chunks are balanced over the
+rows, for the shapes of a full cache at batch 1
 and 8 (Llama-3.1-8B: 8 KV heads of 4 query heads, D = 128; Llama-3.2-1B: D = 64) and NAtS' shorter rows (as long,
 or of uneven lengths: ", spread"), against the bytes it must read
 (the keys and values, once) over a device-to-device copy's bandwidth measured in the same run. The default choice
@@ -49,16 +50,20 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.smoke:  # (label, rows, G, D, keys: the mean of a row's; spread: rows of 1/4 to 7/4 of it)
         shapes = [("tiny", 2, 2, 16, 200, False), ("tiny, spread", 2, 2, 16, 200, True)]
-        choices = [(32, 4, 2, 4), (16, 2, 2, 2)]
+        choices = [(32, 4, 2, 4, True), (16, 2, 2, 2, False)]
     else:
         # a full cache's rows (every row the prompt's length) and NAtS' at a quarter of it: as long, or spread
         # evenly from 1/4 to 7/4 of the mean as heads that keep different shares make them
         shapes = [(f"{name}, batch {b}, {n // 1024}k{', spread' if spread else ''}", 8 * b, 4, d, n, spread)
                   for name, d in (("8B", 128), ("1B", 64)) for b in (1, 8) for n in (2048, 8192, 32768)
                   for spread in (False, True) if not (spread and n == 32768)]  # fmt: skip
-        choices = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (4, 8, 16, 32, 64)))
+        choices = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (4, 8, 16, 32, 64), (True, False)))
     if args.shapes:
+        labels = [s[0] for s in shapes]
         shapes = [s for s in shapes if any(w.strip() in s[0] for w in args.shapes.split(","))]
+        if not shapes:
+            print(f"--shapes {args.shapes!r} matches no shape: give parts of these labels, e.g. 'batch 8': {labels}")
+            return 2
     bw = roofline.measured_bandwidth(device) if device.type == "cuda" else None
     rows = []
     for label, R, G, D, n, spread in shapes:
@@ -77,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         ref = torch_pool_attention(q.float(), k.float(), v.float(), start, length, cap)
         default = launch_config(R, D)
         dsplits = pool_splits(R, cap, D, device) if device.type == "cuda" else 2  # what the decode step launches
-        tried = [(default["block_n"], default["num_warps"], default["num_stages"], dsplits), *choices]
-        for i, (bn, warps, stages, splits) in enumerate(tried):
-            cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages}
+        tried = [(default["block_n"], default["num_warps"], default["num_stages"], dsplits, True), *choices]
+        for i, (bn, warps, stages, splits, balanced) in enumerate(tried):
+            cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages, "balanced": balanced}
             call = lambda: triton_pool_attention(q, k, v, start, length, cap, splits=splits, config=cfg)  # noqa: E731
             try:
                 out = call()
@@ -92,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                          "gbps": nbytes / sec / 1e9, "share": None if bw is None else nbytes / sec / bw,
                          "max_err": err})  # fmt: skip
         print(label, "done", flush=True)
-    out = Path(args.out)
+        text = write(Path(args.out), device, dtype, bw, [s[0] for s in shapes], rows, argv)  # after every shape
+    print(text)
+    return 0
+
+
+def write(out: Path, device, dtype, bw, labels: list[str], rows: list[dict], argv) -> str:
+    """The table (the default choice and the five fastest of each shape) and every row as JSON, in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (interpreter)"
     lines = [
@@ -101,23 +112,23 @@ def main(argv: list[str] | None = None) -> int:
         f"Bandwidth measured: {'-' if bw is None else f'{bw / 1e9:.0f} GB/s'}. Bytes: the keys and values read once. "
         f"Command: `python benchmarks/sweep_pool_attention.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
         "",
-        "| shape | choice | block_n | warps | stages | splits | us | GB/s | of measured BW | max err |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape | choice | block_n | warps | stages | splits | balanced | us | GB/s | of measured BW | max err |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
-    for label, *_ in shapes:
+    for label in labels:
         ok = [r for r in rows if r["shape"] == label and "us" in r]
         best = sorted((r for r in ok if not r.get("default")), key=lambda r: r["us"])[:5]
         for r in [x for x in ok if x.get("default")] + best:
             share = "" if r["share"] is None else f"{100 * r['share']:.1f}%"
             lines.append(
                 f"| {label} | {'default' if r.get('default') else 'fast'} | {r['block_n']} | {r['num_warps']} | "
-                f"{r['num_stages']} | {r['splits']} | {r['us']:.1f} | {r['gbps']:.0f} | {share} | {r['max_err']:.1e} |"
+                f"{r['num_stages']} | {r['splits']} | {'yes' if r['balanced'] else 'no'} | {r['us']:.1f} | "
+                f"{r['gbps']:.0f} | {share} | {r['max_err']:.1e} |"
             )
     text = "\n".join(lines) + "\n"
     (out / "sweep_pool_attention.md").write_text(text)
     (out / "sweep_pool_attention.json").write_text(json.dumps({"device": name, "bandwidth": bw, "rows": rows}))
-    print(text)
-    return 0
+    return text
 
 
 if __name__ == "__main__":

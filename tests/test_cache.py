@@ -445,12 +445,13 @@ def test_sweep_pool_attention_smoke(tmp_path):
     assert rows[0]["default"] and rows[3]["default"] and all(r["max_err"] < 1e-5 for r in rows)
     text = (tmp_path / "sweep_pool_attention.md").read_text()
     assert "| tiny | default | 64 |" in text and "| tiny, spread | default | 64 |" in text
-    one = load_script("benchmarks/sweep_pool_attention.py").main(
-        ["--smoke", "--shapes", "spread", "--out", str(tmp_path)]
-    )
-    assert one == 0 and {
-        r["shape"] for r in json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
-    } == {"tiny, spread"}
+    assert {r["balanced"] for r in rows} == {True, False}  # both splits timed
+    sweep = load_script("benchmarks/sweep_pool_attention.py")
+    assert sweep.main(["--smoke", "--shapes", "spread", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
+    assert {r["shape"] for r in rows} == {"tiny, spread"}
+    assert sweep.main(["--smoke", "--shapes", "9B", "--out", str(tmp_path / "none")]) == 2  # no such shape
+    assert not (tmp_path / "none").exists()
 
 
 def test_nats_decode_with_triton_backend():
