@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [(f"{name}, batch {b}, {n // 1024}k{', spread' if spread else ''}", 8 * b, 4, d, n, spread)
                   for name, d in (("8B", 128), ("1B", 64)) for b in (1, 8) for n in (2048, 8192, 32768)
                   for spread in (False, True) if not (spread and n == 32768)]  # fmt: skip
-        choices = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (4, 8, 16, 32, 64), (True, False)))
+        choices = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3), (4, 8, 16, 32, 64), (True, False)))
     if args.shapes:
         labels = [s[0] for s in shapes]
         shapes = [s for s in shapes if any(w.strip() in s[0] for w in args.shapes.split(","))]
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 out = call()
                 err = float((out.float() - ref).abs().max())
+                if i == 0:  # once untimed: the shape's first timing ran slow (up to 4x at batch 1) on an H200
+                    timed(call, device)
                 sec = timed(call, device)
             except Exception as e:  # a choice Triton cannot compile here (resources): a row saying so
                 rows.append({"shape": label, **cfg, "splits": splits, "error": str(e).splitlines()[0][:80]})

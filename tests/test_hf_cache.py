@@ -197,16 +197,16 @@ def test_gpu_gptfast_flex_decoder_replays_its_graph_after_the_projects_loop():
     gpt-fast-style flex decoder still replays one recorded graph per shape: a second generation records none, and
     decodes transformers' StaticCache tokens (float32)."""
     from conftest import load_script
-    from nats.hf import StaticPolicyCache
+    from nats.hf import StaticPolicyCache, use_policy_caches
     from nats.hf.loop import cudagraph_recordings, generate
 
     bench = load_script("benchmarks/bench_hf_decode.py")
     args = bench.argparse.Namespace(model=None, smoke=True, prompt=[150], new=10)
-    model = bench.build_model(args, torch.device("cuda"), torch.float32)
-    model.config._attn_implementation = "sdpa"
+    model = use_policy_caches(bench.build_model(args, torch.device("cuda"), torch.float32))  # the project's loop
     prompt = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0)).cuda()
-    ref = greedy(model, prompt, transformers.StaticCache(config=model.config, max_cache_len=160), n=10)
     generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=10), 10, compile=True)  # marks steps
+    model.config._attn_implementation = "sdpa"  # transformers' own attention for its StaticCache
+    ref = greedy(model, prompt, transformers.StaticCache(config=model.config, max_cache_len=160), n=10)
     dec = bench._gptfast().GptFastDecoder(model, 2, 160, "flex", compile=True)
     assert torch.equal(dec.generate(prompt, 10), ref)  # compiled and recorded here
     before = cudagraph_recordings()
