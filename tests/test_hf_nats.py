@@ -353,3 +353,24 @@ def test_importing_nats_hf_registers_the_attention_function_the_hooks_select():
     assert hooks.ATTN_IMPLEMENTATION == attention.ATTN_IMPLEMENTATION
     registered = transformers.AttentionInterface._global_mapping[hooks.ATTN_IMPLEMENTATION]
     assert registered is attention.nats_attention_forward
+
+
+def test_query_rescaling_compiles_fullgraph_across_scalings():
+    """The query's rescaling to the model's attention scale stays in one compiled graph when a second model (another
+    scaling) recompiles the step and dynamo traces the scaling as a symbolic float (math.isclose broke it there),
+    and scales only where the model's scaling is not 1/sqrt(D)."""
+    from nats.hf.attention import rescaled
+
+    class Attn(torch.nn.Module):
+        def __init__(self, scaling):
+            super().__init__()
+            self.scaling = scaling
+
+        def forward(self, q):
+            return rescaled(q, self.scaling, 64)
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda m, q: m(q), fullgraph=True, backend="eager")
+    q = torch.ones(2)
+    for scaling, factor in ((0.125, 1.0), (0.25, 2.0), (0.5, 4.0), (0.125, 1.0), (None, 1.0)):
+        assert torch.equal(step(Attn(scaling), q), q * factor), scaling

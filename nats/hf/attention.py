@@ -55,6 +55,15 @@ def _check_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, wha
         )
 
 
+def rescaled(query: torch.Tensor, scaling: float | None, head_dim: int) -> torch.Tensor:
+    """``query`` scaled so that nats' 1/sqrt(D) (nats_attention and the policies) gives the model's ``scaling``.
+    Plain arithmetic, no math.isclose: once a second model (another scaling) has recompiled a step, dynamo traces
+    ``scaling`` as a symbolic float, and math.isclose on it breaks a fullgraph compile."""
+    if scaling is not None and abs(scaling * math.sqrt(head_dim) - 1.0) > 1e-6:
+        return query * (scaling * math.sqrt(head_dim))
+    return query
+
+
 def nats_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -89,11 +98,7 @@ def nats_attention_forward(
     if query.dtype != value.dtype or key.dtype != value.dtype:  # under autocast transformers' RoPE returns fp32 q/k
         query, key = query.to(value.dtype), key.to(value.dtype)
     B, Hq, N, D = query.shape
-    # the module's head dim, a Python int (where dynamo has made the shape's D symbolic, after a second model's head
-    # dim recompiled a step, math.isclose on it broke the compiled graph)
-    head_dim = getattr(module, "head_dim", None) or D
-    if scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6):
-        query = query * (scaling * math.sqrt(head_dim))  # nats_attention and the policies scale by 1/sqrt(D)
+    query = rescaled(query, scaling, getattr(module, "head_dim", None) or D)
     if isinstance(cache, StaticPolicyCache):  # fixed buffers; a compiled decode step (left padding allowed)
         y = cache.attend(module.layer_idx, query, hidden, attention_mask if N > 1 else None)
         return y.transpose(1, 2).contiguous(), None
