@@ -201,8 +201,10 @@ def test_gpu_gptfast_flex_decoder_replays_its_graph_after_the_projects_loop():
     from nats.hf.loop import cudagraph_recordings, generate
 
     bench = load_script("benchmarks/bench_hf_decode.py")
-    args = bench.argparse.Namespace(model=None, smoke=True, prompt=[150], new=10)
-    model = use_policy_caches(bench.build_model(args, torch.device("cuda"), torch.float32))  # the project's loop
+    torch.manual_seed(0)  # the benchmark's tiny model at head dim 16, the least compiled FlexAttention takes
+    cfg = transformers.LlamaConfig(**dict(bench.TINY, hidden_size=144, max_position_embeddings=256))
+    with torch.device("cuda"):
+        model = use_policy_caches(transformers.LlamaForCausalLM(cfg).eval())  # routed for the project's loop
     prompt = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0)).cuda()
     generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=10), 10, compile=True)  # marks steps
     model.config._attn_implementation = "sdpa"  # transformers' own attention for its StaticCache
