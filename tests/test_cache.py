@@ -871,3 +871,17 @@ def test_nats_fused_step_launches_only_its_three_kernels(monkeypatch):
             cache.step(q, k, v, x, pos)
     assert launches == ["_nats_append_kernel", "_pool_decode_kernel", "_combine_kernel", "_nats_evict_kernel"]
     assert ops == ["clone.default"], ops
+
+
+def test_pool_attention_passes_the_split_choice_to_the_kernel(monkeypatch):
+    """`pool_attention(..., balanced=)` reaches the Triton kernel's launch (chunks balanced over the rows, or each row
+    split alike), and balanced is the default."""
+    from nats.cache import attention
+
+    configs = []
+    fake = lambda q, *a, config=None, **k: configs.append(config) or q  # noqa: E731
+    monkeypatch.setattr(attention, "_triton_fn", lambda: (fake, None))
+    q, pool, rows = torch.zeros(2, 1, 4), torch.zeros(8, 4), torch.zeros(2, dtype=torch.long)
+    attention.pool_attention(q, pool, pool, rows, rows, 4, backend="triton")
+    attention.pool_attention(q, pool, pool, rows, rows, 4, backend="triton", balanced=False)
+    assert configs == [{"balanced": True}, {"balanced": False}]

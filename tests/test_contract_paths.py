@@ -150,6 +150,31 @@ def test_the_pool_attention_op_chooses_its_split_count_from_the_shapes(monkeypat
 
 
 @pytest.mark.parametrize("name", FIXED)
+def test_a_policys_even_rows_holds_and_reaches_the_decode_attention(name, monkeypatch):
+    """A policy that declares ``even_rows`` (the decode attention then splits each row alike rather than balancing
+    its chunks over the rows) holds the same number of keys in every row of a layer after an unpadded prompt and its
+    steps; every step's attention is told the policy's declaration."""
+    from nats.cache import engine
+
+    told = []
+    real = engine.pool_attention_op
+
+    def op(*args):
+        told.append(args[8] if len(args) > 8 else False)
+        return real(*args)
+
+    monkeypatch.setattr(engine, "pool_attention_op", op)
+    model, prompt = model_for(name), ids(n=PROMPT, b=2)
+    cache = StaticPolicyCache(model, name, max_new_tokens=NEW, **options(name))
+    greedy(model, prompt, cache)
+    even = get_cache_class(name).even_rows
+    assert set(told) <= {even} and (told or name == "h2o")  # H2O attends with its own probabilities
+    held = cache.kept().flatten(1)  # [n_layer, rows]
+    if even:
+        assert bool((held == held[:, :1]).all()), held
+
+
+@pytest.mark.parametrize("name", FIXED)
 def test_fixed_engine_step_compiles_in_one_graph_and_equals_eager(name):
     """generate compiles StaticPolicyCache's decode step on a GPU: every rule's step must trace as one graph
     (fullgraph, no host synchronisation) and decode as eagerly (here aot_eager on the CPU)."""

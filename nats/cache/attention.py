@@ -68,6 +68,7 @@ def pool_attention(
     row_stride: int | None = None,
     backend: str = "torch",
     splits: int | None = None,
+    balanced: bool = True,
 ) -> Tensor:
     """Attention of q [R, G, D] over pool segments (+ ring). See the module docstring.
 
@@ -80,6 +81,8 @@ def pool_attention(
         row_stride: segments are ``start[r] = r * row_stride`` (lets the torch backend slice, not gather).
         backend: "torch" or "triton" (resolved already; see :func:`resolve_backend`).
         splits: Triton split-K count (default from ``max_len``).
+        balanced: the Triton kernel's chunks of one size over all rows (rows of different lengths); False: each row
+            in equal chunks (rows that hold the same number of keys: saves the chunk lookup, ~2-4% of the kernel).
     """
     if backend == "triton":
         fn, reason = _triton_fn()
@@ -96,5 +99,6 @@ def pool_attention(
             ring_v=ring_v,
             ring_valid=ring_valid,
             splits=splits,
+            config={"balanced": balanced},
         )
     return torch_pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k, ring_v, ring_valid, row_stride)

@@ -53,6 +53,10 @@ class LayerCache:
     requires_core: str | None = None  # the attention core a model must have (e.g. "nats"; None: any decodable)
     prefill_time: bool = False  # exact prefill, then compresses the cache once (SnapKV & co.; not budget <= B after)
     needs_n_layer: bool = False  # takes n_layer= (per-layer budgets, PyramidKV); make_caches passes it
+    # every row of a layer holds the same number of keys (full, StreamingLLM, SnapKV's one budget per row): the decode
+    # attention splits each row alike; otherwise (NAtS, AdaKV, H2O) it balances its chunks over the rows, so a row
+    # that holds more keys takes more programs (`nats_kernels.nats_attention.decode`)
+    even_rows: bool = False
     # how the policy runs in the fixed-capacity engine (nats.cache.engine.FixedRule; None: it has no such form), the
     # storage of `nats.hf.StaticPolicyCache`
     fixed_rule: ClassVar[Any] = None
@@ -149,7 +153,7 @@ class LayerCache:
         D = self.head_dim
         width = self.capacity if self.backend == "triton" else min(width, self.capacity)
         y = pool_attention(self._q_rows(q), k.view(-1, D), v.view(-1, D), self.start, self.length, width,
-                           row_stride=self.capacity, backend=self.backend)  # fmt: skip
+                           row_stride=self.capacity, backend=self.backend, balanced=not self.even_rows)  # fmt: skip
         return self._out(y)
 
     # ------------------------------------------------------------------ the protocol
@@ -237,6 +241,8 @@ class LayerCache:
 class SlotCache(LayerCache):
     """Preallocated ``[B, Hkv, capacity, D]`` keys and values, every row holding the same number of keys in
     slots 0..length-1 (`full`: slot = position; `streaming_llm`: sinks, then a ring)."""
+
+    even_rows = True
 
     def __init__(self, capacity: int, **kwargs):
         super().__init__(**kwargs)

@@ -239,9 +239,11 @@ def pool_attention_op(
     ring_k: Tensor | None,
     ring_v: Tensor | None,
     ring_valid: Tensor | None,
+    even: bool = False,
 ) -> Tensor:
     """q ``[R, G, D]`` over segment ``[start[r], start[r] + length[r])`` of ``k_pool``/``v_pool`` ``[P, D]`` and the
-    valid ring slots (``ring_k``/``ring_v`` ``[R, W, D]``, ``ring_valid`` ``[R, W]``) -> ``[R, G, D]``.
+    valid ring slots (``ring_k``/``ring_v`` ``[R, W, D]``, ``ring_valid`` ``[R, W]``) -> ``[R, G, D]``; ``even``: the
+    rows hold the same number of keys (the policy's ``even_rows``: each row split alike; else chunks balanced).
 
     The split-K count is chosen here, when the op runs, from the rows and the pool's slots per row
     (`pool_splits`), not by the compiled step: as a constant of the graph it made one more graph per value, and a
@@ -254,21 +256,22 @@ def pool_attention_op(
         bound = -(-k_pool.shape[0] // R) + (0 if ring_k is None else ring_k.shape[1])
         splits = pool_splits(R, bound, q.shape[-1], q.device)
     return _attention.pool_attention(q, k_pool, v_pool, start, length, max_len, ring_k=ring_k, ring_v=ring_v,
-                                    ring_valid=ring_valid, backend=backend, splits=splits)  # fmt: skip
+                                    ring_valid=ring_valid, backend=backend, splits=splits,
+                                    balanced=not even)  # fmt: skip
 
 
 @pool_attention_op.register_fake
-def _(q, k_pool, v_pool, start, length, ring_k, ring_v, ring_valid):
+def _(q, k_pool, v_pool, start, length, ring_k, ring_v, ring_valid, even=False):
     return torch.empty_like(q)
 
 
-def attend(layer, qr: Tensor, ring: bool = False) -> Tensor:
+def attend(layer, qr: Tensor, ring: bool = False, even: bool = False) -> Tensor:
     """Decode attention of ``qr`` ``[R, G, D]`` over each row's segment of ``layer.kv_pool`` (and its valid ring
-    slots where ``ring``): `pool_attention_op`."""
+    slots where ``ring``): `pool_attention_op`; ``even``: the policy's ``even_rows``."""
     if ring:
         return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
-                                  layer.ring_v, layer.ring_valid)  # fmt: skip
-    return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None)
+                                  layer.ring_v, layer.ring_valid, even)  # fmt: skip
+    return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None, even)
 
 
 @dataclass
@@ -386,7 +389,7 @@ class AppendRule(FixedRule):
         dest = torch.where(full, torch.full_like(layer.start, scratch), layer.start + layer.length)
         layer.length.add_((~full).to(layer.length.dtype))
         write_kv(layer.kv_pool, dest, kr, vr)
-        return attend(layer, qr), layer.length
+        return attend(layer, qr, even=ctx.policy_cls.even_rows), layer.length
 
 
 def fixed_policies() -> tuple[str, ...]:

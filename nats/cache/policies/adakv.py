@@ -22,6 +22,8 @@ from nats.cache.registry import register_cache
 
 @register_cache("adakv")
 class AdaKVCache(SnapKVCache):
+    even_rows = False  # each head takes its own share of the budget
+
     def __init__(self, *, budget: int, alpha: float = 0.2, **kwargs):
         type(self).check_budget(budget, 10**18, alpha=alpha, **kwargs)
         super().__init__(budget=budget, **kwargs)

@@ -87,6 +87,7 @@ def top_mask(scores: Tensor, n: int | Tensor) -> Tensor:
 @register_cache("snapkv")
 class SnapKVCache(LayerCache):
     fixed_rule = AppendRule()  # the fixed-capacity engine: keep the selection, append new tokens
+    even_rows = True  # one budget for every row of a layer (PyramidKV's differ by layer only)
     budgeted = True
     prefill_time = True  # compresses once after an exact prefill; decoding appends without evicting
 

@@ -75,7 +75,7 @@ class RingRule(AppendRule):
         layer.count.add_(1)
         layer.length.copy_(torch.minimum(layer.count, layer.cap))
         write_kv(layer.kv_pool, dest, kr, vr)
-        return attend(layer, qr), layer.length
+        return attend(layer, qr, even=ctx.policy_cls.even_rows), layer.length
 
 
 @register_cache("streaming_llm")
