@@ -447,9 +447,9 @@ def test_sweep_pool_attention_smoke(tmp_path):
     assert "| tiny | default | 64 |" in text and "| tiny, spread | default | 64 |" in text
     assert {r["balanced"] for r in rows} == {True, False}  # both splits timed
     sweep = load_script("benchmarks/sweep_pool_attention.py")
-    assert sweep.main(["--smoke", "--shapes", "spread", "--out", str(tmp_path)]) == 0
+    assert sweep.main(["--smoke", "--shapes", "_spread", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
-    assert {r["shape"] for r in rows} == {"tiny, spread"}
+    assert {r["shape"] for r in rows} == {"tiny, spread"}  # "_" matches a space
     assert sweep.main(["--smoke", "--shapes", "9B", "--out", str(tmp_path / "none")]) == 2  # no such shape
     assert not (tmp_path / "none").exists()
 
