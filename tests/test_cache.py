@@ -409,6 +409,16 @@ def test_triton_pool_attention_balances_uneven_rows():
         cfg = {"block_n": 16, "num_warps": 2, "num_stages": 2, "balanced": balanced}
         out = triton_pool_attention(q, kp, vp, start, length, 2000, rk, rv, rvalid, splits=64, config=cfg)
         assert torch.allclose(out, ref, atol=1e-5, rtol=0), balanced
+    # more rows than the lookup reads at a time (decode.ROW_BLOCK = 128): the walk carries over blocks
+    R = 130
+    length = torch.randint(0, 40, (R,))
+    length[::7] = 0
+    start = torch.arange(R) * 40
+    kp, vp, q = torch.randn(R * 40 + 1, D), torch.randn(R * 40 + 1, D), torch.randn(R, G, D)
+    rk, rv, rvalid = torch.randn(R, W, D), torch.randn(R, W, D), torch.ones(R, W, dtype=torch.bool)
+    q, kp, vp, start, length, rk, rv, rvalid = (t.to(dev) for t in (q, kp, vp, start, length, rk, rv, rvalid))
+    out = triton_pool_attention(q, kp, vp, start, length, 40, rk, rv, rvalid, splits=1, config={"block_n": 16})
+    assert torch.allclose(out, torch_pool_attention(q, kp, vp, start, length, 40, rk, rv, rvalid), atol=1e-5, rtol=0)
 
 
 def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypatch):
@@ -416,12 +426,12 @@ def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypat
     few rows of head dim 128); the launches are recorded, not run."""
     from nats_kernels.nats_attention import decode
 
-    grids = []
+    grids, consts = [], []
 
     class Launch:
         def __getitem__(self, grid):
             grids.append(grid)
-            return lambda *a, **k: None
+            return lambda *a, **k: consts.append(k)
 
     monkeypatch.setattr(decode, "_pool_decode_kernel", Launch())
     monkeypatch.setattr(decode, "_combine_kernel", Launch())
@@ -430,6 +440,9 @@ def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypat
         rows = torch.zeros(2, dtype=torch.long)
         decode.triton_pool_attention(q, pool, pool, rows, rows, 8192)
         assert grids[-2] == (2 * (expected + 1),), (D, grids)  # the balanced split's programs: R x (splits + 1)
+    q, pool, rows = torch.zeros(200, 4, 64), torch.zeros(200 * 64, 64), torch.zeros(200, dtype=torch.long)
+    decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
+    assert {k["BLOCK_R"] for k in consts} == {decode.ROW_BLOCK}  # one compiled kernel whatever the rows
 
 
 def test_sweep_pool_attention_smoke(tmp_path):

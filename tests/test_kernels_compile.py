@@ -1,6 +1,7 @@
-"""The fused NAtS decode kernels compile for a Hopper GPU (sm_90) here, without a GPU: Triton's interpreter, which
-runs them in the other tests, checks their arithmetic but not that the compiler accepts them. The compile runs in a
-subprocess (this process has chosen the interpreter) and stops at PTX and the cubin; nothing is launched."""
+"""The fused NAtS decode kernels and the split-K decode attention compile for a Hopper GPU (sm_90) here, without a
+GPU: Triton's interpreter, which runs them in the other tests, checks their arithmetic but not that the compiler
+accepts them. The compile runs in a subprocess (this process has chosen the interpreter) and stops at PTX and the
+cubin; nothing is launched."""
 
 from __future__ import annotations
 
@@ -49,6 +50,19 @@ SCRIPT = textwrap.dedent(
             dict(T=L, POS=L, KP=B, VP=B, START=L, LENGTH=L, NGLOBAL=L, RVALID=I8, W=C, D=C, BLOCK_D=C),
             [dict(W=16, D=64, BLOCK_D=64)],
         ),
+        "_pool_decode_kernel": (  # the split-K decode attention: balanced chunks or each row alike, with a ring or not
+            dict(Q=B, KP=B, VP=B, START=L, LEN=L, RK=B, RV=B, RVALID=I8, M_OUT=P, L_OUT=P, ACC_OUT=P, qk_scale="fp32",
+                 SPLITS=I, G=C, D=C, BLOCK_G=C, BLOCK_D=C, BLOCK_N=C, HAS_RING=C, W=C, BLOCK_W=C, IEEE=C, R=I,
+                 BALANCED=C, BLOCK_R=C),
+            [dict(G=4, D=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, HAS_RING=r, W=64, BLOCK_W=64, IEEE=False,
+                  BALANCED=b, BLOCK_R=mod.ROW_BLOCK) for b in (True, False) for r in (True, False)],
+        ),
+        "_combine_kernel": (
+            dict(M=P, L=P, ACC=P, OUT=B, SPLITS=I, D=C, BLOCK_D=C, BLOCK_S=C, LEN=L, R=I, G=C, BLOCK_N=C,
+                 BALANCED=C, BLOCK_R=C),
+            [dict(D=128, BLOCK_D=128, BLOCK_S=64, G=4, BLOCK_N=64, BALANCED=b, BLOCK_R=mod.ROW_BLOCK)
+             for b in (True, False)],
+        ),
     }
     for name, (signature, variants) in kernels.items():
         for constexprs in variants:
@@ -73,4 +87,4 @@ def test_the_fused_decode_kernels_compile_for_sm90():
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("this Triton install has no ptxas to compile for CUDA")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split().count("ok") == 8
+    assert proc.stdout.split().count("ok") == 14

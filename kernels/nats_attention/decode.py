@@ -31,6 +31,7 @@ from nats_kernels.nats_attention.plan import first_max
 
 BLOCK_N = 64
 MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split count); the combine reads up to 64
+ROW_BLOCK = 128  # rows the balanced split reads at a time to find a program's chunk (fixed: no compile per batch)
 
 
 @triton.jit
@@ -88,13 +89,14 @@ def _pool_decode_kernel(
 ):
     if BALANCED:  # grid (R * (SPLITS + 1),): chunks of one size over all rows, program p the p-th chunk
         p = tl.program_id(0)
-        # the grid's last programs may have no chunk: split >= n_r, so lo >= length (no keys) and no ring; their
-        # partials go to slots no row's merge reads
+        # the grid's last programs may have no chunk (n_r = 0): no keys, no ring; their partials go to slots no
+        # row's merge reads
         r, split, n_r, per = _balanced_chunk(LEN, R, p, SPLITS, BLOCK_N, BLOCK_R)
         out = p * G  # partial results in chunk order, G heads each
     else:  # grid (R, SPLITS): row r's segment in SPLITS equal chunks
         r = tl.program_id(0)
         split = tl.program_id(1)
+        n_r = SPLITS
     offs_g = tl.arange(0, BLOCK_G)
     gmask = offs_g < G
     offs_d = tl.arange(0, BLOCK_D)
@@ -109,7 +111,7 @@ def _pool_decode_kernel(
         per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
         out = heads * SPLITS + split
     lo = split * per
-    hi = tl.minimum(lo + per, length)
+    hi = tl.where(split < n_r, tl.minimum(lo + per, length), lo)
 
     m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -120,7 +122,7 @@ def _pool_decode_kernel(
         rows = start + offs_n.to(tl.int64)
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, KP, VP, rows, ok, offs_d, dmask, D, qk_scale, IEEE)
     if HAS_RING:
-        if split == 0:
+        if (split == 0) & (n_r > 0):
             offs_w = tl.arange(0, BLOCK_W)
             okw = offs_w < W
             valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
@@ -135,27 +137,51 @@ def _pool_decode_kernel(
 
 @triton.jit
 def _balanced_chunk(LEN, R, p, SPLITS, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The work-balanced split of R rows (lengths ``LEN``, read on the device) into chunks of one size ``per``: the
-    rows' mean over SPLITS, rounded up to BLOCK_N. Row i takes ``n_i = max(1, ceil(LEN[i] / per))`` chunks (at
-    least one: its ring), in row order; their sum is at most R * (SPLITS + 1). Chunk p is row r's split-th:
-    returns (r, split, n_r, per); past the last chunk r = R - 1 and split >= n_r (split * per >= LEN[r])."""
-    offs_r = tl.arange(0, BLOCK_R)
-    n, per = _chunk_counts(LEN, R, SPLITS, BLOCK_N, BLOCK_R)
-    ends = tl.cumsum(n, axis=0)  # row i's chunks end at ends[i]
-    r = tl.minimum(tl.sum((ends <= p).to(tl.int32), axis=0), R - 1)
-    first = tl.sum(tl.where(offs_r < r, n, 0), axis=0)
-    n_r = tl.sum(tl.where(offs_r == r, n, 0), axis=0)
-    return r, p - first, n_r, per
+    """The work-balanced split of R rows (lengths ``LEN``, read on the device) into chunks of one size ``per``
+    (`_chunk_size`). Row i takes ``n_i = max(1, ceil(LEN[i] / per))`` chunks (at least one: its ring), in row order;
+    their sum is at most R * (SPLITS + 1). Chunk p is row r's split-th: returns (r, split, n_r, per); past the last
+    chunk r = R - 1 and n_r = 0. The rows are read BLOCK_R at a time (a fixed block: one compiled kernel for every
+    batch size)."""
+    per = _chunk_size(LEN, R, SPLITS, BLOCK_N, BLOCK_R)
+    before = tl.zeros([], dtype=tl.int32)  # rows whose chunks end at or before p
+    first = tl.zeros([], dtype=tl.int32)  # their chunks
+    n_r = tl.zeros([], dtype=tl.int32)  # the chunks of the row chunk p belongs to
+    carry = tl.zeros([], dtype=tl.int32)
+    for r0 in range(0, R, BLOCK_R):
+        offs = r0 + tl.arange(0, BLOCK_R)
+        ok = offs < R
+        n = tl.where(ok, tl.maximum(tl.cdiv(tl.load(LEN + offs, mask=ok, other=0).to(tl.int32), per), 1), 0)
+        ends = carry + tl.cumsum(n, axis=0)  # row i's chunks end at ends[i]
+        done = ok & (ends <= p)
+        before += tl.sum(done.to(tl.int32), axis=0)
+        first += tl.sum(tl.where(done, n, 0), axis=0)
+        n_r += tl.sum(tl.where(ok & (ends > p) & (ends - n <= p), n, 0), axis=0)
+        carry += tl.sum(n, axis=0)
+    return tl.minimum(before, R - 1), p - first, n_r, per
 
 
 @triton.jit
-def _chunk_counts(LEN, R, SPLITS, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """`_balanced_chunk`'s chunks per row ``n [BLOCK_R]`` (0 past R) and their size ``per``."""
-    offs_r = tl.arange(0, BLOCK_R)
-    rmask = offs_r < R
-    lens = tl.load(LEN + offs_r, mask=rmask, other=0).to(tl.int32)
-    per = tl.maximum(tl.cdiv(tl.cdiv(tl.sum(lens, axis=0), R * SPLITS), BLOCK_N), 1) * BLOCK_N
-    return tl.where(rmask, tl.maximum(tl.cdiv(lens, per), 1), 0), per
+def _chunk_size(LEN, R, SPLITS, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The balanced split's chunk: the rows' mean length over SPLITS, rounded up to BLOCK_N (at least BLOCK_N)."""
+    total = tl.zeros([], dtype=tl.int32)
+    for r0 in range(0, R, BLOCK_R):
+        offs = r0 + tl.arange(0, BLOCK_R)
+        total += tl.sum(tl.load(LEN + offs, mask=offs < R, other=0).to(tl.int32), axis=0)
+    return tl.maximum(tl.cdiv(tl.cdiv(total, R * SPLITS), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _row_chunks(LEN, R, r, per, BLOCK_R: tl.constexpr):
+    """(the chunks of the rows before row r, row r's chunks) of the balanced split (`_balanced_chunk`)."""
+    first = tl.zeros([], dtype=tl.int32)
+    n_r = tl.zeros([], dtype=tl.int32)
+    for r0 in range(0, R, BLOCK_R):
+        offs = r0 + tl.arange(0, BLOCK_R)
+        ok = offs < R
+        n = tl.where(ok, tl.maximum(tl.cdiv(tl.load(LEN + offs, mask=ok, other=0).to(tl.int32), per), 1), 0)
+        first += tl.sum(tl.where(offs < r, n, 0), axis=0)
+        n_r += tl.sum(tl.where(offs == r, n, 0), axis=0)
+    return first, n_r
 
 
 @triton.jit
@@ -180,10 +206,7 @@ def _combine_kernel(
     if BALANCED:  # row r's n_r chunks, from its first, in chunk order
         r = pid // G
         g = pid % G
-        offs_r = tl.arange(0, BLOCK_R)
-        n, _ = _chunk_counts(LEN, R, SPLITS, BLOCK_N, BLOCK_R)
-        first = tl.sum(tl.where(offs_r < r, n, 0), axis=0)
-        n_r = tl.sum(tl.where(offs_r == r, n, 0), axis=0)
+        first, n_r = _row_chunks(LEN, R, r, _chunk_size(LEN, R, SPLITS, BLOCK_N, BLOCK_R), BLOCK_R)
         base = first * G + g
         step = G
     else:
@@ -261,7 +284,6 @@ def triton_pool_attention(
     else:
         W, rk, rv, rvalid = 1, k_pool, v_pool, start  # unused placeholders
     block_d = max(16, triton.next_power_of_2(D))
-    block_r = max(16, triton.next_power_of_2(R))
     _pool_decode_kernel[(chunks,) if balanced else (R, splits)](
         q,
         k_pool,
@@ -287,13 +309,13 @@ def triton_pool_attention(
         IEEE=INTERPRET or q.dtype in (torch.float32, torch.float64),  # the interpreter has no bf16 dot
         R=R,
         BALANCED=balanced,
-        BLOCK_R=block_r,
+        BLOCK_R=ROW_BLOCK,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     _combine_kernel[(R * G,)](
         m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, G=G,
-        BLOCK_N=cfg["block_n"], BALANCED=balanced, BLOCK_R=block_r,
+        BLOCK_N=cfg["block_n"], BALANCED=balanced, BLOCK_R=ROW_BLOCK,
     )  # fmt: skip
     return out
 
