@@ -158,3 +158,27 @@ def test_allreduce_probe_cpu_smoke(tmp_path):
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert len(re.findall(r"all_reduce .* algbw .* busbw", res.stdout)) == 3, res.stdout
+
+
+def test_side_by_side_assignments_apply_to_the_stages_after_them(stubs, tmp_path):
+    """benchmarks/gpu_side_by_side.sh: in a group, NAME=VALUE holds for the stages after it, in order (a later
+    LIMIT_METHODS does not reach the stage before it); each group runs on its own GPU."""
+    gpus = tmp_path / "bin"
+    gpus.mkdir()
+    (gpus / "nvidia-smi").write_text("#!/bin/sh\n[ \"$1\" = -L ] && printf 'GPU 0\\nGPU 1\\n'\nexit 0\n")
+    (gpus / "nvidia-smi").chmod(0o755)
+    log = tmp_path / "commands.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "SLURM_", "WHEELS", "LIMIT_", "HF_"))}
+    env.update(STUB_LOG=str(log), PATH=f"{gpus}:{stubs}:/usr/bin:/bin", PROJECT_ROOT=str(tmp_path), HOME=str(tmp_path))
+    groups = ["LIMIT_METHODS=full,nats limit1b LIMIT_METHODS=nats profile8b", "smol8k"]
+    args = ["bash", str(REPO / "benchmarks/gpu_side_by_side.sh"), str(tmp_path / "dest"), *groups]
+    res = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    methods = {}
+    for cmd in (shlex.split(line) for line in log.read_text().splitlines()):
+        if "benchmarks/bench_hf_decode.py" in cmd:
+            stage = Path(cmd[cmd.index("--out") + 1]).name
+            methods[stage] = cmd[cmd.index("--methods") + 1 : cmd.index("--methods") + 3]
+    assert methods["limit1b"] == ["full", "nats"] and methods["profile8b"][0] == "nats", methods
+    assert methods["profile8b"][1:] in ([], ["--profile"]) and methods["smol8k"][:2] == ["static", "flex_static"]
+    assert (tmp_path / "dest" / "gpu0").is_dir() and (tmp_path / "dest" / "gpu1").is_dir()
