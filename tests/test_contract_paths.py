@@ -116,14 +116,16 @@ def test_decode_splits_take_few_values_over_a_changing_workload():
     least 128 keys."""
     from nats.cache.engine import decode_splits
 
-    for sms in (132, 1):
+    for sms, head_dim in ((132, 128), (132, 64), (1, 128)):
         seen = set()
         for batch in range(1, 17):
             for prompt in range(1024, 32769, 509):
-                s = decode_splits(batch * 8, prompt + 256, torch.device("cpu"), sms=sms)
+                s = decode_splits(batch * 8, prompt + 256, torch.device("cpu"), sms=sms, head_dim=head_dim)
                 assert s & (s - 1) == 0 and 1 <= s <= 64 and (prompt + 256) / s >= 128 or s == 1
                 seen.add(s)
         assert len(seen) <= 7, sorted(seen)
+    # batch 8 of 8 KV heads on 132 SMs: 8 splits a row at head dim 128, 16 at 64 (the launch sweep's choice)
+    assert [decode_splits(64, 8192, torch.device("cpu"), sms=132, head_dim=d) for d in (128, 64)] == [8, 16]
 
 
 def test_the_pool_attention_op_chooses_its_split_count_from_the_shapes(monkeypatch):
@@ -141,7 +143,7 @@ def test_the_pool_attention_op_chooses_its_split_count_from_the_shapes(monkeypat
     engine.pool_attention_op(q, pool, pool, rows, rows, None, None, None)
     ring = torch.zeros(R, 64, D)
     engine.pool_attention_op(q, pool[: R * 300], pool[: R * 300], rows, rows, ring, ring, torch.zeros(R, 64).bool())
-    expected = [engine.decode_splits(R, bound, q.device, sms=132) for bound in (cap + 128, 300 + 64)]
+    expected = [engine.decode_splits(R, bound, q.device, sms=132, head_dim=D) for bound in (cap + 128, 300 + 64)]
     assert seen == expected
     assert seen[0] == 64
     q = torch.zeros(R, 4, 128)  # head dim 128 and few rows: the kernel's launch choice caps the splits at 16

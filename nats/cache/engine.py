@@ -83,14 +83,19 @@ def _cuda_sms(index: int) -> int:  # read once per GPU: the prefill asks at ever
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def decode_splits(rows: int, bound: int, device: torch.device, sms: int | None = None, most: int = 64) -> int:
-    """Split-K count of the decode attention: about two programs per SM over the rows, at most ``most`` (a power
-    of two: 64, or the kernel's `launch_config` for the rows and head dim), and splits of
-    about 256 keys or more (``bound``: the keys a row can hold, known without a host synchronisation: the pool's
-    slots per row, + the ring), rounded up to a power of two (at most seven launch shapes of the kernel, each
-    captured in the CUDA graphs of the decode steps that use it)."""
+def decode_splits(
+    rows: int, bound: int, device: torch.device, sms: int | None = None, most: int = 64, head_dim: int = 128
+) -> int:
+    """Split-K count of the decode attention: about two programs per SM over the rows at head dim 128, four at 64
+    (a program then reads half the bytes per key; `benchmarks/sweep_pool_attention.py` on an H200, 64 rows of 2-8k
+    keys at head dim 64: 16 splits 5-7% faster than 8, at 128 no faster), at most ``most`` (a power of two: 64, or
+    the kernel's `launch_config` for the rows and head dim), and splits of about 256 keys or more (``bound``: the
+    keys a row can hold, known without a host synchronisation: the pool's slots per row, + the ring), rounded up to
+    a power of two (at most seven launch shapes of the kernel, each captured in the CUDA graphs of the decode steps
+    that use it)."""
     sms = num_sms(device) if sms is None else sms
-    n = max(1, min(most, math.ceil(2 * sms / rows), math.ceil(bound / 256)))
+    per_sm = 2 * max(1, 128 // head_dim)
+    n = max(1, min(most, math.ceil(per_sm * sms / rows), math.ceil(bound / 256)))
     return 1 << (n - 1).bit_length()
 
 
@@ -99,7 +104,8 @@ def pool_splits(rows: int, bound: int, head_dim: int, device: torch.device) -> i
     kernel's launch choice for the rows and head dim (`nats_kernels.nats_attention.decode.launch_config`)."""
     from nats_kernels.nats_attention.decode import launch_config  # noqa: PLC0415
 
-    return decode_splits(rows, bound, device, most=launch_config(rows, head_dim)["max_splits"])
+    most = launch_config(rows, head_dim)["max_splits"]
+    return decode_splits(rows, bound, device, most=most, head_dim=head_dim)
 
 
 def plan_rows(keep: Tensor, cap: Tensor, n_global: Tensor | None = None, count: Tensor | None = None):
