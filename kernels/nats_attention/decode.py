@@ -148,9 +148,7 @@ def _balanced_chunk(LEN, R, p, SPLITS, BLOCK_N: tl.constexpr, BLOCK_R: tl.conste
     n_r = tl.zeros([], dtype=tl.int32)  # the chunks of the row chunk p belongs to
     carry = tl.zeros([], dtype=tl.int32)
     for r0 in range(0, R, BLOCK_R):
-        offs = r0 + tl.arange(0, BLOCK_R)
-        ok = offs < R
-        n = tl.where(ok, tl.maximum(tl.cdiv(tl.load(LEN + offs, mask=ok, other=0).to(tl.int32), per), 1), 0)
+        offs, ok, n = _block_chunks(LEN, R, r0, per, BLOCK_R)
         ends = carry + tl.cumsum(n, axis=0)  # row i's chunks end at ends[i]
         done = ok & (ends <= p)
         before += tl.sum(done.to(tl.int32), axis=0)
@@ -158,6 +156,15 @@ def _balanced_chunk(LEN, R, p, SPLITS, BLOCK_N: tl.constexpr, BLOCK_R: tl.conste
         n_r += tl.sum(tl.where(ok & (ends > p) & (ends - n <= p), n, 0), axis=0)
         carry += tl.sum(n, axis=0)
     return tl.minimum(before, R - 1), p - first, n_r, per
+
+
+@triton.jit
+def _block_chunks(LEN, R, r0, per, BLOCK_R: tl.constexpr):
+    """Rows r0 .. r0 + BLOCK_R of the balanced split: (their indices, which exist, their chunks
+    ``max(1, ceil(LEN / per))``, 0 past R)."""
+    offs = r0 + tl.arange(0, BLOCK_R)
+    ok = offs < R
+    return offs, ok, tl.where(ok, tl.maximum(tl.cdiv(tl.load(LEN + offs, mask=ok, other=0).to(tl.int32), per), 1), 0)
 
 
 @triton.jit
@@ -176,9 +183,7 @@ def _row_chunks(LEN, R, r, per, BLOCK_R: tl.constexpr):
     first = tl.zeros([], dtype=tl.int32)
     n_r = tl.zeros([], dtype=tl.int32)
     for r0 in range(0, R, BLOCK_R):
-        offs = r0 + tl.arange(0, BLOCK_R)
-        ok = offs < R
-        n = tl.where(ok, tl.maximum(tl.cdiv(tl.load(LEN + offs, mask=ok, other=0).to(tl.int32), per), 1), 0)
+        offs, _, n = _block_chunks(LEN, R, r0, per, BLOCK_R)
         first += tl.sum(tl.where(offs < r, n, 0), axis=0)
         n_r += tl.sum(tl.where(offs == r, n, 0), axis=0)
     return first, n_r
