@@ -354,11 +354,11 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     decode_s = statistics.median(decodes)
     seen = P + n_new - 1
     share = 1.0
-    if isinstance(cache, (StaticPolicyCache, PolicyCache)):
-        share = float(cache.kept().double().mean()) / seen
     extra = {"static_prefill_s": statistics.median(beside)} if beside else {}
     if hasattr(cache, "kept"):  # [n_layer, B, Hkv] tokens held: how even the rows each layer's attention reads are
         held = cache.kept().double().flatten(1)
+        if isinstance(cache, (StaticPolicyCache, PolicyCache)):
+            share = float(held.mean()) / seen
         uneven = float((held.amax(1) / held.mean(1).clamp_min(1)).mean())  # a layer's longest row over its mean
         extra["row_kept"] = {"min": float(held.min()), "mean": float(held.mean()), "max": float(held.max()),
                              "layer_max_over_mean": uneven}  # fmt: skip
