@@ -1,10 +1,11 @@
 """The split-K pool attention of a decode step (`nats_kernels.nats_attention.decode.triton_pool_attention`) over its
 launch choices: keys per block, warps, pipeline stages, split count and whether the chunks are balanced over the
-rows, for the shapes of a full cache at batch 1
-and 8 (Llama-3.1-8B: 8 KV heads of 4 query heads, D = 128; Llama-3.2-1B: D = 64) and NAtS' shorter rows (as long,
-or of uneven lengths: ", spread"), against the bytes it must read
-(the keys and values, once) over a device-to-device copy's bandwidth measured in the same run. The default choice
-(`decode.launch_config`, `nats.cache.engine.pool_splits`) is the first row of each shape.
+rows, for the shapes of a full cache at batch 1 and 8 (Llama-3.1-8B: 8 KV heads of 4 query heads, D = 128;
+Llama-3.2-1B: D = 64) and NAtS' shorter rows (as long, or of uneven lengths: ", spread"), against the bytes it must
+read (the keys and values, once) over a device-to-device copy's bandwidth measured in the same run. The default
+choice (`decode.launch_config`, `nats.cache.engine.pool_splits`, balanced: what NAtS' decode step launches; the
+policies that declare ``even_rows``, the full cache among them, launch it unbalanced) is the first row of each
+shape.
 
     python benchmarks/sweep_pool_attention.py --out logs/bench/sweep_pool_attention
     python benchmarks/sweep_pool_attention.py --shapes batch_8,1B      # shapes whose label has one (_ for a space)
