@@ -115,12 +115,18 @@ def stubs(tmp_path_factory) -> Path:
     return folder
 
 
-def _dry_run(script: str, stubs: Path, tmp: Path) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+def _dry_run(
+    script: str, stubs: Path, tmp: Path, argv: list[str] | None = None, first: Path | None = None
+) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """``script`` run with the commands stubbed (``argv``: its arguments, default `SHELL_ARGS`; ``first``: a folder of
+    commands found before the stubs); the commands it ran, as logged."""
     log = tmp / "commands.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "SLURM_", "WHEELS"))}
-    env.update(STUB_LOG=str(log), PATH=f"{stubs}:/usr/bin:/bin", PROJECT_ROOT=str(tmp), HOME=str(tmp))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "SLURM_", "WHEELS", "LIMIT_", "HF_"))}
+    path = f"{stubs}:/usr/bin:/bin" if first is None else f"{first}:{stubs}:/usr/bin:/bin"
+    env.update(STUB_LOG=str(log), PATH=path, PROJECT_ROOT=str(tmp), HOME=str(tmp))
     env.update(DEST=str(tmp / "dest"), SCORERS=str(tmp / "scorers.pt"))
-    args = ["bash", str(REPO / script), *(a.format(dest=tmp / "dest") for a in SHELL_ARGS.get(script, ["{dest}"]))]
+    argv = argv if argv is not None else SHELL_ARGS.get(script, ["{dest}"])
+    args = ["bash", str(REPO / script), *(a.format(dest=tmp / "dest") for a in argv)]
     res = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     commands = [shlex.split(line) for line in log.read_text().splitlines()] if log.is_file() else []
     return res, commands
@@ -167,15 +173,11 @@ def test_side_by_side_assignments_apply_to_the_stages_after_them(stubs, tmp_path
     gpus.mkdir()
     (gpus / "nvidia-smi").write_text("#!/bin/sh\n[ \"$1\" = -L ] && printf 'GPU 0\\nGPU 1\\n'\nexit 0\n")
     (gpus / "nvidia-smi").chmod(0o755)
-    log = tmp_path / "commands.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "SLURM_", "WHEELS", "LIMIT_", "HF_"))}
-    env.update(STUB_LOG=str(log), PATH=f"{gpus}:{stubs}:/usr/bin:/bin", PROJECT_ROOT=str(tmp_path), HOME=str(tmp_path))
     groups = ["LIMIT_METHODS=full,nats limit1b LIMIT_METHODS=nats profile8b", "smol8k"]
-    args = ["bash", str(REPO / "benchmarks/gpu_side_by_side.sh"), str(tmp_path / "dest"), *groups]
-    res = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    res, commands = _dry_run("benchmarks/gpu_side_by_side.sh", stubs, tmp_path, ["{dest}", *groups], first=gpus)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     methods = {}
-    for cmd in (shlex.split(line) for line in log.read_text().splitlines()):
+    for cmd in commands:
         if "benchmarks/bench_hf_decode.py" in cmd:
             stage = Path(cmd[cmd.index("--out") + 1]).name
             methods[stage] = cmd[cmd.index("--methods") + 1 : cmd.index("--methods") + 3]
