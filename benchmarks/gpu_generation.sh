@@ -29,7 +29,7 @@
 #   mixed       Llama-3.2-1B's shape: 50 requests of batch 1-16 and prompts of 1k-32k in one process, the project's
 #               full cache and NAtS (~25% kept; methods: MIXED_METHODS), against the same requests again
 # WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
-# (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 480), GPT_LIMIT (150), TEST_LIMIT (200).
+# (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 480), GPT_LIMIT (150), TEST_LIMIT (320).
 # Each stage's whole output: OUT/<stage>.log. tests/test_generate.py::test_cuda_matches_cpu trains from the embedded
 # corpus's token cache (data/gutenberg-*-gpt2/, written by any CPU test run): without network, bring it along.
 set -uo pipefail
@@ -96,7 +96,7 @@ for stage in $stages; do
       --policies full,nats,streaming_llm --modes graph --out "$DEST/gpt" >"$DEST/gpt.log" 2>&1
       tail -n 12 "$DEST/gpt.log" ;;
     # the failures' tracebacks stay in the log (-rfE: the reason of each in the summary)
-    tests) timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu \
+    tests) timeout "${TEST_LIMIT:-320}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu \
       tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py tests/test_hf_loop.py \
       tests/test_hf_fused.py tests/test_hf_buffers.py tests/test_hf_cache.py >"$DEST/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$DEST/gpu_tests.log" | tail -8 ;;
