@@ -5,8 +5,7 @@ Llama-3.2-1B: D = 64) and NAtS' shorter rows (as long, or of uneven lengths: ", 
 read (the keys and values, once) over a device-to-device copy's bandwidth measured in the same run. The default
 choice (`decode.launch_config`, `nats.cache.engine.pool_splits`, balanced: what NAtS' decode step launches; the
 policies that declare ``even_rows``, the full cache among them, launch it unbalanced) is the first row of each
-shape; the second is the same launch with the split-K merge in a kernel of its own (``fused=False``), as before the
-attention merged its partials in its last program. Every other choice merges in its own launch.
+shape.
 
     python benchmarks/sweep_pool_attention.py --out logs/bench/sweep_pool_attention
     python benchmarks/sweep_pool_attention.py --shapes batch_8,1B      # shapes whose label has one (_ for a space)
@@ -86,11 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         ref = torch_pool_attention(q.float(), k.float(), v.float(), start, length, cap)
         default = launch_config(R, D)
         dsplits = pool_splits(R, cap, D, device) if device.type == "cuda" else 2  # what the decode step launches
-        first = (default["block_n"], default["num_warps"], default["num_stages"], dsplits, True)
-        # the default, then the same with the merge in its own launch, then the choices (each merging in its launch)
-        tried = [(*first, True), (*first, False), *((*c, True) for c in choices)]
-        for i, (bn, warps, stages, splits, balanced, fused) in enumerate(tried):
-            cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages, "balanced": balanced, "fused": fused}
+        tried = [(default["block_n"], default["num_warps"], default["num_stages"], dsplits, True), *choices]
+        for i, (bn, warps, stages, splits, balanced) in enumerate(tried):
+            cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages, "balanced": balanced}
             call = lambda: triton_pool_attention(q, k, v, start, length, cap, splits=splits, config=cfg)  # noqa: E731
             try:
                 out = call()
@@ -123,12 +120,11 @@ def write(out: Path, device, dtype, bw, labels: list[str], rows: list[dict], arg
     ]
     for label in labels:
         ok = [r for r in rows if r["shape"] == label and "us" in r]
-        best = sorted((r for r in ok if not r.get("default") and r.get("fused", True)), key=lambda r: r["us"])[:5]
-        for r in [x for x in ok if x.get("default")] + [x for x in ok if not x.get("fused", True)] + best:
+        best = sorted((r for r in ok if not r.get("default")), key=lambda r: r["us"])[:5]
+        for r in [x for x in ok if x.get("default")] + best:
             share = "" if r["share"] is None else f"{100 * r['share']:.1f}%"
-            choice = "default" if r.get("default") else "fast" if r.get("fused", True) else "default, merge apart"
             lines.append(
-                f"| {label} | {choice} | {r['block_n']} | {r['num_warps']} | "
+                f"| {label} | {'default' if r.get('default') else 'fast'} | {r['block_n']} | {r['num_warps']} | "
                 f"{r['num_stages']} | {r['splits']} | {'yes' if r['balanced'] else 'no'} | {r['us']:.1f} | "
                 f"{r['gbps']:.0f} | {share} | {r['max_err']:.1e} |"
             )

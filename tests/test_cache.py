@@ -421,47 +421,6 @@ def test_triton_pool_attention_balances_uneven_rows():
     assert torch.allclose(out, torch_pool_attention(q, kp, vp, start, length, 40, rk, rv, rvalid), atol=1e-5, rtol=0)
 
 
-def test_triton_pool_attention_fused_merge(monkeypatch):
-    """The row's last program merges its partials (a per-row counter it sets back to zero): the result equals the
-    two-kernel merge and the reference for both splits, the counters are zero after every launch (a counter left
-    at 1 would make the next launch merge a chunk early), and where the counters cannot be allocated (a CUDA graph
-    being captured) the merge falls back to its own kernel."""
-    from nats_kernels.nats_attention import decode
-
-    torch.manual_seed(2)
-    R, G, D, W = 6, 3, 16, 2
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    length = torch.tensor([0, 7, 300, 64, 1, 129], device=dev)
-    start = torch.arange(R, device=dev) * 300
-    kp, vp = torch.randn(R * 300 + 1, D, device=dev), torch.randn(R * 300 + 1, D, device=dev)
-    q = torch.randn(R, G, D, device=dev)
-    rk, rv = torch.randn(R, W, D, device=dev), torch.randn(R, W, D, device=dev)
-    rvalid = torch.ones(R, W, dtype=torch.bool, device=dev)
-    ref = torch_pool_attention(q, kp, vp, start, length, 300, rk, rv, rvalid)
-    for balanced in (True, False):
-        for splits in (1, 5, 64):
-            outs = [
-                decode.triton_pool_attention(q, kp, vp, start, length, 300, rk, rv, rvalid, splits=splits,
-                                             config={"block_n": 16, "balanced": balanced, "fused": fused})
-                for fused in (True, True, False)
-            ]  # fmt: skip
-            assert int(decode.row_counters(q.device, R).abs().sum()) == 0
-            for out in outs:
-                assert torch.allclose(out, ref, atol=1e-5, rtol=0), (balanced, splits)
-            assert torch.equal(outs[0], outs[1])
-    monkeypatch.setattr(decode, "row_counters", lambda device, rows: None)
-    combine, launched = decode._combine_kernel, []
-
-    class Recorded:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return combine[grid]
-
-    monkeypatch.setattr(decode, "_combine_kernel", Recorded())
-    out = decode.triton_pool_attention(q, kp, vp, start, length, 300, rk, rv, rvalid, config={"block_n": 16})
-    assert launched == [(R * G,)] and torch.allclose(out, ref, atol=1e-5, rtol=0)
-
-
 def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypatch):
     """Without a split count the kernel takes `default_splits`, capped at its launch choice's ``max_splits`` (16 for
     few rows of head dim 128); the launches are recorded, not run."""
@@ -480,14 +439,10 @@ def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypat
         q, pool = torch.zeros(2, 4, D), torch.zeros(2 * 8192, D)
         rows = torch.zeros(2, dtype=torch.long)
         decode.triton_pool_attention(q, pool, pool, rows, rows, 8192)
-        assert grids[-1] == (2 * (expected + 1),), (D, grids)  # the balanced split's programs: R x (splits + 1)
-        assert consts[-1]["FUSED"] and consts[-1]["BLOCK_SM"] * consts[-1]["BLOCK_GM"] * D == decode.MERGE_TILE
-    assert len(grids) == 2  # fused: one launch per call
+        assert grids[-2] == (2 * (expected + 1),), (D, grids)  # the balanced split's programs: R x (splits + 1)
     q, pool, rows = torch.zeros(200, 4, 64), torch.zeros(200 * 64, 64), torch.zeros(200, dtype=torch.long)
     decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
     assert {k["BLOCK_R"] for k in consts} == {decode.ROW_BLOCK}  # one compiled kernel whatever the rows
-    decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"fused": False})
-    assert len(grids) == 5 and grids[-1] == (200 * 4,) and not consts[-2]["FUSED"]  # the merge's own launch
 
 
 def test_sweep_pool_attention_smoke(tmp_path):
@@ -499,12 +454,10 @@ def test_sweep_pool_attention_smoke(tmp_path):
 
     assert load_script("benchmarks/sweep_pool_attention.py").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
-    assert [r["shape"] for r in rows] == ["tiny"] * 4 + ["tiny, spread"] * 4
-    assert rows[0]["default"] and rows[4]["default"] and all(r["max_err"] < 1e-5 for r in rows)
-    assert [r["fused"] for r in rows[:4]] == [True, False, True, True]  # the default launch with its merge apart
+    assert [r["shape"] for r in rows] == ["tiny"] * 3 + ["tiny, spread"] * 3
+    assert rows[0]["default"] and rows[3]["default"] and all(r["max_err"] < 1e-5 for r in rows)
     text = (tmp_path / "sweep_pool_attention.md").read_text()
     assert "| tiny | default | 64 |" in text and "| tiny, spread | default | 64 |" in text
-    assert "| tiny | default, merge apart | 64 |" in text
     assert {r["balanced"] for r in rows} == {True, False}  # both splits timed
     sweep = load_script("benchmarks/sweep_pool_attention.py")
     assert sweep.main(["--smoke", "--shapes", "_spread", "--out", str(tmp_path)]) == 0
@@ -923,15 +876,13 @@ def test_nats_fused_step_launches_only_its_three_kernels(monkeypatch):
     attn = model.blocks[0].attn
     cache = make_caches(model, "nats", 2, 8, backend="triton", track=False)[0]
     cache.auto_maintain = False  # host bookkeeping between steps, not part of the step
-    kernels.row_counters(torch.device(dev), 1)  # the attention's merge counters: allocated once per device
     with torch.no_grad():
         pos = torch.tensor([0], device=dev)
         x = torch.randn(2, 1, model.config.n_embd, device=dev, dtype=torch.bfloat16)
         q, k, v = attn.project(x, model.rope, pos)
         with Ops():
             cache.step(q, k, v, x, pos)
-    # the attention merges its partials in its own launch (the row counters exist from the first call on)
-    assert launches == ["_nats_append_kernel", "_pool_decode_kernel", "_nats_evict_kernel"]
+    assert launches == ["_nats_append_kernel", "_pool_decode_kernel", "_combine_kernel", "_nats_evict_kernel"]
     assert ops == ["clone.default"], ops
 
 

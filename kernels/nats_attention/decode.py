@@ -13,9 +13,7 @@ captured in CUDA graphs. Launch option ``balanced=False``: grid ``(R, SPLITS)``,
 row. Each key and value block is read once for the whole group: scores ``[G, BLOCK_N]`` and the weighted values
 are two small ``tl.dot`` (the G heads padded to 16 rows). A row's first chunk also takes the ring slots (NAtS'
 sliding tokens) whose valid flag is set. Each program keeps an online softmax per head (max, sum, weighted V) in
-float32 and writes it to a partial buffer; the last of a row's programs to finish (a per-row counter, which it sets
-back to zero) merges the row's partials, so the attention is one launch. Launch option ``fused=False`` merges in a
-second kernel instead (``_combine_kernel``), as it does while a CUDA graph is captured before the counters exist.
+float32 and writes it to a partial buffer; a second kernel merges the partials of every (r, g).
 
 Without a CUDA GPU the kernels run in Triton's CPU interpreter (chosen in one place for every kernel, before
 triton is imported: ``_env.py``): slow, for tests only.
@@ -34,7 +32,6 @@ from nats_kernels.nats_attention.plan import first_max
 BLOCK_N = 64
 MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split count); the combine reads up to 64
 ROW_BLOCK = 128  # rows the balanced split reads at a time to find a program's chunk (fixed: no compile per batch)
-MERGE_TILE = 4096  # float32 partial values the fused merge reads at a time (BLOCK_SM splits x G heads x D)
 
 
 @triton.jit
@@ -89,11 +86,6 @@ def _pool_decode_kernel(
     R,
     BALANCED: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    OUT,
-    COUNT,
-    FUSED: tl.constexpr,
-    BLOCK_GM: tl.constexpr,
-    BLOCK_SM: tl.constexpr,
 ):
     if BALANCED:  # grid (R * (SPLITS + 1),): chunks of one size over all rows, program p the p-th chunk
         p = tl.program_id(0)
@@ -141,57 +133,6 @@ def _pool_decode_kernel(
     tl.store(M_OUT + out, m_i, mask=gmask)
     tl.store(L_OUT + out, l_i, mask=gmask)
     tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
-    if FUSED:  # the row's last chunk to finish merges its partials (no second launch)
-        if split < n_r:
-            tl.debug_barrier()  # every thread's partial stored before the release below
-            done = tl.atomic_add(COUNT + r, 1, sem="acq_rel", scope="gpu")
-            if done == n_r - 1:
-                tl.atomic_xchg(COUNT + r, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-                if BALANCED:  # the row's chunks are p - split .. p - split + n_r - 1, G partials each
-                    base = (p - split) * G
-                    step_s = G
-                    step_g = 1
-                else:
-                    base = r * G * SPLITS
-                    step_s = 1
-                    step_g = SPLITS
-                _merge_row(M_OUT, L_OUT, ACC_OUT, OUT, r, base, step_s, step_g, n_r, G, D, BLOCK_GM, BLOCK_D, BLOCK_SM)
-
-
-@triton.jit
-def _merge_row(
-    M, L, ACC, OUT, r, base, step_s, step_g, n_r, G: tl.constexpr, D: tl.constexpr, BLOCK_GM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SM: tl.constexpr,
-):  # fmt: skip
-    """Row r's n_r partials of its G query heads (partial j of head g at ``base + j * step_s + g * step_g``)
-    merged, BLOCK_SM at a time, into OUT[r]. The partials are read from L2 (``.cg``): other programs wrote them."""
-    offs_s = tl.arange(0, BLOCK_SM)
-    offs_g = tl.arange(0, BLOCK_GM)
-    offs_d = tl.arange(0, BLOCK_D)
-    gmask = offs_g < G
-    dmask = offs_d < D
-    mx = tl.full([BLOCK_GM], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_GM], dtype=tl.float32)
-    num = tl.zeros([BLOCK_GM, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, n_r, BLOCK_SM):
-        ok = ((s0 + offs_s) < n_r)[:, None] & gmask[None, :]  # [BLOCK_SM, BLOCK_GM]
-        idx = base + (s0 + offs_s)[:, None] * step_s + offs_g[None, :] * step_g
-        m = tl.load(M + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(L + idx, mask=ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(
-            ACC + idx[:, :, None] * D + offs_d[None, None, :],
-            mask=ok[:, :, None] & dmask[None, None, :], other=0.0, cache_modifier=".cg",
-        )  # fmt: skip
-        new = tl.maximum(mx, tl.max(m, axis=0))
-        safe = tl.where(new == float("-inf"), 0.0, new)
-        alpha = tl.where(mx == float("-inf"), 0.0, tl.exp(mx - safe))
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - safe[None, :]))
-        num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], axis=0)
-        den = den * alpha + tl.sum(l * w, axis=0)
-        mx = new
-    heads = r * G + offs_g
-    res = (num / tl.where(gmask, den, 1.0)[:, None]).to(OUT.dtype.element_ty)  # padded heads: no 0 / 0
-    tl.store(OUT + heads[:, None] * D + offs_d[None, :], res, mask=gmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -321,7 +262,7 @@ def triton_pool_attention(
 ):
     """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync); the
     reference is :func:`decode_reference.torch_pool_attention`. ``config``: the split kernel's launch,
-    ``{"block_n", "num_warps", "num_stages", "balanced", "fused"}`` (default `launch_config`, balanced, fused;
+    ``{"block_n", "num_warps", "num_stages", "balanced"}`` (default `launch_config`, balanced;
     `benchmarks/sweep_pool_attention.py` times the choices); ``splits``: the programs per row (on average, where
     balanced); without it, `default_splits` capped at the launch's ``max_splits``."""
     R, G, D = q.shape
@@ -335,7 +276,6 @@ def triton_pool_attention(
     balanced = bool(cfg.get("balanced", True))
     chunks = R * (splits + 1) if balanced else R * splits  # the split kernel's programs, one partial each
     dev = q.device
-    count = row_counters(dev, R) if cfg.get("fused", True) else None
     m = torch.empty(chunks * G, device=dev, dtype=torch.float32)
     l = torch.empty(chunks * G, device=dev, dtype=torch.float32)
     acc = torch.empty(chunks * G, D, device=dev, dtype=torch.float32)
@@ -375,39 +315,14 @@ def triton_pool_attention(
         R=R,
         BALANCED=balanced,
         BLOCK_R=ROW_BLOCK,
-        OUT=out,
-        COUNT=count if count is not None else start,  # unused placeholder when not fused
-        FUSED=count is not None,
-        BLOCK_GM=triton.next_power_of_2(G),
-        BLOCK_SM=max(1, min(MAX_SPLITS, MERGE_TILE // (triton.next_power_of_2(G) * block_d))),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if count is None:
-        _combine_kernel[(R * G,)](
-            m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, G=G,
-            BLOCK_N=cfg["block_n"], BALANCED=balanced, BLOCK_R=ROW_BLOCK,
-        )  # fmt: skip
+    _combine_kernel[(R * G,)](
+        m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, G=G,
+        BLOCK_N=cfg["block_n"], BALANCED=balanced, BLOCK_R=ROW_BLOCK,
+    )  # fmt: skip
     return out
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def row_counters(device: torch.device, rows: int) -> torch.Tensor | None:
-    """The fused merge's per-row counters on ``device`` (int32, zero between launches: the program that merges a
-    row sets its counter back to 0), at least ``rows`` of them; one buffer per device, allocated once outside any
-    CUDA-graph capture and then shared by every launch, graph replays included (launches on one stream run in
-    order; two streams launching the attention at once on one device would need one buffer each). None while a
-    graph is being captured and the buffer is missing or too small: the caller merges in a second kernel."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # one key per GPU: "cuda" is "cuda:0" here
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < rows:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[device] = torch.zeros(max(rows, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ Two backends give the same result:
   the segments are evenly strided: ``row_stride``) and runs a masked softmax in float32 (float64 for float64
   inputs). Any device; used on CPU and by the tests. It is the kernel's reference,
   ``nats_kernels.nats_attention.decode_reference``.
-* ``"triton"``: one split-K (flash-decoding) kernel reading each kept key once, whose last program per row merges
-  the row's partials (``nats_kernels.nats_attention.decode``, beside its reference). Reads ``start``/``length``
-  on the device, so a step never synchronises with the host and can be captured in a CUDA graph.
+* ``"triton"``: one split-K (flash-decoding) kernel reading each kept key once, plus a combine kernel
+  (``nats_kernels.nats_attention.decode``, beside its reference). Reads ``start``/``length`` on the device, so a
+  step never synchronises with the host and can be captured in a CUDA graph.
 
 ``"auto"`` picks Triton for CUDA tensors when it imports, else torch.
 """
