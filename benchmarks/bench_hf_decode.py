@@ -290,6 +290,29 @@ def new_tokens(method: str, args) -> int:
     return args.new if method not in ("dynamic", "policy_nats") else min(args.new, args.slow_new)
 
 
+def set_inductor(settings: list[str]) -> dict:
+    """``KEY=VALUE`` words set on ``torch._inductor.config`` (values read as Python literals, else as strings);
+    returns them. ValueError, naming the word, for a malformed word or a key inductor does not have."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    done = {}
+    for word in settings:
+        key, eq, raw = word.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--inductor {word!r}: give KEY=VALUE, e.g. coordinate_descent_tuning=True")
+        if not hasattr(inductor_config, key):
+            raise ValueError(f"--inductor {word!r}: torch._inductor.config has no setting {key!r}")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        setattr(inductor_config, key, value)
+        done[key] = value
+    return done
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -573,8 +596,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-only", action="store_true", help="with --mixed: no single-shape rows before it")
     ap.add_argument("--mixed-batch", type=int, nargs=2, default=[1, 16], metavar=("MIN", "MAX"))
     ap.add_argument("--mixed-prompt", type=int, nargs=2, default=[1024, 32768], metavar=("MIN", "MAX"))
+    ap.add_argument(
+        "--inductor",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="torch._inductor.config settings for every compiled step, e.g. coordinate_descent_tuning=True "
+        "(or --inductor=KEY=VALUE, one word per setting)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny model, short prompt, CPU: tests the script")
     args = ap.parse_args(argv)
+    try:
+        set_inductor(args.inductor)
+    except ValueError as e:
+        print(f"bench_hf_decode: {e}")
+        return 2
     if args.smoke:
         args.prompt, args.new, args.window, args.batch = [96], 8, 8, [1, 2]
         args.mixed_batch, args.mixed_prompt = [1, 3], [24, 120]

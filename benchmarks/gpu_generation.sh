@@ -30,6 +30,8 @@
 #               full cache and NAtS (~25% kept; methods: MIXED_METHODS), against the same requests again
 # WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
 # (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 480), GPT_LIMIT (150), TEST_LIMIT (320).
+# HF_ARGS: more bench_hf_decode.py arguments for every stage that runs it, e.g.
+# HF_ARGS="--inductor coordinate_descent_tuning=True".
 # Each stage's whole output: OUT/<stage>.log. tests/test_generate.py::test_cuda_matches_cpu trains from the embedded
 # corpus's token cache (data/gutenberg-*-gpt2/, written by any CPU test run): without network, bring it along.
 set -uo pipefail
@@ -54,7 +56,9 @@ hf() { # name, bench_hf_decode.py arguments: the whole output in OUT/<name>.log 
   local name=$1
   shift
   echo "== $name"
-  timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_decode.py --out "$DEST/$name" "$@" >"$DEST/$name.log" 2>&1 ||
+  # shellcheck disable=SC2086 # HF_ARGS: more arguments for every bench_hf_decode stage, word-split
+  timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_decode.py --out "$DEST/$name" "$@" ${HF_ARGS:-} \
+    >"$DEST/$name.log" 2>&1 ||
     echo "($name stopped: exit $?; the rows measured so far are in $DEST/$name/)"
   grep -E '^\||^#|^Bandwidth|skipping cudagraphs|failed at prompt' "$DEST/$name.log" | tail -30
 }

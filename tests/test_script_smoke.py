@@ -173,7 +173,8 @@ def test_side_by_side_assignments_apply_to_the_stages_after_them(stubs, tmp_path
     gpus.mkdir()
     (gpus / "nvidia-smi").write_text("#!/bin/sh\n[ \"$1\" = -L ] && printf 'GPU 0\\nGPU 1\\n'\nexit 0\n")
     (gpus / "nvidia-smi").chmod(0o755)
-    groups = ["LIMIT_METHODS=full,nats limit1b LIMIT_METHODS=nats profile8b", "smol8k"]
+    groups = ["LIMIT_METHODS=full,nats limit1b LIMIT_METHODS=nats profile8b",
+              "HF_ARGS=--inductor=max_autotune=1 smol8k"]  # fmt: skip
     res, commands = _dry_run("benchmarks/gpu_side_by_side.sh", stubs, tmp_path, ["{dest}", *groups], first=gpus)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     methods = {}
@@ -183,4 +184,6 @@ def test_side_by_side_assignments_apply_to_the_stages_after_them(stubs, tmp_path
             methods[stage] = cmd[cmd.index("--methods") + 1 : cmd.index("--methods") + 3]
     assert methods["limit1b"] == ["full", "nats"] and methods["profile8b"][0] == "nats", methods
     assert methods["profile8b"][1:] in ([], ["--profile"]) and methods["smol8k"][:2] == ["static", "flex_static"]
+    inductor = {Path(c[c.index("--out") + 1]).name: "--inductor=max_autotune=1" in c for c in commands if "--out" in c}
+    assert inductor == {"limit1b": False, "profile8b": False, "smol8k": True}, inductor  # HF_ARGS: that group only
     assert (tmp_path / "dest" / "gpu0").is_dir() and (tmp_path / "dest" / "gpu1").is_dir()
