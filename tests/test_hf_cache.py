@@ -167,7 +167,7 @@ def test_decode_benchmark_smoke(tmp_path):
     assert "bound x full" in text and "GB/s measured" in text and "x StaticCache tok/s" in text
 
 
-def test_bench_hf_decode_inductor_settings(monkeypatch, capsys):
+def test_bench_hf_decode_inductor_settings(capsys):
     """--inductor KEY=VALUE sets torch._inductor.config for the compiled steps (values as Python literals); a key
     inductor lacks or a word without '=' stops the script with one line naming it, before any model is built."""
     import torch._inductor.config as inductor_config
@@ -175,11 +175,11 @@ def test_bench_hf_decode_inductor_settings(monkeypatch, capsys):
     from conftest import load_script
 
     bench = load_script("benchmarks/bench_hf_decode.py")
-    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
-    monkeypatch.setattr(inductor_config, "max_autotune_gemm_backends", "ATEN")
-    done = bench.set_inductor(["coordinate_descent_tuning=True", "max_autotune_gemm_backends=ATEN,TRITON"])
-    assert done == {"coordinate_descent_tuning": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
-    assert inductor_config.coordinate_descent_tuning is True
+    # inductor's config is restored by its own patch(): pytest's monkeypatch deletes the setting on undo
+    with inductor_config.patch(coordinate_descent_tuning=False, max_autotune_gemm_backends="ATEN"):
+        done = bench.set_inductor(["coordinate_descent_tuning=True", "max_autotune_gemm_backends=ATEN,TRITON"])
+        assert done == {"coordinate_descent_tuning": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
+        assert inductor_config.coordinate_descent_tuning is True
     for word, says in (("no_such_setting=1", "has no setting 'no_such_setting'"), ("coordinate", "give KEY=VALUE")):
         assert bench.main(["--smoke", "--inductor", word]) == 2
         out = capsys.readouterr().out.strip()
