@@ -1,15 +1,16 @@
 """The split-K pool attention of a decode step (`nats_kernels.nats_attention.decode.triton_pool_attention`) over its
-launch choices: keys per block, warps, pipeline stages, split count and whether the chunks are balanced over the
-rows, for the shapes of a full cache at batch 1 and 8 (Llama-3.1-8B: 8 KV heads of 4 query heads, D = 128;
-Llama-3.2-1B: D = 64) and NAtS' shorter rows (as long, or of uneven lengths: ", spread"), against the bytes it must
-read (the keys and values, once) over a device-to-device copy's bandwidth measured in the same run. The default
-choice (`decode.launch_config`, `nats.cache.engine.pool_splits`, balanced: what NAtS' decode step launches; the
-policies that declare ``even_rows``, the full cache among them, launch it unbalanced) is the first row of each
-shape.
+launch choices: keys per block, warps, pipeline stages, and the split (each row in ``splits`` equal chunks, chunks
+balanced over the rows, or the rows' keys streamed end to end over a fixed grid of programs), for the shapes of a
+full cache at batch 1 and 8 (Llama-3.1-8B: 8 KV heads of 4 query heads, D = 128; Llama-3.2-1B: D = 64) and NAtS'
+shorter rows (as long, or of uneven lengths: ", spread"), against the bytes it must read (the keys and values, once)
+over a device-to-device copy's bandwidth measured in the same run. The default choice (`decode.launch_config`,
+`nats.cache.engine.pool_splits`, the launch choice's split for uneven rows: what NAtS' decode step launches) is the
+first row of each shape; the policies that declare ``even_rows``, the full cache among them, launch the "rows" split
+with the same blocks, the second row ("rows default").
 
     python benchmarks/sweep_pool_attention.py --out logs/bench/sweep_pool_attention
     python benchmarks/sweep_pool_attention.py --shapes batch_8,1B      # shapes whose label has one (_ for a space)
-    python benchmarks/sweep_pool_attention.py --smoke          # tiny shapes, two choices, on the CPU (interpreter)
+    python benchmarks/sweep_pool_attention.py --smoke          # tiny shapes, three choices, on the CPU (interpreter)
 """
 
 from __future__ import annotations
@@ -52,14 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.smoke:  # (label, rows, G, D, keys: the mean of a row's; spread: rows of 1/4 to 7/4 of it)
         shapes = [("tiny", 2, 2, 16, 200, False), ("tiny, spread", 2, 2, 16, 200, True)]
-        choices = [(32, 4, 2, 4, True), (16, 2, 2, 2, False)]
+        choices = [(32, 4, 2, 4, "balanced", None), (16, 2, 2, 2, "rows", None), (16, 2, 2, 0, "stream", 3)]
     else:
         # a full cache's rows (every row the prompt's length) and NAtS' at a quarter of it: as long, or spread
         # evenly from 1/4 to 7/4 of the mean as heads that keep different shares make them
         shapes = [(f"{name}, batch {b}, {n // 1024}k{', spread' if spread else ''}", 8 * b, 4, d, n, spread)
                   for name, d in (("8B", 128), ("1B", 64)) for b in (1, 8) for n in (2048, 8192, 32768)
                   for spread in (False, True) if not (spread and n == 32768)]  # fmt: skip
-        choices = list(itertools.product((32, 64, 128), (2, 4), (2, 3), (4, 8, 16, 32), (True, False)))
+        # (block_n, warps, stages, splits, split, programs): programs of the streamed split as SMs x (1 .. 6), or
+        # None: as many as fit an SM's shared memory (`decode.stream_programs`)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if device.type == "cuda" else 4
+        choices = [*itertools.product((32, 64, 128), (2, 4), (2, 3), (4, 8, 16, 32), ("balanced", "rows"), (None,)),
+                   *((bn, w, st, 0, "stream", per and per * sms) for bn, w, st, per
+                     in itertools.product((32, 64, 128), (2, 4), (2, 3), (None, 1, 2, 3, 4, 6)))]  # fmt: skip
     if args.shapes:
         labels = [s[0] for s in shapes]
         wanted = [w.strip().replace("_", " ") for w in args.shapes.split(",")]  # "batch_8": no quotes needed
@@ -85,9 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         ref = torch_pool_attention(q.float(), k.float(), v.float(), start, length, cap)
         default = launch_config(R, D)
         dsplits = pool_splits(R, cap, D, device) if device.type == "cuda" else 2  # what the decode step launches
-        tried = [(default["block_n"], default["num_warps"], default["num_stages"], dsplits, True), *choices]
-        for i, (bn, warps, stages, splits, balanced) in enumerate(tried):
-            cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages, "balanced": balanced}
+        dcfg = (default["block_n"], default["num_warps"], default["num_stages"], dsplits)
+        tried = [(*dcfg, default["uneven"], None), (*dcfg, "rows", None), *choices]
+        for i, (bn, warps, stages, splits, split, programs) in enumerate(tried):
+            cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages, "split": split, "programs": programs}
+            splits = splits or None  # the streamed split takes none
             call = lambda: triton_pool_attention(q, k, v, start, length, cap, splits=splits, config=cfg)  # noqa: E731
             try:
                 out = call()
@@ -96,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # a choice Triton cannot compile here (resources): a row saying so
                 rows.append({"shape": label, **cfg, "splits": splits, "error": str(e).splitlines()[0][:80]})
                 continue
-            rows.append({"shape": label, "default": i == 0, **cfg, "splits": splits, "us": sec * 1e6,
+            rows.append({"shape": label, "default": ("default", "rows default", "fast")[min(i, 2)], **cfg,
+                         "splits": splits, "us": sec * 1e6,
                          "gbps": nbytes / sec / 1e9, "share": None if bw is None else nbytes / sec / bw,
                          "max_err": err})  # fmt: skip
         print(label, "done", flush=True)
@@ -115,18 +124,18 @@ def write(out: Path, device, dtype, bw, labels: list[str], rows: list[dict], arg
         f"Bandwidth measured: {'-' if bw is None else f'{bw / 1e9:.0f} GB/s'}. Bytes: the keys and values read once. "
         f"Command: `python benchmarks/sweep_pool_attention.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
         "",
-        "| shape | choice | block_n | warps | stages | splits | balanced | us | GB/s | of measured BW | max err |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| shape | choice | block_n | warps | stages | split | splits, programs | us | GB/s | of copy BW | max err |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for label in labels:
         ok = [r for r in rows if r["shape"] == label and "us" in r]
-        best = sorted((r for r in ok if not r.get("default")), key=lambda r: r["us"])[:5]
-        for r in [x for x in ok if x.get("default")] + best:
+        best = sorted((r for r in ok if r["default"] == "fast"), key=lambda r: r["us"])[:5]
+        for r in [x for x in ok if x["default"] != "fast"] + best:
             share = "" if r["share"] is None else f"{100 * r['share']:.1f}%"
+            n = r["splits"] if r["split"] != "stream" else (r["programs"] or "fit")
             lines.append(
-                f"| {label} | {'default' if r.get('default') else 'fast'} | {r['block_n']} | {r['num_warps']} | "
-                f"{r['num_stages']} | {r['splits']} | {'yes' if r['balanced'] else 'no'} | {r['us']:.1f} | "
-                f"{r['gbps']:.0f} | {share} | {r['max_err']:.1e} |"
+                f"| {label} | {r['default']} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['split']} | "
+                f"{n} | {r['us']:.1f} | {r['gbps']:.0f} | {share} | {r['max_err']:.1e} |"
             )
     text = "\n".join(lines) + "\n"
     (out / "sweep_pool_attention.md").write_text(text)

@@ -386,8 +386,16 @@ def test_triton_pool_attention_matches_torch(dtype):
         assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=0), (bn, balanced)
     cfg = {"balanced": False}  # each row in equal chunks of its own, the ring in the first
     out = triton_pool_attention(q, kp, vp, start, length, int(length.max()), rk, rv, rvalid, splits=3, config=cfg)
-    assert torch.allclose(out.float(), torch_pool_attention(q, kp, vp, start, length, 130, rk, rv, rvalid).float(),
-                          atol=tol, rtol=0)  # fmt: skip
+    ref_ring = torch_pool_attention(q, kp, vp, start, length, 130, rk, rv, rvalid)
+    assert torch.allclose(out.float(), ref_ring.float(), atol=tol, rtol=0)
+    # the streamed split: one program for every row, shares that cut rows (and rings of 1 to 4 blocks), and more
+    # programs than blocks (empty shares amid a row's programs)
+    for bn, programs in ((16, 1), (16, 3), (32, 7), (128, 2), (16, 200)):
+        for ring in (True, False):
+            cfg = {"split": "stream", "block_n": bn, "num_warps": 2, "num_stages": 2, "programs": programs}
+            rings = (rk, rv, rvalid) if ring else (None, None, None)
+            out = triton_pool_attention(q, kp, vp, start, length if ring else ln, 130, *rings, config=cfg)
+            assert torch.allclose(out.float(), (ref_ring if ring else ref).float(), atol=tol, rtol=0), (bn, programs)
 
 
 def test_triton_pool_attention_balances_uneven_rows():
@@ -405,10 +413,10 @@ def test_triton_pool_attention_balances_uneven_rows():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, kp, vp, start, length, rk, rv, rvalid = (t.to(dev) for t in (q, kp, vp, start, length, rk, rv, rvalid))
     ref = torch_pool_attention(q, kp, vp, start, length, 2000, rk, rv, rvalid)
-    for balanced in (True, False):
-        cfg = {"block_n": 16, "num_warps": 2, "num_stages": 2, "balanced": balanced}
+    for split in ("balanced", "rows", "stream"):
+        cfg = {"block_n": 16, "num_warps": 2, "num_stages": 2, "split": split, "programs": 64}
         out = triton_pool_attention(q, kp, vp, start, length, 2000, rk, rv, rvalid, splits=64, config=cfg)
-        assert torch.allclose(out, ref, atol=1e-5, rtol=0), balanced
+        assert torch.allclose(out, ref, atol=1e-5, rtol=0), split
     # more rows than the lookup reads at a time (decode.ROW_BLOCK = 128): the walk carries over blocks
     R = 130
     length = torch.randint(0, 40, (R,))
@@ -417,8 +425,11 @@ def test_triton_pool_attention_balances_uneven_rows():
     kp, vp, q = torch.randn(R * 40 + 1, D), torch.randn(R * 40 + 1, D), torch.randn(R, G, D)
     rk, rv, rvalid = torch.randn(R, W, D), torch.randn(R, W, D), torch.ones(R, W, dtype=torch.bool)
     q, kp, vp, start, length, rk, rv, rvalid = (t.to(dev) for t in (q, kp, vp, start, length, rk, rv, rvalid))
-    out = triton_pool_attention(q, kp, vp, start, length, 40, rk, rv, rvalid, splits=1, config={"block_n": 16})
-    assert torch.allclose(out, torch_pool_attention(q, kp, vp, start, length, 40, rk, rv, rvalid), atol=1e-5, rtol=0)
+    ref = torch_pool_attention(q, kp, vp, start, length, 40, rk, rv, rvalid)
+    for split, programs in (("balanced", None), ("stream", 5), ("stream", 300)):
+        cfg = {"block_n": 16, "split": split, "programs": programs}
+        out = triton_pool_attention(q, kp, vp, start, length, 40, rk, rv, rvalid, splits=1, config=cfg)
+        assert torch.allclose(out, ref, atol=1e-5, rtol=0), (split, programs)
 
 
 def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypatch):
@@ -434,15 +445,37 @@ def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypat
             return lambda *a, **k: consts.append(k)
 
     monkeypatch.setattr(decode, "_pool_decode_kernel", Launch())
+    monkeypatch.setattr(decode, "_stream_decode_kernel", Launch())
     monkeypatch.setattr(decode, "_combine_kernel", Launch())
     for D, expected in ((128, 16), (64, 32)):  # 8192 keys: 32 splits of 256 by default
         q, pool = torch.zeros(2, 4, D), torch.zeros(2 * 8192, D)
         rows = torch.zeros(2, dtype=torch.long)
-        decode.triton_pool_attention(q, pool, pool, rows, rows, 8192)
+        decode.triton_pool_attention(q, pool, pool, rows, rows, 8192, config={"split": "balanced"})
         assert grids[-2] == (2 * (expected + 1),), (D, grids)  # the balanced split's programs: R x (splits + 1)
+        decode.triton_pool_attention(q, pool, pool, rows, rows, 8192, config={"balanced": False})
+        assert grids[-2] == (2, expected), (D, grids)  # each row alike: (R, splits)
+        decode.triton_pool_attention(q, pool, pool, rows, rows, 8192)  # uneven rows: streamed, one program per SM
+        assert grids[-2] == (4,) and consts[-1]["MODE"] == 2, (D, grids)  # (4 "SMs" on the CPU)
     q, pool, rows = torch.zeros(200, 4, 64), torch.zeros(200 * 64, 64), torch.zeros(200, dtype=torch.long)
     decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
+    decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": "balanced"})
     assert {k["BLOCK_R"] for k in consts} == {decode.ROW_BLOCK}  # one compiled kernel whatever the rows
+    with pytest.raises(ValueError, match="unknown split 'even'"):
+        decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": "even"})
+
+
+def test_stream_programs_fill_one_wave(monkeypatch):
+    """The streamed split launches one wave: the SMs times the programs whose pipelined key and value blocks fit an
+    SM's shared memory (an H200: 132 SMs of 228 KiB)."""
+    from nats_kernels.nats_attention import decode
+
+    monkeypatch.setattr(decode, "_sm_resources", lambda index: (132, 228 * 1024))
+    cuda = torch.device("cuda", 0)
+    assert decode.stream_programs(cuda, 64, 128, 2, 2) == 3 * 132  # 64 KiB a program
+    assert decode.stream_programs(cuda, 128, 128, 3, 2) == 132  # 192 KiB
+    assert decode.stream_programs(cuda, 64, 64, 2, 2) == 6 * 132
+    assert decode.stream_programs(cuda, 16, 16, 1, 2) == 8 * 132  # at most 8
+    assert decode.stream_programs(torch.device("cpu"), 64, 128, 2, 2) == 4
 
 
 def test_sweep_pool_attention_smoke(tmp_path):
@@ -454,11 +487,13 @@ def test_sweep_pool_attention_smoke(tmp_path):
 
     assert load_script("benchmarks/sweep_pool_attention.py").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
-    assert [r["shape"] for r in rows] == ["tiny"] * 3 + ["tiny, spread"] * 3
-    assert rows[0]["default"] and rows[3]["default"] and all(r["max_err"] < 1e-5 for r in rows)
+    assert [r["shape"] for r in rows] == ["tiny"] * 5 + ["tiny, spread"] * 5
+    assert [r["default"] for r in rows[:5]] == ["default", "rows default", "fast", "fast", "fast"]
+    assert [r["split"] for r in rows[:5]] == ["stream", "rows", "balanced", "rows", "stream"]
+    assert all(r["max_err"] < 1e-5 for r in rows)
     text = (tmp_path / "sweep_pool_attention.md").read_text()
     assert "| tiny | default | 64 |" in text and "| tiny, spread | default | 64 |" in text
-    assert {r["balanced"] for r in rows} == {True, False}  # both splits timed
+    assert {r["split"] for r in rows} == {"rows", "balanced", "stream"}  # every split timed
     sweep = load_script("benchmarks/sweep_pool_attention.py")
     assert sweep.main(["--smoke", "--shapes", "_spread", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
@@ -859,7 +894,7 @@ def test_nats_fused_step_launches_only_its_three_kernels(monkeypatch):
                 ops.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    for name in ("_nats_append_kernel", "_pool_decode_kernel", "_combine_kernel", "_nats_evict_kernel"):
+    for name in ("_nats_append_kernel", "_stream_decode_kernel", "_combine_kernel", "_nats_evict_kernel"):
         kernel = getattr(kernels, name)
 
         def run(*args, _run=kernel.run, _name=name, **kw):
@@ -882,7 +917,7 @@ def test_nats_fused_step_launches_only_its_three_kernels(monkeypatch):
         q, k, v = attn.project(x, model.rope, pos)
         with Ops():
             cache.step(q, k, v, x, pos)
-    assert launches == ["_nats_append_kernel", "_pool_decode_kernel", "_combine_kernel", "_nats_evict_kernel"]
+    assert launches == ["_nats_append_kernel", "_stream_decode_kernel", "_combine_kernel", "_nats_evict_kernel"]
     assert ops == ["clone.default"], ops
 
 

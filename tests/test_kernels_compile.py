@@ -57,11 +57,19 @@ SCRIPT = textwrap.dedent(
             [dict(G=4, D=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, HAS_RING=r, W=64, BLOCK_W=64, IEEE=False,
                   BALANCED=b, BLOCK_R=mod.ROW_BLOCK) for b in (True, False) for r in (True, False)],
         ),
+        "_stream_decode_kernel": (  # the streamed split: the rows' keys end to end in equal shares
+            dict(Q=B, KP=B, VP=B, START=L, LEN=L, RK=B, RV=B, RVALID=I8, M_OUT=P, L_OUT=P, ACC_OUT=P, FIRST="*i32",
+                 LAST="*i32", qk_scale="fp32", R=I, G=C, D=C, BLOCK_G=C, BLOCK_D=C, BLOCK_N=C, HAS_RING=C, W=C,
+                 RING_UNITS=C, IEEE=C, BLOCK_R=C),
+            [dict(G=4, D=d, BLOCK_G=16, BLOCK_D=d, BLOCK_N=n, HAS_RING=r, W=64, RING_UNITS=-(-64 // n) if r else 0,
+                  IEEE=False, BLOCK_R=mod.ROW_BLOCK) for d, n in ((128, 64), (128, 128), (64, 64))
+             for r in (True, False)],
+        ),
         "_combine_kernel": (
-            dict(M=P, L=P, ACC=P, OUT=B, SPLITS=I, D=C, BLOCK_D=C, BLOCK_S=C, LEN=L, R=I, G=C, BLOCK_N=C,
-                 BALANCED=C, BLOCK_R=C),
-            [dict(D=128, BLOCK_D=128, BLOCK_S=64, G=4, BLOCK_N=64, BALANCED=b, BLOCK_R=mod.ROW_BLOCK)
-             for b in (True, False)],
+            dict(M=P, L=P, ACC=P, OUT=B, SPLITS=I, D=C, BLOCK_D=C, BLOCK_S=C, LEN=L, R=I, FIRST="*i32",
+                 LAST="*i32", G=C, BLOCK_N=C, MODE=C, BLOCK_R=C),
+            [dict(D=128, BLOCK_D=128, BLOCK_S=64, G=4, BLOCK_N=64, MODE=mode, BLOCK_R=mod.ROW_BLOCK)
+             for mode in (0, 1, 2)],
         ),
     }
     for name, (signature, variants) in kernels.items():
@@ -87,4 +95,4 @@ def test_the_fused_decode_kernels_compile_for_sm90():
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("this Triton install has no ptxas to compile for CUDA")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split().count("ok") == 14
+    assert proc.stdout.split().count("ok") == 21

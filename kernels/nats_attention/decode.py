@@ -3,17 +3,23 @@ the fused per-step update of the NAtS KV cache. The exact PyTorch reference is `
 (``torch_pool_attention``); ``nats.cache.attention.pool_attention`` picks one of the two (tests/test_cache.py
 compares them).
 
-Each program takes the G query heads of one KV row r (GQA: the heads sharing that KV head) over one chunk of the
-row's segment ``[start[r], start[r] + length[r])``. The chunks are work-balanced (as FlashInfer's planner
-balances its decode): one size for all rows, their mean length over SPLITS rounded up to BLOCK_N, so a row that
-holds more keys (NAtS' heads keep different shares) takes more programs, and the grid ``(R * (SPLITS + 1),)``
-finishes when the rows' average chunk does, not the longest row's. ``start``/``length`` are read on the device
-(each program finds its row and chunk from the lengths), so launches need no host synchronisation and can be
-captured in CUDA graphs. Launch option ``balanced=False``: grid ``(R, SPLITS)``, SPLITS equal chunks of each
-row. Each key and value block is read once for the whole group: scores ``[G, BLOCK_N]`` and the weighted values
-are two small ``tl.dot`` (the G heads padded to 16 rows). A row's first chunk also takes the ring slots (NAtS'
-sliding tokens) whose valid flag is set. Each program keeps an online softmax per head (max, sum, weighted V) in
-float32 and writes it to a partial buffer; a second kernel merges the partials of every (r, g).
+Each program takes the G query heads of one KV row r (GQA: the heads sharing that KV head) over a share of the
+row's segment ``[start[r], start[r] + length[r])``. Three splits of the keys over the programs:
+
+* ``"stream"`` (rows of uneven lengths, NAtS' heads keeping different shares; stream-K, as FlashInfer's planner
+  balances its decode): the rows' blocks of BLOCK_N keys laid end to end, and a fixed grid of P programs (one wave:
+  the SMs times the programs that fit one, `stream_programs`), program p taking blocks ``[p U / P, (p + 1) U / P)``
+  of the U in all, across row boundaries. Every program reads as many blocks (to one) and the wave ends at once.
+* ``"balanced"``: chunks of one size for all rows (their mean length over SPLITS, rounded up to BLOCK_N), a
+  program per chunk, grid ``(R * (SPLITS + 1),)``; each program finds its chunk from the lengths.
+* ``"rows"``: grid ``(R, SPLITS)``, SPLITS equal chunks of each row (rows of one length: the full cache).
+
+``start``/``length`` are read on the device (each program finds its row and share from the lengths), so launches
+need no host synchronisation and can be captured in CUDA graphs. Each key and value block is read once for the
+whole group: scores ``[G, BLOCK_N]`` and the weighted values are two small ``tl.dot`` (the G heads padded to 16
+rows). A row's first share also takes the ring slots (NAtS' sliding tokens) whose valid flag is set. Each program
+keeps an online softmax per head (max, sum, weighted V) in float32 and writes it to a partial buffer; a second
+kernel merges the partials of every (r, g).
 
 Without a CUDA GPU the kernels run in Triton's CPU interpreter (chosen in one place for every kernel, before
 triton is imported: ``_env.py``): slow, for tests only.
@@ -21,6 +27,7 @@ triton is imported: ``_env.py``): slow, for tests only.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -190,6 +197,118 @@ def _row_chunks(LEN, R, r, per, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def _row_units(LEN, offs, ok, BLOCK_N: tl.constexpr, RING_UNITS: tl.constexpr):
+    """The work units (blocks of BLOCK_N keys) of the rows ``offs`` where ``ok`` in the streamed split: the ring's
+    RING_UNITS blocks then the segment's, at least one unit per row (0 past the rows)."""
+    n = tl.load(LEN + offs, mask=ok, other=0).to(tl.int32)
+    return tl.where(ok, tl.maximum(tl.cdiv(n, BLOCK_N) + RING_UNITS, 1), 0)
+
+
+@triton.jit
+def _stream_decode_kernel(
+    Q,
+    KP,
+    VP,
+    START,
+    LEN,
+    RK,
+    RV,
+    RVALID,
+    M_OUT,
+    L_OUT,
+    ACC_OUT,
+    FIRST,
+    LAST,
+    qk_scale,
+    R,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RING: tl.constexpr,
+    W: tl.constexpr,
+    RING_UNITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The streamed split (stream-K): the rows' work units laid end to end, U in all, and program p of the P
+    launched takes units ``[p U / P, (p + 1) U / P)``, crossing row boundaries, so every program reads the same
+    number of blocks (to one) and the grid (a few programs per SM, one wave) ends at once. Program p writes one
+    partial per row it touches, in slot p + r (unique: along the programs' walk over the rows p or r grows at each
+    step), and records the first and last program of the rows it starts and ends (``FIRST``/``LAST`` [R]), so the
+    merge reads them instead of redoing the walk."""
+    p = tl.program_id(0)
+    P = tl.num_programs(0)
+    total = tl.zeros([], dtype=tl.int64)
+    for r0 in range(0, R, BLOCK_R):
+        offs = r0 + tl.arange(0, BLOCK_R)
+        total += tl.sum(_row_units(LEN, offs, offs < R, BLOCK_N, RING_UNITS), axis=0).to(tl.int64)
+    lo = (p.to(tl.int64) * total // P).to(tl.int32)
+    hi = ((p.to(tl.int64) + 1) * total // P).to(tl.int32)
+    # the row holding unit lo: the rows that end at or before it are skipped, their units counted
+    r = tl.zeros([], dtype=tl.int32)
+    rs = tl.zeros([], dtype=tl.int32)  # the units before row r
+    carry = tl.zeros([], dtype=tl.int32)
+    for r0 in range(0, R, BLOCK_R):
+        offs = r0 + tl.arange(0, BLOCK_R)
+        ok = offs < R
+        n = _row_units(LEN, offs, ok, BLOCK_N, RING_UNITS)
+        done = ok & (carry + tl.cumsum(n, axis=0) <= lo)
+        r += tl.sum(done.to(tl.int32), axis=0)
+        rs += tl.sum(tl.where(done, n, 0), axis=0)
+        carry += tl.sum(n, axis=0)
+    offs_g = tl.arange(0, BLOCK_G)
+    gmask = offs_g < G
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    if (lo == hi) & (lo < total):  # no units (more programs than units), yet maybe amid the programs of row r
+        empty = (p + r) * G + offs_g  # that the merge reads: a partial without keys
+        tl.store(M_OUT + empty, tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf"), mask=gmask)
+        tl.store(L_OUT + empty, tl.zeros([BLOCK_G], dtype=tl.float32), mask=gmask)
+        zeros = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        tl.store(ACC_OUT + empty[:, None] * D + offs_d[None, :], zeros, mask=gmask[:, None] & dmask[None, :])
+    u = lo
+    while u < hi:  # row r's units [a, b) in this program
+        length = tl.load(LEN + r).to(tl.int32)
+        units = tl.maximum(tl.cdiv(length, BLOCK_N) + RING_UNITS, 1)
+        a = u - rs
+        b = tl.minimum(hi - rs, units)
+        heads = r * G + offs_g
+        q = tl.load(Q + heads[:, None] * D + offs_d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+        if IEEE:
+            q = q.to(tl.float32)
+        m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        if HAS_RING:  # units 0 .. RING_UNITS - 1: the ring's slots, BLOCK_N at a time
+            for j in range(a, tl.minimum(b, RING_UNITS)):
+                offs_w = j * BLOCK_N + tl.arange(0, BLOCK_N)
+                okw = offs_w < W
+                valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
+                rrows = r.to(tl.int64) * W + offs_w
+                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale, IEEE)
+        start = tl.load(START + r).to(tl.int64)
+        k_hi = tl.minimum((b - RING_UNITS) * BLOCK_N, length)
+        for n0 in range((tl.maximum(a, RING_UNITS) - RING_UNITS) * BLOCK_N, k_hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            ok = offs_n < k_hi
+            rows = start + offs_n.to(tl.int64)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, KP, VP, rows, ok, offs_d, dmask, D, qk_scale, IEEE)
+        out = (p + r) * G + offs_g
+        tl.store(M_OUT + out, m_i, mask=gmask)
+        tl.store(L_OUT + out, l_i, mask=gmask)
+        tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+        if a == 0:
+            tl.store(FIRST + r, p)
+        if b == units:
+            tl.store(LAST + r, p)
+        u = rs + b
+        rs += units
+        r += 1
+
+
+@triton.jit
 def _combine_kernel(
     M,
     L,
@@ -201,16 +320,24 @@ def _combine_kernel(
     BLOCK_S: tl.constexpr,
     LEN,
     R,
+    FIRST,
+    LAST,
     G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BALANCED: tl.constexpr,
+    MODE: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Program pid = r * G + g: the partials of query head g of row r merged (online, BLOCK_S partials at a time)."""
+    """Program pid = r * G + g: the partials of query head g of row r merged (online, BLOCK_S partials at a time).
+    MODE: the split kernel's (0 each row alike, 1 balanced chunks, 2 streamed)."""
     pid = tl.program_id(0)
-    if BALANCED:  # row r's n_r chunks, from its first, in chunk order
-        r = pid // G
-        g = pid % G
+    r = pid // G
+    g = pid % G
+    if MODE == 2:  # slots p + r of the programs p = FIRST[r] .. LAST[r] that took row r's units
+        first = tl.load(FIRST + r)
+        n_r = tl.load(LAST + r) - first + 1
+        base = (first + r) * G + g
+        step = G
+    elif MODE == 1:  # row r's n_r chunks, from its first, in chunk order
         first, n_r = _row_chunks(LEN, R, r, _chunk_size(LEN, R, SPLITS, BLOCK_N, BLOCK_R), BLOCK_R)
         base = first * G + g
         step = G
@@ -241,15 +368,17 @@ def _combine_kernel(
 
 
 def launch_config(rows: int, head_dim: int) -> dict:
-    """The split kernel's keys per block, warps and pipeline stages, and the most splits worth launching, for
-    ``rows`` KV rows (batch x KV heads) of head dim D. From `benchmarks/sweep_pool_attention.py` on an H200
-    (docs/results/bench_limit_h200.md): at D = 128 and a few rows (batch 1-2 of 8 KV heads) blocks of 128 keys and
-    at most 16 splits (one program per SM: 49 us at 32k keys, 22 us at 8k); with more rows or D = 64, blocks of 64
-    keys with 2 warps (and 2 stages where the rows fill the GPU: 254 us at batch 8, 32k, D = 128, 100% of the copy
-    bandwidth). Decoding at 8B, 32k, batch 1 went from 157.7 to 163.3 tokens/s with these choices."""
+    """The split kernel's keys per block, warps and pipeline stages, the most splits worth launching, and the split
+    of rows of uneven lengths (``uneven``: "stream" or "balanced"), for ``rows`` KV rows (batch x KV heads) of head
+    dim D. From `benchmarks/sweep_pool_attention.py` on an H200 (docs/results/bench_limit_h200.md): at D = 128 and a
+    few rows (batch 1-2 of 8 KV heads) blocks of 128 keys and at most 16 splits (one program per SM: 49 us at 32k
+    keys, 22 us at 8k); with more rows or D = 64, blocks of 64 keys with 2 warps (and 2 stages where the rows fill
+    the GPU: 254 us at batch 8, 32k, D = 128, 100% of the copy bandwidth). Decoding at 8B, 32k, batch 1 went from
+    157.7 to 163.3 tokens/s with these choices."""
     if head_dim >= 128 and rows <= 16:
-        return {"block_n": 128, "num_warps": 4, "num_stages": 3, "max_splits": 16}
-    return {"block_n": BLOCK_N, "num_warps": 2, "num_stages": 3 if rows <= 16 else 2, "max_splits": MAX_SPLITS}
+        return {"block_n": 128, "num_warps": 4, "num_stages": 3, "max_splits": 16, "uneven": "stream"}
+    return {"block_n": BLOCK_N, "num_warps": 2, "num_stages": 3 if rows <= 16 else 2, "max_splits": MAX_SPLITS,
+            "uneven": "stream"}  # fmt: skip
 
 
 def default_splits(max_len: int, rows: int) -> int:
@@ -257,25 +386,56 @@ def default_splits(max_len: int, rows: int) -> int:
     return int(min(MAX_SPLITS, max(1, math.ceil(max(int(max_len), 1) / 256))))
 
 
+SPLITS_MODES = ("rows", "balanced", "stream")
+
+
+@functools.cache
+def _sm_resources(index: int) -> tuple[int, int]:
+    """(SMs, shared memory bytes per SM) of CUDA device ``index``, read once."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+
+
+def stream_programs(device: torch.device, block_n: int, head_dim: int, num_stages: int, itemsize: int) -> int:
+    """The streamed split's grid: one wave, as many programs per SM as their pipelined key and value blocks
+    (``num_stages`` x 2 x ``block_n`` x D) leave room for in the SM's shared memory (3 at blocks of 64 keys, D = 128,
+    2 stages in bf16; 1 at 128 keys, 3 stages), times the SMs. Without a GPU (the interpreter): 4."""
+    if device.type != "cuda":
+        return 4
+    sms, smem = _sm_resources(device.index if device.index is not None else torch.cuda.current_device())
+    per_program = num_stages * 2 * block_n * head_dim * itemsize
+    return sms * max(1, min(8, (smem - 8 * 1024) // per_program))
+
+
 def triton_pool_attention(
     q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None, splits=None, config=None
 ):
     """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync); the
     reference is :func:`decode_reference.torch_pool_attention`. ``config``: the split kernel's launch,
-    ``{"block_n", "num_warps", "num_stages", "balanced"}`` (default `launch_config`, balanced;
-    `benchmarks/sweep_pool_attention.py` times the choices); ``splits``: the programs per row (on average, where
-    balanced); without it, `default_splits` capped at the launch's ``max_splits``."""
+    ``{"block_n", "num_warps", "num_stages", "balanced", "split", "programs"}`` (default `launch_config`;
+    `benchmarks/sweep_pool_attention.py` times the choices). ``split``: "rows" (each row in ``splits`` equal
+    chunks: rows of one length), "balanced" (chunks of one size over all rows, ``splits`` per row on average) or
+    "stream" (the rows' keys end to end in ``programs`` equal shares, default `stream_programs`); without it,
+    ``balanced`` (default True) picks the launch choice's ``uneven`` split, False "rows". ``splits``: without it,
+    `default_splits` capped at the launch's ``max_splits``."""
     R, G, D = q.shape
     q = q.contiguous()
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or k_pool.stride(0) != D or v_pool.stride(0) != D:
         raise ValueError("k_pool and v_pool must be contiguous [P, D]")
     cfg = {**launch_config(R, D), **(config or {})}
+    mode = cfg.get("split") or (cfg["uneven"] if cfg.get("balanced", True) else "rows")
+    if mode not in SPLITS_MODES:
+        raise ValueError(f"unknown split {mode!r}: choose one of {SPLITS_MODES}")
     splits = int(splits or min(default_splits(max_len, R * G), cfg["max_splits"]))
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
-    balanced = bool(cfg.get("balanced", True))
-    chunks = R * (splits + 1) if balanced else R * splits  # the split kernel's programs, one partial each
     dev = q.device
+    if mode == "stream":
+        programs = int(cfg.get("programs") or stream_programs(dev, cfg["block_n"], D, cfg["num_stages"],
+                                                               q.element_size()))  # fmt: skip
+        chunks = programs + R  # slot p + r for program p's share of row r
+    else:
+        chunks = R * (splits + 1) if mode == "balanced" else R * splits  # the split kernel's programs, a partial each
     m = torch.empty(chunks * G, device=dev, dtype=torch.float32)
     l = torch.empty(chunks * G, device=dev, dtype=torch.float32)
     acc = torch.empty(chunks * G, D, device=dev, dtype=torch.float32)
@@ -289,38 +449,29 @@ def triton_pool_attention(
     else:
         W, rk, rv, rvalid = 1, k_pool, v_pool, start  # unused placeholders
     block_d = max(16, triton.next_power_of_2(D))
-    _pool_decode_kernel[(chunks,) if balanced else (R, splits)](
-        q,
-        k_pool,
-        v_pool,
-        start,
-        length,
-        rk,
-        rv,
-        rvalid,
-        m,
-        l,
-        acc,
-        1.0 / math.sqrt(D),
-        splits,
-        G=G,
-        D=D,
-        BLOCK_G=max(16, triton.next_power_of_2(G)),  # tl.dot's smallest tile; rows beyond G are masked
-        BLOCK_D=block_d,
-        BLOCK_N=cfg["block_n"],
-        HAS_RING=has_ring,
-        W=W,
-        BLOCK_W=max(16, triton.next_power_of_2(W)),
-        IEEE=INTERPRET or q.dtype in (torch.float32, torch.float64),  # the interpreter has no bf16 dot
-        R=R,
-        BALANCED=balanced,
-        BLOCK_R=ROW_BLOCK,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    block_g = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile; rows beyond G are masked
+    ieee = INTERPRET or q.dtype in (torch.float32, torch.float64)  # the interpreter has no bf16 dot
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if mode == "stream":
+        first_last = torch.empty(2, R, device=dev, dtype=torch.int32)
+        _stream_decode_kernel[(programs,)](
+            q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, first_last[0], first_last[1],
+            1.0 / math.sqrt(D), R, G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["block_n"],
+            HAS_RING=has_ring, W=W, RING_UNITS=triton.cdiv(W, cfg["block_n"]) if has_ring else 0, IEEE=ieee,
+            BLOCK_R=ROW_BLOCK, **launch,
+        )  # fmt: skip
+    else:
+        first_last = length.view(1, -1).expand(2, -1)  # unused placeholders
+        balanced = mode == "balanced"
+        _pool_decode_kernel[(chunks,) if balanced else (R, splits)](
+            q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, 1.0 / math.sqrt(D), splits, G=G, D=D,
+            BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["block_n"], HAS_RING=has_ring, W=W,
+            BLOCK_W=max(16, triton.next_power_of_2(W)), IEEE=ieee, R=R, BALANCED=balanced, BLOCK_R=ROW_BLOCK,
+            **launch,
+        )  # fmt: skip
     _combine_kernel[(R * G,)](
-        m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, G=G,
-        BLOCK_N=cfg["block_n"], BALANCED=balanced, BLOCK_R=ROW_BLOCK,
+        m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, FIRST=first_last[0],
+        LAST=first_last[1], G=G, BLOCK_N=cfg["block_n"], MODE=SPLITS_MODES.index(mode), BLOCK_R=ROW_BLOCK,
     )  # fmt: skip
     return out
 

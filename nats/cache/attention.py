@@ -81,8 +81,9 @@ def pool_attention(
         row_stride: segments are ``start[r] = r * row_stride`` (lets the torch backend slice, not gather).
         backend: "torch" or "triton" (resolved already; see :func:`resolve_backend`).
         splits: Triton split-K count (default from ``max_len``).
-        balanced: the Triton kernel's chunks of one size over all rows (rows of different lengths); False: each row
-            in equal chunks (rows that hold the same number of keys: saves the chunk lookup, ~2-4% of the kernel).
+        balanced: rows of different lengths: the Triton kernel's split for them (the launch choice's ``uneven``:
+            the rows' keys streamed end to end over a fixed grid, or chunks of one size over all rows); False: each
+            row in equal chunks (rows that hold the same number of keys: saves the lookup, ~2-4% of the kernel).
     """
     if backend == "triton":
         fn, reason = _triton_fn()
