@@ -92,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         default = launch_config(R, D)
         dsplits = pool_splits(R, cap, D, device) if device.type == "cuda" else 2  # what the decode step launches
         dcfg = (default["block_n"], default["num_warps"], default["num_stages"], dsplits)
-        tried = [(*dcfg, default["uneven"], None), (*dcfg, "rows", None), *choices]
-        for i, (bn, warps, stages, splits, split, programs) in enumerate(tried):
-            cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages, "split": split, "programs": programs}
+        # the default, the full cache's, the default launched plainly (no programmatic dependent launch), the rest
+        named = ("default", "rows default", "default, no PDL")
+        tried = [(*dcfg, default["uneven"], None, True), (*dcfg, "rows", None, True),
+                 (*dcfg, default["uneven"], None, False), *((*c, True) for c in choices)]  # fmt: skip
+        for i, (bn, warps, stages, splits, split, programs, pdl) in enumerate(tried):
+            cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages, "split": split, "programs": programs,
+                   "pdl": pdl}  # fmt: skip
             splits = splits or None  # the streamed split takes none
             call = lambda: triton_pool_attention(q, k, v, start, length, cap, splits=splits, config=cfg)  # noqa: E731
             try:
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # a choice Triton cannot compile here (resources): a row saying so
                 rows.append({"shape": label, **cfg, "splits": splits, "error": str(e).splitlines()[0][:80]})
                 continue
-            rows.append({"shape": label, "default": ("default", "rows default", "fast")[min(i, 2)], **cfg,
+            rows.append({"shape": label, "default": named[i] if i < len(named) else "fast", **cfg,
                          "splits": splits, "us": sec * 1e6,
                          "gbps": nbytes / sec / 1e9, "share": None if bw is None else nbytes / sec / bw,
                          "max_err": err})  # fmt: skip

@@ -464,6 +464,48 @@ def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypat
         decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": "even"})
 
 
+def test_decode_kernels_launch_dependent_on_hopper(monkeypatch):
+    """On a GPU of compute capability 9.0 or later the attention and its merge are launched as programmatic
+    dependent launches (``launch_pdl``, the kernels' USE_PDL wait), unless the launch choice or NATS_KERNELS_PDL=0
+    turns it off; never under the interpreter. The launches are recorded, not run."""
+    from nats_kernels.nats_attention import decode
+
+    launched = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append(k)
+
+    for name in ("_pool_decode_kernel", "_stream_decode_kernel", "_combine_kernel"):
+        monkeypatch.setattr(decode, name, Launch())
+    q, pool, rows = torch.zeros(2, 4, 64), torch.zeros(2 * 64, 64), torch.zeros(2, dtype=torch.long)
+    assert not decode.use_pdl(q.device)  # the CPU
+    decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
+    assert [k["USE_PDL"] for k in launched] == [False, False] and not any("launch_pdl" in k for k in launched)
+    monkeypatch.setattr(decode, "use_pdl", lambda device: True)  # as on an H100
+    for split in ("stream", "rows", "balanced"):
+        launched.clear()
+        decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": split})
+        assert [(k["USE_PDL"], k.get("launch_pdl")) for k in launched] == [(True, True)] * 2, split
+        launched.clear()
+        decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": split, "pdl": False})
+        assert [k["USE_PDL"] for k in launched] == [False, False] and not any("launch_pdl" in k for k in launched)
+    monkeypatch.undo()
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(decode, "INTERPRET", False)  # the choice on a GPU, whatever runs these tests
+    monkeypatch.setattr(decode, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(decode, "PDL", True)
+    assert decode.use_pdl(cuda)
+    monkeypatch.setattr(decode, "PDL", False)
+    assert not decode.use_pdl(cuda)  # NATS_KERNELS_PDL=0
+    monkeypatch.setattr(decode, "PDL", True)
+    monkeypatch.setattr(decode, "_capability", lambda index: (8, 0))
+    assert not decode.use_pdl(cuda)  # an A100: no programmatic dependent launch
+    monkeypatch.setattr(decode, "INTERPRET", True)
+    monkeypatch.setattr(decode, "_capability", lambda index: (9, 0))
+    assert not decode.use_pdl(cuda)  # Triton's interpreter
+
+
 def test_stream_programs_fill_one_wave(monkeypatch):
     """The streamed split launches one wave: the SMs times the programs whose pipelined key and value blocks fit an
     SM's shared memory (an H200: 132 SMs of 228 KiB)."""
@@ -487,9 +529,10 @@ def test_sweep_pool_attention_smoke(tmp_path):
 
     assert load_script("benchmarks/sweep_pool_attention.py").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
-    assert [r["shape"] for r in rows] == ["tiny"] * 5 + ["tiny, spread"] * 5
-    assert [r["default"] for r in rows[:5]] == ["default", "rows default", "fast", "fast", "fast"]
-    assert [r["split"] for r in rows[:5]] == ["stream", "rows", "balanced", "rows", "stream"]
+    assert [r["shape"] for r in rows] == ["tiny"] * 6 + ["tiny, spread"] * 6
+    assert [r["default"] for r in rows[:6]] == ["default", "rows default", "default, no PDL", "fast", "fast", "fast"]
+    assert [r["split"] for r in rows[:6]] == ["stream", "rows", "stream", "balanced", "rows", "stream"]
+    assert [r["pdl"] for r in rows[:6]] == [True, True, False, True, True, True]
     assert all(r["max_err"] < 1e-5 for r in rows)
     text = (tmp_path / "sweep_pool_attention.md").read_text()
     assert "| tiny | default | 64 |" in text and "| tiny, spread | default | 64 |" in text

@@ -35,8 +35,8 @@ SCRIPT = textwrap.dedent(
     kernels = {
         "_nats_step_kernel": (
             dict(X=B, WS=B, BIAS=P, POS=L, T=L, KNEW=B, VNEW=B, RK=B, RV=B, RVALID=I8, KP=B, VP=B, START=L,
-                 LENGTH=L, NGLOBAL=L, CAP=L, HKV=C, C=C, BLOCK_C=C, W=C, D=C, BLOCK_D=C),
-            [dict(HKV=3, C=576, BLOCK_C=1024, W=64, D=64, BLOCK_D=64)],
+                 LENGTH=L, NGLOBAL=L, CAP=L, HKV=C, C=C, BLOCK_C=C, W=C, D=C, BLOCK_D=C, USE_PDL=C),
+            [dict(HKV=3, C=576, BLOCK_C=1024, W=64, D=64, BLOCK_D=64, USE_PDL=pdl) for pdl in (False, True)],
         ),
         "_nats_append_kernel": (
             dict(X=B, WS=B, BIAS=P, TYPES=L, POS=L, TOUT=L, KNEW=B, VNEW=B, RK=B, RV=B, RVALID=I8, KP=B, VP=B,
@@ -53,22 +53,22 @@ SCRIPT = textwrap.dedent(
         "_pool_decode_kernel": (  # the split-K decode attention: balanced chunks or each row alike, with a ring or not
             dict(Q=B, KP=B, VP=B, START=L, LEN=L, RK=B, RV=B, RVALID=I8, M_OUT=P, L_OUT=P, ACC_OUT=P, qk_scale="fp32",
                  SPLITS=I, G=C, D=C, BLOCK_G=C, BLOCK_D=C, BLOCK_N=C, HAS_RING=C, W=C, BLOCK_W=C, IEEE=C, R=I,
-                 BALANCED=C, BLOCK_R=C),
+                 BALANCED=C, BLOCK_R=C, USE_PDL=C),
             [dict(G=4, D=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, HAS_RING=r, W=64, BLOCK_W=64, IEEE=False,
-                  BALANCED=b, BLOCK_R=mod.ROW_BLOCK) for b in (True, False) for r in (True, False)],
+                  BALANCED=b, BLOCK_R=mod.ROW_BLOCK, USE_PDL=r) for b in (True, False) for r in (True, False)],
         ),
         "_stream_decode_kernel": (  # the streamed split: the rows' keys end to end in equal shares
             dict(Q=B, KP=B, VP=B, START=L, LEN=L, RK=B, RV=B, RVALID=I8, M_OUT=P, L_OUT=P, ACC_OUT=P, FIRST="*i32",
                  LAST="*i32", qk_scale="fp32", R=I, G=C, D=C, BLOCK_G=C, BLOCK_D=C, BLOCK_N=C, HAS_RING=C, W=C,
-                 RING_UNITS=C, IEEE=C, BLOCK_R=C),
+                 RING_UNITS=C, IEEE=C, BLOCK_R=C, USE_PDL=C),
             [dict(G=4, D=d, BLOCK_G=16, BLOCK_D=d, BLOCK_N=n, HAS_RING=r, W=64, RING_UNITS=-(-64 // n) if r else 0,
-                  IEEE=False, BLOCK_R=mod.ROW_BLOCK) for d, n in ((128, 64), (128, 128), (64, 64))
+                  IEEE=False, BLOCK_R=mod.ROW_BLOCK, USE_PDL=r) for d, n in ((128, 64), (128, 128), (64, 64))
              for r in (True, False)],
         ),
         "_combine_kernel": (
             dict(M=P, L=P, ACC=P, OUT=B, SPLITS=I, D=C, BLOCK_D=C, BLOCK_S=C, LEN=L, R=I, FIRST="*i32",
-                 LAST="*i32", G=C, BLOCK_N=C, MODE=C, BLOCK_R=C),
-            [dict(D=128, BLOCK_D=128, BLOCK_S=64, G=4, BLOCK_N=64, MODE=mode, BLOCK_R=mod.ROW_BLOCK)
+                 LAST="*i32", G=C, BLOCK_N=C, MODE=C, BLOCK_R=C, USE_PDL=C),
+            [dict(D=128, BLOCK_D=128, BLOCK_S=64, G=4, BLOCK_N=64, MODE=mode, BLOCK_R=mod.ROW_BLOCK, USE_PDL=mode > 0)
              for mode in (0, 1, 2)],
         ),
     }
@@ -79,6 +79,8 @@ SCRIPT = textwrap.dedent(
                 target=GPUTarget("cuda", 90, 32),
             )
             assert "ptx" in compiled.asm, name
+            # programmatic dependent launch: the kernel waits for the one before it, and only then
+            assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == bool(constexprs.get("USE_PDL")), name
             print(name, "ok")
     """
 )
@@ -95,4 +97,4 @@ def test_the_fused_decode_kernels_compile_for_sm90():
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("this Triton install has no ptxas to compile for CUDA")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split().count("ok") == 21
+    assert proc.stdout.split().count("ok") == 22

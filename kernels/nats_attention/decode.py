@@ -29,12 +29,20 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
 # chooses Triton's CPU interpreter when there is no GPU (before any @triton.jit runs)
 from nats_kernels.nats_attention._env import INTERPRET, tl, triton
 from nats_kernels.nats_attention.plan import first_max
+
+# Programmatic dependent launch (Hopper and later): the decode step's kernels (the NAtS step, the attention, its
+# merge) are launched while the kernel before them finishes, and wait for it (``griddepcontrol.wait``, their first
+# instruction) before they read anything; the attention and the step let the next one launch at once
+# (``griddepcontrol.launch_dependents``). It hides a launch's latency between the kernels of a CUDA graph.
+# NATS_KERNELS_PDL=0 (read at import) launches them plainly, e.g. to time both.
+PDL = os.environ.get("NATS_KERNELS_PDL", "1") != "0"
 
 BLOCK_N = 64
 MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split count); the combine reads up to 64
@@ -93,7 +101,11 @@ def _pool_decode_kernel(
     R,
     BALANCED: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # the kernels before (the step's append) have finished; the merge may launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if BALANCED:  # grid (R * (SPLITS + 1),): chunks of one size over all rows, program p the p-th chunk
         p = tl.program_id(0)
         # the grid's last programs may have no chunk (n_r = 0): no keys, no ring; their partials go to slots no
@@ -231,6 +243,7 @@ def _stream_decode_kernel(
     RING_UNITS: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The streamed split (stream-K): the rows' work units laid end to end, U in all, and program p of the P
     launched takes units ``[p U / P, (p + 1) U / P)``, crossing row boundaries, so every program reads the same
@@ -238,6 +251,9 @@ def _stream_decode_kernel(
     partial per row it touches, in slot p + r (unique: along the programs' walk over the rows p or r grows at each
     step), and records the first and last program of the rows it starts and ends (``FIRST``/``LAST`` [R]), so the
     merge reads them instead of redoing the walk."""
+    if USE_PDL:  # the kernels before (the step's append) have finished; the merge may launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     P = tl.num_programs(0)
     total = tl.zeros([], dtype=tl.int64)
@@ -326,9 +342,12 @@ def _combine_kernel(
     BLOCK_N: tl.constexpr,
     MODE: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program pid = r * G + g: the partials of query head g of row r merged (online, BLOCK_S partials at a time).
     MODE: the split kernel's (0 each row alike, 1 balanced chunks, 2 streamed)."""
+    if USE_PDL:  # the split kernel has finished
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     r = pid // G
     g = pid % G
@@ -390,6 +409,24 @@ SPLITS_MODES = ("rows", "balanced", "stream")
 
 
 @functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether the decode kernels on ``device`` use programmatic dependent launch (`PDL`): a CUDA GPU of compute
+    capability 9.0 or later, not Triton's interpreter, and NATS_KERNELS_PDL not 0."""
+    if not PDL or INTERPRET or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def _pdl_launch(pdl: bool) -> dict:
+    """The launch options of a kernel that waits for the one before it (none without PDL: the interpreter)."""
+    return {"USE_PDL": pdl, **({"launch_pdl": True} if pdl else {})}
+
+
+@functools.cache
 def _sm_resources(index: int) -> tuple[int, int]:
     """(SMs, shared memory bytes per SM) of CUDA device ``index``, read once."""
     props = torch.cuda.get_device_properties(index)
@@ -412,12 +449,13 @@ def triton_pool_attention(
 ):
     """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync); the
     reference is :func:`decode_reference.torch_pool_attention`. ``config``: the split kernel's launch,
-    ``{"block_n", "num_warps", "num_stages", "balanced", "split", "programs"}`` (default `launch_config`;
+    ``{"block_n", "num_warps", "num_stages", "balanced", "split", "programs", "pdl"}`` (default `launch_config`;
     `benchmarks/sweep_pool_attention.py` times the choices). ``split``: "rows" (each row in ``splits`` equal
     chunks: rows of one length), "balanced" (chunks of one size over all rows, ``splits`` per row on average) or
     "stream" (the rows' keys end to end in ``programs`` equal shares, default `stream_programs`); without it,
     ``balanced`` (default True) picks the launch choice's ``uneven`` split, False "rows". ``splits``: without it,
-    `default_splits` capped at the launch's ``max_splits``."""
+    `default_splits` capped at the launch's ``max_splits``. ``pdl`` (default True): programmatic dependent launches
+    where the GPU has them (`use_pdl`)."""
     R, G, D = q.shape
     q = q.contiguous()
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or k_pool.stride(0) != D or v_pool.stride(0) != D:
@@ -451,7 +489,8 @@ def triton_pool_attention(
     block_d = max(16, triton.next_power_of_2(D))
     block_g = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile; rows beyond G are masked
     ieee = INTERPRET or q.dtype in (torch.float32, torch.float64)  # the interpreter has no bf16 dot
-    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    pdl = _pdl_launch(bool(cfg.get("pdl", True)) and use_pdl(dev))
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl}
     if mode == "stream":
         first_last = torch.empty(2, R, device=dev, dtype=torch.int32)
         _stream_decode_kernel[(programs,)](
@@ -471,7 +510,7 @@ def triton_pool_attention(
         )  # fmt: skip
     _combine_kernel[(R * G,)](
         m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, FIRST=first_last[0],
-        LAST=first_last[1], G=G, BLOCK_N=cfg["block_n"], MODE=SPLITS_MODES.index(mode), BLOCK_R=ROW_BLOCK,
+        LAST=first_last[1], G=G, BLOCK_N=cfg["block_n"], MODE=SPLITS_MODES.index(mode), BLOCK_R=ROW_BLOCK, **pdl,
     )  # fmt: skip
     return out
 
@@ -769,7 +808,11 @@ def _nats_step_kernel(
     W: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # the projections before have finished; the attention may launch (it waits for this kernel)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     b = r // HKV
     h = r % HKV
@@ -823,4 +866,5 @@ def nats_step(
         W=W,
         D=D,
         BLOCK_D=triton.next_power_of_2(D),
+        **_pdl_launch(use_pdl(x.device)),
     )
