@@ -465,9 +465,9 @@ def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypat
 
 
 def test_decode_kernels_launch_dependent_on_hopper(monkeypatch):
-    """On a GPU of compute capability 9.0 or later the attention and its merge are launched as programmatic
-    dependent launches (``launch_pdl``, the kernels' USE_PDL wait), unless the launch choice or NATS_KERNELS_PDL=0
-    turns it off; never under the interpreter. The launches are recorded, not run."""
+    """On a GPU of compute capability 9.0 or later the attention and its merge over few rows (up to PDL_ROWS) are
+    launched as programmatic dependent launches (``launch_pdl``, the kernels' USE_PDL wait), unless the launch choice
+    or NATS_KERNELS_PDL=0 turns it off; never under the interpreter. The launches are recorded, not run."""
     from nats_kernels.nats_attention import decode
 
     launched = []
@@ -490,6 +490,11 @@ def test_decode_kernels_launch_dependent_on_hopper(monkeypatch):
         launched.clear()
         decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": split, "pdl": False})
         assert [k["USE_PDL"] for k in launched] == [False, False] and not any("launch_pdl" in k for k in launched)
+    launched.clear()  # many rows (batch 8 of 8 KV heads): plain launches by default (they paid only for few rows)
+    q, pool, rows = torch.zeros(64, 4, 64), torch.zeros(64 * 64, 64), torch.zeros(64, dtype=torch.long)
+    decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
+    assert [k["USE_PDL"] for k in launched] == [False, False]
+    assert decode.launch_config(16, 128)["pdl"] and not decode.launch_config(17, 64)["pdl"]
     monkeypatch.undo()
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(decode, "INTERPRET", False)  # the choice on a GPU, whatever runs these tests

@@ -40,9 +40,13 @@ from nats_kernels.nats_attention.plan import first_max
 # Programmatic dependent launch (Hopper and later): the decode step's kernels (the NAtS step, the attention, its
 # merge) are launched while the kernel before them finishes, and wait for it (``griddepcontrol.wait``, their first
 # instruction) before they read anything; the attention and the step let the next one launch at once
-# (``griddepcontrol.launch_dependents``). It hides a launch's latency between the kernels of a CUDA graph.
-# NATS_KERNELS_PDL=0 (read at import) launches them plainly, e.g. to time both.
+# (``griddepcontrol.launch_dependents``). It hides a launch's latency between the kernels of a CUDA graph, which
+# pays for few rows and not for many (H200, docs/results/bench_limit_h200.md: Llama-3.2-1B's shape at 32k and
+# batch 1, NAtS 761.7 tokens/s with it, 720.4 without; Llama-3.1-8B's at 32k and batch 8, 1106.2 with it, 1153.1
+# without), so the launches use it up to PDL_ROWS KV rows (batch x KV heads). NATS_KERNELS_PDL=0 (read at import)
+# launches them plainly, e.g. to time both.
 PDL = os.environ.get("NATS_KERNELS_PDL", "1") != "0"
+PDL_ROWS = 16
 
 BLOCK_N = 64
 MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split count); the combine reads up to 64
@@ -387,17 +391,20 @@ def _combine_kernel(
 
 
 def launch_config(rows: int, head_dim: int) -> dict:
-    """The split kernel's keys per block, warps and pipeline stages, the most splits worth launching, and the split
-    of rows of uneven lengths (``uneven``: "stream" or "balanced"), for ``rows`` KV rows (batch x KV heads) of head
-    dim D. From `benchmarks/sweep_pool_attention.py` on an H200 (docs/results/bench_limit_h200.md): at D = 128 and a
-    few rows (batch 1-2 of 8 KV heads) blocks of 128 keys and at most 16 splits (one program per SM: 49 us at 32k
-    keys, 22 us at 8k); with more rows or D = 64, blocks of 64 keys with 2 warps (and 2 stages where the rows fill
-    the GPU: 254 us at batch 8, 32k, D = 128, 100% of the copy bandwidth). Decoding at 8B, 32k, batch 1 went from
-    157.7 to 163.3 tokens/s with these choices."""
+    """The split kernel's keys per block, warps and pipeline stages, the most splits worth launching, and the split of
+    rows of uneven lengths (``uneven``: "stream" or "balanced") and whether to launch dependently (``pdl``: up to
+    `PDL_ROWS` rows), for ``rows`` KV rows (batch x KV heads) of head dim D. From
+    `benchmarks/sweep_pool_attention.py` on an H200 (docs/results/bench_limit_h200.md): at D = 128 and a few rows
+    (batch 1-2 of 8 KV heads) blocks of 128 keys and at most 16 splits (one program per SM: 49 us at 32k keys, 22 us
+    at 8k); with more rows or D = 64, blocks of 64 keys with 2 warps (and 2 stages where the rows fill the GPU: 254
+    us at batch 8, 32k, D = 128, 100% of the copy bandwidth). Decoding at 8B, 32k, batch 1 went from 157.7 to 163.3
+    tokens/s with these choices. The streamed split for uneven rows (NAtS' heads): Llama-3.1-8B's shape at 8k, batch
+    8, NAtS over the full cache 1.20x with the balanced chunks, 1.25x streamed."""
+    pdl = rows <= PDL_ROWS
     if head_dim >= 128 and rows <= 16:
-        return {"block_n": 128, "num_warps": 4, "num_stages": 3, "max_splits": 16, "uneven": "stream"}
+        return {"block_n": 128, "num_warps": 4, "num_stages": 3, "max_splits": 16, "uneven": "stream", "pdl": pdl}
     return {"block_n": BLOCK_N, "num_warps": 2, "num_stages": 3 if rows <= 16 else 2, "max_splits": MAX_SPLITS,
-            "uneven": "stream"}  # fmt: skip
+            "uneven": "stream", "pdl": pdl}  # fmt: skip
 
 
 def default_splits(max_len: int, rows: int) -> int:
@@ -454,8 +461,8 @@ def triton_pool_attention(
     chunks: rows of one length), "balanced" (chunks of one size over all rows, ``splits`` per row on average) or
     "stream" (the rows' keys end to end in ``programs`` equal shares, default `stream_programs`); without it,
     ``balanced`` (default True) picks the launch choice's ``uneven`` split, False "rows". ``splits``: without it,
-    `default_splits` capped at the launch's ``max_splits``. ``pdl`` (default True): programmatic dependent launches
-    where the GPU has them (`use_pdl`)."""
+    `default_splits` capped at the launch's ``max_splits``. ``pdl``: programmatic dependent launches where the GPU
+    has them (`use_pdl`; default: up to `PDL_ROWS` rows)."""
     R, G, D = q.shape
     q = q.contiguous()
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or k_pool.stride(0) != D or v_pool.stride(0) != D:
@@ -489,7 +496,7 @@ def triton_pool_attention(
     block_d = max(16, triton.next_power_of_2(D))
     block_g = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile; rows beyond G are masked
     ieee = INTERPRET or q.dtype in (torch.float32, torch.float64)  # the interpreter has no bf16 dot
-    pdl = _pdl_launch(bool(cfg.get("pdl", True)) and use_pdl(dev))
+    pdl = _pdl_launch(bool(cfg["pdl"]) and use_pdl(dev))
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl}
     if mode == "stream":
         first_last = torch.empty(2, R, device=dev, dtype=torch.int32)
@@ -866,5 +873,5 @@ def nats_step(
         W=W,
         D=D,
         BLOCK_D=triton.next_power_of_2(D),
-        **_pdl_launch(use_pdl(x.device)),
+        **_pdl_launch(R <= PDL_ROWS and use_pdl(x.device)),
     )
