@@ -60,10 +60,9 @@ SCRIPT = textwrap.dedent(
         "_stream_decode_kernel": (  # the streamed split: the rows' keys end to end in equal shares
             dict(Q=B, KP=B, VP=B, START=L, LEN=L, RK=B, RV=B, RVALID=I8, M_OUT=P, L_OUT=P, ACC_OUT=P, FIRST="*i32",
                  LAST="*i32", qk_scale="fp32", R=I, G=C, D=C, BLOCK_G=C, BLOCK_D=C, BLOCK_N=C, HAS_RING=C, W=C,
-                 RING_UNITS=C, IEEE=C, BLOCK_R=C, ONE_BLOCK=C, USE_PDL=C),
+                 RING_UNITS=C, IEEE=C, BLOCK_R=C, USE_PDL=C),
             [dict(G=4, D=d, BLOCK_G=16, BLOCK_D=d, BLOCK_N=n, HAS_RING=r, W=64, RING_UNITS=-(-64 // n) if r else 0,
-                  IEEE=False, BLOCK_R=mod.ROW_BLOCK, ONE_BLOCK=d == 128, USE_PDL=r)
-             for d, n in ((128, 64), (128, 128), (64, 64))
+                  IEEE=False, BLOCK_R=mod.ROW_BLOCK, USE_PDL=r) for d, n in ((128, 64), (128, 128), (64, 64))
              for r in (True, False)],
         ),
         "_combine_kernel": (

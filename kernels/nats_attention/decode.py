@@ -247,7 +247,6 @@ def _stream_decode_kernel(
     RING_UNITS: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    ONE_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The streamed split (stream-K): the rows' work units laid end to end, U in all, and program p of the P
@@ -255,47 +254,30 @@ def _stream_decode_kernel(
     number of blocks (to one) and the grid (a few programs per SM, one wave) ends at once. Program p writes one
     partial per row it touches, in slot p + r (unique: along the programs' walk over the rows p or r grows at each
     step), and records the first and last program of the rows it starts and ends (``FIRST``/``LAST`` [R]), so the
-    merge reads them instead of redoing the walk. With ONE_BLOCK (R <= BLOCK_R, the usual case) the rows' lengths
-    and starts are read once, together, and the walk reads them from registers: a program's first key block waits
-    on one round trip to memory before it, as in the "rows" split."""
+    merge reads them instead of redoing the walk."""
     if USE_PDL:  # the kernels before (the step's append) have finished; the merge may launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     P = tl.num_programs(0)
-    offs_r = tl.arange(0, BLOCK_R)
-    if ONE_BLOCK:  # R <= BLOCK_R: the rows' lengths and starts read once, together; the walk below reads registers
-        ok_r = offs_r < R
-        lens = tl.load(LEN + offs_r, mask=ok_r, other=0).to(tl.int32)
-        starts = tl.load(START + offs_r, mask=ok_r, other=0).to(tl.int64)
-        n = tl.where(ok_r, tl.maximum(tl.cdiv(lens, BLOCK_N) + RING_UNITS, 1), 0)
-        total = tl.sum(n, axis=0).to(tl.int64)
-        lo = (p.to(tl.int64) * total // P).to(tl.int32)
-        hi = ((p.to(tl.int64) + 1) * total // P).to(tl.int32)
-        done = ok_r & (tl.cumsum(n, axis=0) <= lo)  # the rows that end at or before unit lo
-        r = tl.sum(done.to(tl.int32), axis=0)
-        rs = tl.sum(tl.where(done, n, 0), axis=0)  # the units before row r
-    else:
-        lens = tl.zeros([BLOCK_R], dtype=tl.int32)  # unused: each row's length and start are loaded
-        starts = tl.zeros([BLOCK_R], dtype=tl.int64)
-        total = tl.zeros([], dtype=tl.int64)
-        for r0 in range(0, R, BLOCK_R):
-            offs = r0 + offs_r
-            total += tl.sum(_row_units(LEN, offs, offs < R, BLOCK_N, RING_UNITS), axis=0).to(tl.int64)
-        lo = (p.to(tl.int64) * total // P).to(tl.int32)
-        hi = ((p.to(tl.int64) + 1) * total // P).to(tl.int32)
-        # the row holding unit lo: the rows that end at or before it are skipped, their units counted
-        r = tl.zeros([], dtype=tl.int32)
-        rs = tl.zeros([], dtype=tl.int32)  # the units before row r
-        carry = tl.zeros([], dtype=tl.int32)
-        for r0 in range(0, R, BLOCK_R):
-            offs = r0 + offs_r
-            ok = offs < R
-            n = _row_units(LEN, offs, ok, BLOCK_N, RING_UNITS)
-            done = ok & (carry + tl.cumsum(n, axis=0) <= lo)
-            r += tl.sum(done.to(tl.int32), axis=0)
-            rs += tl.sum(tl.where(done, n, 0), axis=0)
-            carry += tl.sum(n, axis=0)
+    total = tl.zeros([], dtype=tl.int64)
+    for r0 in range(0, R, BLOCK_R):
+        offs = r0 + tl.arange(0, BLOCK_R)
+        total += tl.sum(_row_units(LEN, offs, offs < R, BLOCK_N, RING_UNITS), axis=0).to(tl.int64)
+    lo = (p.to(tl.int64) * total // P).to(tl.int32)
+    hi = ((p.to(tl.int64) + 1) * total // P).to(tl.int32)
+    # the row holding unit lo: the rows that end at or before it are skipped, their units counted
+    r = tl.zeros([], dtype=tl.int32)
+    rs = tl.zeros([], dtype=tl.int32)  # the units before row r
+    carry = tl.zeros([], dtype=tl.int32)
+    for r0 in range(0, R, BLOCK_R):
+        offs = r0 + tl.arange(0, BLOCK_R)
+        ok = offs < R
+        n = _row_units(LEN, offs, ok, BLOCK_N, RING_UNITS)
+        done = ok & (carry + tl.cumsum(n, axis=0) <= lo)
+        r += tl.sum(done.to(tl.int32), axis=0)
+        rs += tl.sum(tl.where(done, n, 0), axis=0)
+        carry += tl.sum(n, axis=0)
     offs_g = tl.arange(0, BLOCK_G)
     gmask = offs_g < G
     offs_d = tl.arange(0, BLOCK_D)
@@ -308,12 +290,7 @@ def _stream_decode_kernel(
         tl.store(ACC_OUT + empty[:, None] * D + offs_d[None, :], zeros, mask=gmask[:, None] & dmask[None, :])
     u = lo
     while u < hi:  # row r's units [a, b) in this program
-        if ONE_BLOCK:
-            length = tl.sum(tl.where(offs_r == r, lens, 0), axis=0)
-            start = tl.sum(tl.where(offs_r == r, starts, 0), axis=0)
-        else:
-            length = tl.load(LEN + r).to(tl.int32)
-            start = tl.load(START + r).to(tl.int64)
+        length = tl.load(LEN + r).to(tl.int32)
         units = tl.maximum(tl.cdiv(length, BLOCK_N) + RING_UNITS, 1)
         a = u - rs
         b = tl.minimum(hi - rs, units)
@@ -331,6 +308,7 @@ def _stream_decode_kernel(
                 valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
                 rrows = r.to(tl.int64) * W + offs_w
                 acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale, IEEE)
+        start = tl.load(START + r).to(tl.int64)
         k_hi = tl.minimum((b - RING_UNITS) * BLOCK_N, length)
         for n0 in range((tl.maximum(a, RING_UNITS) - RING_UNITS) * BLOCK_N, k_hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -526,7 +504,7 @@ def triton_pool_attention(
             q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, first_last[0], first_last[1],
             1.0 / math.sqrt(D), R, G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["block_n"],
             HAS_RING=has_ring, W=W, RING_UNITS=triton.cdiv(W, cfg["block_n"]) if has_ring else 0, IEEE=ieee,
-            BLOCK_R=ROW_BLOCK, ONE_BLOCK=R <= ROW_BLOCK, **launch,
+            BLOCK_R=ROW_BLOCK, **launch,
         )  # fmt: skip
     else:
         first_last = length.view(1, -1).expand(2, -1)  # unused placeholders
