@@ -54,8 +54,9 @@ class LayerCache:
     prefill_time: bool = False  # exact prefill, then compresses the cache once (SnapKV & co.; not budget <= B after)
     needs_n_layer: bool = False  # takes n_layer= (per-layer budgets, PyramidKV); make_caches passes it
     # every row of a layer holds the same number of keys (full, StreamingLLM, SnapKV's one budget per row): the decode
-    # attention splits each row alike; otherwise (NAtS, AdaKV, H2O) it balances its chunks over the rows, so a row
-    # that holds more keys takes more programs (`nats_kernels.nats_attention.decode`)
+    # attention splits each row alike; otherwise (NAtS, AdaKV, H2O) it streams the rows' keys end to end over one
+    # wave of programs in equal shares, so a row that holds more keys takes more programs
+    # (`nats_kernels.nats_attention.decode`)
     even_rows: bool = False
     # how the policy runs in the fixed-capacity engine (nats.cache.engine.FixedRule; None: it has no such form), the
     # storage of `nats.hf.StaticPolicyCache`

@@ -249,7 +249,8 @@ def pool_attention_op(
 ) -> Tensor:
     """q ``[R, G, D]`` over segment ``[start[r], start[r] + length[r])`` of ``k_pool``/``v_pool`` ``[P, D]`` and the
     valid ring slots (``ring_k``/``ring_v`` ``[R, W, D]``, ``ring_valid`` ``[R, W]``) -> ``[R, G, D]``; ``even``: the
-    rows hold the same number of keys (the policy's ``even_rows``: each row split alike; else chunks balanced).
+    rows hold the same number of keys (the policy's ``even_rows``: each row split alike; else the rows' keys streamed
+    end to end in equal shares).
 
     The split-K count is chosen here, when the op runs, from the rows and the pool's slots per row
     (`pool_splits`), not by the compiled step: as a constant of the graph it made one more graph per value, and a
