@@ -79,6 +79,38 @@ def _attend_block(acc, m_i, l_i, q, KB, VB, rows, ok, offs_d, dmask, D, qk_scale
 
 
 @triton.jit
+def _row_query(Q, heads, gmask, offs_d, dmask, D: tl.constexpr, IEEE: tl.constexpr):
+    """The query heads ``heads`` (those of one KV row), ``[BLOCK_G, BLOCK_D]``: rows beyond G zero, float32 under
+    IEEE."""
+    q = tl.load(Q + heads[:, None] * D + offs_d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _attend_keys(
+    acc, m_i, l_i, q, KP, VP, start, lo, hi, offs_d, dmask, D, qk_scale, IEEE: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """`_attend_block` over the keys ``[lo, hi)`` of the segment that starts at pool row ``start``, BLOCK_N at a
+    time."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = offs_n < hi
+        rows = start + offs_n.to(tl.int64)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, KP, VP, rows, ok, offs_d, dmask, D, qk_scale, IEEE)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_partial(M_OUT, L_OUT, ACC_OUT, out, m_i, l_i, acc, gmask, offs_d, dmask, D: tl.constexpr):
+    """One program's online softmax of G heads (max, sum, weighted V) into the partial slots ``out``."""
+    tl.store(M_OUT + out, m_i, mask=gmask)
+    tl.store(L_OUT + out, l_i, mask=gmask)
+    tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
 def _pool_decode_kernel(
     Q,
     KP,
@@ -125,9 +157,7 @@ def _pool_decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     heads = r * G + offs_g  # the query heads of KV row r
-    q = tl.load(Q + heads[:, None] * D + offs_d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
-    if IEEE:
-        q = q.to(tl.float32)
+    q = _row_query(Q, heads, gmask, offs_d, dmask, D, IEEE)
     start = tl.load(START + r).to(tl.int64)  # pool offsets in int64; positions inside a segment in int32
     length = tl.load(LEN + r).to(tl.int32)
     if not BALANCED:
@@ -139,11 +169,7 @@ def _pool_decode_kernel(
     m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        ok = offs_n < hi
-        rows = start + offs_n.to(tl.int64)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, KP, VP, rows, ok, offs_d, dmask, D, qk_scale, IEEE)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, KP, VP, start, lo, hi, offs_d, dmask, D, qk_scale, IEEE, BLOCK_N)
     if HAS_RING:
         if (split == 0) & (n_r > 0):
             offs_w = tl.arange(0, BLOCK_W)
@@ -153,9 +179,7 @@ def _pool_decode_kernel(
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale, IEEE)
     if BALANCED:
         out = out + offs_g
-    tl.store(M_OUT + out, m_i, mask=gmask)
-    tl.store(L_OUT + out, l_i, mask=gmask)
-    tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+    _store_partial(M_OUT, L_OUT, ACC_OUT, out, m_i, l_i, acc, gmask, offs_d, dmask, D)
 
 
 @triton.jit
@@ -283,21 +307,16 @@ def _stream_decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     if (lo == hi) & (lo < total):  # no units (more programs than units), yet maybe amid the programs of row r
-        empty = (p + r) * G + offs_g  # that the merge reads: a partial without keys
-        tl.store(M_OUT + empty, tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf"), mask=gmask)
-        tl.store(L_OUT + empty, tl.zeros([BLOCK_G], dtype=tl.float32), mask=gmask)
-        zeros = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        tl.store(ACC_OUT + empty[:, None] * D + offs_d[None, :], zeros, mask=gmask[:, None] & dmask[None, :])
+        zeros = tl.zeros([BLOCK_G], dtype=tl.float32)  # that the merge reads: a partial without keys
+        _store_partial(M_OUT, L_OUT, ACC_OUT, (p + r) * G + offs_g, zeros - float("inf"), zeros,
+                       tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32), gmask, offs_d, dmask, D)  # fmt: skip
     u = lo
     while u < hi:  # row r's units [a, b) in this program
         length = tl.load(LEN + r).to(tl.int32)
         units = tl.maximum(tl.cdiv(length, BLOCK_N) + RING_UNITS, 1)
         a = u - rs
         b = tl.minimum(hi - rs, units)
-        heads = r * G + offs_g
-        q = tl.load(Q + heads[:, None] * D + offs_d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
-        if IEEE:
-            q = q.to(tl.float32)
+        q = _row_query(Q, r * G + offs_g, gmask, offs_d, dmask, D, IEEE)
         m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -309,16 +328,11 @@ def _stream_decode_kernel(
                 rrows = r.to(tl.int64) * W + offs_w
                 acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale, IEEE)
         start = tl.load(START + r).to(tl.int64)
+        k_lo = (tl.maximum(a, RING_UNITS) - RING_UNITS) * BLOCK_N
         k_hi = tl.minimum((b - RING_UNITS) * BLOCK_N, length)
-        for n0 in range((tl.maximum(a, RING_UNITS) - RING_UNITS) * BLOCK_N, k_hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            ok = offs_n < k_hi
-            rows = start + offs_n.to(tl.int64)
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, KP, VP, rows, ok, offs_d, dmask, D, qk_scale, IEEE)
-        out = (p + r) * G + offs_g
-        tl.store(M_OUT + out, m_i, mask=gmask)
-        tl.store(L_OUT + out, l_i, mask=gmask)
-        tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, KP, VP, start, k_lo, k_hi, offs_d, dmask, D, qk_scale, IEEE,
+                                     BLOCK_N)  # fmt: skip
+        _store_partial(M_OUT, L_OUT, ACC_OUT, (p + r) * G + offs_g, m_i, l_i, acc, gmask, offs_d, dmask, D)
         if a == 0:
             tl.store(FIRST + r, p)
         if b == units:
