@@ -51,6 +51,9 @@ PDL_ROWS = 16
 BLOCK_N = 64
 MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split count); the combine reads up to 64
 ROW_BLOCK = 128  # rows the balanced split reads at a time to find a program's chunk (fixed: no compile per batch)
+# the split kernel `triton_pool_attention` launched last (Triton's compiled kernel, with its registers and spills on a
+# GPU; None in the interpreter), for benchmarks/sweep_pool_attention.py
+LAST_KERNELS: dict = {}
 
 
 @triton.jit
@@ -514,7 +517,7 @@ def triton_pool_attention(
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl}
     if mode == "stream":
         first_last = torch.empty(2, R, device=dev, dtype=torch.int32)
-        _stream_decode_kernel[(programs,)](
+        split = _stream_decode_kernel[(programs,)](
             q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, first_last[0], first_last[1],
             1.0 / math.sqrt(D), R, G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["block_n"],
             HAS_RING=has_ring, W=W, RING_UNITS=triton.cdiv(W, cfg["block_n"]) if has_ring else 0, IEEE=ieee,
@@ -523,12 +526,13 @@ def triton_pool_attention(
     else:
         first_last = length.view(1, -1).expand(2, -1)  # unused placeholders
         balanced = mode == "balanced"
-        _pool_decode_kernel[(chunks,) if balanced else (R, splits)](
+        split = _pool_decode_kernel[(chunks,) if balanced else (R, splits)](
             q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, 1.0 / math.sqrt(D), splits, G=G, D=D,
             BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["block_n"], HAS_RING=has_ring, W=W,
             BLOCK_W=max(16, triton.next_power_of_2(W)), IEEE=ieee, R=R, BALANCED=balanced, BLOCK_R=ROW_BLOCK,
             **launch,
         )  # fmt: skip
+    LAST_KERNELS["split"] = split
     _combine_kernel[(R * G,)](
         m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, FIRST=first_last[0],
         LAST=first_last[1], G=G, BLOCK_N=cfg["block_n"], MODE=SPLITS_MODES.index(mode), BLOCK_R=ROW_BLOCK, **pdl,
@@ -837,21 +841,43 @@ def _nats_step_kernel(
     r = tl.program_id(0)
     b = r // HKV
     h = r % HKV
-    pos = tl.load(POS)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    # 1. the previous token's eviction, deferred to here: if it was global, its row's locals go. Its expired ring
-    #    slot is this token's slot, rewritten below.
-    if tl.load(T + r) == 0:
-        _drop_locals(r, KP, VP, START, LENGTH, NGLOBAL, offs_d, dmask, D)
-    # 2. the type from the scorer (x [B, C] contiguous); a full segment keeps the token as sliding
-    t = _scorer_type(X + b * C, WS + (3 * h) * C, BIAS, pos, C, BLOCK_C)
-    t = tl.where((t != 2) & (tl.load(LENGTH + r) >= tl.load(CAP + r)), 2, t).to(tl.int64)
-    tl.store(T + r, t)
-    # 3. ring write (valid where sliding) and, for global / local tokens, the segment append
+    # every load that depends on nothing else first, together: the row's state, the new key and value, the scorer's
+    # input and rows: one round trip to memory (two where the previous token was global) before the stores. Written
+    # step by step (the eviction's reads, then the scorer's, then the append's) they were five in a row.
+    pos = tl.load(POS)
+    prev = tl.load(T + r)
+    start = tl.load(START + r)
+    length = tl.load(LENGTH + r)
+    ng = tl.load(NGLOBAL + r)
+    cap = tl.load(CAP + r)
     k = tl.load(KNEW + r * D + offs_d, mask=dmask)
     v = tl.load(VNEW + r * D + offs_d, mask=dmask)
-    _admit(r, t, pos, k, v, RK, RV, RVALID, KP, VP, START, LENGTH, offs_d, dmask, W, D)
+    t = _scorer_type(X + b * C, WS + (3 * h) * C, BIAS, pos, C, BLOCK_C)  # x [B, C] contiguous
+    # 1. the previous token's eviction, deferred to here: if it was global, its row's locals go (the token moves
+    #    down over them, after the globals: `_drop_locals`). Its expired ring slot is this token's, rewritten below.
+    if prev == 0:
+        src = start + length - 1
+        dst = start + ng
+        tl.store(KP + dst * D + offs_d, tl.load(KP + src * D + offs_d, mask=dmask), mask=dmask)
+        tl.store(VP + dst * D + offs_d, tl.load(VP + src * D + offs_d, mask=dmask), mask=dmask)
+        ng += 1
+        length = ng
+        tl.store(NGLOBAL + r, ng)
+    # 2. the type from the scorer; a full segment keeps the token as sliding
+    t = tl.where((t != 2) & (length >= cap), 2, t).to(tl.int64)
+    tl.store(T + r, t)
+    # 3. ring write (valid where sliding) and, for global / local tokens, the segment append (`_admit`)
+    ring = r.to(tl.int64) * W + (pos % W).to(tl.int64)
+    tl.store(RK + ring * D + offs_d, k, mask=dmask)
+    tl.store(RV + ring * D + offs_d, v, mask=dmask)
+    tl.store(RVALID + ring, (t == 2).to(tl.int8))
+    if t != 2:
+        tl.store(KP + (start + length) * D + offs_d, k, mask=dmask)
+        tl.store(VP + (start + length) * D + offs_d, v, mask=dmask)
+        length += 1
+    tl.store(LENGTH + r, length)
 
 
 def nats_step(
