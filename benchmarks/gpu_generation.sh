@@ -25,7 +25,8 @@
 #   smol8k      SmolLM2-135M's shape, 8k, batch 1, transformers' StaticCache beside them
 #   eq8b        Llama-3.1-8B's shape, 32k, equal KV memory (EQ_GIB, default 8 and 32 GiB): the largest batch each
 #               cache fits
-#   sweep       the pool attention's launch choices (sweep_pool_attention.py; SWEEP_SHAPES: only those shapes)
+#   sweep       the pool attention's launch choices (sweep_pool_attention.py; SWEEP_SHAPES: only those shapes,
+#               SWEEP_ONLY: only those choices, its --only)
 #   mixed       Llama-3.2-1B's shape: 50 requests of batch 1-16 and prompts of 1k-32k in one process, the project's
 #               full cache and NAtS (~25% kept; methods: MIXED_METHODS), against the same requests again
 # WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
@@ -88,7 +89,7 @@ for stage in $stages; do
     eq8b) hf eq8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 --kept 0.25 --new 64 --repeats 1 \
       --methods full nats --equal-memory-gib $EQ_GIB ;;
     sweep) timeout "${GPT_LIMIT:-150}" python3 benchmarks/sweep_pool_attention.py --out "$DEST/sweep" \
-      --shapes "${SWEEP_SHAPES:-}" >"$DEST/sweep.log" 2>&1
+      --shapes "${SWEEP_SHAPES:-}" ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} >"$DEST/sweep.log" 2>&1
       grep -E '^\|' "$DEST/sweep.log" | tail -50 ;;
     mixed) hf mixed --model-shape llama-3.2-1b --prompt 8192 --batch 1 --kept 0.25 --new 64 --repeats 1 \
       --methods $MIXED_METHODS --mixed 50 $MIXED_ONLY ;;

@@ -534,7 +534,7 @@ def test_sweep_pool_attention_smoke(tmp_path):
 
     assert load_script("benchmarks/sweep_pool_attention.py").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
-    assert [r["shape"] for r in rows] == ["tiny"] * 6 + ["tiny, spread"] * 6
+    assert [r["shape"] for r in rows] == ["tiny"] * 6 + ["tiny, spread"] * 6 + ["tiny, spread, ring"] * 6
     assert [r["default"] for r in rows[:6]] == ["default", "rows default", "default, no PDL", "fast", "fast", "fast"]
     assert [r["split"] for r in rows[:6]] == ["stream", "rows", "stream", "balanced", "rows", "stream"]
     assert [r["pdl"] for r in rows[:6]] == [True, True, False, True, True, True]
@@ -545,7 +545,12 @@ def test_sweep_pool_attention_smoke(tmp_path):
     sweep = load_script("benchmarks/sweep_pool_attention.py")
     assert sweep.main(["--smoke", "--shapes", "_spread", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
-    assert {r["shape"] for r in rows} == {"tiny, spread"}  # "_" matches a space
+    assert {r["shape"] for r in rows} == {"tiny, spread", "tiny, spread, ring"}  # "_" matches a space
+    assert sweep.main(["--smoke", "--shapes", "ring", "--only", "split=stream", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "sweep_pool_attention.json").read_text())["rows"]
+    assert [r["default"] for r in rows] == ["default", "rows default", "default, no PDL", "fast"]  # defaults kept
+    assert rows[-1]["split"] == "stream" and all(r["max_err"] < 1e-5 for r in rows)
+    assert sweep.main(["--smoke", "--only", "warps=2", "--out", str(tmp_path / "none")]) == 2  # not a choice's key
     assert sweep.main(["--smoke", "--shapes", "9B", "--out", str(tmp_path / "none")]) == 2  # no such shape
     assert not (tmp_path / "none").exists()
 
