@@ -413,14 +413,18 @@ def launch_config(rows: int, head_dim: int) -> dict:
     `PDL_ROWS` rows), for ``rows`` KV rows (batch x KV heads) of head dim D. From
     `benchmarks/sweep_pool_attention.py` on an H200 (docs/results/bench_limit_h200.md): at D = 128 and a few rows
     (batch 1-2 of 8 KV heads) blocks of 128 keys and at most 16 splits (one program per SM: 49 us at 32k keys, 22 us
-    at 8k); with more rows or D = 64, blocks of 64 keys with 2 warps (and 2 stages where the rows fill the GPU: 254
-    us at batch 8, 32k, D = 128, 100% of the copy bandwidth). Decoding at 8B, 32k, batch 1 went from 157.7 to 163.3
-    tokens/s with these choices. The streamed split for uneven rows (NAtS' heads): Llama-3.1-8B's shape at 8k, batch
-    8, NAtS over the full cache 1.20x with the balanced chunks, 1.25x streamed."""
+    at 8k); with more rows or D = 64, blocks of 64 keys (and 2 stages where the rows fill the GPU: 245 us at batch 8,
+    32k, D = 128, 104% of the copy bandwidth) with 4 warps at D = 128, 2 at D = 64. Decoding at 8B, 32k, batch 1
+    went from 157.7 to 163.3 tokens/s with these choices. The streamed split for uneven rows (NAtS' heads):
+    Llama-3.1-8B's shape at 8k, batch 8, NAtS over the full cache 1.20x with the balanced chunks, 1.25x streamed."""
     pdl = rows <= PDL_ROWS
     if head_dim >= 128 and rows <= 16:
         return {"block_n": 128, "num_warps": 4, "num_stages": 3, "max_splits": 16, "uneven": "stream", "pdl": pdl}
-    return {"block_n": BLOCK_N, "num_warps": 2, "num_stages": 3 if rows <= 16 else 2, "max_splits": MAX_SPLITS,
+    # at D = 128 the streamed kernel takes 230-244 registers a thread with 2 warps (Triton 3.6), 127-144 with 4: 64
+    # spread rows of 8k keys with NAtS' ring 72.0 us against 74.4, of 2k keys 27.1 against 28.7; rows of one length
+    # (the full cache, split per row) the same either way (32k keys: 245.4 against 245.3 us)
+    warps = 4 if head_dim >= 128 else 2
+    return {"block_n": BLOCK_N, "num_warps": warps, "num_stages": 3 if rows <= 16 else 2, "max_splits": MAX_SPLITS,
             "uneven": "stream", "pdl": pdl}  # fmt: skip
 
 
