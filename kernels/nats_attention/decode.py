@@ -845,43 +845,21 @@ def _nats_step_kernel(
     r = tl.program_id(0)
     b = r // HKV
     h = r % HKV
+    pos = tl.load(POS)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    # every load that depends on nothing else first, together: the row's state, the new key and value, the scorer's
-    # input and rows: one round trip to memory (two where the previous token was global) before the stores. Written
-    # step by step (the eviction's reads, then the scorer's, then the append's) they were five in a row.
-    pos = tl.load(POS)
-    prev = tl.load(T + r)
-    start = tl.load(START + r)
-    length = tl.load(LENGTH + r)
-    ng = tl.load(NGLOBAL + r)
-    cap = tl.load(CAP + r)
+    # 1. the previous token's eviction, deferred to here: if it was global, its row's locals go. Its expired ring
+    #    slot is this token's slot, rewritten below.
+    if tl.load(T + r) == 0:
+        _drop_locals(r, KP, VP, START, LENGTH, NGLOBAL, offs_d, dmask, D)
+    # 2. the type from the scorer (x [B, C] contiguous); a full segment keeps the token as sliding
+    t = _scorer_type(X + b * C, WS + (3 * h) * C, BIAS, pos, C, BLOCK_C)
+    t = tl.where((t != 2) & (tl.load(LENGTH + r) >= tl.load(CAP + r)), 2, t).to(tl.int64)
+    tl.store(T + r, t)
+    # 3. ring write (valid where sliding) and, for global / local tokens, the segment append
     k = tl.load(KNEW + r * D + offs_d, mask=dmask)
     v = tl.load(VNEW + r * D + offs_d, mask=dmask)
-    t = _scorer_type(X + b * C, WS + (3 * h) * C, BIAS, pos, C, BLOCK_C)  # x [B, C] contiguous
-    # 1. the previous token's eviction, deferred to here: if it was global, its row's locals go (the token moves
-    #    down over them, after the globals: `_drop_locals`). Its expired ring slot is this token's, rewritten below.
-    if prev == 0:
-        src = start + length - 1
-        dst = start + ng
-        tl.store(KP + dst * D + offs_d, tl.load(KP + src * D + offs_d, mask=dmask), mask=dmask)
-        tl.store(VP + dst * D + offs_d, tl.load(VP + src * D + offs_d, mask=dmask), mask=dmask)
-        ng += 1
-        length = ng
-        tl.store(NGLOBAL + r, ng)
-    # 2. the type from the scorer; a full segment keeps the token as sliding
-    t = tl.where((t != 2) & (length >= cap), 2, t).to(tl.int64)
-    tl.store(T + r, t)
-    # 3. ring write (valid where sliding) and, for global / local tokens, the segment append (`_admit`)
-    ring = r.to(tl.int64) * W + (pos % W).to(tl.int64)
-    tl.store(RK + ring * D + offs_d, k, mask=dmask)
-    tl.store(RV + ring * D + offs_d, v, mask=dmask)
-    tl.store(RVALID + ring, (t == 2).to(tl.int8))
-    if t != 2:
-        tl.store(KP + (start + length) * D + offs_d, k, mask=dmask)
-        tl.store(VP + (start + length) * D + offs_d, v, mask=dmask)
-        length += 1
-    tl.store(LENGTH + r, length)
+    _admit(r, t, pos, k, v, RK, RV, RVALID, KP, VP, START, LENGTH, offs_d, dmask, W, D)
 
 
 def nats_step(
