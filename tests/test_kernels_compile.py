@@ -1,7 +1,8 @@
 """The fused NAtS decode kernels and the split-K decode attention compile for a Hopper GPU (sm_90) here, without a
 GPU: Triton's interpreter, which runs them in the other tests, checks their arithmetic but not that the compiler
-accepts them. The compile runs in a subprocess (this process has chosen the interpreter) and stops at PTX and the
-cubin; nothing is launched."""
+accepts them, nor that the decode attention's key blocks are pipelined (``cp.async`` into shared memory, with the
+pointers specialised as a GPU launch does). The compile runs in a subprocess (this process has chosen the
+interpreter) and stops at PTX and the cubin; nothing is launched."""
 
 from __future__ import annotations
 
@@ -73,14 +74,18 @@ SCRIPT = textwrap.dedent(
         ),
     }
     for name, (signature, variants) in kernels.items():
+        # pointers 16-byte aligned, as Triton's launcher specialises them on a GPU (without it: no vector loads)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
         for constexprs in variants:
             compiled = triton.compile(
-                ASTSource(fn=getattr(mod, name), signature=signature, constexprs=constexprs),
+                ASTSource(fn=getattr(mod, name), signature=signature, constexprs=constexprs, attrs=attrs),
                 target=GPUTarget("cuda", 90, 32),
             )
             assert "ptx" in compiled.asm, name
             # programmatic dependent launch: the kernel waits for the one before it, and only then
             assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == bool(constexprs.get("USE_PDL")), name
+            if name in ("_pool_decode_kernel", "_stream_decode_kernel"):  # key blocks pipelined through shared memory
+                assert "cp.async" in compiled.asm["ptx"], name
             print(name, "ok")
     """
 )
