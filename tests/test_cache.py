@@ -724,58 +724,72 @@ def test_nats_fused_triton_step_equals_torch_step():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_nats_step_matches_torch(dtype):
-    """The fixed-capacity cache's fused step (deferred eviction, scorer type, ring write, append; a full segment
-    keeps the token as sliding) against its PyTorch form (nats.cache.policies.nats.nats_step), state for state."""
+def test_triton_nats_decode_matches_torch(dtype):
+    """The fixed-capacity cache's step fused into the attention's launches (the new token read in its ring slot,
+    then the scorer's type, ring write, append, a global's locals dropped, the expired ring slot closed; a full
+    segment keeps the token as sliding) against its PyTorch form (the custom op nats::nats_decode off CUDA): the
+    output, and the state row for row."""
     from nats.cache.policies import nats as nats_policy
-    from nats_kernels.nats_attention.decode import nats_step
+    from nats_kernels.nats_attention.decode import nats_decode
 
     torch.manual_seed(0)
-    B, Hkv, W, D, C = 2, 3, 4, 16, 20
+    B, Hkv, G, W, D, C = 2, 3, 2, 4, 16, 20
     R = B * Hkv
     cap = torch.tensor([5, 3, 8, 2, 6, 4])
     start = torch.zeros_like(cap)
     start[1:] = cap.cumsum(0)[:-1]
     P = int(cap.sum()) + 1
-    length = torch.tensor([2, 3, 0, 2, 6, 1])  # rows 1, 3 and 4 are full
-    n_global = torch.tensor([1, 1, 0, 2, 3, 0])
+    pos = torch.tensor([9])
+    ring_valid = torch.rand(R, W) < 0.5
+    ring_valid[:, 9 % W] = False  # the slot of position 9 - W: its window ended at the last query
     state = {
-        "t": torch.tensor([0, 1, -1, 0, 2, 0]),  # the previous tokens' types: rows 0, 3, 5 evict first
         "ring_k": torch.randn(R, W, D).to(dtype),
         "ring_v": torch.randn(R, W, D).to(dtype),
-        "ring_valid": torch.rand(R, W) < 0.5,
+        "ring_valid": ring_valid,
         "k_pool": torch.randn(P, D).to(dtype),
         "v_pool": torch.randn(P, D).to(dtype),
-        "length": length,
-        "n_global": n_global,
+        "length": torch.tensor([2, 3, 0, 2, 6, 1]),  # rows 1, 3 and 4 are full
+        "n_global": torch.tensor([1, 1, 0, 2, 3, 0]),
+        "t": torch.full((R,), -1),
     }
     x, w = torch.randn(B, C).to(dtype), torch.randn(3 * Hkv, C).to(dtype)
+    with torch.no_grad():  # the scorer makes row 0's token global (its local goes), row 2's local, row 5's sliding
+        for r, t in ((0, 0), (2, 1), (5, 2), (1, 0)):
+            b, h = divmod(r, Hkv)
+            w[3 * h + t] = x[b] * 4
     bias = torch.tensor([0.3, -0.2, 0.0])
-    pos = torch.tensor([9])
+    q = torch.randn(R, G, D).to(dtype)
     k_new, v_new = torch.randn(R, D).to(dtype), torch.randn(R, D).to(dtype)
     ref = {k: v.clone() for k, v in state.items()}
-    out = {k: v.clone() for k, v in state.items()}
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     # the op takes the buffers packed, as the cache holds them (rows [6, R], ring [2, R, W, D], pool [2, P, D])
     rows = torch.stack((start, ref["length"], cap, ref["n_global"], ref["t"], torch.zeros_like(cap)))
     ring_kv, kv_pool = torch.stack((ref["ring_k"], ref["ring_v"])), torch.stack((ref["k_pool"], ref["v_pool"]))
-    nats_policy.nats_step(x, w, bias, pos, rows, k_new, v_new, ring_kv, ref["ring_valid"], kv_pool)
+    y_ref = nats_policy.nats_decode(q, x, w, bias, pos, rows, k_new, v_new, ring_kv, ref["ring_valid"], kv_pool)
     ref.update(t=rows[4], length=rows[1], n_global=rows[3], ring_k=ring_kv[0], ring_v=ring_kv[1], k_pool=kv_pool[0],
                v_pool=kv_pool[1])  # fmt: skip
-    out = {k: v.to(dev) for k, v in out.items()}
-    args = [t.to(dev) for t in (x, w, bias, pos)]
-    nats_step(*args, out["t"], k_new.to(dev), v_new.to(dev), out["ring_k"], out["ring_v"], out["ring_valid"],
-              out["k_pool"], out["v_pool"], start.to(dev), out["length"], out["n_global"], cap.to(dev))  # fmt: skip
-    for k in ref:
-        a, b = ref[k], out[k].cpu()
-        if k in ("k_pool", "v_pool"):
-            a, b = a[:-1], b[:-1]  # the scratch slot holds whatever skipped writes left
-        assert torch.equal(a, b), k
-    assert set(ref["t"].tolist()) <= {0, 1, 2} and int(ref["t"][1]) == 2  # row 1 was full: kept as sliding
+    out = {k: v.to(dev) for k, v in state.items()}
+    y = nats_decode(q.to(dev), k_new.to(dev), v_new.to(dev), pos.to(dev), out["t"], out["k_pool"], out["v_pool"],
+                    start.to(dev), out["length"], out["n_global"], out["ring_k"], out["ring_v"], out["ring_valid"],
+                    x=x.to(dev), w_s=w.to(dev), bias=bias.to(dev), cap=cap.to(dev))  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(y.cpu().float(), y_ref.float(), atol=tol, rtol=0)
+    out = {k: v.cpu() for k, v in out.items()}
+    for k in ("t", "length", "n_global", "ring_valid", "ring_k", "ring_v"):
+        assert torch.equal(ref[k], out[k]), k
+    for r in range(R):  # the segments (the PyTorch form leaves a dropped global's old copy past the length)
+        s, n = int(start[r]), int(ref["length"][r])
+        assert torch.equal(ref["k_pool"][s : s + n], out["k_pool"][s : s + n]), r
+        assert torch.equal(ref["v_pool"][s : s + n], out["v_pool"][s : s + n]), r
+    t = ref["t"].tolist()
+    assert t[0] == 0 and int(ref["length"][0]) == 2  # global: its row's local dropped (1 global + the new one)
+    assert t[2] == 1 and int(ref["length"][2]) == 1 and t[5] == 2 and bool(ref["ring_valid"][5, 9 % W])
+    assert t[1] == 2 and t[4] == 2  # full rows keep their global / local token as sliding
+    assert not ref["ring_valid"][:, 10 % W].any()  # the slot whose window this query closed
 
 
 # ----------------------------------------------------------------------------------------------------
-# the fused step's scorer and strided key/value reads (nats_append), against the torch step
+# the fused step's scorer and strided key/value reads (nats_decode), against the torch step
 # ----------------------------------------------------------------------------------------------------
 def assert_same_nats_state(a: NAtSCache, b: NAtSCache) -> None:
     """Two NAtS caches hold the same tokens: metadata, pool segments and valid ring slots (scratch slots aside)."""
@@ -793,8 +807,8 @@ def assert_same_nats_state(a: NAtSCache, b: NAtSCache) -> None:
 @pytest.mark.parametrize("override", [None, "types", "table"])
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 def test_nats_fused_step_with_model_projections_equals_torch_step(pos_emb, override):
-    """The Triton step (nats_append: the scorer's type computed in the kernel, k and v read through their strides;
-    the pool attention; nats_evict) fed q, k, v as Attention.project makes them (views of the fused qkv output,
+    """The Triton step (nats_decode: the scorer's type computed in the merge kernel, k and v read through their
+    strides) fed q, k, v as Attention.project makes them (views of the fused qkv output,
     whose layout differs between learned positions and RoPE; GQA) equals the torch step: the same types (ties, the
     type offsets, token 0), cache state and output. ``types``: the step's types= argument; ``table``: a core's
     forced_types read at the device position after a prompt (-1: the scorer's type)."""
@@ -872,7 +886,7 @@ def bf16_alternatives(z: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("bias", [(0.0, 0.0, 0.0), (0.0, 2**-7, 0.0)])
 def test_nats_kernels_scorer_rounds_like_the_linear(bias):
-    """Both fused kernels' scorer (nats_append of the GPT cache, nats_step of the fixed-capacity cache) against
+    """The fused step's scorer (nats_decode, with a capacity as the fixed-capacity cache runs it and without) against
     NAtSAttention.type_logits in bf16 + argmax, on logits built exactly: x . w is exact in float32, and only its
     rounding to bf16 (to nearest, ties to even) decides the type. Head 0: 1 + 2^-10 against 1 + 2^-9 (both 1 in
     bf16: a tie, global; unrounded, local); head 1: 1 against 1 + 2^-8 + 2^-10 (to nearest: local; truncated: a
@@ -880,7 +894,7 @@ def test_nats_kernels_scorer_rounds_like_the_linear(bias):
     local/sliding tie (local). The offsets (0, 2^-7, 0) make heads 0 and 2 local."""
     from nats.attention.nats import NAtSAttention
     from nats.attention.registry import AttentionDims
-    from nats_kernels.nats_attention.decode import nats_append, nats_step
+    from nats_kernels.nats_attention.decode import nats_decode
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     B, Hkv, C, D, W = 1, 4, 8, 8, 4
@@ -910,27 +924,24 @@ def test_nats_kernels_scorer_rounds_like_the_linear(bias):
     cap = torch.full((R,), 4, device=dev)
     start = torch.arange(R, device=dev) * 4
     k_new = torch.randn(B, Hkv, 1, D).to(dev, torch.bfloat16)
+    q = torch.randn(R, 1, D).to(dev, torch.bfloat16)
     for pos, types in ((5, want), (0, torch.zeros_like(want))):  # token 0 is global
         pos = torch.tensor([pos], device=dev)
-        t = torch.zeros(R, dtype=torch.long, device=dev)
-        pool = torch.zeros(4 * R + 1, D, device=dev, dtype=torch.bfloat16)
-        nats_append(x, w_s, b, None, pos, t, k_new, k_new, ring_k.clone(), ring_k.clone(),
-                    torch.zeros(R, W, dtype=torch.bool, device=dev), pool, pool.clone(), start,
-                    torch.zeros(R, dtype=torch.long, device=dev))  # fmt: skip
-        assert torch.equal(t, types), ("nats_append", int(pos))
-        t = torch.full((R,), -1, device=dev)  # no eviction pending
-        nats_step(x, w_s, b, pos, t, k_new.view(R, D), k_new.view(R, D), ring_k.clone(), ring_k.clone(),
-                  torch.zeros(R, W, dtype=torch.bool, device=dev), pool, pool.clone(), start,
-                  torch.zeros(R, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev),
-                  cap)  # fmt: skip
-        assert torch.equal(t, types), ("nats_step", int(pos))
+        for with_cap in (False, True):  # the GPT path's cache (no capacity) and the fixed-capacity one
+            t = torch.full((R,), -1, dtype=torch.long, device=dev)
+            pool = torch.zeros(4 * R + 1, D, device=dev, dtype=torch.bfloat16)
+            nats_decode(q, k_new, k_new, pos, t, pool, pool.clone(), start, torch.zeros(R, dtype=torch.long, device=dev),
+                        torch.zeros(R, dtype=torch.long, device=dev), ring_k.clone(), ring_k.clone(),
+                        torch.zeros(R, W, dtype=torch.bool, device=dev), x=x, w_s=w_s, bias=b,
+                        cap=cap if with_cap else None)  # fmt: skip
+            assert torch.equal(t, types), (with_cap, int(pos))
 
 
-def test_nats_fused_step_launches_only_its_three_kernels(monkeypatch):
+def test_nats_fused_step_launches_only_the_attentions_two_kernels(monkeypatch):
     """One fused step of a layer runs no torch compute besides the copy of q into the pool attention's [R, G, D]
-    rows: the scorer, the type offsets and the key/value rows are all taken by nats_append, so the launches are
-    nats_append, the pool attention (its two kernels) and nats_evict. Ops that only make views or allocate do not
-    launch a kernel and are not counted."""
+    rows: the scorer, the type offsets and the key/value rows are all taken by the attention's two kernels
+    (nats_decode), so those are the launches. Ops that only make views or allocate do not launch a kernel and are
+    not counted."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import nats_kernels.nats_attention.decode as kernels
@@ -947,7 +958,7 @@ def test_nats_fused_step_launches_only_its_three_kernels(monkeypatch):
                 ops.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    for name in ("_nats_append_kernel", "_stream_decode_kernel", "_combine_kernel", "_nats_evict_kernel"):
+    for name in ("_stream_decode_kernel", "_combine_kernel"):
         kernel = getattr(kernels, name)
 
         def run(*args, _run=kernel.run, _name=name, **kw):
@@ -970,7 +981,7 @@ def test_nats_fused_step_launches_only_its_three_kernels(monkeypatch):
         q, k, v = attn.project(x, model.rope, pos)
         with Ops():
             cache.step(q, k, v, x, pos)
-    assert launches == ["_nats_append_kernel", "_stream_decode_kernel", "_combine_kernel", "_nats_evict_kernel"]
+    assert launches == ["_stream_decode_kernel", "_combine_kernel"]
     assert ops == ["clone.default"], ops
 
 

@@ -57,11 +57,18 @@ LAST_KERNELS: dict = {}
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, KB, VB, rows, ok, offs_d, dmask, D, qk_scale, IEEE: tl.constexpr):
+def _attend_block(
+    acc, m_i, l_i, q, KB, VB, rows, ok, offs_d, dmask, D, qk_scale, IEEE: tl.constexpr, NEW: tl.constexpr = False,
+    new=None, knew=None, vnew=None,
+):  # fmt: skip
     """Online-softmax update of the G query heads ``q [BLOCK_G, BLOCK_D]`` of one KV row (natural base; m_i may
-    still be -inf) with the K/V rows ``rows`` where ``ok``: each key and value is read once for the whole group."""
+    still be -inf) with the K/V rows ``rows`` where ``ok``: each key and value is read once for the whole group.
+    With NEW, the rows where ``new`` take the key and value ``knew``, ``vnew`` ``[BLOCK_D]`` instead (the step's
+    new token in its ring slot)."""
     kv_mask = ok[:, None] & dmask[None, :]
     k = tl.load(KB + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+    if NEW:
+        k = tl.where(new[:, None], knew[None, :], k)
     if IEEE:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N], float32
     else:
@@ -72,6 +79,8 @@ def _attend_block(acc, m_i, l_i, q, KB, VB, rows, ok, offs_d, dmask, D, qk_scale
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     v = tl.load(VB + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+    if NEW:
+        v = tl.where(new[:, None], vnew[None, :], v)
     if IEEE:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -114,6 +123,16 @@ def _store_partial(M_OUT, L_OUT, ACC_OUT, out, m_i, l_i, acc, gmask, offs_d, dma
 
 
 @triton.jit
+def _new_token(KNEW, VNEW, r, HKV, skb, skh, svb, svh, offs_d, dmask):
+    """Row r's new key and value ``[BLOCK_D]`` (row r = b * HKV + h), read where the projection wrote them."""
+    b = r // HKV
+    h = r % HKV
+    knew = tl.load(KNEW + b * skb + h * skh + offs_d, mask=dmask, other=0.0)
+    vnew = tl.load(VNEW + b * svb + h * svh + offs_d, mask=dmask, other=0.0)
+    return knew, vnew
+
+
+@triton.jit
 def _pool_decode_kernel(
     Q,
     KP,
@@ -141,8 +160,17 @@ def _pool_decode_kernel(
     BALANCED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     USE_PDL: tl.constexpr,
+    HAS_NEW: tl.constexpr,
+    POS,
+    KNEW,
+    VNEW,
+    HKV,
+    skb,
+    skh,
+    svb,
+    svh,
 ):
-    if USE_PDL:  # the kernels before (the step's append) have finished; the merge may launch
+    if USE_PDL:  # the kernels before (the step's projections) have finished; the merge may launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if BALANCED:  # grid (R * (SPLITS + 1),): chunks of one size over all rows, program p the p-th chunk
@@ -179,7 +207,14 @@ def _pool_decode_kernel(
             okw = offs_w < W
             valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
             rrows = r.to(tl.int64) * W + offs_w
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale, IEEE)
+            if HAS_NEW:  # the new token in its ring slot, in place of the slot's expired token
+                knew, vnew = _new_token(KNEW, VNEW, r, HKV, skb, skh, svb, svh, offs_d, dmask)
+                new = offs_w == tl.load(POS) % W
+                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid | new, offs_d, dmask, D,
+                                              qk_scale, IEEE, True, new, knew, vnew)  # fmt: skip
+            else:
+                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale,
+                                              IEEE)  # fmt: skip
     if BALANCED:
         out = out + offs_g
     _store_partial(M_OUT, L_OUT, ACC_OUT, out, m_i, l_i, acc, gmask, offs_d, dmask, D)
@@ -275,6 +310,15 @@ def _stream_decode_kernel(
     IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     USE_PDL: tl.constexpr,
+    HAS_NEW: tl.constexpr,
+    POS,
+    KNEW,
+    VNEW,
+    HKV,
+    skb,
+    skh,
+    svb,
+    svh,
 ):
     """The streamed split (stream-K): the rows' work units laid end to end, U in all, and program p of the P
     launched takes units ``[p U / P, (p + 1) U / P)``, crossing row boundaries, so every program reads the same
@@ -329,7 +373,14 @@ def _stream_decode_kernel(
                 okw = offs_w < W
                 valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
                 rrows = r.to(tl.int64) * W + offs_w
-                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale, IEEE)
+                if HAS_NEW:  # the new token in its ring slot, in place of the slot's expired token
+                    knew, vnew = _new_token(KNEW, VNEW, r, HKV, skb, skh, svb, svh, offs_d, dmask)
+                    new = offs_w == tl.load(POS) % W
+                    acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid | new, offs_d, dmask, D,
+                                                  qk_scale, IEEE, True, new, knew, vnew)  # fmt: skip
+                else:
+                    acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale,
+                                                  IEEE)  # fmt: skip
         start = tl.load(START + r).to(tl.int64)
         k_lo = (tl.maximum(a, RING_UNITS) - RING_UNITS) * BLOCK_N
         k_hi = tl.minimum((b - RING_UNITS) * BLOCK_N, length)
@@ -364,12 +415,73 @@ def _combine_kernel(
     MODE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ADMIT: tl.constexpr,
+    X,
+    stride_xb,
+    WS,
+    BIAS,
+    TYPES,
+    types_stride,
+    types_from,
+    POS,
+    TOUT,
+    KNEW,
+    VNEW,
+    HKV,
+    skb,
+    skh,
+    svb,
+    svh,
+    RK,
+    RV,
+    RVALID,
+    KP,
+    VP,
+    START,
+    NGLOBAL,
+    CAP,
+    C: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_SCORER: tl.constexpr,
+    HAS_TYPES: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    W: tl.constexpr,
 ):
+    """Program pid = r * G + g < R * G: the partials of query head g of row r merged (`_merge`). With ADMIT (NAtS'
+    step, `nats_decode`), programs R * G + r admit row r's new token (`_step_type`, `_admit`): the split kernel that
+    read the rows has finished, and the merge programs read no row's keys or lengths (MODE 0 or 2)."""
+    pid = tl.program_id(0)
+    if ADMIT:
+        if pid >= R * G:
+            r = pid - R * G
+            pos = tl.load(POS)
+            # the type first: it reads what the kernels before the split kernel wrote (x; the lengths, written by the
+            # last step), so with dependent launches it overlaps the split kernel's end
+            t = _step_type(r, pos, X, stride_xb, WS, BIAS, TYPES, types_stride, types_from, LEN, CAP, HKV, C, BLOCK_C,
+                           HAS_SCORER, HAS_TYPES, HAS_CAP)  # fmt: skip
+            offs_d = tl.arange(0, BLOCK_D)
+            dmask = offs_d < D
+            k, v = _new_token(KNEW, VNEW, r, HKV, skb, skh, svb, svh, offs_d, dmask)
+            if USE_PDL:  # the split kernel has finished reading the rows
+                tl.extra.cuda.gdc_wait()
+            _admit(r, t, pos, k, v, TOUT, RK, RV, RVALID, KP, VP, START, LEN, NGLOBAL, offs_d, dmask, W, D)
+        else:
+            _merge(pid, M, L, ACC, OUT, SPLITS, D, BLOCK_D, BLOCK_S, LEN, R, FIRST, LAST, G, BLOCK_N, MODE, BLOCK_R,
+                   USE_PDL)  # fmt: skip
+    else:
+        _merge(pid, M, L, ACC, OUT, SPLITS, D, BLOCK_D, BLOCK_S, LEN, R, FIRST, LAST, G, BLOCK_N, MODE, BLOCK_R,
+               USE_PDL)  # fmt: skip
+
+
+@triton.jit
+def _merge(
+    pid, M, L, ACC, OUT, SPLITS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, LEN, R, FIRST, LAST,
+    G: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     """Program pid = r * G + g: the partials of query head g of row r merged (online, BLOCK_S partials at a time).
     MODE: the split kernel's (0 each row alike, 1 balanced chunks, 2 streamed)."""
     if USE_PDL:  # the split kernel has finished
         tl.extra.cuda.gdc_wait()
-    pid = tl.program_id(0)
     r = pid // G
     g = pid % G
     if MODE == 2:  # slots p + r of the programs p = FIRST[r] .. LAST[r] that took row r's units
@@ -473,8 +585,9 @@ def stream_programs(device: torch.device, block_n: int, head_dim: int, num_stage
 
 
 def triton_pool_attention(
-    q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None, splits=None, config=None
-):
+    q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None, splits=None, config=None,
+    _step=None,
+):  # fmt: skip
     """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync); the
     reference is :func:`decode_reference.torch_pool_attention`. ``config``: the split kernel's launch,
     ``{"block_n", "num_warps", "num_stages", "balanced", "split", "programs", "pdl"}`` (default `launch_config`;
@@ -483,7 +596,8 @@ def triton_pool_attention(
     "stream" (the rows' keys end to end in ``programs`` equal shares, default `stream_programs`); without it,
     ``balanced`` (default True) picks the launch choice's ``uneven`` split, False "rows". ``splits``: without it,
     `default_splits` capped at the launch's ``max_splits``. ``pdl``: programmatic dependent launches where the GPU
-    has them (`use_pdl`; default: up to `PDL_ROWS` rows)."""
+    has them (`use_pdl`; default: up to `PDL_ROWS` rows). ``_step``: NAtS' step, the two kernels' extra
+    arguments (`nats_decode`)."""
     R, G, D = q.shape
     q = q.contiguous()
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or k_pool.stride(0) != D or v_pool.stride(0) != D:
@@ -492,6 +606,9 @@ def triton_pool_attention(
     mode = cfg.get("split") or (cfg["uneven"] if cfg.get("balanced", True) else "rows")
     if mode not in SPLITS_MODES:
         raise ValueError(f"unknown split {mode!r}: choose one of {SPLITS_MODES}")
+    if _step is not None and (mode == "balanced" or ring_k is None):
+        raise ValueError("NAtS' fused step needs the ring and the split 'stream' or 'rows' (the balanced merge reads "
+                         "the lengths the step changes)")  # fmt: skip
     splits = int(splits or min(default_splits(max_len, R * G), cfg["max_splits"]))
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
@@ -519,13 +636,23 @@ def triton_pool_attention(
     ieee = INTERPRET or q.dtype in (torch.float32, torch.float64)  # the interpreter has no bf16 dot
     pdl = _pdl_launch(bool(cfg["pdl"]) and use_pdl(dev))
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl}
+    if _step is None:  # no new token: placeholders of the step's arguments
+        new = {"HAS_NEW": False, "POS": start, "KNEW": q, "VNEW": q, "HKV": 1, "skb": 0, "skh": 0, "svb": 0, "svh": 0}
+        admit = {
+            "ADMIT": False, "X": q, "stride_xb": 0, "WS": q, "BIAS": q, "TYPES": start, "types_stride": 0,
+            "types_from": 0, "POS": start, "TOUT": start, "KNEW": q, "VNEW": q, "HKV": 1, "skb": 0, "skh": 0, "svb": 0,
+            "svh": 0, "RK": q, "RV": q, "RVALID": start, "KP": q, "VP": q, "START": start, "NGLOBAL": start,
+            "CAP": start, "C": 1, "BLOCK_C": 1, "HAS_SCORER": False, "HAS_TYPES": False, "HAS_CAP": False, "W": 1,
+        }  # fmt: skip
+    else:
+        new, admit = _step
     if mode == "stream":
         first_last = torch.empty(2, R, device=dev, dtype=torch.int32)
         split = _stream_decode_kernel[(programs,)](
             q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, first_last[0], first_last[1],
             1.0 / math.sqrt(D), R, G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["block_n"],
             HAS_RING=has_ring, W=W, RING_UNITS=triton.cdiv(W, cfg["block_n"]) if has_ring else 0, IEEE=ieee,
-            BLOCK_R=ROW_BLOCK, **launch,
+            BLOCK_R=ROW_BLOCK, **new, **launch,
         )  # fmt: skip
     else:
         first_last = length.view(1, -1).expand(2, -1)  # unused placeholders
@@ -534,19 +661,20 @@ def triton_pool_attention(
             q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, 1.0 / math.sqrt(D), splits, G=G, D=D,
             BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["block_n"], HAS_RING=has_ring, W=W,
             BLOCK_W=max(16, triton.next_power_of_2(W)), IEEE=ieee, R=R, BALANCED=balanced, BLOCK_R=ROW_BLOCK,
-            **launch,
+            **new, **launch,
         )  # fmt: skip
     LAST_KERNELS["split"] = split
-    _combine_kernel[(R * G,)](
+    _combine_kernel[(R * G + (R if _step is not None else 0),)](
         m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, FIRST=first_last[0],
-        LAST=first_last[1], G=G, BLOCK_N=cfg["block_n"], MODE=SPLITS_MODES.index(mode), BLOCK_R=ROW_BLOCK, **pdl,
+        LAST=first_last[1], G=G, BLOCK_N=cfg["block_n"], MODE=SPLITS_MODES.index(mode), BLOCK_R=ROW_BLOCK, **admit,
+        **pdl,
     )  # fmt: skip
     return out
 
 
 # ----------------------------------------------------------------------------------------------------
-# NAtS cache maintenance, fused: one launch before the attention (the scorer's type, ring write, append), one after
-# (evict); the fixed-capacity cache's step below does the three in one launch from the same helpers
+# NAtS' decode step fused into the attention's two launches: the split kernel reads the new token in its ring slot
+# (HAS_NEW), the merge kernel's extra programs (ADMIT) type the token and admit it once every query has been answered
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _type_of(z0, z1, z2, pos):
@@ -587,109 +715,66 @@ def _rounded(z, dt: tl.constexpr):
 
 
 @triton.jit
-def _admit(r, t, pos, k, v, RK, RV, RVALID, KP, VP, START, LENGTH, offs_d, dmask, W: tl.constexpr, D: tl.constexpr):
-    """Row r's new token (k, v [D]) of type t: written into its ring slot pos % W (valid while sliding) and, for a
-    global or local token, appended to the row's segment."""
-    ring = r.to(tl.int64) * W + (pos % W).to(tl.int64)
-    tl.store(RK + ring * D + offs_d, k, mask=dmask)
-    tl.store(RV + ring * D + offs_d, v, mask=dmask)
-    tl.store(RVALID + ring, (t == 2).to(tl.int8))
-    if t != 2:
-        length = tl.load(LENGTH + r)
-        dst = tl.load(START + r) + length
-        tl.store(KP + dst * D + offs_d, k, mask=dmask)
-        tl.store(VP + dst * D + offs_d, v, mask=dmask)
-        tl.store(LENGTH + r, length + 1)
-
-
-@triton.jit
-def _drop_locals(r, KP, VP, START, LENGTH, NGLOBAL, offs_d, dmask, D: tl.constexpr):
-    """Row r's last token was global: its locals go (the token moves down over them, after the globals)."""
-    start = tl.load(START + r)
-    ng = tl.load(NGLOBAL + r)
-    src = start + tl.load(LENGTH + r) - 1
-    dst = start + ng
-    tl.store(KP + dst * D + offs_d, tl.load(KP + src * D + offs_d, mask=dmask), mask=dmask)
-    tl.store(VP + dst * D + offs_d, tl.load(VP + src * D + offs_d, mask=dmask), mask=dmask)
-    tl.store(NGLOBAL + r, ng + 1)
-    tl.store(LENGTH + r, ng + 1)
-
-
-@triton.jit
-def _nats_append_kernel(
-    X,
-    WS,
-    BIAS,
-    TYPES,
-    POS,
-    TOUT,
-    KNEW,
-    VNEW,
-    RK,
-    RV,
-    RVALID,
-    KP,
-    VP,
-    START,
-    LENGTH,
-    CAP,
-    stride_xb,
-    stride_kb,
-    stride_kh,
-    stride_vb,
-    stride_vh,
-    types_stride,
-    types_from,
-    HKV: tl.constexpr,
-    C: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    HAS_SCORER: tl.constexpr,
-    HAS_TYPES: tl.constexpr,
-    HAS_CAP: tl.constexpr,
-    W: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    r = tl.program_id(0)
-    b = r // HKV
-    h = r % HKV
-    pos = tl.load(POS)
+def _step_type(
+    r, pos, X, stride_xb, WS, BIAS, TYPES, types_stride, types_from, LENGTH, CAP, HKV, C: tl.constexpr,
+    BLOCK_C: tl.constexpr, HAS_SCORER: tl.constexpr, HAS_TYPES: tl.constexpr, HAS_CAP: tl.constexpr,
+):  # fmt: skip
+    """Row r's new token's type (int64): the scorer's (row r = b * HKV + h reads x[b] and head h's scorer rows),
+    replaced by row ``pos - types_from`` of the table TYPES where given (-1 there keeps the scorer's); with a
+    capacity, a global or local token of a full segment is kept as a sliding one."""
     if HAS_SCORER:
-        t = _scorer_type(X + b * stride_xb, WS + (3 * h) * C, BIAS, pos, C, BLOCK_C)
-    if HAS_TYPES:  # row pos - types_from of the table (types_stride 0: one row, whatever the position)
+        t = _scorer_type(X + (r // HKV) * stride_xb, WS + (3 * (r % HKV)) * C, BIAS, pos, C, BLOCK_C)
+    if HAS_TYPES:
         given = tl.load(TYPES + (pos - types_from) * types_stride + r)
         if HAS_SCORER:  # -1 keeps the scorer's type; it also keeps the scorer's work from being compiled away
             t = tl.where(given >= 0, given, t)
         else:
             t = given
     t = t.to(tl.int64)
-    if HAS_CAP:  # a full segment keeps the token as a sliding one (fixed-capacity caches)
+    if HAS_CAP:
         t = tl.where((t != 2) & (tl.load(LENGTH + r) >= tl.load(CAP + r)), 2, t)
-    tl.store(TOUT + r, t)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    # the new key and value are read where the projection wrote them (strided views, no copy)
-    k = tl.load(KNEW + b * stride_kb + h * stride_kh + offs_d, mask=dmask)
-    v = tl.load(VNEW + b * stride_vb + h * stride_vh + offs_d, mask=dmask)
-    _admit(r, t, pos, k, v, RK, RV, RVALID, KP, VP, START, LENGTH, offs_d, dmask, W, D)
+    return t
 
 
 @triton.jit
-def _nats_evict_kernel(
-    T, POS, KP, VP, START, LENGTH, NGLOBAL, RVALID, W: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    r = tl.program_id(0)
-    pos = tl.load(POS)
-    t = tl.load(T + r)
-    if t == 0:  # the row's token was global: its locals go
-        offs_d = tl.arange(0, BLOCK_D)
-        _drop_locals(r, KP, VP, START, LENGTH, NGLOBAL, offs_d, offs_d < D, D)
-    # the sliding token pos - W + 1 has now been seen by W queries
-    tl.store(RVALID + r.to(tl.int64) * W + ((pos + 1) % W).to(tl.int64), (t * 0).to(tl.int8))
+def _admit(
+    r, t, pos, k, v, TOUT, RK, RV, RVALID, KP, VP, START, LENGTH, NGLOBAL, offs_d, dmask, W: tl.constexpr,
+    D: tl.constexpr,
+):  # fmt: skip
+    """After query ``pos`` has been answered: row r's new token (k, v [BLOCK_D]) of type t goes into its ring slot
+    ``pos % W`` (valid while sliding); a local token is appended to the row's segment, a global one is written after
+    the row's globals, over its locals (visible up to this query, then dropped: the segment is truncated). The slot
+    of token ``pos - W + 1``, whose window this query closed, is marked invalid."""
+    tl.store(TOUT + r, t)
+    ring = r.to(tl.int64) * W + (pos % W).to(tl.int64)
+    tl.store(RK + ring * D + offs_d, k, mask=dmask)
+    tl.store(RV + ring * D + offs_d, v, mask=dmask)
+    if W > 1:
+        tl.store(RVALID + ring, (t == 2).to(tl.int8))
+        tl.store(RVALID + r.to(tl.int64) * W + ((pos + 1) % W).to(tl.int64), (t * 0).to(tl.int8))
+    else:  # a window of one: a sliding token's only query was this one
+        tl.store(RVALID + ring, (t * 0).to(tl.int8))
+    if t != 2:
+        start = tl.load(START + r)
+        length = tl.load(LENGTH + r)
+        ng = tl.load(NGLOBAL + r)
+        if t == 0:
+            dst = start + ng
+            n = ng + 1
+            tl.store(NGLOBAL + r, n)
+        else:
+            dst = start + length
+            n = length + 1
+        tl.store(KP + dst * D + offs_d, k, mask=dmask)
+        tl.store(VP + dst * D + offs_d, v, mask=dmask)
+        tl.store(LENGTH + r, n)
 
 
 def _rows_view(t: torch.Tensor, B: int, H: int, what: str) -> torch.Tensor:
-    """k or v of one token, [B, H, 1, D] or [B, H, D], as [B, H, D] with unit stride along D (a view when it has)."""
+    """k or v of one token, [B, H, 1, D], [B, H, D] or [B * H, D], as [B, H, D] with unit stride along D (a view
+    when it has)."""
+    if t.dim() == 2 and t.shape[0] == B * H:
+        t = t.unflatten(0, (B, H))
     if t.dim() == 4:
         if t.shape[2] != 1:
             raise ValueError(f"{what} must hold one token, got {t.shape[2]}")
@@ -699,43 +784,35 @@ def _rows_view(t: torch.Tensor, B: int, H: int, what: str) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def nats_append(
-    x,
-    w_s,
-    bias,
-    types,
-    pos,
-    t_out,
-    k_new,
-    v_new,
-    ring_k,
-    ring_v,
-    ring_valid,
-    k_pool,
-    v_pool,
-    start,
-    length,
-    cap=None,
-    types_from=None,
-):
-    """One token's type, ring write and segment append for every row r = b * Hkv + h, in one launch.
+def nats_decode(
+    q, k_new, v_new, pos, t_out, k_pool, v_pool, start, length, n_global, ring_k, ring_v, ring_valid, *, x=None,
+    w_s=None, bias=None, types=None, types_from=None, cap=None, splits=None, config=None,
+):  # fmt: skip
+    """One NAtS decode step of a layer (spec section 5) in the attention's two launches; returns ``[R, G, D]``.
 
-    The type is the scorer's: argmax of ``x [B, C] . w_s [3 Hkv, C]^T`` (each logit rounded to x's dtype, as the
-    Linear's output) plus ``bias [3]``, token 0 global; x may be None when ``types`` are given. ``types`` (int64)
-    override it: ``[R]`` for this token, or with ``types_from`` a table ``[T, R]`` whose row ``pos - types_from``
-    is read on the device (no launch of its own, graph-safe). With both, a type >= 0 replaces the scorer's and -1
-    keeps it, and the scorer runs either way. With ``cap`` ([R]) a row whose segment is full keeps the token as a
-    sliding one. ``k_new``, ``v_new``: ``[B, Hkv, 1, D]`` or ``[B, Hkv, D]``, read through their strides (e.g.
-    views of a fused qkv projection). ``t_out [R]`` receives the types."""
+    The split kernel reads the new token (``k_new``, ``v_new``: ``[B, Hkv, (1,) D]`` or ``[R, D]``, read through their
+    strides, e.g. views of a fused qkv product) in its ring slot ``pos % W`` in place of the slot's expired token
+    (position pos - W), so query ``pos`` sees the row's segment, its valid ring slots and itself whatever the new
+    token's type. The merge kernel's extra programs, one a row, then type the token and admit it (`_admit`: ring
+    write, append, or for a global token its row's locals dropped) and close the expired ring slot: nothing is read
+    and written in the same launch. Type: the scorer's (``x [B, C]`` . ``w_s [3 Hkv, C]`` rounded as the Linear's
+    output, ``+ bias [3]``, argmax, token 0 global) and/or ``types`` (int64 ``[R]``, or with ``types_from`` a table
+    ``[T, R]`` whose row ``pos - types_from`` is read on the device; with the scorer too, -1 keeps the scorer's);
+    with ``cap`` ``[R]`` a global or local token of a full segment is kept as sliding. ``t_out [R]`` receives the
+    types. Invariant: on entry the slot ``pos % W`` is not valid (the previous step closed it, the prefill never
+    sets it). The PyTorch form is ``nats.cache.policies.nats.nats_decode_torch``."""
     R, W, D = ring_k.shape
     has_scorer, has_types = x is not None, types is not None
     if not (has_scorer or has_types):
-        raise ValueError("nats_append needs the scorer's input x or the types")
-    B = k_new.shape[0]
+        raise ValueError("nats_decode needs the scorer's input x or the types")
+    # the batch: x's; without the scorer, k_new's (rows [R, D]: one row a "sequence", the row's own)
+    B = x.shape[0] if has_scorer else (k_new.shape[0] if k_new.dim() >= 3 else R)
     if R % B:
-        raise ValueError(f"k_new's batch {B} does not divide the cache's {R} rows")
+        raise ValueError(f"the batch {B} does not divide the cache's {R} rows")
     H = R // B
     k_new, v_new = _rows_view(k_new, B, H, "k_new"), _rows_view(v_new, B, H, "v_new")
+    if k_new.dtype != k_pool.dtype or v_new.dtype != v_pool.dtype:
+        raise ValueError(f"k_new / v_new must have the pool's dtype {k_pool.dtype}, got {k_new.dtype}")
     if has_scorer:
         x = x.reshape(B, -1)
         x = x if x.stride(-1) == 1 else x.contiguous()
@@ -755,145 +832,17 @@ def nats_append(
         types = types.contiguous()
     else:
         types, types_stride, types_from = t_out, 0, 0  # unused placeholder
-    _nats_append_kernel[(R,)](
-        x,
-        w_s,
-        bias,
-        types,
-        pos,
-        t_out,
-        k_new,
-        v_new,
-        ring_k,
-        ring_v,
-        ring_valid.view(torch.int8),
-        k_pool,
-        v_pool,
-        start,
-        length,
-        cap if cap is not None else length,
-        x.stride(0),
-        k_new.stride(0),
-        k_new.stride(1),
-        v_new.stride(0),
-        v_new.stride(1),
-        types_stride,
-        int(types_from),
-        HKV=H,
-        C=C,
-        BLOCK_C=triton.next_power_of_2(C),
-        HAS_SCORER=has_scorer,
-        HAS_TYPES=has_types,
-        HAS_CAP=cap is not None,
-        W=W,
-        D=D,
-        BLOCK_D=triton.next_power_of_2(D),
-    )
-
-
-def nats_evict(t, pos, k_pool, v_pool, start, length, n_global, ring_valid):
-    """After the query: locals of the rows whose token was global are dropped; the expired ring slot cleared."""
-    R, W = ring_valid.shape
-    D = k_pool.shape[1]
-    _nats_evict_kernel[(R,)](
-        t,
-        pos,
-        k_pool,
-        v_pool,
-        start,
-        length,
-        n_global,
-        ring_valid.view(torch.int8),
-        W=W,
-        D=D,
-        BLOCK_D=triton.next_power_of_2(D),
-    )
-
-
-# ----------------------------------------------------------------------------------------------------
-# The fixed-capacity NAtS cache's decode step, before the attention: one launch per step and layer
-# ----------------------------------------------------------------------------------------------------
-@triton.jit
-def _nats_step_kernel(
-    X,
-    WS,
-    BIAS,
-    POS,
-    T,
-    KNEW,
-    VNEW,
-    RK,
-    RV,
-    RVALID,
-    KP,
-    VP,
-    START,
-    LENGTH,
-    NGLOBAL,
-    CAP,
-    HKV: tl.constexpr,
-    C: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    W: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    if USE_PDL:  # the projections before have finished; the attention may launch (it waits for this kernel)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    r = tl.program_id(0)
-    b = r // HKV
-    h = r % HKV
-    pos = tl.load(POS)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    # 1. the previous token's eviction, deferred to here: if it was global, its row's locals go. Its expired ring
-    #    slot is this token's slot, rewritten below.
-    if tl.load(T + r) == 0:
-        _drop_locals(r, KP, VP, START, LENGTH, NGLOBAL, offs_d, dmask, D)
-    # 2. the type from the scorer (x [B, C] contiguous); a full segment keeps the token as sliding
-    t = _scorer_type(X + b * C, WS + (3 * h) * C, BIAS, pos, C, BLOCK_C)
-    t = tl.where((t != 2) & (tl.load(LENGTH + r) >= tl.load(CAP + r)), 2, t).to(tl.int64)
-    tl.store(T + r, t)
-    # 3. ring write (valid where sliding) and, for global / local tokens, the segment append
-    k = tl.load(KNEW + r * D + offs_d, mask=dmask)
-    v = tl.load(VNEW + r * D + offs_d, mask=dmask)
-    _admit(r, t, pos, k, v, RK, RV, RVALID, KP, VP, START, LENGTH, offs_d, dmask, W, D)
-
-
-def nats_step(
-    x, w_s, bias, pos, t, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, n_global, cap
-):
-    """The fixed-capacity NAtS cache's step before the attention, fused: the previous token's deferred eviction,
-    the new token's type from the scorer (``x [B, C]`` . ``w_s [3 Hkv, C]`` + ``bias [3]``), ring write and
-    segment append (a full segment keeps the token as sliding). ``t [R]`` holds the previous token's types on
-    entry (-1: none pending) and this token's on return. The reference is the PyTorch form of
-    ``nats.cache.policies.nats.nats_step``."""
-    R, W, D = ring_k.shape
-    B, C = x.shape
-    _nats_step_kernel[(R,)](
-        x,
-        w_s,
-        bias,
-        pos,
-        t,
-        k_new,
-        v_new,
-        ring_k,
-        ring_v,
-        ring_valid.view(torch.int8),
-        k_pool,
-        v_pool,
-        start,
-        length,
-        n_global,
-        cap,
-        HKV=R // B,
-        C=C,
-        BLOCK_C=triton.next_power_of_2(C),
-        W=W,
-        D=D,
-        BLOCK_D=triton.next_power_of_2(D),
-        **_pdl_launch(R <= PDL_ROWS and use_pdl(x.device)),
-    )
+    rvalid = ring_valid.view(torch.int8) if ring_valid.dtype == torch.bool else ring_valid
+    strides = {"HKV": H, "skb": k_new.stride(0), "skh": k_new.stride(1), "svb": v_new.stride(0),
+               "svh": v_new.stride(1)}  # fmt: skip
+    new = {"HAS_NEW": True, "POS": pos, "KNEW": k_new, "VNEW": v_new, **strides}
+    admit = {
+        "ADMIT": True, "X": x, "stride_xb": x.stride(0), "WS": w_s, "BIAS": bias, "TYPES": types,
+        "types_stride": types_stride, "types_from": int(types_from), "POS": pos, "TOUT": t_out, "KNEW": k_new,
+        "VNEW": v_new, **strides, "RK": ring_k, "RV": ring_v, "RVALID": rvalid, "KP": k_pool, "VP": v_pool,
+        "START": start, "NGLOBAL": n_global, "CAP": cap if cap is not None else length, "C": C,
+        "BLOCK_C": triton.next_power_of_2(C), "HAS_SCORER": has_scorer, "HAS_TYPES": has_types,
+        "HAS_CAP": cap is not None, "W": W,
+    }  # fmt: skip
+    return triton_pool_attention(q, k_pool, v_pool, start, length, 0, ring_k=ring_k, ring_v=ring_v,
+                                 ring_valid=ring_valid, splits=splits, config=config, _step=(new, admit))  # fmt: skip

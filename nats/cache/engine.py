@@ -7,7 +7,7 @@ every tensor a compiled decode step reads is a graph input that dynamo guards at
 * ``kv_pool`` ``[2, P, D]`` (keys, values): row r owns the segment ``[start[r], start[r] + cap[r])`` and holds
   ``length[r]`` tokens from its start; the last slot is a scratch slot that skipped writes go to;
 * ``rows`` ``[6, R]`` int64: segment start, length, capacity, and three counters a rule may use (NAtS: the global
-  count and the pending type; the ring rule: the tokens written so far);
+  count and the last token's type; the ring rule: the tokens written so far);
 * optionally a ring ``ring_kv`` ``[2, R, W, D]`` with ``ring_valid`` ``[R, W]`` (NAtS' sliding tokens).
 
 The capacity is planned at the prefill, per row (`plan_rows`): what the policy keeps of the prompt plus the tokens
@@ -112,7 +112,7 @@ def plan_rows(keep: Tensor, cap: Tensor, n_global: Tensor | None = None, count: 
     """The segments of rows keeping the positions where ``keep`` (``[..., N]`` bool, rows flattened to ``[R, N]``),
     ``cap`` ``[R]`` slots planned each: (the flat keep mask; ``rank`` ``[R, N]``, each kept position's 1-based rank
     in its row; the rows' bookkeeping ``[6, R]`` (start, length, cap (at least the length), ``n_global``, -1 (no
-    eviction pending), ``count``; zeros where not given); ``end`` ``[1]``, the slots all segments take)."""
+    token typed yet), ``count``; zeros where not given); ``end`` ``[1]``, the slots all segments take)."""
     keep = keep.reshape(-1, keep.shape[-1])
     rank = keep.cumsum(1)
     length = rank[:, -1]
@@ -152,8 +152,7 @@ class SegmentStorage:
     The buffers are packed into few tensors, the named ones being views of them: every tensor a compiled decode step
     reads from the cache is a graph input that dynamo guards before each replay, and the guard check is host time at
     every step. ``kv_pool`` ``[2, P, D]`` (keys, values; the last slot is the scratch slot), ``seg`` ``[6, R]`` int64
-    (segment start, length, capacity, NAtS' global count and the last token's type with its eviction pending, the
-    ring rule's count), and for rules with a ring ``ring_kv`` ``[2, R, W, D]`` and ``ring_valid`` ``[R, W]``."""
+    (segment start, length, capacity, NAtS' global count and the last token's type, the ring rule's count), and for rules with a ring ``ring_kv`` ``[2, R, W, D]`` and ``ring_valid`` ``[R, W]``."""
 
     kv_pool: Tensor
     seg: Tensor
@@ -168,7 +167,7 @@ class SegmentStorage:
     length = property(lambda self: self.seg[1])
     cap = property(lambda self: self.seg[2])
     n_global = property(lambda self: self.seg[3])
-    last_type = property(lambda self: self.seg[4])  # NAtS: the last token's type, its eviction pending (-1: none)
+    last_type = property(lambda self: self.seg[4])  # NAtS: the last token's type (-1: none yet)
     count = property(lambda self: self.seg[5])  # the ring rule: tokens written so far
 
     def storage_tensors(self) -> list[Tensor]:

@@ -46,7 +46,7 @@ from torch import Tensor
 from nats import functional as NF
 from nats.cache.attention import pool_attention, resolve_backend
 from nats.cache.base import LayerCache
-from nats.cache.engine import FixedRule, Plan, PromptState, SegmentStorage, attend, plan_rows, pool_fill
+from nats.cache.engine import FixedRule, Plan, PromptState, SegmentStorage, plan_rows, pool_fill
 from nats.cache.registry import register_cache
 
 GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
@@ -90,12 +90,35 @@ def drop_locals(isg, k_pool, v_pool, start, length, n_global, scratch) -> None:
     length.copy_(torch.where(isg, n_global, length))
 
 
+def step_torch(t, pos, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, n_global, scratch,
+               attend) -> Tensor:  # fmt: skip
+    """One NAtS decode step in PyTorch (spec section 5), the form the fused kernels (`nats_decode`) are tested
+    against: the tokens of types ``t [R]`` are admitted (`append_token`), query ``pos`` answered (``attend()``, which
+    returns the output), then the locals of the rows whose token was global dropped (`drop_locals`) and the ring slot
+    of token ``pos - W + 1``, whose window this query closed, marked invalid."""
+    append_token(t, pos, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, scratch)
+    y = attend()
+    drop_locals(t == GLOBAL, k_pool, v_pool, start, length, n_global, scratch)
+    ring_valid.index_fill_(1, (pos + 1) % ring_k.shape[1], False)
+    return y
+
+
+def scorer_types(x: Tensor, w_s: Tensor, bias: Tensor, pos: Tensor) -> Tensor:
+    """The types NAtS' scorer gives one token per row ``[R]`` (row r = b * Hkv + h): ``x [B, C] . w_s [3 Hkv, C]``
+    rounded to x's dtype (the Linear's output), ``+ bias [3]`` in float32, argmax; token 0 global."""
+    z = (x @ w_s.t()).to(x.dtype).float().reshape(-1, 3) + bias  # [B, Hkv * 3] -> [R, 3]
+    new = z.argmax(-1)
+    return torch.where(pos == 0, torch.full_like(new, GLOBAL), new)
+
+
 # NAtS' step in the fixed-capacity engine as a ``torch.library`` custom op (compiled with the decode step, replayed as
-# a CUDA graph): the fused Triton kernel of ``nats_kernels.nats_attention.decode`` on CUDA and, elsewhere, the
-# PyTorch form of the same step (`drop_locals`, then `append_token`), which the kernel is tested against. It mutates
-# the cache's buffers in place (``mutates_args``), so the buffers keep their addresses across replays.
-@torch.library.custom_op("nats::nats_step", mutates_args=("rows", "ring_kv", "ring_valid", "kv_pool"))
-def nats_step(
+# a CUDA graph): on CUDA the attention's two Triton launches with the step fused into them
+# (``nats_kernels.nats_attention.decode.nats_decode``), elsewhere the PyTorch form (`step_torch`), which the kernels
+# are tested against. It mutates the cache's buffers in place (``mutates_args``), so they keep their addresses across
+# replays.
+@torch.library.custom_op("nats::nats_decode", mutates_args=("rows", "ring_kv", "ring_valid", "kv_pool"))
+def nats_decode(
+    q: Tensor,
     x: Tensor,
     w_s: Tensor,
     bias: Tensor,
@@ -106,38 +129,37 @@ def nats_step(
     ring_kv: Tensor,
     ring_valid: Tensor,
     kv_pool: Tensor,
-) -> None:
-    """One step's bookkeeping before the attention: first the eviction the previous token asked for (the pending
-    type ``t`` on entry; -1: none), then this token's type from the scorer (``x [B, C] . w_s[3 Hkv, C]``, rounded to
-    x's dtype as the Linear's output, ``+ bias``; argmax), ring write and append. Its expired ring slot (``pos -
-    W``'s) is the new token's, so the eviction needs no ring work. The Triton kernel on CUDA.
+) -> Tensor:
+    """Query ``pos`` (``q`` ``[R, G, D]``) over each row's segment, its valid ring slots and the new token itself,
+    then the new token's type from the scorer (``x [B, C] . w_s[3 Hkv, C]``, rounded to x's dtype as the Linear's
+    output, ``+ bias``; argmax; a full segment keeps a global or local token as sliding) and its admission: ring
+    write, append, or for a global token its row's locals dropped. Returns the attention ``[R, G, D]``.
 
     The buffers come packed, as the cache holds them: ``rows`` ``[6, R]`` (segment start, length, capacity, global
-    count, pending type, -), ``ring_kv`` ``[2, R, W, D]``, ``kv_pool`` ``[2, P, D]`` (keys, values). Each is one
-    mutated argument: an op that mutated several views of one tensor would break the functionalization of a
+    count, the last token's type, -), ``ring_kv`` ``[2, R, W, D]``, ``kv_pool`` ``[2, P, D]`` (keys, values). Each is
+    one mutated argument: an op that mutated several views of one tensor would break the functionalization of a
     compiled step (inductor copies each mutated argument back, and the copies of aliasing views overwrite each
     other's writes)."""
     start, length, cap, n_global, t = rows[0], rows[1], rows[2], rows[3], rows[4]
     ring_k, ring_v, k_pool, v_pool = ring_kv[0], ring_kv[1], kv_pool[0], kv_pool[1]
     if resolve_backend("auto", k_new.device) == "triton":
-        from nats_kernels.nats_attention.decode import nats_step as kernel  # noqa: PLC0415
+        from nats_kernels.nats_attention.decode import nats_decode as kernel  # noqa: PLC0415
 
-        kernel(x, w_s, bias, pos, t, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length,
-               n_global, cap)  # fmt: skip
-        return
+        return kernel(q, k_new, v_new, pos, t, k_pool, v_pool, start, length, n_global, ring_k, ring_v, ring_valid,
+                      x=x, w_s=w_s, bias=bias, cap=cap)  # fmt: skip
     scratch = torch.full_like(start, k_pool.shape[0] - 1)  # the pool's last slot takes the skipped writes
-    drop_locals(t == GLOBAL, k_pool, v_pool, start, length, n_global, scratch)
-    z = (x @ w_s.t()).to(x.dtype).float().reshape(-1, 3) + bias  # [B, Hkv * 3] -> [R, 3]: row r = b * Hkv + h
-    new = z.argmax(-1)
-    new = torch.where(pos == 0, torch.full_like(new, GLOBAL), new)
+    new = scorer_types(x, w_s, bias, pos)
     new = torch.where((new != SLIDING) & (length >= cap), torch.full_like(new, SLIDING), new)  # a full segment
     t.copy_(new)
-    append_token(new, pos, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, scratch)
+    attend = lambda: pool_attention(q, k_pool, v_pool, start, length, max(int(length.max()), 1), ring_k=ring_k,  # noqa: E731
+                                    ring_v=ring_v, ring_valid=ring_valid)  # fmt: skip
+    return step_torch(new, pos, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, n_global,
+                      scratch, attend)  # fmt: skip
 
 
-@nats_step.register_fake
-def _(x, w_s, bias, pos, rows, k_new, v_new, ring_kv, ring_valid, kv_pool):
-    return None
+@nats_decode.register_fake
+def _(q, x, w_s, bias, pos, rows, k_new, v_new, ring_kv, ring_valid, kv_pool):
+    return torch.empty_like(q)
 
 
 def nats_rows(types: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, max_new: int, cap_of=None):
@@ -170,10 +192,10 @@ class NAtSRule(FixedRule):
       where it applies, four launches per layer whose parameters are worked out once, `prefill_cache.PrefillKernels`;
       else `nats.functional.nats_attention_types`), then what the types keep is written (the fused Triton writes on
       CUDA, `nats_rows` elsewhere or with ``prefill_kernel="torch"``).
-    * Step: one launch before the attention (``nats::nats_step``): the previous token's eviction (the locals of a
-      row whose token was global; its expired ring slot is the new token's), the new token's type from the scorer,
-      ring write and segment append. Deferring the eviction to the next step changes nothing a query sees. A full
-      segment keeps a global or local token as a sliding one (visible for W steps).
+    * Step: the attention's two launches with the step fused into them (``nats::nats_decode``): the split kernel
+      reads the new token in its ring slot, and after the merge the new token's type from the scorer, its ring
+      write and append, and for a global token its row's locals dropped. A full segment keeps a global or local
+      token as a sliding one (visible for W steps).
     """
 
     name = "nats"
@@ -244,15 +266,13 @@ class NAtSRule(FixedRule):
         return Plan(rows, end, fill, (ring_kv, ring_valid, W), self._sizes(ctx, types, core))
 
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
-        nats_step(hidden, core.scorer.weight, core.type_bias, pos, layer.seg, kr, vr, layer.ring_kv,
-                      layer.ring_valid, layer.kv_pool)  # fmt: skip
-        return attend(layer, qr, ring=True), layer.length + layer.ring_valid.sum(1)
+        size = layer.length + layer.ring_valid.sum(1) + 1  # the keys query pos reads: its row's and itself
+        y = nats_decode(qr, hidden, core.scorer.weight, core.type_bias, pos, layer.seg, kr, vr, layer.ring_kv,
+                        layer.ring_valid, layer.kv_pool)  # fmt: skip
+        return y, size
 
     def kept(self, layer):
-        n = layer.length  # the last token's eviction is applied by the next step: count it done
-        n = torch.where(layer.last_type == GLOBAL, layer.n_global + 1, n)
-        expired = layer.ring_valid[:, int(layer.cumulative_length) % layer.window]
-        return n + layer.ring_valid.sum(1) - expired.long()
+        return layer.length + layer.ring_valid.sum(1)
 
 
 @register_cache("nats")
@@ -369,27 +389,28 @@ class NAtSCache(LayerCache, SegmentStorage):
         if self.backend == "triton":
             return self._step_fused(q, k, v, x, pos, types)
         t = self.types_of(x, pos) if types is None else types.reshape(self.rows).to(torch.long)
-        kr, vr = self._kv_rows(k), self._kv_rows(v)
-        W = self.window
-        append_token(t, pos, kr, vr, self.ring_k, self.ring_v, self.ring_valid, self.k_pool, self.v_pool,
-                     self.start, self.length, self.scratch)  # fmt: skip
-        y = self._record_and_attend(q, t, int(self.length.max()))
-        drop_locals(t == GLOBAL, self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.scratch)
-        # the sliding token i - W + 1 has now been seen by W queries
-        self.ring_valid.index_fill_(1, (pos + 1) % W, False)
+        self._t.copy_(t)
+        self._record_step()
+        attend = lambda: pool_attention(self._q_rows(q), self.k_pool, self.v_pool, self.start, self.length,  # noqa: E731
+                                        int(self.length.max()), ring_k=self.ring_k, ring_v=self.ring_v,
+                                        ring_valid=self.ring_valid, backend=self.backend)  # fmt: skip
+        y = step_torch(t, pos, self._kv_rows(k), self._kv_rows(v), self.ring_k, self.ring_v, self.ring_valid,
+                       self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.scratch, attend)  # fmt: skip
+        self._count_types()
         return self._out(y)
 
-    def _record_and_attend(self, q, t: torch.Tensor, max_len: int):
-        """After the admission of the token of types ``t`` [R]: record the cache sizes and types, then query i over
-        each row's segment and valid ring slots (``max_len``: the torch backend's padded width)."""
+    def _record_step(self) -> None:
+        """Before a step: its cache sizes c_i (the row's segment and valid ring slots, and the new token), then the
+        step counted."""
         if self.track:
-            self._record(self.length + self.ring_valid.sum(1))
-            self.type_counts.scatter_add_(1, t[:, None], torch.ones_like(t)[:, None])
+            self._record(self.length + self.ring_valid.sum(1) + 1)
         self.t += 1
-        max_len = self.max_cap if self.backend == "triton" else max_len
-        return pool_attention(self._q_rows(q), self.k_pool, self.v_pool, self.start, self.length, max_len,
-                              ring_k=self.ring_k, ring_v=self.ring_v, ring_valid=self.ring_valid,
-                              backend=self.backend)  # fmt: skip
+
+    def _count_types(self) -> None:
+        """After a step: its types (``_t``) counted."""
+        if self.track:
+            t = self._t
+            self.type_counts.scatter_add_(1, t[:, None], torch.ones_like(t)[:, None])
 
     def _scorer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The core's scorer weight [3 Hkv, C] and type offsets [3] (those of `NAtSAttention.type_logits` in eval
@@ -406,15 +427,15 @@ class NAtSCache(LayerCache, SegmentStorage):
         return w, bias
 
     def _step_fused(self, q, k, v, x, pos, types):
-        """The same step with the Triton backend in three launches per layer: ``nats_append`` (the type from the
-        core's scorer, computed in the kernel, then the ring write and the segment append; k and v are read where
-        the projection wrote them), the pool attention and ``nats_evict``.
+        """The same step with the Triton backend in the attention's two launches (``nats_decode``: the split kernel
+        reads the new token in its ring slot; the merge's extra programs compute its type from the core's scorer and
+        admit it; k and v are read where the projection wrote them).
 
         Types that replace the scorer's argmax come from ``types`` or, for synthetic benchmarks, from the core's
         ``forced_types``: a pair (table [T, R] int64 on the device, first position p0) whose row ``pos - p0``
         holds the types of position ``pos`` (-1: the scorer's), read by the kernel at the device position. The
         scorer runs whenever the core has one, so an override leaves the step's work as it is."""
-        from nats_kernels.nats_attention.decode import nats_append, nats_evict  # noqa: PLC0415
+        from nats_kernels.nats_attention.decode import nats_decode as kernel  # noqa: PLC0415
 
         if k.shape[2] != 1:
             raise ValueError(f"step() takes one token, got {k.shape[2]}")
@@ -434,26 +455,11 @@ class NAtSCache(LayerCache, SegmentStorage):
                 f"{type(self.core).__name__}"
             )
         w_s, bias = scorer if scorer is not None else (None, None)
-        nats_append(
-            x if scorer is not None else None,
-            w_s,
-            bias,
-            types,
-            pos,
-            self._t,
-            k,
-            v,
-            self.ring_k,
-            self.ring_v,
-            self.ring_valid,
-            self.k_pool,
-            self.v_pool,
-            self.start,
-            self.length,
-            types_from=types_from,
-        )
-        y = self._record_and_attend(q, self._t, self.max_cap)
-        nats_evict(self._t, pos, self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.ring_valid)
+        self._record_step()
+        y = kernel(self._q_rows(q), k, v, pos, self._t, self.k_pool, self.v_pool, self.start, self.length,
+                   self.n_global, self.ring_k, self.ring_v, self.ring_valid, x=x if scorer is not None else None,
+                   w_s=w_s, bias=bias, types=types, types_from=types_from)  # fmt: skip
+        self._count_types()
         return self._out(y)
 
     def _prefill(self, q, k, v, x, types: torch.Tensor | None = None):
