@@ -685,7 +685,9 @@ def test_decode_benchmark_helpers_on_cpu():
     for a, b in zip(ref_caches, caches):  # the same tokens kept (their keys differ by the attention's rounding)
         for name in ("start", "length", "n_global", "ring_valid"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
-        assert torch.allclose(a.k_pool[:-1], b.k_pool[:-1], atol=1e-4, rtol=0)
+        for r in range(a.rows):  # the segments (past its length the PyTorch step leaves a moved global's old copy)
+            s, n = int(a.start[r]), int(a.length[r])
+            assert torch.allclose(a.k_pool[s : s + n], b.k_pool[s : s + n], atol=1e-4, rtol=0), r
     assert int(caches[0].n_global[0]) == int((types[0, 0] == 0).sum()) + 1  # the synthetic global at L + 3
 
 
@@ -930,9 +932,9 @@ def test_nats_kernels_scorer_rounds_like_the_linear(bias):
         for with_cap in (False, True):  # the GPT path's cache (no capacity) and the fixed-capacity one
             t = torch.full((R,), -1, dtype=torch.long, device=dev)
             pool = torch.zeros(4 * R + 1, D, device=dev, dtype=torch.bfloat16)
-            nats_decode(q, k_new, k_new, pos, t, pool, pool.clone(), start, torch.zeros(R, dtype=torch.long, device=dev),
-                        torch.zeros(R, dtype=torch.long, device=dev), ring_k.clone(), ring_k.clone(),
-                        torch.zeros(R, W, dtype=torch.bool, device=dev), x=x, w_s=w_s, bias=b,
+            zeros = torch.zeros(R, dtype=torch.long, device=dev)
+            nats_decode(q, k_new, k_new, pos, t, pool, pool.clone(), start, zeros, zeros.clone(), ring_k.clone(),
+                        ring_k.clone(), torch.zeros(R, W, dtype=torch.bool, device=dev), x=x, w_s=w_s, bias=b,
                         cap=cap if with_cap else None)  # fmt: skip
             assert torch.equal(t, types), (with_cap, int(pos))
 

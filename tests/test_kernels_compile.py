@@ -37,25 +37,24 @@ SCRIPT = textwrap.dedent(
         "_pool_decode_kernel": (  # the split-K decode attention: balanced chunks or each row alike, with a ring or not
             dict(Q=B, KP=B, VP=B, START=L, LEN=L, RK=B, RV=B, RVALID=I8, M_OUT=P, L_OUT=P, ACC_OUT=P, qk_scale="fp32",
                  SPLITS=I, G=C, D=C, BLOCK_G=C, BLOCK_D=C, BLOCK_N=C, HAS_RING=C, W=C, BLOCK_W=C, IEEE=C, R=I,
-                 BALANCED=C, BLOCK_R=C, USE_PDL=C, HAS_NEW=C, POS=L, KNEW=B, VNEW=B, HKV=I, skb=I, skh=I, svb=I, svh=I),
+                 BALANCED=C, BLOCK_R=C, USE_PDL=C),
             [dict(G=4, D=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, HAS_RING=r, W=64, BLOCK_W=64, IEEE=False,
-                  BALANCED=b, BLOCK_R=mod.ROW_BLOCK, USE_PDL=r, HAS_NEW=r and not b) for b in (True, False)
-             for r in (True, False)],
+                  BALANCED=b, BLOCK_R=mod.ROW_BLOCK, USE_PDL=r) for b in (True, False) for r in (True, False)],
         ),
         "_stream_decode_kernel": (  # the streamed split: the rows' keys end to end in equal shares
             dict(Q=B, KP=B, VP=B, START=L, LEN=L, RK=B, RV=B, RVALID=I8, M_OUT=P, L_OUT=P, ACC_OUT=P, FIRST="*i32",
                  LAST="*i32", qk_scale="fp32", R=I, G=C, D=C, BLOCK_G=C, BLOCK_D=C, BLOCK_N=C, HAS_RING=C, W=C,
-                 RING_UNITS=C, IEEE=C, BLOCK_R=C, USE_PDL=C, HAS_NEW=C, POS=L, KNEW=B, VNEW=B, HKV=I, skb=I, skh=I, svb=I, svh=I),
+                 RING_UNITS=C, IEEE=C, BLOCK_R=C, USE_PDL=C),
             [dict(G=4, D=d, BLOCK_G=16, BLOCK_D=d, BLOCK_N=n, HAS_RING=r, W=64, RING_UNITS=-(-64 // n) if r else 0,
-                  IEEE=False, BLOCK_R=mod.ROW_BLOCK, USE_PDL=r, HAS_NEW=r) for d, n in ((128, 64), (128, 128), (64, 64))
+                  IEEE=False, BLOCK_R=mod.ROW_BLOCK, USE_PDL=r) for d, n in ((128, 64), (128, 128), (64, 64))
              for r in (True, False)],
         ),
         "_combine_kernel": (  # the merge, and with ADMIT NAtS' step (scorer, table of types, capacity)
             dict(M=P, L=P, ACC=P, OUT=B, SPLITS=I, D=C, BLOCK_D=C, BLOCK_S=C, LEN=L, R=I, FIRST="*i32",
-                 LAST="*i32", G=C, BLOCK_N=C, MODE=C, BLOCK_R=C, USE_PDL=C, ADMIT=C, X=B, stride_xb=I, WS=B, BIAS=P,
-                 TYPES=L, types_stride=I, types_from=I, POS=L, TOUT=L, KNEW=B, VNEW=B, HKV=I, skb=I, skh=I, svb=I,
-                 svh=I, RK=B, RV=B, RVALID=I8, KP=B, VP=B, START=L, NGLOBAL=L, CAP=L, C=C, BLOCK_C=C, HAS_SCORER=C,
-                 HAS_TYPES=C, HAS_CAP=C, W=C),
+                 LAST="*i32", G=C, BLOCK_N=C, MODE=C, BLOCK_R=C, USE_PDL=C, ADMIT=C, Q=B, qk_scale="fp32", X=B,
+                 stride_xb=I, WS=B, BIAS=P, TYPES=L, types_stride=I, types_from=I, POS=L, TOUT=L, KNEW=B, VNEW=B,
+                 HKV=I, skb=I, skh=I, svb=I, svh=I, RK=B, RV=B, RVALID=I8, KP=B, VP=B, START=L, NGLOBAL=L, CAP=L, C=C,
+                 BLOCK_C=C, HAS_SCORER=C, HAS_TYPES=C, HAS_CAP=C, W=C),
             [dict(D=128, BLOCK_D=128, BLOCK_S=64, G=4, BLOCK_N=64, MODE=mode, BLOCK_R=mod.ROW_BLOCK, USE_PDL=mode > 0,
                   ADMIT=False, C=1, BLOCK_C=1, HAS_SCORER=False, HAS_TYPES=False, HAS_CAP=False, W=1)
              for mode in (0, 1, 2)]

@@ -57,18 +57,11 @@ LAST_KERNELS: dict = {}
 
 
 @triton.jit
-def _attend_block(
-    acc, m_i, l_i, q, KB, VB, rows, ok, offs_d, dmask, D, qk_scale, IEEE: tl.constexpr, NEW: tl.constexpr = False,
-    new=None, knew=None, vnew=None,
-):  # fmt: skip
+def _attend_block(acc, m_i, l_i, q, KB, VB, rows, ok, offs_d, dmask, D, qk_scale, IEEE: tl.constexpr):
     """Online-softmax update of the G query heads ``q [BLOCK_G, BLOCK_D]`` of one KV row (natural base; m_i may
-    still be -inf) with the K/V rows ``rows`` where ``ok``: each key and value is read once for the whole group.
-    With NEW, the rows where ``new`` take the key and value ``knew``, ``vnew`` ``[BLOCK_D]`` instead (the step's
-    new token in its ring slot)."""
+    still be -inf) with the K/V rows ``rows`` where ``ok``: each key and value is read once for the whole group."""
     kv_mask = ok[:, None] & dmask[None, :]
     k = tl.load(KB + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-    if NEW:
-        k = tl.where(new[:, None], knew[None, :], k)
     if IEEE:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N], float32
     else:
@@ -79,8 +72,6 @@ def _attend_block(
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     v = tl.load(VB + rows[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-    if NEW:
-        v = tl.where(new[:, None], vnew[None, :], v)
     if IEEE:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -160,15 +151,6 @@ def _pool_decode_kernel(
     BALANCED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     USE_PDL: tl.constexpr,
-    HAS_NEW: tl.constexpr,
-    POS,
-    KNEW,
-    VNEW,
-    HKV,
-    skb,
-    skh,
-    svb,
-    svh,
 ):
     if USE_PDL:  # the kernels before (the step's projections) have finished; the merge may launch
         tl.extra.cuda.gdc_wait()
@@ -207,14 +189,7 @@ def _pool_decode_kernel(
             okw = offs_w < W
             valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
             rrows = r.to(tl.int64) * W + offs_w
-            if HAS_NEW:  # the new token in its ring slot, in place of the slot's expired token
-                knew, vnew = _new_token(KNEW, VNEW, r, HKV, skb, skh, svb, svh, offs_d, dmask)
-                new = offs_w == tl.load(POS) % W
-                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid | new, offs_d, dmask, D,
-                                              qk_scale, IEEE, True, new, knew, vnew)  # fmt: skip
-            else:
-                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale,
-                                              IEEE)  # fmt: skip
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale, IEEE)
     if BALANCED:
         out = out + offs_g
     _store_partial(M_OUT, L_OUT, ACC_OUT, out, m_i, l_i, acc, gmask, offs_d, dmask, D)
@@ -310,15 +285,6 @@ def _stream_decode_kernel(
     IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     USE_PDL: tl.constexpr,
-    HAS_NEW: tl.constexpr,
-    POS,
-    KNEW,
-    VNEW,
-    HKV,
-    skb,
-    skh,
-    svb,
-    svh,
 ):
     """The streamed split (stream-K): the rows' work units laid end to end, U in all, and program p of the P
     launched takes units ``[p U / P, (p + 1) U / P)``, crossing row boundaries, so every program reads the same
@@ -373,14 +339,7 @@ def _stream_decode_kernel(
                 okw = offs_w < W
                 valid = tl.load(RVALID + r * W + offs_w, mask=okw, other=0) != 0
                 rrows = r.to(tl.int64) * W + offs_w
-                if HAS_NEW:  # the new token in its ring slot, in place of the slot's expired token
-                    knew, vnew = _new_token(KNEW, VNEW, r, HKV, skb, skh, svb, svh, offs_d, dmask)
-                    new = offs_w == tl.load(POS) % W
-                    acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid | new, offs_d, dmask, D,
-                                                  qk_scale, IEEE, True, new, knew, vnew)  # fmt: skip
-                else:
-                    acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale,
-                                                  IEEE)  # fmt: skip
+                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, RK, RV, rrows, valid, offs_d, dmask, D, qk_scale, IEEE)
         start = tl.load(START + r).to(tl.int64)
         k_lo = (tl.maximum(a, RING_UNITS) - RING_UNITS) * BLOCK_N
         k_hi = tl.minimum((b - RING_UNITS) * BLOCK_N, length)
@@ -416,6 +375,8 @@ def _combine_kernel(
     BLOCK_R: tl.constexpr,
     USE_PDL: tl.constexpr,
     ADMIT: tl.constexpr,
+    Q,
+    qk_scale,
     X,
     stride_xb,
     WS,
@@ -448,8 +409,9 @@ def _combine_kernel(
     W: tl.constexpr,
 ):
     """Program pid = r * G + g < R * G: the partials of query head g of row r merged (`_merge`). With ADMIT (NAtS'
-    step, `nats_decode`), programs R * G + r admit row r's new token (`_step_type`, `_admit`): the split kernel that
-    read the rows has finished, and the merge programs read no row's keys or lengths (MODE 0 or 2)."""
+    step, `nats_decode`) the merge starts from the new token (query ``Q`` ``[R, G, D]`` against row r's new key),
+    and programs R * G + r admit row r's new token (`_step_type`, `_admit`): the split kernel that read the rows
+    has finished, and the merge programs read no row's keys or lengths (MODE 0 or 2)."""
     pid = tl.program_id(0)
     if ADMIT:
         if pid >= R * G:
@@ -467,23 +429,38 @@ def _combine_kernel(
             _admit(r, t, pos, k, v, TOUT, RK, RV, RVALID, KP, VP, START, LEN, NGLOBAL, offs_d, dmask, W, D)
         else:
             _merge(pid, M, L, ACC, OUT, SPLITS, D, BLOCK_D, BLOCK_S, LEN, R, FIRST, LAST, G, BLOCK_N, MODE, BLOCK_R,
-                   USE_PDL)  # fmt: skip
+                   USE_PDL, True, Q, qk_scale, KNEW, VNEW, HKV, skb, skh, svb, svh)  # fmt: skip
     else:
         _merge(pid, M, L, ACC, OUT, SPLITS, D, BLOCK_D, BLOCK_S, LEN, R, FIRST, LAST, G, BLOCK_N, MODE, BLOCK_R,
-               USE_PDL)  # fmt: skip
+               USE_PDL, False, Q, qk_scale, KNEW, VNEW, HKV, skb, skh, svb, svh)  # fmt: skip
 
 
 @triton.jit
 def _merge(
     pid, M, L, ACC, OUT, SPLITS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, LEN, R, FIRST, LAST,
     G: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+    NEW: tl.constexpr, Q, qk_scale, KNEW, VNEW, HKV, skb, skh, svb, svh,
 ):  # fmt: skip
     """Program pid = r * G + g: the partials of query head g of row r merged (online, BLOCK_S partials at a time).
-    MODE: the split kernel's (0 each row alike, 1 balanced chunks, 2 streamed)."""
-    if USE_PDL:  # the split kernel has finished
-        tl.extra.cuda.gdc_wait()
+    MODE: the split kernel's (0 each row alike, 1 balanced chunks, 2 streamed). With NEW the merge starts from row
+    r's new token (score q . k / sqrt(D), weight 1, value v), which the split kernel left out: one key, in float32,
+    read before the wait (the kernels before the split kernel wrote it)."""
     r = pid // G
     g = pid % G
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    if NEW:
+        knew, vnew = _new_token(KNEW, VNEW, r, HKV, skb, skh, svb, svh, offs_d, dmask)
+        qv = tl.load(Q + pid * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        mx = tl.sum(qv * knew.to(tl.float32), axis=0) * qk_scale
+        den = tl.full([], 1.0, tl.float32)
+        num = vnew.to(tl.float32)
+    else:
+        mx = tl.full([], float("-inf"), tl.float32)
+        den = tl.zeros([], dtype=tl.float32)
+        num = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if USE_PDL:  # the split kernel has finished
+        tl.extra.cuda.gdc_wait()
     if MODE == 2:  # slots p + r of the programs p = FIRST[r] .. LAST[r] that took row r's units
         first = tl.load(FIRST + r)
         n_r = tl.load(LAST + r) - first + 1
@@ -498,11 +475,6 @@ def _merge(
         n_r = SPLITS
         step = 1
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    mx = tl.full([], float("-inf"), tl.float32)
-    den = tl.zeros([], dtype=tl.float32)
-    num = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, n_r, BLOCK_S):
         ok = s0 + offs_s < n_r
         idx = base + (s0 + offs_s) * step
@@ -637,7 +609,6 @@ def triton_pool_attention(
     pdl = _pdl_launch(bool(cfg["pdl"]) and use_pdl(dev))
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl}
     if _step is None:  # no new token: placeholders of the step's arguments
-        new = {"HAS_NEW": False, "POS": start, "KNEW": q, "VNEW": q, "HKV": 1, "skb": 0, "skh": 0, "svb": 0, "svh": 0}
         admit = {
             "ADMIT": False, "X": q, "stride_xb": 0, "WS": q, "BIAS": q, "TYPES": start, "types_stride": 0,
             "types_from": 0, "POS": start, "TOUT": start, "KNEW": q, "VNEW": q, "HKV": 1, "skb": 0, "skh": 0, "svb": 0,
@@ -645,14 +616,14 @@ def triton_pool_attention(
             "CAP": start, "C": 1, "BLOCK_C": 1, "HAS_SCORER": False, "HAS_TYPES": False, "HAS_CAP": False, "W": 1,
         }  # fmt: skip
     else:
-        new, admit = _step
+        admit = _step
     if mode == "stream":
         first_last = torch.empty(2, R, device=dev, dtype=torch.int32)
         split = _stream_decode_kernel[(programs,)](
             q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, first_last[0], first_last[1],
             1.0 / math.sqrt(D), R, G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["block_n"],
             HAS_RING=has_ring, W=W, RING_UNITS=triton.cdiv(W, cfg["block_n"]) if has_ring else 0, IEEE=ieee,
-            BLOCK_R=ROW_BLOCK, **new, **launch,
+            BLOCK_R=ROW_BLOCK, **launch,
         )  # fmt: skip
     else:
         first_last = length.view(1, -1).expand(2, -1)  # unused placeholders
@@ -661,20 +632,21 @@ def triton_pool_attention(
             q, k_pool, v_pool, start, length, rk, rv, rvalid, m, l, acc, 1.0 / math.sqrt(D), splits, G=G, D=D,
             BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["block_n"], HAS_RING=has_ring, W=W,
             BLOCK_W=max(16, triton.next_power_of_2(W)), IEEE=ieee, R=R, BALANCED=balanced, BLOCK_R=ROW_BLOCK,
-            **new, **launch,
+            **launch,
         )  # fmt: skip
     LAST_KERNELS["split"] = split
     _combine_kernel[(R * G + (R if _step is not None else 0),)](
         m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, FIRST=first_last[0],
-        LAST=first_last[1], G=G, BLOCK_N=cfg["block_n"], MODE=SPLITS_MODES.index(mode), BLOCK_R=ROW_BLOCK, **admit,
-        **pdl,
+        LAST=first_last[1], G=G, BLOCK_N=cfg["block_n"], MODE=SPLITS_MODES.index(mode), BLOCK_R=ROW_BLOCK, Q=q,
+        qk_scale=1.0 / math.sqrt(D), **admit, **pdl,
     )  # fmt: skip
     return out
 
 
 # ----------------------------------------------------------------------------------------------------
-# NAtS' decode step fused into the attention's two launches: the split kernel reads the new token in its ring slot
-# (HAS_NEW), the merge kernel's extra programs (ADMIT) type the token and admit it once every query has been answered
+# NAtS' decode step fused into the attention's two launches: the split kernel reads the rows (the new token's ring
+# slot is not valid), the merge starts from the new token itself, and the merge kernel's extra programs (ADMIT) type
+# the token and admit it once every query has been answered
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _type_of(z0, z1, z2, pos):
@@ -790,17 +762,17 @@ def nats_decode(
 ):  # fmt: skip
     """One NAtS decode step of a layer (spec section 5) in the attention's two launches; returns ``[R, G, D]``.
 
-    The split kernel reads the new token (``k_new``, ``v_new``: ``[B, Hkv, (1,) D]`` or ``[R, D]``, read through their
-    strides, e.g. views of a fused qkv product) in its ring slot ``pos % W`` in place of the slot's expired token
-    (position pos - W), so query ``pos`` sees the row's segment, its valid ring slots and itself whatever the new
-    token's type. The merge kernel's extra programs, one a row, then type the token and admit it (`_admit`: ring
-    write, append, or for a global token its row's locals dropped) and close the expired ring slot: nothing is read
-    and written in the same launch. Type: the scorer's (``x [B, C]`` . ``w_s [3 Hkv, C]`` rounded as the Linear's
-    output, ``+ bias [3]``, argmax, token 0 global) and/or ``types`` (int64 ``[R]``, or with ``types_from`` a table
-    ``[T, R]`` whose row ``pos - types_from`` is read on the device; with the scorer too, -1 keeps the scorer's);
-    with ``cap`` ``[R]`` a global or local token of a full segment is kept as sliding. ``t_out [R]`` receives the
-    types. Invariant: on entry the slot ``pos % W`` is not valid (the previous step closed it, the prefill never
-    sets it). The PyTorch form is ``nats.cache.policies.nats.nats_decode_torch``."""
+    The split kernel reads each row's segment and valid ring slots, as for any cache (the new token's slot ``pos % W``
+    holds position pos - W, out of the window, and is not valid: the last step, or the prefill, closed it); the merge
+    starts from the new token itself (``k_new``, ``v_new``: ``[B, Hkv, (1,) D]`` or ``[R, D]``, read through their
+    strides, e.g. views of a fused qkv product), so query ``pos`` sees what its row holds and itself whatever the new
+    token's type. The merge kernel's extra programs, one a row, then type the token and admit it (`_admit`: ring write,
+    append, or for a global token its row's locals dropped) and close the expired ring slot: nothing is read and written
+    in the same launch. Type: the scorer's (``x [B, C]`` . ``w_s [3 Hkv, C]`` rounded as the Linear's output, ``+ bias
+    [3]``, argmax, token 0 global) and/or ``types`` (int64 ``[R]``, or with ``types_from`` a table ``[T, R]`` whose row
+    ``pos - types_from`` is read on the device; with the scorer too, -1 keeps the scorer's); with ``cap`` ``[R]`` a
+    global or local token of a full segment is kept as sliding. ``t_out [R]`` receives the types. The PyTorch form is
+    ``nats.cache.policies.nats.step_torch``."""
     R, W, D = ring_k.shape
     has_scorer, has_types = x is not None, types is not None
     if not (has_scorer or has_types):
@@ -835,7 +807,6 @@ def nats_decode(
     rvalid = ring_valid.view(torch.int8) if ring_valid.dtype == torch.bool else ring_valid
     strides = {"HKV": H, "skb": k_new.stride(0), "skh": k_new.stride(1), "svb": v_new.stride(0),
                "svh": v_new.stride(1)}  # fmt: skip
-    new = {"HAS_NEW": True, "POS": pos, "KNEW": k_new, "VNEW": v_new, **strides}
     admit = {
         "ADMIT": True, "X": x, "stride_xb": x.stride(0), "WS": w_s, "BIAS": bias, "TYPES": types,
         "types_stride": types_stride, "types_from": int(types_from), "POS": pos, "TOUT": t_out, "KNEW": k_new,
@@ -845,4 +816,4 @@ def nats_decode(
         "HAS_CAP": cap is not None, "W": W,
     }  # fmt: skip
     return triton_pool_attention(q, k_pool, v_pool, start, length, 0, ring_k=ring_k, ring_v=ring_v,
-                                 ring_valid=ring_valid, splits=splits, config=config, _step=(new, admit))  # fmt: skip
+                                 ring_valid=ring_valid, splits=splits, config=config, _step=admit)  # fmt: skip

@@ -152,7 +152,8 @@ class SegmentStorage:
     The buffers are packed into few tensors, the named ones being views of them: every tensor a compiled decode step
     reads from the cache is a graph input that dynamo guards before each replay, and the guard check is host time at
     every step. ``kv_pool`` ``[2, P, D]`` (keys, values; the last slot is the scratch slot), ``seg`` ``[6, R]`` int64
-    (segment start, length, capacity, NAtS' global count and the last token's type, the ring rule's count), and for rules with a ring ``ring_kv`` ``[2, R, W, D]`` and ``ring_valid`` ``[R, W]``."""
+    (segment start, length, capacity, NAtS' global count and the last token's type, the ring rule's count), and for
+    rules with a ring ``ring_kv`` ``[2, R, W, D]`` and ``ring_valid`` ``[R, W]``."""
 
     kv_pool: Tensor
     seg: Tensor

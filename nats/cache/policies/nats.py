@@ -193,8 +193,9 @@ class NAtSRule(FixedRule):
       else `nats.functional.nats_attention_types`), then what the types keep is written (the fused Triton writes on
       CUDA, `nats_rows` elsewhere or with ``prefill_kernel="torch"``).
     * Step: the attention's two launches with the step fused into them (``nats::nats_decode``): the split kernel
-      reads the new token in its ring slot, and after the merge the new token's type from the scorer, its ring
-      write and append, and for a global token its row's locals dropped. A full segment keeps a global or local
+      reads the rows, the merge adds the new token itself, and the merge kernel's extra programs then compute the
+      new token's type from the scorer, write it to the ring and append it, and for a global token drop its row's
+      locals. A full segment keeps a global or local
       token as a sliding one (visible for W steps).
     """
 
@@ -395,7 +396,8 @@ class NAtSCache(LayerCache, SegmentStorage):
                                         int(self.length.max()), ring_k=self.ring_k, ring_v=self.ring_v,
                                         ring_valid=self.ring_valid, backend=self.backend)  # fmt: skip
         y = step_torch(t, pos, self._kv_rows(k), self._kv_rows(v), self.ring_k, self.ring_v, self.ring_valid,
-                       self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.scratch, attend)  # fmt: skip
+                       self.k_pool, self.v_pool, self.start, self.length, self.n_global, self.scratch,
+                       attend)  # fmt: skip
         self._count_types()
         return self._out(y)
 
@@ -428,8 +430,8 @@ class NAtSCache(LayerCache, SegmentStorage):
 
     def _step_fused(self, q, k, v, x, pos, types):
         """The same step with the Triton backend in the attention's two launches (``nats_decode``: the split kernel
-        reads the new token in its ring slot; the merge's extra programs compute its type from the core's scorer and
-        admit it; k and v are read where the projection wrote them).
+        reads the rows, the merge adds the new token, its extra programs compute the token's type from the core's
+        scorer and admit it; k and v are read where the projection wrote them).
 
         Types that replace the scorer's argmax come from ``types`` or, for synthetic benchmarks, from the core's
         ``forced_types``: a pair (table [T, R] int64 on the device, first position p0) whose row ``pos - p0``
