@@ -1,5 +1,5 @@
-"""Triton decode attention over a KV pool with per-row segments and an optional ring (flash-decoding), and
-the fused per-step update of the NAtS KV cache. The exact PyTorch reference is ``decode_reference.py`` beside it
+"""Triton decode attention over a KV pool with per-row segments and an optional ring (flash-decoding), and NAtS' decode
+step fused into its two launches (`nats_decode`). The exact PyTorch reference is ``decode_reference.py`` beside it
 (``torch_pool_attention``); ``nats.cache.attention.pool_attention`` picks one of the two (tests/test_cache.py
 compares them).
 
@@ -37,14 +37,14 @@ import torch
 from nats_kernels.nats_attention._env import INTERPRET, tl, triton
 from nats_kernels.nats_attention.plan import first_max
 
-# Programmatic dependent launch (Hopper and later): the decode step's kernels (the NAtS step, the attention, its
-# merge) are launched while the kernel before them finishes, and wait for it (``griddepcontrol.wait``, their first
-# instruction) before they read anything; the attention and the step let the next one launch at once
-# (``griddepcontrol.launch_dependents``). It hides a launch's latency between the kernels of a CUDA graph, which
-# pays for few rows and not for many (H200, docs/results/bench_limit_h200.md: Llama-3.2-1B's shape at 32k and
-# batch 1, NAtS 761.7 tokens/s with it, 720.4 without; Llama-3.1-8B's at 32k and batch 8, 1106.2 with it, 1153.1
-# without), so the launches use it up to PDL_ROWS KV rows (batch x KV heads). NATS_KERNELS_PDL=0 (read at import)
-# launches them plainly, e.g. to time both.
+# Programmatic dependent launch (Hopper and later): the decode step's kernels (the attention and its merge) are launched
+# while the kernel before them finishes, and wait for it (``griddepcontrol.wait``) before they read anything it writes
+# (the merge reads NAtS' new token, written before the attention, first); the attention lets the merge launch at once
+# (``griddepcontrol.launch_dependents``). It hides a launch's latency between the kernels of a CUDA graph, which pays
+# for few rows and not for many (H200, docs/results/bench_limit_h200.md: Llama-3.2-1B's shape at 32k and batch 1, NAtS
+# 761.7 tokens/s with it, 720.4 without; Llama-3.1-8B's at 32k and batch 8, 1106.2 with it, 1153.1 without), so the
+# launches use it up to PDL_ROWS KV rows (batch x KV heads). NATS_KERNELS_PDL=0 (read at import) launches them plainly,
+# e.g. to time both.
 PDL = os.environ.get("NATS_KERNELS_PDL", "1") != "0"
 PDL_ROWS = 16
 
