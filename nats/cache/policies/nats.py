@@ -10,11 +10,11 @@ Storage (one layer; row r = sequence b, KV head h):
 * **ring** ``[R, W, D]`` (+ valid flags ``[R, W]``): token i is written to slot ``i % W`` of every row, valid
   where its type is sliding. The slot held token i - W, whose window ended at query i - 1, so sliding tokens
   expire by being overwritten; after query i the slot of token i - W + 1 is marked invalid (its window ends).
-* **pool** ``[P + 1, D]`` with a segment ``[start[r], start[r] + cap[r])`` per row, holding ``length[r]``
-  tokens: the row's globals (``n_global[r]`` of them) followed by its live locals (those after its last
-  global). Global or local tokens are appended at ``start + length`` (a scatter; rows whose token is sliding
-  write to the scratch slot P). After query i, in the rows where t_i is global, the token is moved from
-  ``start + length - 1`` to ``start + n_global`` and ``length = n_global + 1``: the locals are dropped by
+* **pool** ``[P + 1, D]`` with a segment ``[start[r], start[r] + cap[r])`` per row, holding ``length[r]`` tokens: the
+  row's globals (``n_global[r]`` of them) followed by its live locals (those after its last global). Global or local
+  tokens are appended at ``start + length`` (a scatter; rows whose token is sliding write to the scratch slot P).
+  After query i, in the rows where t_i is global, the token is moved from ``start + length - 1`` to ``start +
+  n_global`` and ``length = n_global + 1`` (the fused kernels write it there at once): the locals are dropped by
   truncation, so segments never hold holes. Each step costs O(B * Hkv * D), never a copy of the cache.
 * **planned capacity** (``reserve`` = the number of tokens the caller will decode, as `generate` passes its
   ``max_new_tokens``): the prefill (:meth:`load`) gives row r ``cap = length + reserve`` slots. A step adds at
@@ -195,8 +195,7 @@ class NAtSRule(FixedRule):
     * Step: the attention's two launches with the step fused into them (``nats::nats_decode``): the split kernel
       reads the rows, the merge adds the new token itself, and the merge kernel's extra programs then compute the
       new token's type from the scorer, write it to the ring and append it, and for a global token drop its row's
-      locals. A full segment keeps a global or local
-      token as a sliding one (visible for W steps).
+      locals. A full segment keeps a global or local token as a sliding one (visible for W steps).
     """
 
     name = "nats"
