@@ -725,17 +725,17 @@ def test_nats_fused_triton_step_equals_torch_step():
     assert torch.allclose(a.fractions()["area"], b.fractions()["area"])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_nats_decode_matches_torch(dtype):
-    """The fixed-capacity cache's step fused into the attention's launches (the new token read in its ring slot,
+@pytest.mark.parametrize("dtype,W", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 1)])
+def test_triton_nats_decode_matches_torch(dtype, W):
+    """The fixed-capacity cache's step fused into the attention's launches (the merge starting from the new token,
     then the scorer's type, ring write, append, a global's locals dropped, the expired ring slot closed; a full
     segment keeps the token as sliding) against its PyTorch form (the custom op nats::nats_decode off CUDA): the
-    output, and the state row for row."""
+    output, and the state row for row. W = 1: a sliding token's only query is its own, its slot closed at once."""
     from nats.cache.policies import nats as nats_policy
     from nats_kernels.nats_attention.decode import nats_decode
 
     torch.manual_seed(0)
-    B, Hkv, G, W, D, C = 2, 3, 2, 4, 16, 20
+    B, Hkv, G, D, C = 2, 3, 2, 16, 20
     R = B * Hkv
     cap = torch.tensor([5, 3, 8, 2, 6, 4])
     start = torch.zeros_like(cap)
@@ -785,7 +785,7 @@ def test_triton_nats_decode_matches_torch(dtype):
         assert torch.equal(ref["v_pool"][s : s + n], out["v_pool"][s : s + n]), r
     t = ref["t"].tolist()
     assert t[0] == 0 and int(ref["length"][0]) == 2  # global: its row's local dropped (1 global + the new one)
-    assert t[2] == 1 and int(ref["length"][2]) == 1 and t[5] == 2 and bool(ref["ring_valid"][5, 9 % W])
+    assert t[2] == 1 and int(ref["length"][2]) == 1 and t[5] == 2 and bool(ref["ring_valid"][5, 9 % W]) == (W > 1)
     assert t[1] == 2 and t[4] == 2  # full rows keep their global / local token as sliding
     assert not ref["ring_valid"][:, 10 % W].any()  # the slot whose window this query closed
 
