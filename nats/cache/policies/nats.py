@@ -332,7 +332,6 @@ class NAtSCache(LayerCache, SegmentStorage):
 
     def _laid_out(self) -> None:
         self.scratch = torch.full((self.rows,), self.kv_pool.shape[1] - 1, device=self.device, dtype=torch.long)
-        self.max_cap = int(self.cap.max())
         if self.reserve is not None:
             self._free_steps = int((self.cap - self.length).min())
 
