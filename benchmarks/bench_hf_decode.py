@@ -291,11 +291,14 @@ def new_tokens(method: str, args) -> int:
 
 
 def set_inductor(settings: list[str]) -> dict:
-    """``KEY=VALUE`` words set on ``torch._inductor.config`` (values read as Python literals, else as strings);
-    returns them. ValueError, naming the word, for a malformed word or a key inductor does not have."""
+    """``KEY=VALUE`` words set on ``torch._inductor.config`` and, for its keys, on the decode step's own settings
+    (`nats.hf.loop.STEP_INDUCTOR`, which would override the global ones); values read as Python literals, else as
+    strings. Returns them. ValueError, naming the word, for a malformed word or a key inductor does not have."""
     import ast
 
     import torch._inductor.config as inductor_config
+
+    from nats.hf import loop
 
     done = {}
     for word in settings:
@@ -309,6 +312,8 @@ def set_inductor(settings: list[str]) -> dict:
         except (ValueError, SyntaxError):
             value = raw
         setattr(inductor_config, key, value)
+        if key in loop.STEP_INDUCTOR:
+            loop.STEP_INDUCTOR[key] = value
         done[key] = value
     return done
 

@@ -180,6 +180,15 @@ def test_bench_hf_decode_inductor_settings(capsys):
         done = bench.set_inductor(["coordinate_descent_tuning=True", "max_autotune_gemm_backends=ATEN,TRITON"])
         assert done == {"coordinate_descent_tuning": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
         assert inductor_config.coordinate_descent_tuning is True
+    from nats.hf import loop  # a key of the decode step's own settings is set there too (they override the global)
+
+    saved = dict(loop.STEP_INDUCTOR)
+    try:
+        with inductor_config.patch(combo_kernels=True):
+            assert bench.set_inductor(["combo_kernels=False"]) == {"combo_kernels": False}
+            assert loop.STEP_INDUCTOR["combo_kernels"] is False
+    finally:
+        loop.STEP_INDUCTOR.update(saved)
     for word, says in (("no_such_setting=1", "has no setting 'no_such_setting'"), ("coordinate", "give KEY=VALUE")):
         assert bench.main(["--smoke", "--inductor", word]) == 2
         out = capsys.readouterr().out.strip()

@@ -62,6 +62,21 @@ def test_compiled_step_equals_eager_and_is_reused():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_the_step_is_compiled_with_its_mode_and_the_step_settings(monkeypatch):
+    """The compiled step gets its mode's inductor settings (reduce-overhead: CUDA graphs) and `STEP_INDUCTOR`'s
+    (combo kernels); a backend by name gets neither."""
+    from nats.hf import loop
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    model = model_for("full")
+    loop._STEPS.pop(model, None)
+    loop.decode_step(model, True)
+    loop.decode_step(model, "aot_eager")
+    assert seen[0]["options"] == {"triton.cudagraphs": True, "combo_kernels": True}, seen
+    assert seen[1] == {"fullgraph": True, "backend": "aot_eager"}, seen
+
+
 def test_on_prefill_is_called_once_between_the_prompt_and_the_decode_steps():
     model = model_for("full")
     forwards, seen = [], []

@@ -30,11 +30,18 @@ from nats.hf.compat import cache_kwargs, takes_cache_position
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled decode steps, by mode
 
+#: inductor settings of the compiled step beside its mode's. ``combo_kernels``: independent small kernels of a layer
+#: launched as one (the rotary embedding of the query, of the key and the cache's own bookkeeping: one launch where
+#: there were three or four). On one H200 it made the project's full cache 3.7-4.7% faster (Llama-3.2-1B's shape at
+#: batch 1, Llama-3.1-8B's at batch 8, 8k and 32k) and NAtS' step no slower (docs/results/bench_limit_h200.md).
+#: ``benchmarks/bench_hf_decode.py --inductor KEY=VALUE`` overrides a key here too.
+STEP_INDUCTOR: dict = {"combo_kernels": True}
+
 
 def decode_step(model, compile: bool | str, mode: str | None = "reduce-overhead"):
     """The model's step ``(token [B, 1], position_ids [B, 1], cache_position [1], cache) -> logits [B, V]`` (float32),
     compiled once per model and mode (``compile``: True, or the name of a torch.compile backend, then without a
-    mode), as ``generate`` keeps its compiled forward."""
+    mode or `STEP_INDUCTOR`), as ``generate`` keeps its compiled forward."""
     mode = None if isinstance(compile, str) else mode
     key = (compile, mode)
     steps = _STEPS.setdefault(model, {})
@@ -50,7 +57,8 @@ def decode_step(model, compile: bool | str, mode: str | None = "reduce-overhead"
         if isinstance(compile, str):
             steps[key] = torch.compile(step, fullgraph=True, backend=compile)
         else:
-            steps[key] = torch.compile(step, fullgraph=True, mode=mode) if compile else step
+            options = {**torch._inductor.list_mode_options(mode or "default"), **STEP_INDUCTOR}
+            steps[key] = torch.compile(step, fullgraph=True, options=options) if compile else step
     return steps[key]
 
 
