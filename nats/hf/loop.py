@@ -32,8 +32,9 @@ _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its 
 
 #: inductor settings of the compiled step beside its mode's. ``combo_kernels``: independent small kernels of a layer
 #: launched as one (the rotary embedding of the query, of the key and the cache's own bookkeeping: one launch where
-#: there were three or four). On one H200 it made the project's full cache 3.7-4.7% faster (Llama-3.2-1B's shape at
-#: batch 1, Llama-3.1-8B's at batch 8, 8k and 32k) and NAtS' step no slower (docs/results/bench_limit_h200.md).
+#: there were three or four). On one H200 it made the project's full cache 1-8% faster in two runs a setting
+#: (Llama-3.2-1B's shape at batch 1, Llama-3.1-8B's at batch 8, 8k and 32k; the runs' spread included) and NAtS' step
+#: no faster beyond that spread (docs/results/bench_limit_h200.md).
 #: ``benchmarks/bench_hf_decode.py --inductor KEY=VALUE`` overrides a key here too.
 STEP_INDUCTOR: dict = {"combo_kernels": True}
 

@@ -266,7 +266,7 @@ class NAtSRule(FixedRule):
         return Plan(rows, end, fill, (ring_kv, ring_valid, W), self._sizes(ctx, types, core))
 
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
-        size = layer.length + layer.ring_valid.sum(1) + 1  # the keys query pos reads: its row's and itself
+        size = self.kept(layer) + 1  # the keys query pos reads: its row's and itself
         y = nats_decode(qr, hidden, core.scorer.weight, core.type_bias, pos, layer.seg, kr, vr, layer.ring_kv,
                         layer.ring_valid, layer.kv_pool)  # fmt: skip
         return y, size
@@ -403,7 +403,7 @@ class NAtSCache(LayerCache, SegmentStorage):
         """Before a step: its cache sizes c_i (the row's segment and valid ring slots, and the new token), then the
         step counted."""
         if self.track:
-            self._record(self.length + self.ring_valid.sum(1) + 1)
+            self._record(self.kept().reshape(-1) + 1)
         self.t += 1
 
     def _count_types(self) -> None:
