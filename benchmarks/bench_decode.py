@@ -34,7 +34,10 @@ copy) and of the data sheet's, and for caches keeping less than all, the bytes' 
 bytes allow (the row's bytes / a full cache's). A quick correctness check on a tiny model runs first
 (decoding with the Triton kernel and with CUDA graphs equals the parallel forward). Writes `bench_decode.md` and
 `bench_decode.json` to `--out` (default: the environment variable OUT, else benchmarks/results) and prints the
-table last.
+table last. ``--profile``: after each row's timed steps, 16 more under torch.profiler: the kernels by GPU time and, for
+graph rows, a replayed step's kernels, its time and the GPU's busy share of it (``profile_<policy>_<mode>_L<L>.txt``;
+the row's ``profile`` in the JSON). ``--inductor KEY=VALUE``: a setting of the compiled dense work
+(`nats.models.gpt.DECODE_INDUCTOR`), e.g. ``combo_kernels=True``.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ from nats.cache import roofline
 from nats.cache.decode import GraphDecoder, decode_step, make_caches, policy_logits, prefill
 from nats.cache.policies.full import FullCache
 from nats.cache.registry import register_cache
-from nats.models.gpt import GPT, GPTConfig
+from nats.models.gpt import DECODE_INDUCTOR, GPT, GPTConfig
+
+PROFILE_STEPS = 16  # decode steps under the profiler after a row's timed ones (--profile)
 
 
 @register_cache("full_sdpa")
@@ -185,7 +190,8 @@ class Timer:
 @torch.no_grad()
 def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budget: int | None) -> dict:
     B, dev = args.batch, torch.device(args.device)
-    total = L + args.warmup + args.steps + 1
+    profiled = PROFILE_STEPS if args.profile else 0  # steps decoded under the profiler after the timed ones
+    total = L + args.warmup + args.steps + profiled + 1
     gen = torch.Generator(device=dev).manual_seed(0)
     caches = make_caches(
         model,
@@ -196,7 +202,7 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
         backend=args.backend,
         track=False,
         budget_check_len=total,
-        reserve=args.warmup + args.steps,
+        reserve=args.warmup + args.steps + profiled,
     )
     fill(caches, policy, L, gen, types)
     token = torch.randint(0, model.config.vocab_size, (B,), device=dev)
@@ -228,6 +234,7 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
     for i in range(args.warmup, args.warmup + args.steps):
         step(i)
     ms = timer.ms() / args.steps
+    steps = profile_steps(step, args, L, policy, graph) if args.profile else None
     alloc = sum(c.nbytes() for c in caches)
     kv_alloc = sum(c.kv_nbytes() for c in caches)
     kept = sum(c.kept_nbytes() for c in caches)
@@ -236,7 +243,7 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
     elem = torch.empty((), dtype=caches[0].dtype).element_size()
     cfg = model.config
     full = weights + roofline.kv_bytes(cfg.n_layer, B * cfg.n_kv_head, caches[0].t, cfg.head_dim, elem)
-    step = weights + kept
+    nbytes = weights + kept
     bw = getattr(args, "bandwidth", {}) or {}
     row = {
         "L": L,
@@ -257,10 +264,66 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
         "recaptures": dec.captures - captures0 if graph else None,
         "reallocations": calls[0] - realloc0,
         "compactions": sum(getattr(c, "compactions", 0) for c in caches) - compactions0,
-        **roofline.step_stats(step, B * 1000.0 / ms, B, bw.get("measured"), bw.get("datasheet")),
-        "bound_vs_full": step / full,
+        **roofline.step_stats(nbytes, B * 1000.0 / ms, B, bw.get("measured"), bw.get("datasheet")),
+        "bound_vs_full": nbytes / full,
+        "profile": None if steps is None else {k: steps[k] for k in ("kernels_per_step", "span_us", "busy_us")},
     }
     return row  # the caches and the graph are freed with this frame (the caller empties the CUDA cache)
+
+
+def profile_steps(step, args, L: int, policy: str, graph: bool) -> dict | None:
+    """`PROFILE_STEPS` more decode steps (``step(i)``) under torch.profiler: the kernels' table by GPU time and, for
+    graph rows, where a replayed step's time goes (`nats.cache.roofline.graph_steps`: kernels per step, a token's
+    time, the GPU's busy share), into ``profile_<policy>_<mode>_L<L>.txt`` in ``--out``. Returns the graph steps'
+    summary (None for eager rows)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(args.device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    first = args.warmup + args.steps
+    with profile(activities=acts) as prof:
+        for i in range(first, first + PROFILE_STEPS):
+            step(i)
+        if cuda:
+            torch.cuda.synchronize()
+    mode = "graph" if graph else "eager"
+    text = [
+        f"## {policy} {mode} L={L} batch={args.batch}: {PROFILE_STEPS} decode steps",
+        prof.key_averages().table("cuda_time_total" if cuda else "cpu_time_total", row_limit=40),
+    ]
+    steps = roofline.profiled_steps(prof) if graph else None
+    if steps:
+        line, lines = roofline.steps_report(steps, f"{policy} L={L} batch={args.batch}")
+        print(line, flush=True)
+        text += lines
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_{policy}_{mode}_L{L}.txt").write_text("\n".join(text) + "\n")
+    return steps
+
+
+def set_inductor(settings: list[str]) -> dict:
+    """``KEY=VALUE`` words set on the compiled decode parts' inductor settings (`nats.models.gpt.DECODE_INDUCTOR`);
+    values read as Python literals, else as strings. Returns them. ValueError, naming the word, for a malformed
+    word or a key inductor does not have."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    done = {}
+    for word in settings:
+        key, eq, raw = word.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--inductor {word!r}: give KEY=VALUE, e.g. combo_kernels=True")
+        if not hasattr(inductor_config, key):
+            raise ValueError(f"--inductor {word!r}: torch._inductor.config has no setting {key!r}")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        DECODE_INDUCTOR[key] = value
+        done[key] = value
+    return done
 
 
 def counted(maintain, calls: list[int]):
@@ -402,8 +465,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, eager (checks the script runs)")
+    ap.add_argument(
+        "--profile", action="store_true", help=f"each row's kernels over {PROFILE_STEPS} more steps (profile_*.txt)"
+    )
+    ap.add_argument(
+        "--inductor",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="settings of the compiled decode parts (nats.models.gpt.DECODE_INDUCTOR), e.g. combo_kernels=True",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
+    try:
+        args.inductor = set_inductor(args.inductor)
+    except ValueError as exc:
+        raise SystemExit(f"bench_decode.py: {exc}") from None
     args.device, args.backend = "cuda", "triton"
     if args.smoke:
         smoke_args(args)
@@ -433,7 +510,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "nats" in policies:  # NAtS first: the budgets follow its kept share
         policies = ["nats"] + [p for p in policies if p != "nats"]
     torch.manual_seed(0)
-    block_size = max(lengths) + args.warmup + args.steps + 16
+    block_size = max(lengths) + args.warmup + args.steps + PROFILE_STEPS + 16
     if args.smoke:
         cfg = GPTConfig(
             vocab_size=97,
@@ -491,6 +568,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "window": args.window,
         "budget_rule": "NAtS' kept share x L" if args.budget_frac is None else f"{args.budget_frac} x L",
         "torch": torch.__version__,
+        "inductor": dict(DECODE_INDUCTOR),
         "bandwidth_gbps": args.bandwidth["measured"] / 1e9,
         "datasheet_gbps": None if args.bandwidth["datasheet"] is None else args.bandwidth["datasheet"] / 1e9,
         "seconds": round(time.time() - t0, 1),

@@ -466,6 +466,8 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    from nats.cache import roofline
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     B, P = prompt.shape
@@ -485,32 +487,12 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
                 "### the same by host time (cudaGraphLaunch: decode steps replayed as CUDA graphs)",
                 prof.key_averages().table("self_cpu_time_total", row_limit=25, max_name_column_width=100),
             ]
-            steps = replayed_steps(prof)
+            steps = roofline.profiled_steps(prof)
             if steps:  # the decode steps' timeline: a token's time, the GPU's busy share of it, kernels per step
-                line = (
-                    f"{method} kept={kept} batch={B} prompt={P}: {steps['steps']} replayed steps, "
-                    f"{steps['kernels_per_step']} kernels each, {fmt(steps['span_us'], '.0f')} us per token, "
-                    f"GPU busy {steps['busy_us']:.0f} us, idle {fmt(steps['idle_us'], '.0f')} us "
-                    f"(between steps {fmt(steps['between_us'], '.0f')} us)"
-                )
+                line, lines = roofline.steps_report(steps, f"{method} kept={kept} batch={B} prompt={P}")
                 print(line, flush=True)
-                per = steps["launches"]
-                kernels = [f"| {us:.1f} | {per[name]:g} | {name[:100]} |" for name, us in steps["by_kernel"].items()]
-                text += ["### replayed steps", line, "", "| us per step | launches | kernel |", "|---:|---:|---|"]
-                text += kernels
+                text += lines
     (out / f"profile_{method}_{kept}_b{B}_n{P}.txt").write_text("\n".join(text))
-
-
-def replayed_steps(prof) -> dict | None:
-    """`nats.cache.roofline.graph_steps` of a finished profiler's trace (None where no step was a CUDA graph)."""
-    import tempfile
-
-    from nats.cache import roofline
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        return roofline.graph_steps(json.loads(path.read_text()))
 
 
 def best_full(rows: list[dict]) -> None:

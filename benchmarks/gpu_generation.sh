@@ -20,7 +20,8 @@
 #   limit8b_8k  the same at 8k
 #   limit1b     Llama-3.2-1B's shape, 8k and 32k, batch 1 and 8
 #               (the limit stages' batches: LIMIT_BATCH, default "1 8"; methods: LIMIT_METHODS; commas or spaces)
-#   profile1b   Llama-3.2-1B's shape, 8k, batch 1: where a decode step's time goes (full and NAtS; --profile)
+#   profile1b   Llama-3.2-1B's shape, 8k, batch 1 (PROFILE_BATCH): where a decode step's time goes (full and NAtS;
+#               --profile)
 #   profile8b   the same at Llama-3.1-8B's shape, 32k, batch 8 (methods: LIMIT_METHODS)
 #   smol8k      SmolLM2-135M's shape, 8k, batch 1, transformers' StaticCache beside them
 #   eq8b        Llama-3.1-8B's shape, 32k, equal KV memory (EQ_GIB, default 8 and 32 GiB): the largest batch each
@@ -32,7 +33,9 @@
 # WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
 # (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 480), GPT_LIMIT (150), TEST_LIMIT (320).
 # HF_ARGS: more bench_hf_decode.py arguments for every stage that runs it, e.g.
-# HF_ARGS="--inductor coordinate_descent_tuning=True".
+# HF_ARGS="--inductor coordinate_descent_tuning=True"; GPT_ARGS: more bench_decode.py arguments for the gpt stage,
+# e.g. GPT_ARGS="--profile --inductor combo_kernels=True". TAG: a suffix of every stage's output name (OUT/<stage><TAG>),
+# to run a stage twice in one group with other settings.
 # Each stage's whole output: OUT/<stage>.log. tests/test_generate.py::test_cuda_matches_cpu trains from the embedded
 # corpus's token cache (data/gutenberg-*-gpt2/, written by any CPU test run): without network, bring it along.
 set -uo pipefail
@@ -54,7 +57,7 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 hf() { # name, bench_hf_decode.py arguments: the whole output in OUT/<name>.log (compile and CUDA-graph warnings
   # included), the table here; the table in OUT/<name>/ is rewritten after every row, so a stage stopped by its
   # time limit keeps the rows it measured
-  local name=$1
+  local name=$1${TAG:-}
   shift
   echo "== $name"
   # shellcheck disable=SC2086 # HF_ARGS: more arguments for every bench_hf_decode stage, word-split
@@ -82,8 +85,8 @@ for stage in $stages; do
       --repeats 2 --methods $LIMIT_METHODS ;;
     profile8b) hf profile8b --model-shape llama-3.1-8b --prompt 32768 --batch 8 --kept 0.25 --new 32 --repeats 1 \
       --methods $LIMIT_METHODS --profile ;;
-    profile1b) hf profile1b --model-shape llama-3.2-1b --prompt 8192 --batch 1 --kept 0.25 --new 32 --repeats 1 \
-      --methods full nats --profile ;;
+    profile1b) hf profile1b --model-shape llama-3.2-1b --prompt 8192 --batch "${PROFILE_BATCH:-1}" --kept 0.25 \
+      --new 32 --repeats 1 --methods full nats --profile ;;
     smol8k) hf smol8k --model-shape smollm2-135m --prompt 8192 --batch 1 --kept 0.25 --new 256 --repeats 2 \
       --methods static flex_static full nats ;;
     eq8b) hf eq8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 --kept 0.25 --new 64 --repeats 1 \
@@ -97,9 +100,12 @@ for stage in $stages; do
     host) timeout "${HF_LIMIT:-480}" python3 benchmarks/bench_hf_host.py --prompt 8192 --out "$DEST/host" \
       >"$DEST/host.log" 2>&1
       grep -E '^\|' "$DEST/host.log" | tail -4 ;;
-    gpt) timeout "${GPT_LIMIT:-150}" python3 benchmarks/bench_decode.py --lengths 8192,32768 --batch 8 \
-      --policies full,nats,streaming_llm --modes graph --out "$DEST/gpt" >"$DEST/gpt.log" 2>&1
-      tail -n 12 "$DEST/gpt.log" ;;
+    gpt) # shellcheck disable=SC2086 # GPT_ARGS: more arguments, word-split
+      timeout "${GPT_LIMIT:-150}" python3 benchmarks/bench_decode.py --lengths 8192,32768 --batch 8 \
+      --policies full,nats,streaming_llm --modes graph --out "$DEST/gpt${TAG:-}" ${GPT_ARGS:-} \
+      >"$DEST/gpt${TAG:-}.log" 2>&1
+      grep -E 'replayed steps' "$DEST/gpt${TAG:-}.log"
+      tail -n 12 "$DEST/gpt${TAG:-}.log" ;;
     # the failures' tracebacks stay in the log (-rfE: the reason of each in the summary)
     tests) timeout "${TEST_LIMIT:-320}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu \
       tests/test_hf_static_cache.py tests/test_decode_path.py tests/test_generate.py tests/test_hf_loop.py \

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 
 import pytest
 import torch
@@ -335,7 +336,11 @@ def test_graph_decoder_replays_equal_eager_and_recapture_on_overflow():
 @pytest.fixture
 def registry_snapshot():
     """The script registers its `full_sdpa` policy on import (another test may have imported it already): run
-    with that name free and restore the registry after."""
+    with that name free and restore the registry after (every policy imported first: one imported later would not
+    register again once the snapshot is restored)."""
+    from nats.cache.registry import CACHES
+
+    CACHES.import_all()
     saved = dict(CACHE_POLICIES)
     CACHE_POLICIES.pop("full_sdpa", None)
     yield
@@ -362,3 +367,28 @@ def test_bench_decode_smoke(tmp_path):
     for r in rows:  # against the bandwidth limit: a full cache reads the most, the others less
         assert r["step_gb"] > 0 and r["achieved_gbps"] > 0 and r["share_of_measured"] > 0
         assert (r["bound_vs_full"] == 1.0) == (r["policy"] == "full") and r["bound_vs_full"] <= 1.0
+
+
+@pytest.mark.usefixtures("registry_snapshot")
+def test_bench_decode_profiles_each_row_and_takes_inductor_settings(tmp_path, monkeypatch):
+    """--profile writes each row's kernel table over the steps after the timed ones (the caches reserve them: no
+    reallocation); --inductor sets the compiled decode parts' settings, and a key inductor lacks is one clear line."""
+    from nats.models import gpt
+
+    spec = importlib.util.spec_from_file_location("bench_decode_profile", REPO / "benchmarks" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(gpt, "DECODE_INDUCTOR", dict(gpt.DECODE_INDUCTOR))
+    monkeypatch.setattr(bench, "DECODE_INDUCTOR", gpt.DECODE_INDUCTOR)
+    args = ["--smoke", "--lengths", "48", "--policies", "full,nats", "--profile", "--out", str(tmp_path)]
+    rows = bench.main([*args, "--inductor", "combo_kernels=True"])
+    assert gpt.DECODE_INDUCTOR == {"emulate_precision_casts": True, "combo_kernels": True}
+    assert {r["policy"] for r in rows} == {"full", "nats"}
+    for r in rows:
+        assert r["reallocations"] == 0 and r["profile"] is None  # eager rows: no replayed graph to split
+        text = (tmp_path / f"profile_{r['policy']}_eager_L48.txt").read_text()
+        assert f"{bench.PROFILE_STEPS} decode steps" in text and "Self CPU" in text
+    meta = json.loads((tmp_path / "bench_decode.json").read_text())["meta"]
+    assert meta["inductor"]["combo_kernels"] is True
+    with pytest.raises(SystemExit, match="has no setting 'no_such_setting'"):
+        bench.main([*args, "--inductor", "no_such_setting=1"])

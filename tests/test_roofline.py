@@ -73,3 +73,6 @@ def test_graph_steps_splits_a_trace_into_replayed_steps():
     assert s["idle_us"] == pytest.approx(50 - 21.5) and s["between_us"] == 150 - 120
     assert s["by_kernel"]["gemv"] == 10 and s["launches"]["k"] == 2 and "outside" not in s["by_kernel"]
     assert roofline.graph_steps({"traceEvents": events[2:]}) is None  # no launch: no steps
+    line, lines = roofline.steps_report(s, "full L=8")
+    assert line.startswith("full L=8: 2 replayed steps, 3 kernels each, 50 us per token, GPU busy 22 us")
+    assert lines[1] == line and "| 10.0 | 1 | gemv |" in lines and "| 13.0 | 2 | k |" in lines

@@ -33,6 +33,8 @@ __all__ = [
     "step_stats",
     "limit_ratio",
     "graph_steps",
+    "profiled_steps",
+    "steps_report",
 ]
 
 # HBM bandwidth from the vendors' data sheets, bytes/s, by a part of the name torch.cuda.get_device_name gives
@@ -181,3 +183,33 @@ def graph_steps(trace: dict) -> dict | None:
         "by_kernel": (top := dict(sorted(((k, v / n) for k, v in totals.items()), key=lambda kv: -kv[1])[:40])),
         "launches": {k: counts[k] / n for k in top},
     }
+
+
+def profiled_steps(prof) -> dict | None:
+    """`graph_steps` of a finished ``torch.profiler.profile`` (its Chrome trace, written to a temporary file and read
+    back); None where no step was a CUDA graph."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return graph_steps(json.loads(path.read_text()))
+
+
+def steps_report(steps: dict, what: str) -> tuple[str, list[str]]:
+    """A `graph_steps` result as one line (``what``: the row, then the steps' count, kernels per step, a token's time
+    and the GPU's busy and idle shares of it) and that line with the kernels' table (us per step, launches, name)."""
+
+    def us(x):
+        return "-" if x is None else f"{x:.0f}"
+
+    line = (
+        f"{what}: {steps['steps']} replayed steps, {steps['kernels_per_step']:g} kernels each, {us(steps['span_us'])} us "
+        f"per token, GPU busy {steps['busy_us']:.0f} us, idle {us(steps['idle_us'])} us (between steps "
+        f"{us(steps['between_us'])} us)"
+    )
+    per = steps["launches"]
+    rows = [f"| {t:.1f} | {per[name]:g} | {name[:100]} |" for name, t in steps["by_kernel"].items()]
+    return line, ["### replayed steps", line, "", "| us per step | launches | kernel |", "|---:|---:|---|", *rows]

@@ -427,13 +427,16 @@ class GPT(nn.Module):
 
 
 _COMPILED_DECODE: dict[str, tuple] = {}
+#: inductor settings of the compiled decode parts: rounding to bf16 where eager does (the parts then equal the eager
+#: ones). ``benchmarks/bench_decode.py --inductor KEY=VALUE`` sets a key here before the first compile.
+DECODE_INDUCTOR: dict = {"emulate_precision_casts": True}
 
 
 def _compiled_decode_parts(backend: str) -> tuple:
     """`before_cache` and `after_cache` compiled with ``backend``, made once per process (dynamo's code cache is
     per function: one compile serves every block and model of the same shapes)."""
     if backend not in _COMPILED_DECODE:
-        options = {"emulate_precision_casts": True} if backend == "inductor" else None
+        options = dict(DECODE_INDUCTOR) if backend == "inductor" else None
         _COMPILED_DECODE[backend] = tuple(
             torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
             for fn in (before_cache, after_cache)
