@@ -33,9 +33,9 @@
 # WHEELS=<folder> installs offline wheels (hydra, omegaconf, ...) first where the machine has no index
 # (benchmarks/gpu_site.sh). Each stage's time limit: HF_LIMIT (s, default 480), GPT_LIMIT (150), TEST_LIMIT (320).
 # HF_ARGS: more bench_hf_decode.py arguments for every stage that runs it, e.g.
-# HF_ARGS="--inductor coordinate_descent_tuning=True"; GPT_ARGS: more bench_decode.py arguments for the gpt stage,
-# e.g. GPT_ARGS="--profile --inductor combo_kernels=True". TAG: a suffix of every stage's output name (OUT/<stage><TAG>),
-# to run a stage twice in one group with other settings.
+# HF_ARGS="--inductor coordinate_descent_tuning=True"; GPT_ARGS: more bench_decode.py arguments for the gpt stage
+# (commas or spaces), e.g. GPT_ARGS=--profile,--inductor=combo_kernels=True. TAG: a suffix of every stage's output
+# name (OUT/<stage><TAG>), to run a stage twice in one group with other settings.
 # Each stage's whole output: OUT/<stage>.log. tests/test_generate.py::test_cuda_matches_cpu trains from the embedded
 # corpus's token cache (data/gutenberg-*-gpt2/, written by any CPU test run): without network, bring it along.
 set -uo pipefail
@@ -50,6 +50,7 @@ LIMIT_METHODS=${LIMIT_METHODS//,/ }
 MIXED_METHODS=${MIXED_METHODS:-full nats}
 MIXED_METHODS=${MIXED_METHODS//,/ }
 MIXED_ONLY=${MIXED_ONLY:+--mixed-only} # MIXED_ONLY=1: the mixed stage without its single-shape rows
+GPT_ARGS=${GPT_ARGS:-}
 EQ_GIB=${EQ_GIB:-8 32}
 EQ_GIB=${EQ_GIB//,/ }
 source benchmarks/gpu_site.sh
@@ -102,7 +103,7 @@ for stage in $stages; do
       grep -E '^\|' "$DEST/host.log" | tail -4 ;;
     gpt) # shellcheck disable=SC2086 # GPT_ARGS: more arguments, word-split
       timeout "${GPT_LIMIT:-150}" python3 benchmarks/bench_decode.py --lengths 8192,32768 --batch 8 \
-      --policies full,nats,streaming_llm --modes graph --out "$DEST/gpt${TAG:-}" ${GPT_ARGS:-} \
+      --policies full,nats,streaming_llm --modes graph --out "$DEST/gpt${TAG:-}" ${GPT_ARGS//,/ } \
       >"$DEST/gpt${TAG:-}.log" 2>&1
       grep -E 'replayed steps' "$DEST/gpt${TAG:-}.log"
       tail -n 12 "$DEST/gpt${TAG:-}.log" ;;
