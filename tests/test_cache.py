@@ -999,3 +999,25 @@ def test_pool_attention_passes_the_split_choice_to_the_kernel(monkeypatch):
     attention.pool_attention(q, pool, pool, rows, rows, 4, backend="triton")
     attention.pool_attention(q, pool, pool, rows, rows, 4, backend="triton", balanced=False)
     assert configs == [{"balanced": True}, {"balanced": False}]
+
+
+def test_full_cache_append_writes_the_new_token_in_place_compiled_or_not():
+    """The full cache's step writes (`full.append`): the new key and value into slot pos of every row, the others
+    untouched, every row's length pos + 1; compiled (functionalized and its mutations written back, as inductor
+    does on CUDA; aot_eager here, inductor runs it in the GPU tests) into the same buffers with the same values."""
+    from nats.cache.policies import full
+
+    B, H, cap, D = 2, 3, 16, 8
+    gen = torch.Generator().manual_seed(0)
+    bufs = [torch.randn(B, H, cap, D, generator=gen) for _ in range(2)]
+    ref = [b.clone() for b in bufs]
+    length = torch.zeros(B * H, dtype=torch.long)
+    compiled = torch.compile(full.append, fullgraph=True, backend="aot_eager")
+    for p in (0, 5, 15):
+        k, v = (torch.randn(B, H, 1, D, generator=gen) for _ in range(2))
+        pos = torch.tensor([p])
+        ptrs = [b.data_ptr() for b in bufs]
+        compiled(*bufs, length, k, v, pos)
+        assert [b.data_ptr() for b in bufs] == ptrs and torch.equal(length, torch.full((B * H,), p + 1))
+        ref[0][:, :, p], ref[1][:, :, p] = k[:, :, 0], v[:, :, 0]
+        assert torch.equal(bufs[0], ref[0]) and torch.equal(bufs[1], ref[1])

@@ -206,9 +206,9 @@ def steps_report(steps: dict, what: str) -> tuple[str, list[str]]:
         return "-" if x is None else f"{x:.0f}"
 
     line = (
-        f"{what}: {steps['steps']} replayed steps, {steps['kernels_per_step']:g} kernels each, {us(steps['span_us'])} us "
-        f"per token, GPU busy {steps['busy_us']:.0f} us, idle {us(steps['idle_us'])} us (between steps "
-        f"{us(steps['between_us'])} us)"
+        f"{what}: {steps['steps']} replayed steps, {steps['kernels_per_step']:g} kernels each, "
+        f"{us(steps['span_us'])} us per token, GPU busy {steps['busy_us']:.0f} us, idle {us(steps['idle_us'])} us "
+        f"(between steps {us(steps['between_us'])} us)"
     )
     per = steps["launches"]
     rows = [f"| {t:.1f} | {per[name]:g} | {name[:100]} |" for name, t in steps["by_kernel"].items()]
