@@ -23,7 +23,7 @@
 #   profile1b   Llama-3.2-1B's shape, 8k, batch 1 (PROFILE_BATCH): where a decode step's time goes (full and NAtS;
 #               --profile)
 #   profile8b   the same at Llama-3.1-8B's shape, 32k, batch 8 (methods: LIMIT_METHODS)
-#   smol8k      SmolLM2-135M's shape, 8k, batch 1, transformers' StaticCache beside them
+#   smol8k      SmolLM2-135M's shape, 8k, batch 1, transformers' StaticCache beside them (methods: SMOL_METHODS)
 #   eq8b        Llama-3.1-8B's shape, 32k, equal KV memory (EQ_GIB, default 8 and 32 GiB): the largest batch each
 #               cache fits
 #   sweep       the pool attention's launch choices (sweep_pool_attention.py; SWEEP_SHAPES: only those shapes,
@@ -47,6 +47,8 @@ LIMIT_BATCH=${LIMIT_BATCH:-1 8}
 LIMIT_BATCH=${LIMIT_BATCH//,/ }
 LIMIT_METHODS=${LIMIT_METHODS:-flex_static full nats}
 LIMIT_METHODS=${LIMIT_METHODS//,/ }
+SMOL_METHODS=${SMOL_METHODS:-static flex_static full nats}
+SMOL_METHODS=${SMOL_METHODS//,/ }
 MIXED_METHODS=${MIXED_METHODS:-full nats}
 MIXED_METHODS=${MIXED_METHODS//,/ }
 MIXED_ONLY=${MIXED_ONLY:+--mixed-only} # MIXED_ONLY=1: the mixed stage without its single-shape rows
@@ -89,7 +91,7 @@ for stage in $stages; do
     profile1b) hf profile1b --model-shape llama-3.2-1b --prompt 8192 --batch "${PROFILE_BATCH:-1}" --kept 0.25 \
       --new 32 --repeats 1 --methods full nats --profile ;;
     smol8k) hf smol8k --model-shape smollm2-135m --prompt 8192 --batch 1 --kept 0.25 --new 256 --repeats 2 \
-      --methods static flex_static full nats ;;
+      --methods $SMOL_METHODS ;;
     eq8b) hf eq8b --model-shape llama-3.1-8b --prompt 32768 --batch 1 --kept 0.25 --new 64 --repeats 1 \
       --methods full nats --equal-memory-gib $EQ_GIB ;;
     sweep) timeout "${GPT_LIMIT:-150}" python3 benchmarks/sweep_pool_attention.py --out "$DEST/sweep" \
