@@ -54,5 +54,5 @@ def _compiled_append():
     per process and shared by every layer (the buffers are its inputs). On CUDA with the Triton backend, outside an
     enclosing compile (there `append` is traced into the caller's graph)."""
     if not _COMPILED:
-        _COMPILED.append(torch.compile(append, fullgraph=True))
+        _COMPILED.append(torch.compile(append, fullgraph=True, options={"combo_kernels": True}))
     return _COMPILED[0]
