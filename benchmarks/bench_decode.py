@@ -303,26 +303,13 @@ def profile_steps(step, args, L: int, policy: str, graph: bool) -> dict | None:
 
 
 def set_inductor(settings: list[str]) -> dict:
-    """``KEY=VALUE`` words set on the compiled decode parts' inductor settings (`nats.models.gpt.DECODE_INDUCTOR`);
-    values read as Python literals, else as strings. Returns them. ValueError, naming the word, for a malformed
-    word or a key inductor does not have."""
-    import ast
+    """``KEY=VALUE`` words (`nats.utils.inductor_settings`) set on the compiled decode parts' inductor settings
+    (`nats.models.gpt.DECODE_INDUCTOR`). Returns them. ValueError, naming the word, for a malformed word or a key
+    inductor does not have."""
+    from nats.utils import inductor_settings
 
-    import torch._inductor.config as inductor_config
-
-    done = {}
-    for word in settings:
-        key, eq, raw = word.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--inductor {word!r}: give KEY=VALUE, e.g. combo_kernels=True")
-        if not hasattr(inductor_config, key):
-            raise ValueError(f"--inductor {word!r}: torch._inductor.config has no setting {key!r}")
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            value = raw
-        DECODE_INDUCTOR[key] = value
-        done[key] = value
+    done = inductor_settings(settings)
+    DECODE_INDUCTOR.update(done)
     return done
 
 

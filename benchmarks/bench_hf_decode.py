@@ -291,30 +291,19 @@ def new_tokens(method: str, args) -> int:
 
 
 def set_inductor(settings: list[str]) -> dict:
-    """``KEY=VALUE`` words set on ``torch._inductor.config`` and, for its keys, on the decode step's own settings
-    (`nats.hf.loop.STEP_INDUCTOR`, which would override the global ones); values read as Python literals, else as
-    strings. Returns them. ValueError, naming the word, for a malformed word or a key inductor does not have."""
-    import ast
-
+    """``KEY=VALUE`` words (`nats.utils.inductor_settings`) set on ``torch._inductor.config`` and, for its keys, on the
+    decode step's own settings (`nats.hf.loop.STEP_INDUCTOR`, which would override the global ones). Returns them.
+    ValueError, naming the word, for a malformed word or a key inductor does not have."""
     import torch._inductor.config as inductor_config
 
     from nats.hf import loop
+    from nats.utils import inductor_settings
 
-    done = {}
-    for word in settings:
-        key, eq, raw = word.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--inductor {word!r}: give KEY=VALUE, e.g. coordinate_descent_tuning=True")
-        if not hasattr(inductor_config, key):
-            raise ValueError(f"--inductor {word!r}: torch._inductor.config has no setting {key!r}")
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            value = raw
+    done = inductor_settings(settings)
+    for key, value in done.items():
         setattr(inductor_config, key, value)
         if key in loop.STEP_INDUCTOR:
             loop.STEP_INDUCTOR[key] = value
-        done[key] = value
     return done
 
 

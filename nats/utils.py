@@ -168,6 +168,28 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def inductor_settings(words: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` words (a benchmark's ``--inductor``) as ``{KEY: VALUE}``, each KEY a setting of
+    ``torch._inductor.config``, each VALUE read as a Python literal, else kept as the string. ValueError, naming the
+    word, for a malformed word or a key inductor does not have."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    done: dict[str, Any] = {}
+    for word in words:
+        key, eq, raw = word.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--inductor {word!r}: give KEY=VALUE, e.g. combo_kernels=True")
+        if not hasattr(inductor_config, key):
+            raise ValueError(f"--inductor {word!r}: torch._inductor.config has no setting {key!r}")
+        try:
+            done[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            done[key] = raw
+    return done
+
+
 def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:
     """The one writer of Markdown tables (nats-eval's results.md, nats-eval-hf's, the studies' reports): the header
     row, the rule, one line per row (each cell as ``str``), joined by newlines without a final one. ``align``: a

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -45,15 +47,11 @@ def append(k_buf, v_buf, length, k, v, pos):
     length.copy_((pos + 1).expand(length.shape[0]))
 
 
-_COMPILED: list = []
-
-
+@functools.cache
 def _compiled_append():
     """`append` compiled: one in-place kernel (inductor's combo kernels launch its three as one) where eager launches
     four, two index copies, the add and the lengths' copy (GPT-2-small, batch 8, 8k, one H200: 2.0 us a layer against
     7.4, the step 1.175 -> 1.107 ms; docs/results/bench_limit_h200.md). Made once per process and shared by every
     layer (the buffers are its inputs). On CUDA with the Triton backend, outside an enclosing compile (there `append`
     is traced into the caller's graph)."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(append, fullgraph=True, options={"combo_kernels": True}))
-    return _COMPILED[0]
+    return torch.compile(append, fullgraph=True, options={"combo_kernels": True})
