@@ -259,6 +259,11 @@ class SlotCache(LayerCache):
         self.k.index_copy_(2, slot, k)
         self.v.index_copy_(2, slot, v)
         self.length.copy_(length.expand(self.rows))
+        return self._attend_written(q)
+
+    def _attend_written(self, q):
+        """After a step's writes (the new key/value in its slot, every row's length set): record the sizes, count the
+        token, attend over the held keys."""
         self._record(self.length)
         self.t += 1
         return self._attend_slots(q, self.k, self.v, self.t)

@@ -34,9 +34,7 @@ class FullCache(SlotCache):
     def step(self, q, k, v, x, pos):
         compiled = self.k.is_cuda and self.backend == "triton" and not torch.compiler.is_compiling()
         (_compiled_append() if compiled else append)(self.k, self.v, self.length, k, v, pos)
-        self._record(self.length)
-        self.t += 1
-        return self._attend_slots(q, self.k, self.v, self.t)
+        return self._attend_written(q)
 
 
 def append(k_buf, v_buf, length, k, v, pos):
