@@ -78,6 +78,10 @@ def test_notebook_runs_on_a_trained_and_evaluated_model(tmp_path, monkeypatch):
     assert str(eval_dir) in text and "layer 1: global" in text
     images = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.get("data", {})]
     assert len(images) == 3  # perplexity curves, KV heatmap, type fractions
+    # `jupyter execute` keeps no outputs: the plots must also be on disk, in the evaluation's folder
+    saved = sorted(p.name for p in eval_dir.glob("analysis_*.png"))
+    assert saved == ["analysis_kv_per_head.png", "analysis_ppl_vs_kv.png", "analysis_token_types.png"]
+    assert all((eval_dir / name).stat().st_size > 1000 for name in saved)
 
 
 if os.environ.get("NATS_SKIP_NOTEBOOK"):  # pragma: no cover - an escape hatch for machines without a kernel
