@@ -256,8 +256,12 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def _fraction(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def summary(report: dict[str, Any]) -> str:
-    """The statistics as a few lines of text."""
+    """The statistics as a few lines of text (the report of either kind of model)."""
     s = report["stats"]
     budget = "" if report["budget"] is None else f", budget {report['budget']}"
     lines = [
@@ -265,8 +269,8 @@ def summary(report: dict[str, Any]) -> str:
         f"x {s['sequences']} sample(s), {report['seconds']:.2f} s ({report['tokens_per_s']} tokens/s) on "
         f"{report['device']} in {report['precision']} ({report['decode'].replace('_', ' ')} decoding)",
         f"kept KV entries per layer and KV head: {s['kept']:.1f} of {s['processed']} tokens processed (max "
-        f"{s['kept_max']}), KV fraction {s['kv_fraction']:.3f}; area fraction {s['area']:.3f}, peak fraction "
-        f"{s['peak']:.3f} ({s['layers']} layers x {s['kv_heads']} KV heads)",
+        f"{s['kept_max']}), KV fraction {s['kv_fraction']:.3f}; area fraction {_fraction(s['area'])}, peak "
+        f"fraction {_fraction(s['peak'])} ({s['layers']} layers x {s['kv_heads']} KV heads)",
         f"KV bytes kept {s['kept_bytes']:,} of {s['full_bytes']:,} without eviction (allocated "
         f"{s['allocated_bytes']:,})",
     ]

@@ -9,22 +9,69 @@ each layer's q/k/v and gate/up projections fused (`nats.hf.fused`).
 
 Every decodable policy has a fixed-capacity rule (`nats.cache.engine`); `nats.hf.PolicyCache` (through
 ``model.generate``) is the fallback for one that would not.
-The report has the same keys as the GPT kind's (`nats.generate`).
+The report has the keys of the GPT kind's (`nats.generate`, whose `summary` reads them; ``tokens`` are the new
+tokens' ids here, in the model tokenizer's vocabulary) and the cache's class and NAtS window besides.
+The settings are checked before the model loads (`check_inputs`: the policy, its budget, the scorer file), so that a
+mistake stops at once rather than after the load.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from nats.cache.budget import resolve_budget
+from nats.cache.budget import check_budget_value, resolve_budget
 from nats.cache.engine import fixed_policies
+from nats.cache.registry import available_caches, get_cache_class
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """The settings that fail without the model, checked before its (slow) load: the policy decodes, its budget
+    (a budgeted policy needs one, the others take none; a whole number >= 1 or a fraction in (0, 1)), NAtS' scorer
+    file (it exists, holds scorer weights, its window W is known) and ``type_bias`` (only with scorers)."""
+    from nats.hf.pretrained import read_scorers, run_window, type_bias_of
+
+    policy = str(cfg.policy)
+    cls = get_cache_class(policy)  # an unknown name fails here, with the registered ones
+    decodable = [n for n in available_caches() if get_cache_class(n).decodable]
+    if not cls.decodable:
+        raise ValueError(f"cache policy {policy!r} is evaluation-only and cannot decode: use one of {decodable}")
+    budget = cfg.get("budget")
+    check_budget_value(budget, "the prompt + new tokens")
+    if cls.budgeted and budget is None:
+        raise ValueError(
+            f"cache policy {policy!r} needs a budget: budget=B (KV entries per layer and KV head, >= 1) or a "
+            "fraction in (0, 1) of the prompt + new tokens"
+        )
+    if budget is not None and not cls.budgeted:
+        raise ValueError(
+            f"cache policy {policy!r} takes no budget (got budget={budget}): drop budget= or choose a budgeted "
+            f"policy ({', '.join(n for n in decodable if get_cache_class(n).budgeted)})"
+        )
+    scorers = cfg.get("scorers")
+    if policy == "nats" and not scorers:
+        raise ValueError("policy=nats needs the fine-tuned scorers: scorers=<run>/scorers.pt (or another policy)")
+    if not scorers:
+        if type_bias_of(cfg):
+            raise ValueError("type_bias offsets NAtS scorers' logits: pass scorers=<run>/scorers.pt or drop type_bias")
+        return
+    path = Path(str(scorers))
+    _, window = read_scorers(path)  # it exists and holds scorer weights (prepare_model reads it again)
+    if not (cfg.get("window") or window or run_window(path)):
+        raise ValueError(
+            f"the NAtS window W of scorers={path} is not known (no nats_stats.json or .hydra/config.yaml beside "
+            "it): pass window=W (module.window of its fine-tuning run)"
+        )
+    type_bias_of(cfg)  # its form
 
 
 def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Check the settings (`check_inputs`), load the model, decode ``prompt_text``: the report (nothing written)."""
     from nats.hf import PolicyCache, StaticPolicyCache
     from nats.hf.compat import generate_through
     from nats.hf.fused import fuse_projections
@@ -32,8 +79,7 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     from nats.hf.pretrained import load_pretrained, prepare_model, pretrained_kwargs
 
     policy = str(cfg.policy)
-    if policy == "nats" and not cfg.get("scorers"):
-        raise ValueError("policy=nats needs the fine-tuned scorers: scorers=<run>/scorers.pt (or another policy)")
+    check_inputs(cfg)  # before the load: a mistake in the settings stops at once
     kwargs = pretrained_kwargs(cfg.hf_model)
     kwargs["dtype"] = str(dtype).split(".")[-1]
     model, tok = load_pretrained(**kwargs, device=device)
@@ -51,18 +97,22 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     else:
         cache = PolicyCache(model, policy, max_len=P + new, budget=n_budget, **options)
     temperature = float(cfg.get("temperature", 0.0))
-    sample = {"do_sample": True, "temperature": temperature, "top_k": cfg.get("top_k")} if temperature > 0 else {}
-    torch.manual_seed(int(cfg.get("seed", 0)))
+    top_k = None if cfg.get("top_k") is None else int(cfg.top_k)
+    seed = int(cfg.get("seed", 0))
+    sample = {"do_sample": True, "temperature": temperature, "top_k": top_k} if temperature > 0 else {}
+    torch.manual_seed(seed)
     t0 = time.perf_counter()
     if fast:  # the loop without a host synchronisation per token (nats.hf.loop), one q/k/v and one gate/up product
         try:
             fuse_projections(model)
         except ValueError as e:  # e.g. quantized projections: decoded with the model's own products
             print(f"nats-generate: {e}", flush=True)
-        gen = torch.Generator(device).manual_seed(int(cfg.get("seed", 0))) if temperature > 0 else None
-        out = loop(model, ids, cache, new, temperature=temperature, top_k=cfg.get("top_k"), generator=gen)
+        gen = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
+        out = loop(model, ids, cache, new, temperature=temperature, top_k=top_k, generator=gen)
+        decode = "cuda_graph" if device.type == "cuda" else "eager"  # the loop's compiled step replays CUDA graphs
     else:
         out = generate_through(model, ids, cache, new, exact_length=True, **sample)
+        decode = "model.generate"
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -84,28 +134,40 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
         "processed": processed,
         "kept_max": int(kept.max()),
         "kv_fraction": float(kept.mean()) / processed,
-        "area": float(frac["area"].mean()) if frac is not None else float("nan"),
-        "peak": float(frac["peak"].mean()) if frac is not None else float("nan"),
+        "area": _number(frac["area"].mean()) if frac is not None else None,  # None: not tracked (or no step)
+        "peak": _number(frac["peak"].mean()) if frac is not None else None,
         "layers": layers,
         "kv_heads": kv_heads,
         "kept_bytes": int(kept.sum()) * per_token,
         "full_bytes": samples * layers * kv_heads * processed * per_token,
         "allocated_bytes": int(allocated),
     }
+    continuations = [tok.decode(row, skip_special_tokens=True) for row in new_tokens.tolist()]
     return {
         "model": str(cfg.hf_model.name_or_path),
         "policy": policy,
         "cache": type(cache).__name__,
         "window": window,
-        "budget": budget,
+        "budget": n_budget,  # in tokens, as the GPT kind's (a fraction resolved against prompt + new tokens)
         "prompt": prompt_text,
         "prompt_tokens": P,
         "new_tokens": new,
-        "texts": [prompt_text + tok.decode(row, skip_special_tokens=True) for row in new_tokens.tolist()],
-        "tokens": new_tokens.tolist(),
-        "seconds": seconds,
-        "tokens_per_s": round(samples * new / max(seconds, 1e-9), 1),
+        "temperature": temperature,
+        "top_k": top_k,
+        "seed": seed,
         "device": str(device),
         "precision": str(dtype).split(".")[-1],
+        "decode": decode,
+        "texts": [prompt_text + c for c in continuations],
+        "continuations": continuations,
+        "tokens": new_tokens.tolist(),
         "stats": stats,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(samples * new / seconds, 1) if seconds > 0 else None,
     }
+
+
+def _number(value: torch.Tensor) -> float | None:
+    """A float for generation.json (strict JSON has no NaN: None)."""
+    x = float(value)
+    return None if math.isnan(x) else x
