@@ -67,11 +67,73 @@ def console(
         if new != argv:
             print(f"resume: {program} {' '.join(new)}", flush=True)
             argv = new
+    message = check_override_syntax(argv)  # Hydra's grammar: its error would escape as a traceback
+    if message:
+        sys.exit(f"{program}: {message}")
     message = check_overrides(argv, config_name, program)
     if message:
         sys.exit(f"{program}: {message}")
     sys.argv = [sys.argv[0], *argv]
     return hydra_main()
+
+
+#: Hydra's flags that take a value (the next argument, not an override)
+_HYDRA_VALUE_FLAGS = frozenset(
+    ("--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp", "--config-name", "-cn",
+     "--config-dir", "-cd", "--experimental-rerun")
+)  # fmt: skip
+
+
+def check_override_syntax(argv: list[str]) -> str | None:
+    """The message for the first override that Hydra's grammar cannot read (``prompt=Once upon a time, in a
+    village,``: a comma, bracket or quote outside quotes, a quote left open), or whose unquoted commas make it a
+    sweep in a run that is not ``--multirun`` (Hydra's "Ambiguous value"): the override and how to quote its value;
+    None when all read. Hydra would raise its OverrideParseException past the error boundary (a traceback)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    multirun = any(a in ("-m", "--multirun") or a.replace(" ", "").startswith("hydra.mode=MULTIRUN") for a in argv)
+    for i, arg in enumerate(argv):
+        if arg.startswith("-") or (i > 0 and argv[i - 1] in _HYDRA_VALUE_FLAGS):
+            continue
+        key, eq, value = arg.partition("=")
+        try:
+            sweep = parser.parse_override(arg).is_sweep_override() and not multirun
+        except HydraException as err:
+            if not eq:
+                return f"{arg!r} is not an override key=value (or ~key): write it as key=value"
+            reason = str(err).splitlines()[0].split(" expecting ")[0]
+            example = _quoted_example(key, value)
+            return f"Hydra cannot read the override {arg!r} ({reason}): quote the value, e.g. {example}"
+        if sweep:
+            return (
+                f"the commas of {arg!r} make it a list of values to sweep over, and this run is not a --multirun: "
+                f"quote the value to keep it one string, e.g. {_quoted_example(key, value)} (or write a list as "
+                f"{key}=[a,b])"
+            )
+    return None
+
+
+def hydra_quoted(text: str, literal: bool = True) -> str:
+    """``text`` as a quoted value of Hydra's override grammar that reads back as ``text`` itself: quotes and the
+    backslashes before them escaped; with ``literal``, ``${`` too, so that OmegaConf does not interpolate it."""
+    from hydra.core.override_parser.types import Quote, QuotedString
+
+    if literal and "${" in text:  # OmegaConf: \${ is an escaped ${, \\ before it one backslash
+        text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+    quote = Quote.double if "'" in text and '"' not in text else Quote.single
+    return QuotedString(text=text, quote=quote).with_quotes()
+
+
+def _quoted_example(key: str, value: str) -> str:
+    """``key=<value quoted for Hydra>`` as one word of the shell (in its double quotes), on one line."""
+    import shlex
+
+    if "\n" in value or "\r" in value or len(value) > 80:
+        return f"\"{key}='...'\" (in the shell's quotes)"
+    word = f"{key}={hydra_quoted(value, literal=False)}"
+    return shlex.quote(word) if "!" in word else '"' + re.sub(r'([\\"$`])', r"\\\1", word) + '"'
 
 
 def check_overrides(argv: list[str], config_name: str = "train", program: str = "nats-train") -> str | None:

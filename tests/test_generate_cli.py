@@ -2,7 +2,8 @@
 and its byte-level BPE tokenizer saved with save_pretrained (nothing downloaded).
 
 Checked: the transformers path prints its summary and writes a complete generation.json (the keys of the GPT kind's
-report); the settings are checked before the model loads."""
+report); an override Hydra's grammar cannot read stops with one line (every console script:
+`nats.cli.check_override_syntax`); the settings are checked before the model loads."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from conftest import compose  # noqa: E402
+from nats import cli  # noqa: E402
 from nats import generate as G  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 
@@ -102,6 +104,33 @@ def test_transformers_report_with_a_fraction_budget(tiny, tmp_path):
     assert report["decode"] == "eager" and report["stats"]["kept_max"] <= report["budget"]
     assert f"policy streaming_llm, budget {report['budget']}: " in G.summary(report)
     assert read_report(tmp_path)["budget"] == report["budget"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hydra's grammar: one line
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_check_override_syntax():
+    """Every console script's boundary (nats.cli.console): the first unreadable override named, with its quoted
+    form; flags and their values are Hydra's."""
+    assert cli.check_override_syntax(["a=1", "--cfg", "job", "b='x, y'", "-m", "c=1,2"]) is None
+    message = cli.check_override_syntax(["a=1", "prompt=it's"])
+    assert message.startswith('Hydra cannot read the override "prompt=it\'s"') and '"prompt=\\"it\'s\\""' in message
+    assert "is not an override key=value" in cli.check_override_syntax(["justaword"])
+    assert "sweep" in cli.check_override_syntax(["c=1,2"])
+    assert "\n" not in cli.check_override_syntax(["p=a\nb, c,"])  # one line
+
+
+def test_another_console_script_answers_in_one_line(tmp_path):
+    exe = Path(sys.executable).with_name("nats-prepare")
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "nats.prepare"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(
+        [*base, f"hydra.run.dir={tmp_path / 'run'}", "data.name=a]b"], capture_output=True, text=True, env=env
+    )
+    assert one_line(proc).startswith("nats-prepare: Hydra cannot read the override 'data.name=a]b'")
 
 
 # ----------------------------------------------------------------------------------------------------------------
