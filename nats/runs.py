@@ -2,10 +2,11 @@
 
 ``ckpt_path=auto`` (the default of ``conf/train.yaml``)
     resumes from the newest checkpoint in the run folder (``${paths.output_dir}``), if there is one:
-    ``checkpoints/last.ckpt`` (written at every validation, on SIGTERM and on SLURM's requeue signal) or a
-    ``hpc_ckpt_<n>.ckpt`` of Lightning's (nats-train writes none), whichever was modified last; otherwise the run
-    starts from scratch. A requeued SLURM job runs again with the same config and the same folder, so it
-    continues where it stopped. ``ckpt_path=null`` always starts fresh; a path resumes from that file.
+    ``checkpoints/last.ckpt`` (written every ``checkpoint_every`` steps, at the last step, on SIGTERM and on
+    SLURM's requeue signal) or a ``hpc_ckpt_<n>.ckpt`` of Lightning's (nats-train writes none), whichever was
+    modified last; otherwise the run starts from scratch. A requeued SLURM job runs again with the same config and
+    the same folder, so it continues where it stopped. ``ckpt_path=null`` always starts fresh; a path resumes from
+    that file.
 
 SLURM requeue
     Under SLURM (Lightning's ``SLURMEnvironment.detect()``) SLURM sends the requeue signal before a pre-emption or

@@ -166,10 +166,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         clear_failure(cfg.paths.output_dir)
         log.info(describe_run(cfg, module, trainer))
+    final_validation = bool(cfg.get("final_validation", True))
+    _validation_step(trainer).final = final_validation  # within the fit, at its last step
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
-        if cfg.get("final_validation", True) and _validated_at(trainer) != trainer.global_step:
+        # a fit that did not validate its final weights: one that trained nothing (resumed at its final step, which
+        # the earlier fit validated) or stopped before trainer.max_steps (an epoch limit)
+        if final_validation and _validated_at(trainer) != trainer.global_step:
             final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
             metrics.update({k: float(v) for k, v in final.items()})
     except BaseException as err:
@@ -205,20 +209,32 @@ def run(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+def _validation_step(trainer) -> _ValidationStep:
+    return next(cb for cb in trainer.callbacks if isinstance(cb, _ValidationStep))
+
+
 def _validated_at(trainer) -> int | None:
     """The optimizer step of the fit's last validation (None without one): the final validation is skipped when
     it would validate the same weights again."""
-    for cb in trainer.callbacks:
-        if isinstance(cb, _ValidationStep):
-            return cb.step
-    return None
+    return _validation_step(trainer).step
 
 
 class _ValidationStep(L.Callback):
-    """Remembers the optimizer step at which the fit last validated (``_validated_at``)."""
+    """Remembers the optimizer step at which the fit last validated (``_validated_at``). With ``final`` (nats-train's
+    ``final_validation``), the fit also validates after its last step (``trainer.max_steps``) where ``eval_every``
+    does not fall on it: the final validation is one of the fit's, so the best checkpoint by validation loss
+    (conf/callbacks/model_checkpoint.yaml) is chosen among all the validations the run reports, the final
+    ``val_ppl`` included (a trainer.validate after the fit, which checkpoint callbacks do not see, could leave
+    the best checkpoint at an earlier step whose loss is higher), and the loggers get it at the step of the
+    fit. It is asked for as an early stop is (``trainer.should_stop``, after which Lightning validates)."""
 
-    def __init__(self) -> None:
+    def __init__(self, final: bool = False) -> None:
         self.step: int | None = None
+        self.final = final
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.final and 0 < trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True  # the fit stops here anyway (max_steps): Lightning validates first
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking and trainer.state.fn == "fit":

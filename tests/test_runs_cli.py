@@ -316,3 +316,39 @@ def test_ctrl_c_ends_the_optimizer_step_and_saves_as_sigterm_does(tmp_path, monk
     assert re.search(
         r"interrupted at step 4 \(Ctrl-C; state saved in \S+last\.ckpt\); resume with nats-train", caplog.text
     )
+
+
+def test_resumes_after_an_early_interrupt_keep_one_last_checkpoint_at_the_newest_state(tmp_path, caplog):
+    """A run interrupted before its first checkpoint interval (InterruptCheckpoint writes last.ckpt at step 1),
+    resumed in its folder (ckpt_path=auto, as `nats-train resume=<run>`) to the end: last.ckpt is rewritten, not
+    joined by a last-v1.ckpt (Lightning versions the name of a file it did not write itself), so a second resume
+    continues from the final step, and nats-eval of last.ckpt evaluates the final weights."""
+    from nats.runs import RunInterrupted
+    from nats.train import run
+
+    settings = [*SMALL, "trainer.max_steps=4", "eval_every=100", "checkpoint_every=2", "callbacks.progress_bar=null"]
+    stop = ["+callbacks.stop._target_=slurm_callbacks.SigtermAt", "+callbacks.stop.step=1"]
+    with pytest.raises(RunInterrupted):
+        run(compose(settings + stop, tmp_path))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert checkpoint_step(last) == 1
+    run(compose(settings, tmp_path))  # resumed to the end: last.ckpt rewritten at steps 2 and 4
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("last*.ckpt")) == ["last.ckpt"]
+    assert checkpoint_step(last) == 4
+    with caplog.at_level("INFO", logger="nats"):
+        run(compose(settings, tmp_path))
+    assert f"resuming from {last} at step 4" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("last*.ckpt")) == ["last.ckpt"]
+
+
+def test_the_end_of_a_run_saves_its_final_state_and_validation(tmp_path):
+    """trainer.max_steps not a multiple of checkpoint_every (nor of eval_every): last.ckpt holds the final step, and
+    the final validation (the val_ppl nats-train prints) runs within the fit, so the best checkpoint by validation
+    loss is chosen among all validations, the final one included (here the loss still falls: the final step's)."""
+    from nats.train import run
+
+    metrics = run(compose([*SMALL, "trainer.max_steps=3", "final_validation=true", "ckpt_path=null"], tmp_path))
+    assert checkpoint_step(tmp_path / "checkpoints" / "last.ckpt") == 3
+    (best,) = (tmp_path / "checkpoints").glob("best-*.ckpt")
+    assert best.name == f"best-step3-val{metrics['val/loss']:.4f}.ckpt"
+    assert json.loads((tmp_path / "metrics.json").read_text())["global_step"] == 3
