@@ -3,10 +3,15 @@
     nats-generate ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt prompt="To be or not to be"
     nats-generate model_dir=models/my-nats policy=nats max_new_tokens=200        # a save_pretrained folder
     nats-generate model_dir=... policy=h2o budget=64 temperature=0.8 top_k=50 seed=1 num_samples=3
+    nats-generate --prompt "Once upon a time, in a small village," model_dir=...   # the text as it is
+    cat book.txt | nats-generate --prompt - model_dir=...                          # or prompt_file=-
 
 The model is a nats-train checkpoint (``ckpt_path=``) or a folder written by `nats.hub.save_pretrained` /
-`nats.hub.export_checkpoint` (``model_dir=``, also a Hugging Face hub id). The prompt (``prompt=`` or
-``prompt_file=``; empty: ``<|endoftext|>``) is tokenised with the GPT-2 tokenizer (nats.data.tokenizer), prefilled
+`nats.hub.export_checkpoint` (``model_dir=``, also a Hugging Face hub id). The prompt: ``--prompt TEXT`` (the text as
+it is, commas and quotes included: it never meets Hydra's override grammar, `prompt_arguments`), ``prompt_file=``
+(``-``: standard input, as ``--prompt -``) or the override ``prompt=`` (a value in Hydra's grammar: quoted where it
+has commas, brackets or quotes); empty: ``<|endoftext|>``. It is tokenised with the GPT-2 tokenizer
+(nats.data.tokenizer), prefilled
 through the policy's caches (`nats.cache.decode.prefill`), then each new token is one `decode_step`, replayed
 as a captured CUDA graph on CUDA (``graph=auto``, the default; eager on the CPU; ``graph=false`` forces eager
 decoding): the policy (``policy=``, any registered one that can decode; its options from
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,12 +47,12 @@ from nats.cache.base import LayerCache
 from nats.cache.budget import resolve_budget
 from nats.cache.decode import check_graph, check_model
 from nats.cache.registry import available_caches, get_cache_class
-from nats.cli import check_hf_model, check_local_model, hydra_script
+from nats.cli import check_hf_model, check_local_model, check_override_syntax, hydra_quoted, hydra_script
 from nats.utils import atomic_write, resolve_device
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cache_stats", "load", "generate", "run", "main"]
+__all__ = ["cache_stats", "load", "generate", "run", "main", "prompt_arguments"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _MODEL_HINT = (
@@ -123,13 +129,15 @@ def load(cfg: DictConfig):
 
 
 def _prompt(cfg: DictConfig) -> str:
+    """The text of ``prompt_file`` (``-``: standard input) or of ``prompt``."""
     if _given(cfg.get("prompt_file")):
+        stdin = str(cfg.prompt_file) == "-"
         path = Path(str(cfg.prompt_file))
-        if not path.is_file():
+        if not stdin and not path.is_file():
             raise FileNotFoundError(f"prompt_file={path} does not exist")
         if cfg.get("prompt"):
-            raise ValueError("give prompt= or prompt_file=, not both")
-        return path.read_text(encoding="utf-8")
+            raise ValueError("give prompt= (or --prompt) or prompt_file=, not both")
+        return sys.stdin.read() if stdin else path.read_text(encoding="utf-8")
     return "" if cfg.get("prompt") is None else str(cfg.prompt)
 
 
@@ -295,7 +303,71 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return report
 
 
-main = hydra_script("nats-generate", "generate", run, __name__)
+# ----------------------------------------------------------------------------------------------------
+# the command line: --prompt TEXT
+# ----------------------------------------------------------------------------------------------------
+PROMPT_FLAG = "--prompt"
+_FREE_TEXT = (
+    "give the text as it is with --prompt (e.g. nats-generate --prompt 'Once upon a time, in a village,' ...), "
+    "or in a file: prompt_file=<path> (--prompt - or prompt_file=- reads standard input)"
+)
+
+
+def _key(arg: str) -> str:
+    return arg.split("=", 1)[0].lstrip("+~")
+
+
+def prompt_arguments(argv: list[str]) -> list[str]:
+    """The command line with ``--prompt TEXT`` (or ``--prompt=TEXT``, anywhere among the overrides) made the override
+    ``prompt=<TEXT quoted for Hydra>`` (`nats.cli.hydra_quoted`): the text arrives as it is (commas, quotes,
+    brackets, ``${...}``, new lines), never read as Hydra's grammar; ``--prompt -`` is ``prompt_file=-`` (standard
+    input). ValueError for ``--prompt`` without its text, given twice or beside ``prompt=`` / ``prompt_file=``, and
+    for a ``prompt=`` override Hydra cannot read as one string (commas, quotes), naming ``--prompt``."""
+    rest: list[str] = []
+    texts: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == PROMPT_FLAG:
+            if i + 1 == len(argv):
+                raise ValueError(f"{PROMPT_FLAG} needs the text after it: {_FREE_TEXT}")
+            texts.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith(PROMPT_FLAG + "="):
+            texts.append(arg[len(PROMPT_FLAG) + 1 :])
+        else:
+            rest.append(arg)
+        i += 1
+    multirun = [a for a in rest if a in ("-m", "--multirun")]
+    for arg in rest:
+        if _key(arg) == "prompt" and "=" in arg and check_override_syntax([*multirun, arg]):
+            raise ValueError(
+                f"Hydra's override grammar cannot read {arg!r} as one string (its commas or quotes): {_FREE_TEXT}"
+            )
+    if not texts:
+        return rest
+    if len(texts) > 1:
+        raise ValueError(f"{PROMPT_FLAG} is given {len(texts)} times: give the prompt once")
+    given = [_key(a) for a in rest if _key(a) in ("prompt", "prompt_file") and not a.startswith("-")]
+    if given:
+        raise ValueError(f"{PROMPT_FLAG} and {given[0]}= both give the prompt: keep one")
+    text = texts[0]
+    return ["prompt_file=-" if text == "-" else f"prompt={hydra_quoted(text)}", *rest]
+
+
+_main = hydra_script("nats-generate", "generate", run, __name__)
+
+
+def main() -> None:
+    """`nats-generate`: ``--prompt TEXT`` taken from the command line (`prompt_arguments`), then the overrides
+    checked and the Hydra app (`nats.cli.hydra_script`)."""
+    try:
+        argv = prompt_arguments(sys.argv[1:])
+    except ValueError as err:
+        sys.exit(f"nats-generate: {err}")
+    sys.argv = [sys.argv[0], *argv]
+    _main()
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 and its byte-level BPE tokenizer saved with save_pretrained (nothing downloaded).
 
 Checked: the transformers path prints its summary and writes a complete generation.json (the keys of the GPT kind's
-report); an override Hydra's grammar cannot read stops with one line (every console script:
-`nats.cli.check_override_syntax`); the settings are checked before the model loads."""
+report); a prompt is taken as it is, commas, quotes and brackets included, from ``--prompt TEXT``, ``prompt_file=``
+and standard input (``--prompt -``); an override Hydra's grammar cannot read stops with one line (every console
+script: `nats.cli.check_override_syntax`); the settings are checked before the model loads."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
+#: commas (a trailing one too), both quotes, brackets, braces, an interpolation, a backslash, a new line
+TEXT = 'Once upon a time, in a "small" village, it\'s ${x} [1] {a: b} C:\\path\nthe end,'
 #: the keys of the GPT kind's report (nats.generate.generate), which summary() reads
 REPORT_KEYS = {
     "prompt", "prompt_tokens", "new_tokens", "policy", "budget", "temperature", "top_k", "seed", "device", "precision",
@@ -107,8 +110,73 @@ def test_transformers_report_with_a_fraction_budget(tiny, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the prompt as it is
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["--prompt", "prompt_file", "stdin"])
+def test_prompt_with_commas_and_quotes_as_it_is(tiny, tmp_path, how):
+    out = tmp_path / "run"
+    stdin = None
+    if how == "--prompt":
+        args = ["--prompt", TEXT]  # before Hydra's overrides
+    elif how == "prompt_file":
+        (tmp_path / "prompt.txt").write_text(TEXT, encoding="utf-8")
+        args = [f"prompt_file={tmp_path / 'prompt.txt'}"]
+    else:
+        args, stdin = ["--prompt", "-"], TEXT
+    proc = nats_generate([*args, f"hydra.run.dir={out}", *hf_args(tiny, "max_new_tokens=2")], stdin=stdin)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    report = read_report(out)
+    assert report["prompt"] == TEXT and report["texts"][0].startswith(TEXT)
+
+
+def test_prompt_arguments():
+    """--prompt TEXT (anywhere, or --prompt=TEXT) becomes a quoted override that reads back as TEXT; --prompt - is
+    prompt_file=-; the mistakes say what to do."""
+    args = G.prompt_arguments(["max_new_tokens=3", "--prompt", TEXT, "device=cpu"])
+    assert args[1:] == ["max_new_tokens=3", "device=cpu"] and args[0].startswith("prompt=")
+    assert G.prompt_arguments(["--prompt=" + TEXT]) == args[:1]
+    assert G.prompt_arguments(["--prompt", "-", "x=1"]) == ["prompt_file=-", "x=1"]
+    assert G.prompt_arguments(["--prompt", "--cfg"]) == [f"prompt={cli.hydra_quoted('--cfg')}"]  # the next word is text
+    assert G.prompt_arguments(["prompt='a, b'", "x=1"]) == ["prompt='a, b'", "x=1"]  # a quoted override: unchanged
+    for argv, needle in [
+        (["x=1", "--prompt"], "--prompt needs the text after it"),
+        (["--prompt", "a", "--prompt", "b"], "given 2 times"),
+        (["--prompt", "a", "prompt=b"], "--prompt and prompt= both"),
+        (["--prompt", "a", "prompt_file=b.txt"], "--prompt and prompt_file= both"),
+        (["prompt=Once upon a time, in a village,"], "--prompt"),  # Hydra's grammar: one line naming --prompt
+        (["prompt=Once upon a time, in a village"], "--prompt"),  # a sweep ("Ambiguous value")
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            G.prompt_arguments(argv)
+    assert G.prompt_arguments(["-m", "prompt=a,b"]) == ["-m", "prompt=a,b"]  # a sweep over two prompts
+
+
+@pytest.mark.parametrize(
+    "text", [TEXT, "", "'", '"', "\\", "a\\", "\\${x}", "$${", "${a}${b}\\\\${c}", 'it\'s "both"', " lead, trail "]
+)
+def test_hydra_quoted_reads_back_as_the_text(text, tmp_path):
+    cfg = compose([f"prompt={cli.hydra_quoted(text)}"], tmp_path, config_name="generate")
+    assert cfg.prompt == text
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Hydra's grammar: one line
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "arg,needles",
+    [
+        ("prompt=Once upon a time, in a small village,", ["--prompt", "prompt_file="]),
+        ("prompt=Once upon a time, in a small village", ["--prompt", "prompt_file="]),
+        ("top_k=[5", ["'top_k=[5'", "quote the value", "\"top_k='[5'\""]),
+        ("max_new_tokens=3,4", ["sweep", "--multirun", "\"max_new_tokens='3,4'\""]),
+    ],
+)
+def test_malformed_override_is_one_line(tiny, tmp_path, arg, needles):
+    line = one_line(nats_generate([f"hydra.run.dir={tmp_path / 'run'}", *hf_args(tiny), arg]))
+    assert line.startswith("nats-generate: ")
+    for needle in needles:
+        assert needle in line, (needle, line)
+    assert not (tmp_path / "run").exists()  # stopped before Hydra made the run folder
 
 
 def test_check_override_syntax():
