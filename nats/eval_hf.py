@@ -12,7 +12,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from nats.cli import check_hf_model, hydra_script
-from nats.finetune.evaluate import run
+from nats.finetune.evaluate import check_inputs, run
 from nats.runs import resume_argv
 
 
@@ -26,7 +26,8 @@ def _resume(argv: list[str], notes: list[str]) -> list[str]:
     return resume_argv(argv, None, notes, program="nats-eval-hf", checkpoint=False)
 
 
-main = hydra_script("nats-eval-hf", "eval_hf", _job, __name__, _resume)
+# the methods, budgets and scorers checked before Hydra makes the run folder (and again in run, before the model load)
+main = hydra_script("nats-eval-hf", "eval_hf", _job, __name__, _resume, check=check_inputs)
 
 
 if __name__ == "__main__":

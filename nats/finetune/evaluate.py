@@ -65,7 +65,7 @@ from nats.data.longctx.scoring import (  # noqa: F401 (nats.finetune.evaluate.sc
 )
 from nats.evaluation import configured_methods
 from nats.hf.compat import cache_kwargs, generate_through
-from nats.hf.pretrained import PRETRAINED_KEYS, prepare_model, type_bias_of
+from nats.hf.pretrained import PRETRAINED_KEYS, check_scorers_path, prepare_model, type_bias_of
 from nats.utils import atomic_path, atomic_write, resolve_device
 from nats.utils import markdown_table as table
 
@@ -438,18 +438,29 @@ def write_summary(out: Path, rows, runs, tasks: list[str], header: str) -> list[
 # ----------------------------------------------------------------------------------------------------------------
 # the run
 # ----------------------------------------------------------------------------------------------------------------
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Evaluate every (method, budget, example) not yet in ``${paths.output_dir}/results.jsonl``; write the summary
-    outputs; returns ``{"summary", "rows", "computed"}``."""
+def check_inputs(cfg: DictConfig) -> list[dict[str, Any]]:
+    """The checks of the settings that need neither the model nor the examples, made before the (slow) model load,
+    and by nats-eval-hf before its run folder is made: the methods and their budgets (`plan_methods`), the scorers
+    file, the longest example against the model's context, the device. Returns the planned runs."""
     runs = plan_methods(cfg, has_scorers=bool(cfg.get("scorers")))
-    data = OmegaConf.to_container(cfg.data, resolve=True)
+    if cfg.get("scorers"):
+        check_scorers_path(cfg.scorers)
     max_context = cfg.hf_model.get("max_context")
-    longest = int(data["max_length"]) + int(cfg.answer_margin)
+    longest = int(cfg.data.max_length) + int(cfg.answer_margin)
     if max_context and longest > int(max_context):
         raise ValueError(
             f"data.max_length + answer_margin = {longest} exceeds hf_model.max_context={max_context}: "
             "use a smaller data.max_length"
         )
+    resolve_device(str(cfg.device))
+    return runs
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Evaluate every (method, budget, example) not yet in ``${paths.output_dir}/results.jsonl``; write the summary
+    outputs; returns ``{"summary", "rows", "computed"}``."""
+    runs = check_inputs(cfg)  # before the model is loaded
+    data = OmegaConf.to_container(cfg.data, resolve=True)
     device = resolve_device(str(cfg.device))
     model, tokenizer = load_model(cfg.hf_model, device)
     window = prepare_model(cfg, model)

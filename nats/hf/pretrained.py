@@ -43,6 +43,7 @@ __all__ = [
     "resolve_pretrained",
     "load_pretrained",
     "save_tiny_random_llama",
+    "check_scorers_path",
     "read_scorers",
     "run_window",
     "type_bias_of",
@@ -235,14 +236,21 @@ def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str
 
 # fine-tuned scorers: a scorers.pt (or its run's checkpoint) loaded into a pretrained model (nats-eval-hf,
 # nats-generate hf_model=...)
+def check_scorers_path(path: str | os.PathLike) -> Path:
+    """``path`` as a Path when it is a file; FileNotFoundError naming ``scorers=`` and what to pass otherwise (a
+    check that reads nothing: nats-eval-hf makes it before the model is loaded)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"scorers={path} does not exist: pass <fine-tuning run>/scorers.pt (or its .ckpt)")
+    return path
+
+
 def read_scorers(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int | None]:
     """``(scorer state dict, window W or None)`` of a ``scorers.pt`` (`nats.hf.nats_state_dict`) or of a
     fine-tuning run's Lightning checkpoint (its ``model.``-prefixed scorer keys and ``hyper_parameters.window``)."""
     import torch
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"scorers={path} does not exist: pass <fine-tuning run>/scorers.pt (or its .ckpt)")
+    path = check_scorers_path(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any failure to read is the same problem for the user
