@@ -1,11 +1,11 @@
-"""The split-K pool attention of a decode step (`nats_kernels.nats_attention.decode.triton_pool_attention`) over its
-launch choices: keys per block, warps, pipeline stages, and the split (each row in ``splits`` equal chunks, chunks
+"""The split-K pool attention of a decode step (`nats_kernels.nats_attention.pool_decode.triton_pool_attention`) over
+its launch choices: keys per block, warps, pipeline stages, and the split (each row in ``splits`` equal chunks, chunks
 balanced over the rows, or the rows' keys streamed end to end over a fixed grid of programs), for the shapes of a
 full cache at batch 1 and 8 (Llama-3.1-8B: 8 KV heads of 4 query heads, D = 128; Llama-3.2-1B: D = 64) and NAtS'
 shorter rows (as long, or of uneven lengths: ", spread"; with NAtS' ring of W = 64 sliding slots, half of them
 valid, beside each row: ", ring"), against the bytes it must read (the keys and values, once) over a device-to-device
 copy's bandwidth measured in the same run. Each row gives the split kernel's registers and spilled bytes per thread
-(on a GPU: what the compiler allotted). The default choice (`decode.launch_config`,
+(on a GPU: what the compiler allotted). The default choice (`pool_decode.launch_config`,
 `nats.cache.engine.pool_splits`, the launch choice's split for uneven rows: what NAtS' decode step launches) is the
 first row of each shape; the policies that declare ``even_rows``, the full cache among them, launch the "rows" split
 with the same blocks, the second row ("rows default").
@@ -51,9 +51,8 @@ def kernel_resources(kernel) -> tuple[int | None, int | None]:
 def main(argv: list[str] | None = None) -> int:
     from nats.cache import roofline
     from nats.cache.engine import pool_splits
-    from nats_kernels.nats_attention import decode
-    from nats_kernels.nats_attention.decode import launch_config, triton_pool_attention
     from nats_kernels.nats_attention.decode_reference import torch_pool_attention
+    from nats_kernels.nats_attention.pool_decode import launch_config, triton_pool_attention
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="logs/bench/sweep_pool_attention")
@@ -139,10 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages, "split": split, "programs": programs,
                    "pdl": pdl}  # fmt: skip
             splits = splits or None  # the streamed split takes none
-            call = lambda: triton_pool_attention(q, k, v, start, length, cap, splits=splits, config=cfg, **ring)  # noqa: E731
+            launched = {}  # the compiled split kernel, for its registers and spills
+            call = lambda: triton_pool_attention(q, k, v, start, length, cap, splits=splits, config=cfg,  # noqa: E731
+                                                 launched=launched, **ring)  # fmt: skip
             try:
                 out = call()
-                regs, spills = kernel_resources(decode.LAST_KERNELS.get("split"))
+                regs, spills = kernel_resources(launched.get("split"))
                 err = float((out.float() - ref).abs().max())
                 sec = timed(call, device)
             except Exception as e:  # a choice Triton cannot compile here (resources): a row saying so

@@ -352,7 +352,7 @@ def test_generate_greedy_matches_naive_loop():
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_pool_attention_matches_torch(dtype):
-    from nats_kernels.nats_attention.decode import triton_pool_attention
+    from nats_kernels.nats_attention.pool_decode import triton_pool_attention
 
     torch.manual_seed(0)
     R, G, D, W = 5, 2, 16, 4
@@ -402,7 +402,7 @@ def test_triton_pool_attention_balances_uneven_rows():
     """The work-balanced split: chunks of one size over all rows (the rows' mean over the split count), so one long
     row among empty ones takes most of the programs (here 125 chunks of 16 keys, merged 64 at a time), and the
     empty rows still take their ring; the result equals the reference either way."""
-    from nats_kernels.nats_attention.decode import triton_pool_attention
+    from nats_kernels.nats_attention.pool_decode import triton_pool_attention
 
     torch.manual_seed(1)
     R, G, D, W = 8, 2, 16, 2
@@ -417,7 +417,7 @@ def test_triton_pool_attention_balances_uneven_rows():
         cfg = {"block_n": 16, "num_warps": 2, "num_stages": 2, "split": split, "programs": 64}
         out = triton_pool_attention(q, kp, vp, start, length, 2000, rk, rv, rvalid, splits=64, config=cfg)
         assert torch.allclose(out, ref, atol=1e-5, rtol=0), split
-    # more rows than the lookup reads at a time (decode.ROW_BLOCK = 128): the walk carries over blocks
+    # more rows than the lookup reads at a time (pool_decode.ROW_BLOCK = 128): the walk carries over blocks
     R = 130
     length = torch.randint(0, 40, (R,))
     length[::7] = 0
@@ -435,7 +435,7 @@ def test_triton_pool_attention_balances_uneven_rows():
 def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypatch):
     """Without a split count the kernel takes `default_splits`, capped at its launch choice's ``max_splits`` (16 for
     few rows of head dim 128); the launches are recorded, not run."""
-    from nats_kernels.nats_attention import decode
+    from nats_kernels.nats_attention import pool_decode
 
     grids, consts = [], []
 
@@ -444,31 +444,31 @@ def test_triton_pool_attention_default_splits_follow_the_launch_choice(monkeypat
             grids.append(grid)
             return lambda *a, **k: consts.append(k)
 
-    monkeypatch.setattr(decode, "_pool_decode_kernel", Launch())
-    monkeypatch.setattr(decode, "_stream_decode_kernel", Launch())
-    monkeypatch.setattr(decode, "_combine_kernel", Launch())
+    monkeypatch.setattr(pool_decode, "_pool_decode_kernel", Launch())
+    monkeypatch.setattr(pool_decode, "_stream_decode_kernel", Launch())
+    monkeypatch.setattr(pool_decode, "_combine_kernel", Launch())
     for D, expected in ((128, 16), (64, 32)):  # 8192 keys: 32 splits of 256 by default
         q, pool = torch.zeros(2, 4, D), torch.zeros(2 * 8192, D)
         rows = torch.zeros(2, dtype=torch.long)
-        decode.triton_pool_attention(q, pool, pool, rows, rows, 8192, config={"split": "balanced"})
+        pool_decode.triton_pool_attention(q, pool, pool, rows, rows, 8192, config={"split": "balanced"})
         assert grids[-2] == (2 * (expected + 1),), (D, grids)  # the balanced split's programs: R x (splits + 1)
-        decode.triton_pool_attention(q, pool, pool, rows, rows, 8192, config={"balanced": False})
+        pool_decode.triton_pool_attention(q, pool, pool, rows, rows, 8192, config={"balanced": False})
         assert grids[-2] == (2, expected), (D, grids)  # each row alike: (R, splits)
-        decode.triton_pool_attention(q, pool, pool, rows, rows, 8192)  # uneven rows: streamed, one program per SM
+        pool_decode.triton_pool_attention(q, pool, pool, rows, rows, 8192)  # uneven rows: streamed, one program per SM
         assert grids[-2] == (4,) and consts[-1]["MODE"] == 2, (D, grids)  # (4 "SMs" on the CPU)
     q, pool, rows = torch.zeros(200, 4, 64), torch.zeros(200 * 64, 64), torch.zeros(200, dtype=torch.long)
-    decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
-    decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": "balanced"})
-    assert {k["BLOCK_R"] for k in consts} == {decode.ROW_BLOCK}  # one compiled kernel whatever the rows
+    pool_decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
+    pool_decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": "balanced"})
+    assert {k["BLOCK_R"] for k in consts} == {pool_decode.ROW_BLOCK}  # one compiled kernel whatever the rows
     with pytest.raises(ValueError, match="unknown split 'even'"):
-        decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": "even"})
+        pool_decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": "even"})
 
 
 def test_decode_kernels_launch_dependent_on_hopper(monkeypatch):
     """On a GPU of compute capability 9.0 or later the attention and its merge over few rows (up to PDL_ROWS) are
     launched as programmatic dependent launches (``launch_pdl``, the kernels' USE_PDL wait), unless the launch choice
     or NATS_KERNELS_PDL=0 turns it off; never under the interpreter. The launches are recorded, not run."""
-    from nats_kernels.nats_attention import decode
+    from nats_kernels.nats_attention import pool_decode
 
     launched = []
 
@@ -477,52 +477,52 @@ def test_decode_kernels_launch_dependent_on_hopper(monkeypatch):
             return lambda *a, **k: launched.append(k)
 
     for name in ("_pool_decode_kernel", "_stream_decode_kernel", "_combine_kernel"):
-        monkeypatch.setattr(decode, name, Launch())
+        monkeypatch.setattr(pool_decode, name, Launch())
     q, pool, rows = torch.zeros(2, 4, 64), torch.zeros(2 * 64, 64), torch.zeros(2, dtype=torch.long)
-    assert not decode.use_pdl(q.device)  # the CPU
-    decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
+    assert not pool_decode.use_pdl(q.device)  # the CPU
+    pool_decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
     assert [k["USE_PDL"] for k in launched] == [False, False] and not any("launch_pdl" in k for k in launched)
-    monkeypatch.setattr(decode, "use_pdl", lambda device: True)  # as on an H100
+    monkeypatch.setattr(pool_decode, "use_pdl", lambda device: True)  # as on an H100
     for split in ("stream", "rows", "balanced"):
         launched.clear()
-        decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": split})
+        pool_decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": split})
         assert [(k["USE_PDL"], k.get("launch_pdl")) for k in launched] == [(True, True)] * 2, split
         launched.clear()
-        decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": split, "pdl": False})
+        pool_decode.triton_pool_attention(q, pool, pool, rows, rows, 64, config={"split": split, "pdl": False})
         assert [k["USE_PDL"] for k in launched] == [False, False] and not any("launch_pdl" in k for k in launched)
     launched.clear()  # many rows (batch 8 of 8 KV heads): plain launches by default (they paid only for few rows)
     q, pool, rows = torch.zeros(64, 4, 64), torch.zeros(64 * 64, 64), torch.zeros(64, dtype=torch.long)
-    decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
+    pool_decode.triton_pool_attention(q, pool, pool, rows, rows, 64)
     assert [k["USE_PDL"] for k in launched] == [False, False]
-    assert decode.launch_config(16, 128)["pdl"] and not decode.launch_config(17, 64)["pdl"]
+    assert pool_decode.launch_config(16, 128)["pdl"] and not pool_decode.launch_config(17, 64)["pdl"]
     monkeypatch.undo()
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(decode, "INTERPRET", False)  # the choice on a GPU, whatever runs these tests
-    monkeypatch.setattr(decode, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(decode, "PDL", True)
-    assert decode.use_pdl(cuda)
-    monkeypatch.setattr(decode, "PDL", False)
-    assert not decode.use_pdl(cuda)  # NATS_KERNELS_PDL=0
-    monkeypatch.setattr(decode, "PDL", True)
-    monkeypatch.setattr(decode, "_capability", lambda index: (8, 0))
-    assert not decode.use_pdl(cuda)  # an A100: no programmatic dependent launch
-    monkeypatch.setattr(decode, "INTERPRET", True)
-    monkeypatch.setattr(decode, "_capability", lambda index: (9, 0))
-    assert not decode.use_pdl(cuda)  # Triton's interpreter
+    monkeypatch.setattr(pool_decode, "INTERPRET", False)  # the choice on a GPU, whatever runs these tests
+    monkeypatch.setattr(pool_decode, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(pool_decode, "PDL", True)
+    assert pool_decode.use_pdl(cuda)
+    monkeypatch.setattr(pool_decode, "PDL", False)
+    assert not pool_decode.use_pdl(cuda)  # NATS_KERNELS_PDL=0
+    monkeypatch.setattr(pool_decode, "PDL", True)
+    monkeypatch.setattr(pool_decode, "_capability", lambda index: (8, 0))
+    assert not pool_decode.use_pdl(cuda)  # an A100: no programmatic dependent launch
+    monkeypatch.setattr(pool_decode, "INTERPRET", True)
+    monkeypatch.setattr(pool_decode, "_capability", lambda index: (9, 0))
+    assert not pool_decode.use_pdl(cuda)  # Triton's interpreter
 
 
 def test_stream_programs_fill_one_wave(monkeypatch):
     """The streamed split launches one wave: the SMs times the programs whose pipelined key and value blocks fit an
     SM's shared memory (an H200: 132 SMs of 228 KiB)."""
-    from nats_kernels.nats_attention import decode
+    from nats_kernels.nats_attention import pool_decode
 
-    monkeypatch.setattr(decode, "_sm_resources", lambda index: (132, 228 * 1024))
+    monkeypatch.setattr(pool_decode, "_sm_resources", lambda index: (132, 228 * 1024))
     cuda = torch.device("cuda", 0)
-    assert decode.stream_programs(cuda, 64, 128, 2, 2) == 3 * 132  # 64 KiB a program
-    assert decode.stream_programs(cuda, 128, 128, 3, 2) == 132  # 192 KiB
-    assert decode.stream_programs(cuda, 64, 64, 2, 2) == 6 * 132
-    assert decode.stream_programs(cuda, 16, 16, 1, 2) == 8 * 132  # at most 8
-    assert decode.stream_programs(torch.device("cpu"), 64, 128, 2, 2) == 4
+    assert pool_decode.stream_programs(cuda, 64, 128, 2, 2) == 3 * 132  # 64 KiB a program
+    assert pool_decode.stream_programs(cuda, 128, 128, 3, 2) == 132  # 192 KiB
+    assert pool_decode.stream_programs(cuda, 64, 64, 2, 2) == 6 * 132
+    assert pool_decode.stream_programs(cuda, 16, 16, 1, 2) == 8 * 132  # at most 8
+    assert pool_decode.stream_programs(torch.device("cpu"), 64, 128, 2, 2) == 4
 
 
 def test_sweep_pool_attention_smoke(tmp_path):
@@ -732,7 +732,7 @@ def test_triton_nats_decode_matches_torch(dtype, W):
     segment keeps the token as sliding) against its PyTorch form (the custom op nats::nats_decode off CUDA): the
     output, and the state row for row. W = 1: a sliding token's only query is its own, its slot closed at once."""
     from nats.cache.policies import nats as nats_policy
-    from nats_kernels.nats_attention.decode import nats_decode
+    from nats_kernels.nats_attention.nats_step import nats_decode
 
     torch.manual_seed(0)
     B, Hkv, G, D, C = 2, 3, 2, 16, 20
@@ -896,7 +896,7 @@ def test_nats_kernels_scorer_rounds_like_the_linear(bias):
     local/sliding tie (local). The offsets (0, 2^-7, 0) make heads 0 and 2 local."""
     from nats.attention.nats import NAtSAttention
     from nats.attention.registry import AttentionDims
-    from nats_kernels.nats_attention.decode import nats_decode
+    from nats_kernels.nats_attention.nats_step import nats_decode
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     B, Hkv, C, D, W = 1, 4, 8, 8, 4
@@ -942,11 +942,11 @@ def test_nats_kernels_scorer_rounds_like_the_linear(bias):
 def test_nats_fused_step_launches_only_the_attentions_two_kernels(monkeypatch):
     """One fused step of a layer runs no torch compute besides the copy of q into the pool attention's [R, G, D]
     rows: the scorer, the type offsets and the key/value rows are all taken by the attention's two kernels
-    (nats_decode), so those are the launches. Ops that only make views or allocate do not launch a kernel and are
-    not counted."""
+    (nats_decode: the pool attention's split kernel and the step's own merge, which admits the token), so those are
+    the launches. Ops that only make views or allocate do not launch a kernel and are not counted."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import nats_kernels.nats_attention.decode as kernels
+    from nats_kernels.nats_attention import nats_step, pool_decode
 
     free = set(
         "view _unsafe_view reshape transpose permute t slice select split split_with_sizes expand unsqueeze squeeze "
@@ -960,8 +960,8 @@ def test_nats_fused_step_launches_only_the_attentions_two_kernels(monkeypatch):
                 ops.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    for name in ("_stream_decode_kernel", "_combine_kernel"):
-        kernel = getattr(kernels, name)
+    for module, name in ((pool_decode, "_stream_decode_kernel"), (nats_step, "_merge_admit_kernel")):
+        kernel = getattr(module, name)
 
         def run(*args, _run=kernel.run, _name=name, **kw):
             launches.append(_name)
@@ -983,7 +983,7 @@ def test_nats_fused_step_launches_only_the_attentions_two_kernels(monkeypatch):
         q, k, v = attn.project(x, model.rope, pos)
         with Ops():
             cache.step(q, k, v, x, pos)
-    assert launches == ["_stream_decode_kernel", "_combine_kernel"]
+    assert launches == ["_stream_decode_kernel", "_merge_admit_kernel"]
     assert ops == ["clone.default"], ops
 
 

@@ -1,5 +1,5 @@
-"""Exact PyTorch reference of the decode attention kernel (``decode.py``): one query token per (KV row, group
-head) over its pool segment and, optionally, the valid slots of a ring. Also the ``"torch"`` backend of
+"""Exact PyTorch reference of the decode attention kernel (``pool_decode.py``): one query token per (KV row,
+group head) over its pool segment and, optionally, the valid slots of a ring. Also the ``"torch"`` backend of
 ``nats.cache.attention.pool_attention`` (any device; CPU, tests).
 
     out[r, g] = softmax(q[r, g] . K_r / sqrt(D)) V_r    over the segment of r and its valid ring slots

@@ -48,7 +48,7 @@ def _min_fn(a, b):
 @triton.jit
 def first_max(a, b, c):
     """0, 1 or 2: the first maximum of (a, b, c), as ``torch.argmax`` breaks ties: the hard type of a token's
-    (global, local, sliding) weights or logits, for the plan here and the decode steps (``decode.py``)."""
+    (global, local, sliding) weights or logits, for the plan here and NAtS' decode step (``nats_step.py``)."""
     return tl.where((a >= b) & (a >= c), 0, tl.where(b >= c, 1, 2))
 
 

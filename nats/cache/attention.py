@@ -14,7 +14,7 @@ Two backends give the same result:
   inputs). Any device; used on CPU and by the tests. It is the kernel's reference,
   ``nats_kernels.nats_attention.decode_reference``.
 * ``"triton"``: one split-K (flash-decoding) kernel reading each kept key once, plus a combine kernel
-  (``nats_kernels.nats_attention.decode``, beside its reference). Reads ``start``/``length`` on the device, so a
+  (``nats_kernels.nats_attention.pool_decode``, beside its reference). Reads ``start``/``length`` on the device, so a
   step never synchronises with the host and can be captured in a CUDA graph.
 
 ``"auto"`` picks Triton for CUDA tensors when it imports, else torch.
@@ -37,7 +37,7 @@ BACKENDS = ("auto", "torch", "triton")
 @functools.lru_cache(maxsize=1)
 def _triton_fn():
     try:
-        from nats_kernels.nats_attention.decode import triton_pool_attention  # noqa: PLC0415
+        from nats_kernels.nats_attention.pool_decode import triton_pool_attention  # noqa: PLC0415
     except Exception as exc:  # ImportError, or triton failing to initialise
         return None, f"{type(exc).__name__}: {exc}"
     return triton_pool_attention, None

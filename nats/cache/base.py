@@ -56,7 +56,7 @@ class LayerCache:
     # every row of a layer holds the same number of keys (full, StreamingLLM, SnapKV's one budget per row): the decode
     # attention splits each row alike; otherwise (NAtS, AdaKV, H2O) it streams the rows' keys end to end over one
     # wave of programs in equal shares, so a row that holds more keys takes more programs
-    # (`nats_kernels.nats_attention.decode`)
+    # (`nats_kernels.nats_attention.pool_decode`)
     even_rows: bool = False
     # how the policy runs in the fixed-capacity engine (nats.cache.engine.FixedRule; None: it has no such form), the
     # storage of `nats.hf.StaticPolicyCache`

@@ -101,8 +101,8 @@ def decode_splits(
 
 def pool_splits(rows: int, bound: int, head_dim: int, device: torch.device) -> int:
     """The split-K count the decode attention launches with (`pool_attention_op`): `decode_splits` capped by the
-    kernel's launch choice for the rows and head dim (`nats_kernels.nats_attention.decode.launch_config`)."""
-    from nats_kernels.nats_attention.decode import launch_config  # noqa: PLC0415
+    kernel's launch choice for the rows and head dim (`nats_kernels.nats_attention.pool_decode.launch_config`)."""
+    from nats_kernels.nats_attention.pool_decode import launch_config  # noqa: PLC0415
 
     most = launch_config(rows, head_dim)["max_splits"]
     return decode_splits(rows, bound, device, most=most, head_dim=head_dim)

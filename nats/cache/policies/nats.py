@@ -113,7 +113,7 @@ def scorer_types(x: Tensor, w_s: Tensor, bias: Tensor, pos: Tensor) -> Tensor:
 
 # NAtS' step in the fixed-capacity engine as a ``torch.library`` custom op (compiled with the decode step, replayed as
 # a CUDA graph): on CUDA the attention's two Triton launches with the step fused into them
-# (``nats_kernels.nats_attention.decode.nats_decode``), elsewhere the PyTorch form (`step_torch`), which the kernels
+# (``nats_kernels.nats_attention.nats_step.nats_decode``), elsewhere the PyTorch form (`step_torch`), which the kernels
 # are tested against. It mutates the cache's buffers in place (``mutates_args``), so they keep their addresses across
 # replays.
 @torch.library.custom_op("nats::nats_decode", mutates_args=("rows", "ring_kv", "ring_valid", "kv_pool"))
@@ -143,7 +143,7 @@ def nats_decode(
     start, length, cap, n_global, t = rows[0], rows[1], rows[2], rows[3], rows[4]
     ring_k, ring_v, k_pool, v_pool = ring_kv[0], ring_kv[1], kv_pool[0], kv_pool[1]
     if resolve_backend("auto", k_new.device) == "triton":
-        from nats_kernels.nats_attention.decode import nats_decode as kernel  # noqa: PLC0415
+        from nats_kernels.nats_attention.nats_step import nats_decode as kernel  # noqa: PLC0415
 
         return kernel(q, k_new, v_new, pos, t, k_pool, v_pool, start, length, n_global, ring_k, ring_v, ring_valid,
                       x=x, w_s=w_s, bias=bias, cap=cap)  # fmt: skip
@@ -435,7 +435,7 @@ class NAtSCache(LayerCache, SegmentStorage):
         ``forced_types``: a pair (table [T, R] int64 on the device, first position p0) whose row ``pos - p0``
         holds the types of position ``pos`` (-1: the scorer's), read by the kernel at the device position. The
         scorer runs whenever the core has one, so an override leaves the step's work as it is."""
-        from nats_kernels.nats_attention.decode import nats_decode as kernel  # noqa: PLC0415
+        from nats_kernels.nats_attention.nats_step import nats_decode as kernel  # noqa: PLC0415
 
         if k.shape[2] != 1:
             raise ValueError(f"step() takes one token, got {k.shape[2]}")

@@ -1,7 +1,8 @@
-"""Triton decode attention over a KV pool with per-row segments and an optional ring (flash-decoding), and NAtS' decode
-step fused into its two launches (`nats_decode`). The exact PyTorch reference is ``decode_reference.py`` beside it
-(``torch_pool_attention``); ``nats.cache.attention.pool_attention`` picks one of the two (tests/test_cache.py
-compares them).
+"""Triton decode attention over a KV pool with per-row segments and an optional ring (flash-decoding): a split kernel
+and the merge of its partials (`triton_pool_attention`). The exact PyTorch reference is ``decode_reference.py`` beside
+it (``torch_pool_attention``); ``nats.cache.attention.pool_attention`` picks one of the two (tests/test_cache.py
+compares them). NAtS' decode step (``nats_step.py``) launches the same split kernel (`launch_split`) and a merge of
+its own that also admits the new token.
 
 Each program takes the G query heads of one KV row r (GQA: the heads sharing that KV head) over a share of the
 row's segment ``[start[r], start[r] + length[r])``. Three splits of the keys over the programs:
@@ -35,25 +36,21 @@ import torch
 
 # chooses Triton's CPU interpreter when there is no GPU (before any @triton.jit runs)
 from nats_kernels.nats_attention._env import INTERPRET, tl, triton
-from nats_kernels.nats_attention.plan import first_max
 
 # Programmatic dependent launch (Hopper and later): the decode step's kernels (the attention and its merge) are launched
 # while the kernel before them finishes, and wait for it (``griddepcontrol.wait``) before they read anything it writes
-# (the merge reads NAtS' new token, written before the attention, first); the attention lets the merge launch at once
-# (``griddepcontrol.launch_dependents``). It hides a launch's latency between the kernels of a CUDA graph, which pays
-# for few rows and not for many (H200, docs/results/bench_limit_h200.md: Llama-3.2-1B's shape at 32k and batch 1, NAtS
-# 761.7 tokens/s with it, 720.4 without; Llama-3.1-8B's at 32k and batch 8, 1106.2 with it, 1153.1 without), so the
-# launches use it up to PDL_ROWS KV rows (batch x KV heads). NATS_KERNELS_PDL=0 (read at import) launches them plainly,
-# e.g. to time both.
+# (NAtS' merge reads the new token, written before the attention, first: ``nats_step.py``); the attention lets the merge
+# launch at once (``griddepcontrol.launch_dependents``). It hides a launch's latency between the kernels of a CUDA
+# graph, which pays for few rows and not for many (H200, docs/results/bench_limit_h200.md: Llama-3.2-1B's shape at 32k
+# and batch 1, NAtS 761.7 tokens/s with it, 720.4 without; Llama-3.1-8B's at 32k and batch 8, 1106.2 with it, 1153.1
+# without), so the launches use it up to PDL_ROWS KV rows (batch x KV heads). NATS_KERNELS_PDL=0 (read at import)
+# launches them plainly, e.g. to time both.
 PDL = os.environ.get("NATS_KERNELS_PDL", "1") != "0"
 PDL_ROWS = 16
 
 BLOCK_N = 64
 MAX_SPLITS = 64  # SPLITS is a runtime argument (no recompilation per split count); the combine reads up to 64
 ROW_BLOCK = 128  # rows the balanced split reads at a time to find a program's chunk (fixed: no compile per batch)
-# the split kernel `triton_pool_attention` launched last (Triton's compiled kernel, with its registers and spills on a
-# GPU; None in the interpreter), for benchmarks/sweep_pool_attention.py
-LAST_KERNELS: dict = {}
 
 
 @triton.jit
@@ -111,16 +108,6 @@ def _store_partial(M_OUT, L_OUT, ACC_OUT, out, m_i, l_i, acc, gmask, offs_d, dma
     tl.store(M_OUT + out, m_i, mask=gmask)
     tl.store(L_OUT + out, l_i, mask=gmask)
     tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
-
-
-@triton.jit
-def _new_token(KNEW, VNEW, r, HKV, skb, skh, svb, svh, offs_d, dmask):
-    """Row r's new key and value ``[BLOCK_D]`` (row r = b * HKV + h), read where the projection wrote them."""
-    b = r // HKV
-    h = r % HKV
-    knew = tl.load(KNEW + b * skb + h * skh + offs_d, mask=dmask, other=0.0)
-    vnew = tl.load(VNEW + b * svb + h * svh + offs_d, mask=dmask, other=0.0)
-    return knew, vnew
 
 
 @triton.jit
@@ -374,91 +361,31 @@ def _combine_kernel(
     MODE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     USE_PDL: tl.constexpr,
-    ADMIT: tl.constexpr,
-    Q,
-    qk_scale,
-    X,
-    stride_xb,
-    WS,
-    BIAS,
-    TYPES,
-    types_stride,
-    types_from,
-    POS,
-    TOUT,
-    KNEW,
-    VNEW,
-    HKV,
-    skb,
-    skh,
-    svb,
-    svh,
-    RK,
-    RV,
-    RVALID,
-    KP,
-    VP,
-    START,
-    NGLOBAL,
-    CAP,
-    C: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    HAS_SCORER: tl.constexpr,
-    HAS_TYPES: tl.constexpr,
-    HAS_CAP: tl.constexpr,
-    W: tl.constexpr,
 ):
-    """Program pid = r * G + g < R * G: the partials of query head g of row r merged (`_merge`). With ADMIT (NAtS'
-    step, `nats_decode`) the merge starts from the new token (query ``Q`` ``[R, G, D]`` against row r's new key),
-    and programs R * G + r admit row r's new token (`_step_type`, `_admit`): the split kernel that read the rows
-    has finished, and the merge programs read no row's keys or lengths (MODE 0 or 2)."""
+    """Program pid = r * G + g: the partials of query head g of row r merged (`_merge`), from no key."""
     pid = tl.program_id(0)
-    if ADMIT:
-        if pid >= R * G:
-            r = pid - R * G
-            pos = tl.load(POS)
-            # the type first: it reads what the kernels before the split kernel wrote (x; the lengths, written by the
-            # last step), so with dependent launches it overlaps the split kernel's end
-            t = _step_type(r, pos, X, stride_xb, WS, BIAS, TYPES, types_stride, types_from, LEN, CAP, HKV, C, BLOCK_C,
-                           HAS_SCORER, HAS_TYPES, HAS_CAP)  # fmt: skip
-            offs_d = tl.arange(0, BLOCK_D)
-            dmask = offs_d < D
-            k, v = _new_token(KNEW, VNEW, r, HKV, skb, skh, svb, svh, offs_d, dmask)
-            if USE_PDL:  # the split kernel has finished reading the rows
-                tl.extra.cuda.gdc_wait()
-            _admit(r, t, pos, k, v, TOUT, RK, RV, RVALID, KP, VP, START, LEN, NGLOBAL, offs_d, dmask, W, D)
-        else:
-            _merge(pid, M, L, ACC, OUT, SPLITS, D, BLOCK_D, BLOCK_S, LEN, R, FIRST, LAST, G, BLOCK_N, MODE, BLOCK_R,
-                   USE_PDL, True, Q, qk_scale, KNEW, VNEW, HKV, skb, skh, svb, svh)  # fmt: skip
-    else:
-        _merge(pid, M, L, ACC, OUT, SPLITS, D, BLOCK_D, BLOCK_S, LEN, R, FIRST, LAST, G, BLOCK_N, MODE, BLOCK_R,
-               USE_PDL, False, Q, qk_scale, KNEW, VNEW, HKV, skb, skh, svb, svh)  # fmt: skip
+    mx = tl.full([], float("-inf"), tl.float32)
+    den = tl.zeros([], dtype=tl.float32)
+    num = tl.zeros([BLOCK_D], dtype=tl.float32)
+    _merge(pid, mx, den, num, M, L, ACC, OUT, SPLITS, D, BLOCK_D, BLOCK_S, LEN, R, FIRST, LAST, G, BLOCK_N, MODE,
+           BLOCK_R, USE_PDL)  # fmt: skip
 
 
 @triton.jit
 def _merge(
-    pid, M, L, ACC, OUT, SPLITS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, LEN, R, FIRST, LAST,
-    G: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
-    NEW: tl.constexpr, Q, qk_scale, KNEW, VNEW, HKV, skb, skh, svb, svh,
+    pid, mx, den, num, M, L, ACC, OUT, SPLITS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, LEN, R,
+    FIRST, LAST, G: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program pid = r * G + g: the partials of query head g of row r merged (online, BLOCK_S partials at a time).
-    MODE: the split kernel's (0 each row alike, 1 balanced chunks, 2 streamed). With NEW the merge starts from row
-    r's new token (score q . k / sqrt(D), weight 1, value v), which the split kernel left out: one key, in float32,
-    read before the wait (the kernels before the split kernel wrote it)."""
+    """Program pid = r * G + g: the partials of query head g of row r merged (online, BLOCK_S partials at a time)
+    into the online softmax it starts from (max ``mx``, sum ``den``, weighted values ``num [BLOCK_D]``, float32: no
+    key, -inf, 0, 0; NAtS' step starts from its new token, `nats_step`), the result written to OUT. MODE: the split
+    kernel's (0 each row alike, 1 balanced chunks, 2 streamed). With USE_PDL it waits for the split kernel first:
+    what the caller read for the start (written by the kernels before the split kernel) overlaps that kernel's end."""
     r = pid // G
     g = pid % G
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    if NEW:
-        knew, vnew = _new_token(KNEW, VNEW, r, HKV, skb, skh, svb, svh, offs_d, dmask)
-        qv = tl.load(Q + pid * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        mx = tl.sum(qv * knew.to(tl.float32), axis=0) * qk_scale
-        den = tl.full([], 1.0, tl.float32)
-        num = vnew.to(tl.float32)
-    else:
-        mx = tl.full([], float("-inf"), tl.float32)
-        den = tl.zeros([], dtype=tl.float32)
-        num = tl.zeros([BLOCK_D], dtype=tl.float32)
     if USE_PDL:  # the split kernel has finished
         tl.extra.cuda.gdc_wait()
     if MODE == 2:  # slots p + r of the programs p = FIRST[r] .. LAST[r] that took row r's units
@@ -556,31 +483,32 @@ def stream_programs(device: torch.device, block_n: int, head_dim: int, num_stage
     return sms * max(1, min(8, (smem - 8 * 1024) // per_program))
 
 
-def triton_pool_attention(
+def split_config(rows: int, head_dim: int, config: dict | None = None) -> dict:
+    """The split kernel's launch for ``rows`` KV rows of head dim ``head_dim``: `launch_config` updated by ``config``,
+    with its split named (``"split"``: one of SPLITS_MODES; without it ``balanced``, default True, picks the launch
+    choice's ``uneven`` split, False "rows")."""
+    cfg = {**launch_config(rows, head_dim), **(config or {})}
+    mode = cfg.get("split") or (cfg["uneven"] if cfg.get("balanced", True) else "rows")
+    if mode not in SPLITS_MODES:
+        raise ValueError(f"unknown split {mode!r}: choose one of {SPLITS_MODES}")
+    return {**cfg, "split": mode}
+
+
+def launch_split(
     q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None, splits=None, config=None,
-    _step=None,
+    launched=None,
 ):  # fmt: skip
-    """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync); the
-    reference is :func:`decode_reference.torch_pool_attention`. ``config``: the split kernel's launch,
-    ``{"block_n", "num_warps", "num_stages", "balanced", "split", "programs", "pdl"}`` (default `launch_config`;
-    `benchmarks/sweep_pool_attention.py` times the choices). ``split``: "rows" (each row in ``splits`` equal
-    chunks: rows of one length), "balanced" (chunks of one size over all rows, ``splits`` per row on average) or
-    "stream" (the rows' keys end to end in ``programs`` equal shares, default `stream_programs`); without it,
-    ``balanced`` (default True) picks the launch choice's ``uneven`` split, False "rows". ``splits``: without it,
-    `default_splits` capped at the launch's ``max_splits``. ``pdl``: programmatic dependent launches where the GPU
-    has them (`use_pdl`; default: up to `PDL_ROWS` rows). ``_step``: NAtS' step, the two kernels' extra
-    arguments (`nats_decode`)."""
+    """Launches the split kernel of `triton_pool_attention` (same arguments) and returns what a merge of its partials
+    needs: the merge kernels' common arguments (``M``, ``L``, ``ACC``: the partial buffers; their layout: ``MODE``,
+    ``SPLITS``, ``FIRST``/``LAST``, ``LEN``; the block sizes; ``USE_PDL`` and the dependent launch's option). The
+    caller launches the merge, ``(R * G,)`` programs or more, the next kernel on the stream. ``launched``: a dict that
+    receives the compiled split kernel (``"split"``: on a GPU its registers and spills; in the interpreter None)."""
     R, G, D = q.shape
     q = q.contiguous()
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or k_pool.stride(0) != D or v_pool.stride(0) != D:
         raise ValueError("k_pool and v_pool must be contiguous [P, D]")
-    cfg = {**launch_config(R, D), **(config or {})}
-    mode = cfg.get("split") or (cfg["uneven"] if cfg.get("balanced", True) else "rows")
-    if mode not in SPLITS_MODES:
-        raise ValueError(f"unknown split {mode!r}: choose one of {SPLITS_MODES}")
-    if _step is not None and (mode == "balanced" or ring_k is None):
-        raise ValueError("NAtS' fused step needs the ring and the split 'stream' or 'rows' (the balanced merge reads "
-                         "the lengths the step changes)")  # fmt: skip
+    cfg = split_config(R, D, config)
+    mode = cfg["split"]
     splits = int(splits or min(default_splits(max_len, R * G), cfg["max_splits"]))
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
@@ -594,7 +522,6 @@ def triton_pool_attention(
     m = torch.empty(chunks * G, device=dev, dtype=torch.float32)
     l = torch.empty(chunks * G, device=dev, dtype=torch.float32)
     acc = torch.empty(chunks * G, D, device=dev, dtype=torch.float32)
-    out = torch.empty(R, G, D, device=dev, dtype=q.dtype)
     has_ring = ring_k is not None
     if has_ring:
         W = ring_k.shape[1]
@@ -608,15 +535,6 @@ def triton_pool_attention(
     ieee = INTERPRET or q.dtype in (torch.float32, torch.float64)  # the interpreter has no bf16 dot
     pdl = _pdl_launch(bool(cfg["pdl"]) and use_pdl(dev))
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl}
-    if _step is None:  # no new token: placeholders of the step's arguments
-        admit = {
-            "ADMIT": False, "X": q, "stride_xb": 0, "WS": q, "BIAS": q, "TYPES": start, "types_stride": 0,
-            "types_from": 0, "POS": start, "TOUT": start, "KNEW": q, "VNEW": q, "HKV": 1, "skb": 0, "skh": 0, "svb": 0,
-            "svh": 0, "RK": q, "RV": q, "RVALID": start, "KP": q, "VP": q, "START": start, "NGLOBAL": start,
-            "CAP": start, "C": 1, "BLOCK_C": 1, "HAS_SCORER": False, "HAS_TYPES": False, "HAS_CAP": False, "W": 1,
-        }  # fmt: skip
-    else:
-        admit = _step
     if mode == "stream":
         first_last = torch.empty(2, R, device=dev, dtype=torch.int32)
         split = _stream_decode_kernel[(programs,)](
@@ -634,186 +552,30 @@ def triton_pool_attention(
             BLOCK_W=max(16, triton.next_power_of_2(W)), IEEE=ieee, R=R, BALANCED=balanced, BLOCK_R=ROW_BLOCK,
             **launch,
         )  # fmt: skip
-    LAST_KERNELS["split"] = split
-    _combine_kernel[(R * G + (R if _step is not None else 0),)](
-        m, l, acc, out, splits, D=D, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, LEN=length, R=R, FIRST=first_last[0],
-        LAST=first_last[1], G=G, BLOCK_N=cfg["block_n"], MODE=SPLITS_MODES.index(mode), BLOCK_R=ROW_BLOCK, Q=q,
-        qk_scale=1.0 / math.sqrt(D), **admit, **pdl,
-    )  # fmt: skip
+    if launched is not None:
+        launched["split"] = split
+    return {"M": m, "L": l, "ACC": acc, "SPLITS": splits, "D": D, "BLOCK_D": block_d, "BLOCK_S": MAX_SPLITS,
+            "LEN": length, "R": R, "FIRST": first_last[0], "LAST": first_last[1], "G": G, "BLOCK_N": cfg["block_n"],
+            "MODE": SPLITS_MODES.index(mode), "BLOCK_R": ROW_BLOCK, **pdl}  # fmt: skip
+
+
+def triton_pool_attention(
+    q, k_pool, v_pool, start, length, max_len, ring_k=None, ring_v=None, ring_valid=None, splits=None, config=None,
+    launched=None,
+):  # fmt: skip
+    """Triton backend of :func:`nats.cache.attention.pool_attention` (same arguments, no host sync): the split kernel
+    (`launch_split`), then the merge of its partials; the reference is :func:`decode_reference.torch_pool_attention`.
+    ``config``: the split kernel's launch, ``{"block_n", "num_warps", "num_stages", "balanced", "split", "programs",
+    "pdl"}`` (default `launch_config`; `benchmarks/sweep_pool_attention.py` times the choices). ``split``: "rows" (each
+    row in ``splits`` equal chunks: rows of one length), "balanced" (chunks of one size over all rows, ``splits`` per
+    row on average) or "stream" (the rows' keys end to end in ``programs`` equal shares, default `stream_programs`);
+    without it, ``balanced`` (default True) picks the launch choice's ``uneven`` split, False "rows". ``splits``:
+    without it, `default_splits` capped at the launch's ``max_splits``. ``pdl``: programmatic dependent launches where
+    the GPU has them (`use_pdl`; default: up to `PDL_ROWS` rows). ``launched``: a dict that receives the compiled split
+    kernel (``"split"``; `benchmarks/sweep_pool_attention.py` reads its registers and spills)."""
+    merge = launch_split(q, k_pool, v_pool, start, length, max_len, ring_k, ring_v, ring_valid, splits, config,
+                         launched)  # fmt: skip
+    R, G, D = q.shape
+    out = torch.empty(R, G, D, device=q.device, dtype=q.dtype)
+    _combine_kernel[(R * G,)](OUT=out, **merge)
     return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# NAtS' decode step fused into the attention's two launches: the split kernel reads the rows (the new token's ring
-# slot is not valid), the merge starts from the new token itself, and the merge kernel's extra programs (ADMIT) type
-# the token and admit it once every query has been answered
-# ----------------------------------------------------------------------------------------------------
-@triton.jit
-def _type_of(z0, z1, z2, pos):
-    """A token's type from its three scorer logits: the first maximum (like torch.argmax); token 0 is global."""
-    return tl.where(pos == 0, 0, first_max(z0, z1, z2))
-
-
-@triton.jit
-def _scorer_type(XB, WH, BIAS, pos, C: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The type the NAtS scorer gives one token in one KV head (``NAtSAttention.type_logits`` in eval mode, then
-    the argmax): XB points at the token's input x [C], WH at the head's three scorer rows W_s[3h : 3h + 3] [3, C].
-    Each logit x . w is summed in float32 and rounded to x's dtype, as the Linear's output is, before the offset
-    BIAS[j] is added in float32: in bf16 the rounding alone can make two logits equal and so change the argmax."""
-    offs_c = tl.arange(0, BLOCK_C)
-    cmask = offs_c < C
-    x = tl.load(XB + offs_c, mask=cmask, other=0.0).to(tl.float32)
-    w0 = tl.load(WH + offs_c, mask=cmask, other=0.0).to(tl.float32)
-    w1 = tl.load(WH + C + offs_c, mask=cmask, other=0.0).to(tl.float32)
-    w2 = tl.load(WH + 2 * C + offs_c, mask=cmask, other=0.0).to(tl.float32)
-    dt = XB.dtype.element_ty
-    z0 = _rounded(tl.sum(x * w0, axis=0), dt) + tl.load(BIAS)
-    z1 = _rounded(tl.sum(x * w1, axis=0), dt) + tl.load(BIAS + 1)
-    z2 = _rounded(tl.sum(x * w2, axis=0), dt) + tl.load(BIAS + 2)
-    return _type_of(z0, z1, z2, pos)
-
-
-@triton.jit
-def _rounded(z, dt: tl.constexpr):
-    """A float32 scalar rounded to the dtype dt (to nearest, ties to even) and back to float32. For bf16 the
-    rounding is written out on the bits (bf16 is float32's upper half): it is what the GPU's conversion does, and
-    Triton's CPU interpreter, which runs the tests, truncates in ``.to(tl.bfloat16)`` instead."""
-    if dt == tl.bfloat16:
-        bits = z.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return z.to(dt).to(tl.float32)
-
-
-@triton.jit
-def _step_type(
-    r, pos, X, stride_xb, WS, BIAS, TYPES, types_stride, types_from, LENGTH, CAP, HKV, C: tl.constexpr,
-    BLOCK_C: tl.constexpr, HAS_SCORER: tl.constexpr, HAS_TYPES: tl.constexpr, HAS_CAP: tl.constexpr,
-):  # fmt: skip
-    """Row r's new token's type (int64): the scorer's (row r = b * HKV + h reads x[b] and head h's scorer rows),
-    replaced by row ``pos - types_from`` of the table TYPES where given (-1 there keeps the scorer's); with a
-    capacity, a global or local token of a full segment is kept as a sliding one."""
-    if HAS_SCORER:
-        t = _scorer_type(X + (r // HKV) * stride_xb, WS + (3 * (r % HKV)) * C, BIAS, pos, C, BLOCK_C)
-    if HAS_TYPES:
-        given = tl.load(TYPES + (pos - types_from) * types_stride + r)
-        if HAS_SCORER:  # -1 keeps the scorer's type; it also keeps the scorer's work from being compiled away
-            t = tl.where(given >= 0, given, t)
-        else:
-            t = given
-    t = t.to(tl.int64)
-    if HAS_CAP:
-        t = tl.where((t != 2) & (tl.load(LENGTH + r) >= tl.load(CAP + r)), 2, t)
-    return t
-
-
-@triton.jit
-def _admit(
-    r, t, pos, k, v, TOUT, RK, RV, RVALID, KP, VP, START, LENGTH, NGLOBAL, offs_d, dmask, W: tl.constexpr,
-    D: tl.constexpr,
-):  # fmt: skip
-    """After query ``pos`` has been answered: row r's new token (k, v [BLOCK_D]) of type t goes into its ring slot
-    ``pos % W`` (valid while sliding); a local token is appended to the row's segment, a global one is written after
-    the row's globals, over its locals (visible up to this query, then dropped: the segment is truncated). The slot
-    of token ``pos - W + 1``, whose window this query closed, is marked invalid."""
-    tl.store(TOUT + r, t)
-    ring = r.to(tl.int64) * W + (pos % W).to(tl.int64)
-    tl.store(RK + ring * D + offs_d, k, mask=dmask)
-    tl.store(RV + ring * D + offs_d, v, mask=dmask)
-    if W > 1:
-        tl.store(RVALID + ring, (t == 2).to(tl.int8))
-        tl.store(RVALID + r.to(tl.int64) * W + ((pos + 1) % W).to(tl.int64), (t * 0).to(tl.int8))
-    else:  # a window of one: a sliding token's only query was this one
-        tl.store(RVALID + ring, (t * 0).to(tl.int8))
-    if t != 2:
-        start = tl.load(START + r)
-        length = tl.load(LENGTH + r)
-        ng = tl.load(NGLOBAL + r)
-        if t == 0:
-            dst = start + ng
-            n = ng + 1
-            tl.store(NGLOBAL + r, n)
-        else:
-            dst = start + length
-            n = length + 1
-        tl.store(KP + dst * D + offs_d, k, mask=dmask)
-        tl.store(VP + dst * D + offs_d, v, mask=dmask)
-        tl.store(LENGTH + r, n)
-
-
-def _rows_view(t: torch.Tensor, B: int, H: int, what: str) -> torch.Tensor:
-    """k or v of one token, [B, H, 1, D], [B, H, D] or [B * H, D], as [B, H, D] with unit stride along D (a view
-    when it has)."""
-    if t.dim() == 2 and t.shape[0] == B * H:
-        t = t.unflatten(0, (B, H))
-    if t.dim() == 4:
-        if t.shape[2] != 1:
-            raise ValueError(f"{what} must hold one token, got {t.shape[2]}")
-        t = t[:, :, 0]
-    if t.dim() != 3 or tuple(t.shape[:2]) != (B, H):
-        raise ValueError(f"{what} must be [B={B}, Hkv={H}, (1,) D], got {tuple(t.shape)}")
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def nats_decode(
-    q, k_new, v_new, pos, t_out, k_pool, v_pool, start, length, n_global, ring_k, ring_v, ring_valid, *, x=None,
-    w_s=None, bias=None, types=None, types_from=None, cap=None, splits=None, config=None,
-):  # fmt: skip
-    """One NAtS decode step of a layer (spec section 5) in the attention's two launches; returns ``[R, G, D]``.
-
-    The split kernel reads each row's segment and valid ring slots, as for any cache (the new token's slot ``pos % W``
-    holds position pos - W, out of the window, and is not valid: the last step, or the prefill, closed it); the merge
-    starts from the new token itself (``k_new``, ``v_new``: ``[B, Hkv, (1,) D]`` or ``[R, D]``, read through their
-    strides, e.g. views of a fused qkv product), so query ``pos`` sees what its row holds and itself whatever the new
-    token's type. The merge kernel's extra programs, one a row, then type the token and admit it (`_admit`: ring write,
-    append, or for a global token its row's locals dropped) and close the expired ring slot: nothing is read and written
-    in the same launch. Type: the scorer's (``x [B, C]`` . ``w_s [3 Hkv, C]`` rounded as the Linear's output, ``+ bias
-    [3]``, argmax, token 0 global) and/or ``types`` (int64 ``[R]``, or with ``types_from`` a table ``[T, R]`` whose row
-    ``pos - types_from`` is read on the device; with the scorer too, -1 keeps the scorer's); with ``cap`` ``[R]`` a
-    global or local token of a full segment is kept as sliding. ``t_out [R]`` receives the types. The PyTorch form is
-    ``nats.cache.policies.nats.step_torch``."""
-    R, W, D = ring_k.shape
-    has_scorer, has_types = x is not None, types is not None
-    if not (has_scorer or has_types):
-        raise ValueError("nats_decode needs the scorer's input x or the types")
-    # the batch: x's; without the scorer, k_new's (rows [R, D]: one row a "sequence", the row's own)
-    B = x.shape[0] if has_scorer else (k_new.shape[0] if k_new.dim() >= 3 else R)
-    if R % B:
-        raise ValueError(f"the batch {B} does not divide the cache's {R} rows")
-    H = R // B
-    k_new, v_new = _rows_view(k_new, B, H, "k_new"), _rows_view(v_new, B, H, "v_new")
-    if k_new.dtype != k_pool.dtype or v_new.dtype != v_pool.dtype:
-        raise ValueError(f"k_new / v_new must have the pool's dtype {k_pool.dtype}, got {k_new.dtype}")
-    if has_scorer:
-        x = x.reshape(B, -1)
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        C = x.shape[1]
-        if tuple(w_s.shape) != (3 * H, C):
-            raise ValueError(f"the scorer's weight must be [3 * Hkv = {3 * H}, C = {C}], got {tuple(w_s.shape)}")
-        w_s = w_s.contiguous()
-    else:
-        x, w_s, bias, C = k_new, k_new, k_new, 1  # unused placeholders
-    if has_types:
-        if types_from is None:
-            types_stride, types_from = 0, 0
-            types = types.reshape(R)
-        else:
-            types_stride = R
-            types = types.reshape(-1, R)
-        types = types.contiguous()
-    else:
-        types, types_stride, types_from = t_out, 0, 0  # unused placeholder
-    rvalid = ring_valid.view(torch.int8) if ring_valid.dtype == torch.bool else ring_valid
-    strides = {"HKV": H, "skb": k_new.stride(0), "skh": k_new.stride(1), "svb": v_new.stride(0),
-               "svh": v_new.stride(1)}  # fmt: skip
-    admit = {
-        "ADMIT": True, "X": x, "stride_xb": x.stride(0), "WS": w_s, "BIAS": bias, "TYPES": types,
-        "types_stride": types_stride, "types_from": int(types_from), "POS": pos, "TOUT": t_out, "KNEW": k_new,
-        "VNEW": v_new, **strides, "RK": ring_k, "RV": ring_v, "RVALID": rvalid, "KP": k_pool, "VP": v_pool,
-        "START": start, "NGLOBAL": n_global, "CAP": cap if cap is not None else length, "C": C,
-        "BLOCK_C": triton.next_power_of_2(C), "HAS_SCORER": has_scorer, "HAS_TYPES": has_types,
-        "HAS_CAP": cap is not None, "W": W,
-    }  # fmt: skip
-    return triton_pool_attention(q, k_pool, v_pool, start, length, 0, ring_k=ring_k, ring_v=ring_v,
-                                 ring_valid=ring_valid, splits=splits, config=config, _step=admit)  # fmt: skip
