@@ -127,6 +127,7 @@ def test_new_pool_sizes_and_prompt_lengths_compile_a_few_graphs_not_one_per_prom
     from torch._dynamo.utils import counters
 
     model = nats_model()
+    model.config.max_position_embeddings = 1024  # prompts of up to 700 tokens: past the tiny model's 256 on purpose
     cc = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
     cc._compile_all_devices = True
     torch._dynamo.reset()
@@ -298,6 +299,7 @@ def test_the_compiled_step_does_no_work_that_grows_with_the_pool(policy, kw):
     from torch._inductor.utils import run_and_get_code
 
     model = nats_model() if policy == "nats" else use_policy_caches(tiny_model("llama"))
+    model.config.max_position_embeddings = 1024  # a prompt of 700 tokens: past the tiny model's 256 on purpose
     cc = transformers.CompileConfig(fullgraph=True, mode=None)  # inductor
     cc._compile_all_devices = True
     torch._dynamo.reset()

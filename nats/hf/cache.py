@@ -21,12 +21,17 @@ How it plugs into transformers (public extension points only):
 A model without NAtS scorers needs the hooks and the attention function too: `use_policy_caches(model)` installs
 them (``attach_nats`` already does). Limits: one unpadded sequence per batch row (every row at the same position),
 greedy or sampled decoding (no beam search: a policy cache cannot be reordered), and a cache is used for one
-``generate`` call (make a new one per prompt).
+``generate`` call (make a new one per prompt, or ``reset()`` it): a forward of several tokens through a cache that
+holds tokens (the prompt of a second call) is refused, unless inside ``with cache.continuing():`` (teacher forcing
+the tokens that follow, as `nats.finetune.evaluate.continue_one` does). ``max_len`` beyond the model's context
+(`nats.hf.limits`) is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +41,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from nats.cache import available_caches, get_cache_class
 from nats.cache.base import LayerCache
 from nats.cache.decode import policy_options
+from nats.hf.limits import check_context, context_length, reuse_message
 
 
 class FixedRowsLayer(CacheLayerMixin):
@@ -93,6 +99,8 @@ class PolicyCacheLayer(FixedRowsLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif self.seen and key_states.shape[-2] > 1 and not self.owner.continuation:
+            raise ValueError(reuse_message(self.owner, self.seen, "PolicyCache"))
         if self.seen + key_states.shape[-2] > self.owner.max_len:
             raise ValueError(
                 f"PolicyCache: {self.seen + key_states.shape[-2]} tokens exceed its max_len={self.owner.max_len}; "
@@ -127,7 +135,8 @@ class PolicyCache(Cache):
             (`nats.hf.attach_nats`), for other policies NAtS attached or `use_policy_caches(model)` called.
         policy: a name of `nats.cache.available_caches()` (``nats``, ``full``, ``streaming_llm``, ``h2o``, ...).
         max_len: the most tokens (prompt + new) it will see; default ``config.max_position_embeddings``
-            (preallocating policies such as ``full`` allocate it: pass what you need).
+            (preallocating policies such as ``full`` allocate it: pass what you need); beyond the model's context
+            (`nats.hf.limits.context_length`) it is refused.
         budget: the token budget of budgeted policies (StreamingLLM, H2O, SnapKV, ...).
         backend: ``auto`` (Triton on CUDA), ``triton`` or ``torch``.
         track: record the per-step cache sizes (``fractions()``).
@@ -164,11 +173,26 @@ class PolicyCache(Cache):
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         if self.max_len < 1:
             raise ValueError("PolicyCache: pass max_len (the model config has no max_position_embeddings)")
+        if max_len:  # the prompt + new tokens it is made for, within the model's context
+            check_context(context_length(config), 0, self.max_len, "PolicyCache",
+                          what=f"max_len={self.max_len} (prompt + new tokens)")  # fmt: skip
+        self.continuation = False  # inside `continuing`: forwards of several tokens extend the sequence
         self.backend, self.track = backend, track
         self.options = policy_options(
             policy, budget, self.max_len, len(self.cores), options
         )  # budget, n_layer included
         super().__init__(layers=[PolicyCacheLayer(self, i) for i in range(len(self.cores))])
+
+    @contextlib.contextmanager
+    def continuing(self) -> Iterator[PolicyCache]:
+        """Inside, forwards of several tokens feed the tokens that follow the sequence the cache holds (teacher
+        forcing: the model's positions follow `get_seq_length`); outside, such a forward through a cache that holds
+        tokens is refused as the prompt of a second ``generate`` call."""
+        self.continuation = True
+        try:
+            yield self
+        finally:
+            self.continuation = False
 
     def make_layer(self, layer_idx: int, key_states: torch.Tensor) -> LayerCache:
         B, Hkv, _, D = key_states.shape

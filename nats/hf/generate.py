@@ -75,6 +75,7 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     from nats.hf import PolicyCache, StaticPolicyCache
     from nats.hf.compat import generate_through
     from nats.hf.fused import fuse_projections
+    from nats.hf.limits import check_context, context_length
     from nats.hf.loop import generate as loop
     from nats.hf.pretrained import load_pretrained, prepare_model, pretrained_kwargs
 
@@ -88,6 +89,7 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     ids = tok(prompt_text or (tok.bos_token or ""), return_tensors="pt").input_ids.to(device)
     ids = ids.expand(samples, -1).contiguous()
     P = ids.shape[1]
+    check_context(context_length(model.config), P, new, "nats-generate")  # before any cache is made
     budget = cfg.get("budget")  # tokens, or a fraction of prompt + new tokens (as for the GPT kind)
     n_budget = resolve_budget(budget, P + new, of=f"the {P + new} prompt + new tokens")
     options = dict(cfg.get("cache_options") or {})

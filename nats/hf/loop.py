@@ -14,7 +14,9 @@ at the end (or every ``check_every`` tokens, to stop early at an end token). ``n
 Tokens equal ``model.generate``'s greedy ones through the same cache (`tests/test_hf_loop.py`). Sampling
 (``temperature`` > 0, ``top_k``) draws on the device outside the compiled step. Takes the project's
 `nats.hf.StaticPolicyCache` (any policy it runs, left-padded batches included) and transformers' ``StaticCache``
-(unpadded prompts).
+(unpadded prompts). Refused before the prompt's forward, in one line each (`check_request`): a cache that holds
+tokens already (one call per cache), more new tokens than the cache was made for, a prompt + new tokens beyond the
+model's context (`nats.hf.limits`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from nats.hf.compat import cache_kwargs, takes_cache_position
+from nats.hf.limits import check_context, check_unused, context_length
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled decode steps, by mode
 
@@ -100,6 +103,7 @@ def generate(
     if max_new_tokens < 1:
         return ids
     B, P = ids.shape
+    check_request(model, P, cache, max_new_tokens)
     device = ids.device
     compile = device.type == "cuda" if compile is None else compile
     if attention_mask is not None and bool((attention_mask == 1).all()):
@@ -152,6 +156,29 @@ def generate(
     if compiled_graphs() != graphs:  # the compiler's garbage (reference cycles) holds the cache it traced: free it
         gc.collect()
     return torch.cat([ids, tokens[:, :n]], dim=1)
+
+
+def check_request(model, prompt: int, cache, max_new_tokens: int, who: str = "nats.hf.loop.generate") -> None:
+    """Refuse, before any work, one line each: a ``cache`` that holds tokens of an earlier call, more
+    ``max_new_tokens`` than it was made for (`nats.hf.StaticPolicyCache`'s ``max_new_tokens``; another cache's
+    ``get_max_cache_shape()`` for prompt + new tokens), a ``prompt`` (tokens, padding included) + ``max_new_tokens``
+    beyond ``model``'s context."""
+    check_unused(cache, who)
+    name = type(cache).__name__
+    planned = getattr(cache, "max_new_tokens", None)
+    if planned is not None and max_new_tokens > planned:
+        raise ValueError(
+            f"{who}: max_new_tokens={max_new_tokens} exceeds the {planned} new tokens this {name} was made for: "
+            f"make it with max_new_tokens={max_new_tokens}"
+        )
+    shape = getattr(cache, "get_max_cache_shape", None)
+    limit = shape() if planned is None and shape is not None else None
+    if isinstance(limit, int) and 0 < limit < prompt + max_new_tokens:
+        raise ValueError(
+            f"{who}: the prompt ({prompt} tokens) + max_new_tokens ({max_new_tokens}) = {prompt + max_new_tokens} "
+            f"exceeds the {limit} tokens this {name} was made for: make a larger one"
+        )
+    check_context(context_length(model.config), prompt, max_new_tokens, who)
 
 
 def compiled_graphs() -> int:

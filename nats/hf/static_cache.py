@@ -19,13 +19,18 @@ what the policy keeps of a prompt and how a decode step changes a row. This clas
 * **Decode** (one token per row, compiled): device tensors only, fixed shapes, no host synchronisation: the rule
   admits the new token and the query attends over exactly what the row keeps (``nats::pool_attention``: the Triton
   split-K kernel reading each KV head once for its GQA group).
-* **Overflow** (more new tokens than planned): NAtS keeps a global or local token of a full segment as a sliding
-  one (visible for W steps); the appending policies stop admitting the row's new tokens (they are attended to in
-  their own step only). `overflowed` says whether it happened. Plan ``max_new_tokens`` as for ``generate``.
+* **Overflow** (more new tokens than planned): `nats.hf.loop.generate` refuses more ``max_new_tokens`` than the
+  cache was made for; ``model.generate`` cannot tell the cache its number (the cache sees its decode steps on the
+  device only), so there NAtS keeps a global or local token of a full segment as a sliding one (visible for W
+  steps) and the appending policies stop admitting the row's new tokens (they are attended to in their own step
+  only). `overflowed` says whether it happened. Plan ``max_new_tokens`` as for ``generate``.
 
-Limits: greedy or sampled decoding (beam search and ``num_return_sequences > 1`` are refused: a row's cache
-cannot be duplicated or reordered); one ``generate`` call per cache (make a new one per batch); a policy without a
-fixed-capacity rule (an evaluation-only approximation such as ``h2o_dense``) is refused.
+Refused, in one line each: a prompt + ``max_new_tokens`` beyond the model's context (`nats.hf.limits`), checked at
+the prefill; a second ``generate`` call through the same cache (one call per cache: make a new one per batch),
+checked where a forward of several tokens reaches a cache that holds tokens (the prompt of the second call; the
+compiled decode step, one token, carries no check) and, whatever the prompt, by `nats.hf.loop.generate` before its
+prefill; beam search and ``num_return_sequences > 1`` (a row's cache cannot be duplicated or reordered); a policy
+without a fixed-capacity rule (an evaluation-only approximation such as ``h2o_dense``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from nats.cache.engine import PoolLayout, PromptState, SegmentStorage, mark_stat
 from nats.cache.registry import get_cache_class
 from nats.hf.buffers import CacheBuffers
 from nats.hf.cache import FixedRowsLayer
+from nats.hf.limits import check_context, context_length, reuse_message
 
 
 class StaticPolicyLayer(FixedRowsLayer, SegmentStorage):
@@ -73,8 +79,14 @@ class StaticPolicyLayer(FixedRowsLayer, SegmentStorage):
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-        if not self.is_initialized:
+        if not self.is_initialized:  # the prompt: within the model's context with the new tokens planned
+            if self.layer_idx == 0:
+                owner = self.owner
+                check_context(owner.context, key_states.shape[-2], owner.max_new_tokens, "StaticPolicyCache",
+                              "the max_new_tokens it was made for")  # fmt: skip
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[-2] > 1:  # a new prompt (a decode step is one token: the compiled step has no check)
+            raise ValueError(reuse_message(self.owner, int(self.cumulative_length), "StaticPolicyCache"))
         self.pending = (key_states, value_states)
         if self.layer_idx == 0:  # the shared counter: the later layers of the same forward see it advanced
             self.cumulative_length.add_(key_states.shape[-2])
@@ -127,7 +139,8 @@ class StaticPolicyCache(Cache):
             `nats.hf.use_policy_caches(model)` called for the baselines.
         policy: a registered policy with a fixed-capacity rule (`nats.cache.engine.fixed_policies`).
         max_new_tokens: the most tokens ``generate`` will add (the capacity planned per row on top of what the
-            prompt leaves; pass the same number to ``generate``).
+            prompt leaves; pass the same number to ``generate``: `nats.hf.loop.generate` refuses more). The prompt
+            + max_new_tokens must lie within the model's context (`nats.hf.limits.context_length`).
         budget: budgeted policies: tokens per row and KV head (an int), or a fraction of each row's prompt (a
             float in (0, 1)); `nats.cache.budget`.
         max_len: the longest sequence (prompt + new tokens); the size of the attention mask ``generate`` builds
@@ -199,6 +212,7 @@ class StaticPolicyCache(Cache):
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         if self.max_len < 1:
             raise ValueError("StaticPolicyCache: pass max_len (the model config has no max_position_embeddings)")
+        self.context = context_length(config)  # prompt + max_new_tokens at most (nats.hf.limits)
         self.prompt_lengths: Tensor | None = None  # real tokens per sequence, set by the prefill
         self._real_rows: Tensor | None = None  # the same per row (sequence x KV head)
         self._unallocated: list[tuple] = []  # prefilled layers whose pools are allocated at the next layer
@@ -212,19 +226,14 @@ class StaticPolicyCache(Cache):
     # ------------------------------------------------------------------ the attention function's entry point
     def attend(self, layer_idx: int, query: Tensor, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
         """The layer's attention output ``[B, Hq, N, D]`` for its new queries (after RoPE, scaled for
-        1/sqrt(D)); prefill on the first call, then one decode step per token."""
+        1/sqrt(D)); prefill on the first call, then one decode step per token (a forward of several tokens after the
+        prefill is refused by `StaticPolicyLayer.update`)."""
         layer = self.layers[layer_idx]
         k, v = layer.pending
         layer.pending = None
         if not layer.ready:
             return self._prefill(layer, query, k, v, hidden, attention_mask)
-        if query.shape[-2] == 1:
-            return self._decode(layer, query, k, v, hidden)
-        outs = [
-            self._decode(layer, query[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], hidden[:, i : i + 1])
-            for i in range(query.shape[-2])
-        ]
-        return torch.cat(outs, dim=2)
+        return self._decode(layer, query, k, v, hidden)
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, layer, q, k, v, hidden, attention_mask) -> Tensor:

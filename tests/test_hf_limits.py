@@ -1,0 +1,135 @@
+"""`nats.hf.limits`: what a generate call may ask of a model and a cache, refused in one line before any work. A
+second generate call through the same cache (`StaticPolicyCache`, `PolicyCache`) once continued the first call's
+sequence and gave other tokens (through `StaticPolicyCache` decoding the new prompt one token at a time: 333 s at
+Llama-3.1-8B's shape and 32k where a new cache took 2 s); more new tokens than a `StaticPolicyCache` was made for
+and a prompt + new tokens past ``max_position_embeddings`` ran silently. A new cache per call still gives the same
+tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_nats import ids, tiny_model  # noqa: E402
+from test_hf_static_cache import greedy, nats_model  # noqa: E402
+
+from nats.hf import PolicyCache, StaticPolicyCache, use_policy_caches  # noqa: E402
+from nats.hf.compat import cache_kwargs  # noqa: E402
+from nats.hf.limits import context_length  # noqa: E402
+from nats.hf.loop import generate  # noqa: E402
+
+NEW = 6
+REUSED = r"^\S+: this {} already holds \d+ tokens of an earlier generate call: make a new cache for each call"
+
+
+def model_for(policy):
+    return nats_model() if policy == "nats" else use_policy_caches(tiny_model("llama"))
+
+
+def one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("policy", ["full", "nats"])
+@pytest.mark.parametrize("path", ["loop", "model.generate"])
+def test_a_second_generate_through_a_static_cache_is_refused(policy, path):
+    model = model_for(policy)
+    prompt = ids(n=24, b=2, seed=3)
+
+    def run(cache):
+        if path == "loop":
+            return generate(model, prompt, cache, NEW, compile=False)
+        return greedy(model, prompt, cache, n=NEW)
+
+    cache = StaticPolicyCache(model, policy, max_new_tokens=NEW)
+    first = run(cache)
+    with pytest.raises(ValueError, match=REUSED.format("StaticPolicyCache")) as err:
+        run(cache)
+    assert "nats.hf.StaticPolicyCache(...)" in one_line(err)
+    assert torch.equal(run(StaticPolicyCache(model, policy, max_new_tokens=NEW)), first)  # a new cache: the same
+
+
+def test_a_second_prompt_through_a_static_cache_is_refused_before_the_cache_changes():
+    """model.generate passes a second prompt (of several tokens) to the cache's update, which refuses it before it
+    advances the position counter (the decode steps, one token, carry no check: the compiled step stays as it was)."""
+    model = model_for("full")
+    cache = StaticPolicyCache(model, "full", max_new_tokens=NEW)
+    greedy(model, ids(n=24, b=1), cache, n=NEW)
+    held = int(cache.layers[0].cumulative_length)
+    with pytest.raises(ValueError, match=REUSED.format("StaticPolicyCache")):
+        with torch.no_grad():
+            model(ids(n=5, b=1, seed=9), **cache_kwargs(model, cache))
+    assert int(cache.layers[0].cumulative_length) == held == 24 + NEW - 1
+
+
+@pytest.mark.parametrize("policy", ["full", "nats"])
+def test_a_second_generate_through_a_policy_cache_is_refused_and_reset_frees_it(policy):
+    model = model_for(policy)
+    prompt = ids(n=24, b=1, seed=3)
+    cache = PolicyCache(model, policy, backend="torch")  # max_len: the context (a second call fits in it)
+    first = greedy(model, prompt, cache, n=NEW)
+    with pytest.raises(ValueError, match=REUSED.format("PolicyCache")) as err:
+        greedy(model, prompt, cache, n=NEW)
+    assert "nats.hf.PolicyCache(...)" in one_line(err)
+    cache.reset()
+    assert torch.equal(greedy(model, prompt, cache, n=NEW), first)
+
+
+def test_the_loop_refuses_a_used_cache_whatever_its_prompt():
+    """A prompt of one token looks like a decode step to the cache; the loop checks the cache before its prefill."""
+    model = model_for("full")
+    cache = StaticPolicyCache(model, "full", max_new_tokens=NEW)
+    generate(model, ids(n=24, b=1), cache, NEW, compile=False)
+    with pytest.raises(ValueError, match=REUSED.format("StaticPolicyCache")):
+        generate(model, ids(n=1, b=1), cache, NEW, compile=False)
+
+
+def test_more_new_tokens_than_the_cache_was_made_for_are_refused():
+    model = model_for("nats")
+    cache = StaticPolicyCache(model, "nats", max_new_tokens=NEW)
+    planned = rf"max_new_tokens={NEW + 1} exceeds the {NEW} new tokens this StaticPolicyCache was made for"
+    with pytest.raises(ValueError, match=rf"^nats.hf.loop.generate: {planned}: make it with max_new_tokens={NEW + 1}$"):
+        generate(model, ids(n=24, b=1), cache, NEW + 1, compile=False)
+    assert not cache.layers[0].is_initialized  # refused before the prompt's forward
+    out = generate(model, ids(n=24, b=1), cache, NEW - 2, compile=False)  # fewer: fine
+    assert out.shape == (1, 24 + NEW - 2)
+
+
+@pytest.mark.parametrize("path", ["loop", "model.generate", "PolicyCache"])
+def test_a_prompt_and_new_tokens_past_the_models_context_are_refused(path):
+    model = model_for("full")
+    assert model.config.max_position_embeddings == 256
+    prompt = ids(n=250, b=1)
+    context = r"exceeds the model's context of 256 positions \(config\.max_position_embeddings\)"
+    if path == "PolicyCache":
+        with pytest.raises(ValueError, match=rf"^PolicyCache: max_len=257 \(prompt \+ new tokens\) {context}"):
+            PolicyCache(model, "full", max_len=257)
+        return
+    cache = StaticPolicyCache(model, "full", max_new_tokens=NEW + 1)
+    who = "nats.hf.loop.generate" if path == "loop" else "StaticPolicyCache"
+    new = "max_new_tokens" if path == "loop" else "the max_new_tokens it was made for"
+    with pytest.raises(ValueError, match=rf"^{who}: the prompt \(250 tokens\) \+ {new} \(7\) = 257 {context}") as e:
+        if path == "loop":
+            generate(model, prompt, cache, NEW + 1, compile=False)
+        else:
+            greedy(model, prompt, cache, n=NEW + 1)
+    assert "raise model.config.max_position_embeddings" in one_line(e)
+    assert not cache.layers[0].is_initialized  # refused before any work
+    # up to the context it runs; raising the config's context is the explicit way past it
+    assert generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=NEW), NEW).shape[1] == 256
+    model.config.max_position_embeddings = 512
+    assert generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=NEW + 1), NEW + 1).shape[1] == 257
+
+
+def test_context_length_counts_a_stretching_rope_scaling():
+    plain = transformers.LlamaConfig(max_position_embeddings=8192)
+    assert context_length(plain) == 8192
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert context_length(transformers.LlamaConfig(max_position_embeddings=32768, rope_scaling=yarn)) == 131072
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192,
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0}  # fmt: skip
+    assert context_length(transformers.LlamaConfig(max_position_embeddings=131072, rope_scaling=llama3)) == 131072
