@@ -417,6 +417,7 @@ def test_default_hf_model_without_its_packages_is_one_line_before_hydra(script, 
         (["scorers={missing_scorers}"], "missing_scorers.pt does not exist"),
         (["methods=[full,h2o]", "budgets=[-2]"], "budgets are fractions of the prompt length in (0, 1); got -2"),
         (["methods=[full,bogus]"], "unknown method 'bogus'"),
+        (["methods=[full]", "data.pg19_path={missing_scorers}"], "does not exist (the PG-19 subset does not ship"),
     ],
 )
 def test_eval_hf_checks_its_inputs_before_the_model_loads(args, needle, tmp_path, monkeypatch, capfd):

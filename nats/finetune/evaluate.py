@@ -63,6 +63,7 @@ from nats.data.longctx.scoring import (  # noqa: F401 (nats.finetune.evaluate.sc
     score,
     token_accuracy,
 )
+from nats.data.longctx.tasks import check_pg19_path
 from nats.evaluation import configured_methods
 from nats.hf.compat import cache_kwargs, generate_through
 from nats.hf.pretrained import PRETRAINED_KEYS, check_scorers_path, prepare_model, type_bias_of
@@ -446,6 +447,7 @@ def check_inputs(cfg: DictConfig) -> list[dict[str, Any]]:
     runs = plan_methods(cfg, has_scorers=bool(cfg.get("scorers")))
     if cfg.get("scorers"):
         check_scorers_path(cfg.scorers)
+    check_pg19_path(cfg.data.get("pg19_path"))
     max_context = cfg.hf_model.get("max_context")
     longest = int(cfg.data.max_length) + int(cfg.answer_margin)
     if max_context and longest > int(max_context):

@@ -325,15 +325,21 @@ def _uses_ruler_data(tasks: Iterable[str], haystack: str | None) -> bool:
 # building and caching
 
 
+def check_pg19_path(path: str | Path | None) -> None:
+    """A PG-19 copy that is not there stops with what to pass: the subset does not ship with nats, and the default
+    tasks read it (``pg19_continuation``; the examples are built from it once, then read from their cache file)."""
+    if path is not None and not Path(path).expanduser().exists():
+        raise FileNotFoundError(
+            f"data.pg19_path={path} does not exist (the PG-19 subset does not ship with nats): point it at your copy "
+            "(data.pg19_path=<folder of <split>.tar.xz or split folders>, or NATS_PG19_SUBSET=<folder>), or evaluate "
+            "without PG-19: data.pg19_path=null 'data.tasks=[passkey,niah,variable_tracking]'"
+        )
+
+
 def _read_pg19(path: str | Path, split: str, max_books: int) -> list[tuple[str, str]]:
     from nats.data.sources.pg19 import PG19Source  # the reader of the token caches: archives or split folders
 
-    if not Path(path).expanduser().exists():
-        raise FileNotFoundError(
-            f"data.pg19_path={path} does not exist: point it at the PG-19 subset (or set NATS_PG19_SUBSET), or set "
-            "data.pg19_path=null and data.tasks=[passkey,niah,variable_tracking] (the examples are built from it "
-            "once, then read from their cache file)"
-        )
+    check_pg19_path(path)
     source = PG19Source(cache_dir=Path(path), path=path)  # only the split asked for need exist (no prepare())
     books = []
     for doc in source.documents(split):
