@@ -230,6 +230,9 @@ def _unknown_key(bad: str, overrides: list[str], config_name: str, program: str)
             f"{bad} is a setting of {' / '.join(f'{group}={o}' for o in options)}, not of the configuration "
             f"chosen{now}: choose it first, e.g. {program} {group}={options[0]} {bad}={value}"
         )
+    node = OmegaConf.select(cfg, parent) if parent else None
+    if isinstance(node, DictConfig) and len(node) == 0:  # an open mapping of options (cache_options: {})
+        return f"{bad} is a new key of {parent} (empty by default): add it with a +, e.g. {program} +{bad}={value}"
     keys = [k for k in _config_keys(cfg) if k != "hydra" and not k.startswith("hydra.")]
     siblings = [k for k in keys if k.rsplit(".", 1)[0] == parent] if parent else []
     close = difflib.get_close_matches(bad, siblings, n=1, cutoff=0.6) or difflib.get_close_matches(bad, keys, n=1)

@@ -73,6 +73,13 @@ PROBES = {
     "eval_mistyped_key": ("nats-eval", ["max_windos=3"], ["did you mean max_windows?"], [], None),
     # nats-generate
     "generate_no_model": ("nats-generate", [], ["no model given", "ckpt_path=", "model_dir="], [], None),
+    "generate_option_without_plus": (
+        "nats-generate",
+        ["cache_options.sinks=2"],
+        ["cache_options.sinks is a new key of cache_options", "nats-generate +cache_options.sinks=2"],
+        ["did you mean"],
+        None,
+    ),
     "generate_missing_prompt_file": (
         "nats-generate",
         ["ckpt_path={dense}", "prompt_file=no_such_prompt.txt"],
