@@ -2,8 +2,9 @@
 file in nats/cache/policies/, one conf/cache/<name>.yaml) puts it under these tests on the transformers paths, as
 tests/test_contract_cache.py does on the GPT path.
 
-* a decodable policy declares how it runs in the fixed-capacity engine (`fixed_rule`) or says why it cannot
-  (`no_fixed_rule`), and `StaticPolicyCache` offers exactly those with a rule;
+* a decodable policy declares how it runs in the fixed-capacity engine (`fixed_rule`, the rule's class, which
+  ``rule(**options)`` makes with the policy's flags) or says why it cannot (`no_fixed_rule`), and `StaticPolicyCache`
+  offers exactly those with a rule;
 * `StaticPolicyCache` (the fixed-capacity engine) decodes the same greedy tokens as `PolicyCache` (the policy's own
   `LayerCache`, PyTorch attention), keeps the same number of tokens, and equals the parallel forward where the
   policy is exact (``full``, ``nats``);
@@ -24,7 +25,7 @@ from test_hf_nats import ids, tiny_model  # noqa: E402
 from test_hf_static_cache import greedy as hf_greedy  # noqa: E402
 
 from nats.cache import available_caches, get_cache_class  # noqa: E402
-from nats.cache.engine import fixed_policies  # noqa: E402
+from nats.cache.engine import FixedRule, fixed_policies  # noqa: E402
 from nats.hf import PolicyCache, StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -62,6 +63,11 @@ def test_every_decodable_policy_has_a_fixed_rule_or_says_why():
             f"policy {name!r}: declare fixed_rule (nats.cache.engine.FixedRule) or no_fixed_rule (the reason)"
         )
     assert set(FIXED) == {n for n in DECODABLE if get_cache_class(n).fixed_rule is not None}
+    for name in FIXED:  # the rule, made with the policy's options, carries the policy's flags
+        cls = get_cache_class(name)
+        rule = cls.rule(**options(name))
+        assert isinstance(rule, FixedRule), name
+        assert (rule.budgeted, rule.even_rows) == (cls.budgeted, cls.even_rows), name
     assert {"full", "nats", "streaming_llm", "snapkv", "h2o"} <= set(FIXED)
     no_rule = next(n for n in available_caches() if not get_cache_class(n).decodable)  # evaluation-only
     model = use_policy_caches(tiny_model("llama"))

@@ -442,6 +442,7 @@ def test_triton_prefill_generates_as_the_torch_prefill(pad, device, monkeypatch)
     for a, b in zip(runs["torch"], runs["triton"], strict=True):
         assert torch.equal(a, b)
     default = StaticPolicyCache(model, "nats", max_new_tokens=NEW)  # "auto": Triton for CUDA tensors only
-    assert default.prefill_kernel == "auto" and not default.rule.triton_writes(default, prompt.cpu().float())
+    assert default.prefill_kernel == "auto"
+    assert not default.rule.triton_writes(default.layers[0].context, prompt.cpu().float())
     with pytest.raises(ValueError, match="prefill_kernel"):
         StaticPolicyCache(model, "nats", max_new_tokens=NEW, prefill_kernel="cuda")

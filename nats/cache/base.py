@@ -34,6 +34,7 @@ and the peak fraction ``max_i c_i / N`` per ``[B, Hkv]``. :meth:`kept` is the nu
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, ClassVar
 
@@ -58,8 +59,8 @@ class LayerCache:
     # wave of programs in equal shares, so a row that holds more keys takes more programs
     # (`nats_kernels.nats_attention.pool_decode`)
     even_rows: bool = False
-    # how the policy runs in the fixed-capacity engine (nats.cache.engine.FixedRule; None: it has no such form), the
-    # storage of `nats.hf.StaticPolicyCache`
+    # how the policy runs in the fixed-capacity engine, the storage of `nats.hf.StaticPolicyCache`: a
+    # nats.cache.engine.FixedRule class, made with the policy's options by `rule` (None: it has no such form)
     fixed_rule: ClassVar[Any] = None
     no_fixed_rule: ClassVar[str | None] = None  # why a decodable policy has no fixed-capacity rule (the contract asks)
 
@@ -129,6 +130,18 @@ class LayerCache:
             names.update(inspect.signature(klass.__init__).parameters)
         names -= set(inspect.signature(LayerCache.__init__).parameters) | {"self", "kwargs"}
         return {key: val for key, val in options.items() if key in names}
+
+    @classmethod
+    def rule(cls, **options: Any) -> Any:
+        """The policy's fixed-capacity rule (`fixed_rule`) bound to its options, those of `options` its constructors
+        take (`accepted_options`; the rest are ignored), and to its ``check_budget`` with them: the rule checks them
+        where the policy's own cache does, with the budget, at the prompt."""
+        if cls.fixed_rule is None:
+            raise ValueError(f"cache policy {cls.name!r} has no fixed-capacity rule")
+        opts = cls.accepted_options(options)
+        rule = cls.fixed_rule(**opts)
+        rule.check_budget = functools.partial(cls.check_budget, **opts)
+        return rule
 
     # ------------------------------------------------------------------ shapes
     def _kv_rows(self, t: Tensor) -> Tensor:

@@ -16,11 +16,13 @@ read by the host without stalling the stream (`PoolLayout`) and rounded (`rounde
 are compiled. A decode step writes the new token by the policy's rule and attends over exactly what the row holds
 (`attend`: the split-K Triton kernel on CUDA, `pool_attention_op`).
 
-A policy runs here by declaring a :class:`FixedRule` (the class attribute ``fixed_rule`` of its
+A policy runs here by declaring a :class:`FixedRule` class (the class attribute ``fixed_rule`` of its
 `nats.cache.base.LayerCache` subclass, in its own file): what it keeps of a prompt and how a step changes its rows.
-Two rules are written here because several policies share them: :class:`AppendRule` (keep a prompt subset, append
-every new token: ``full``, ``snapkv``, ``pyramidkv``, ``adakv``); the ring rule of ``streaming_llm`` and NAtS' typed
-eviction live in their policies' files. `nats.hf.StaticPolicyCache` is the transformers adapter over this engine.
+``LayerCache.rule(**options)`` makes the rule, bound to the policy's options; the engine then tells it only where it
+runs, a :class:`RuleContext` per layer. :class:`AppendRule` is written here (keep the whole prompt, append every new
+token: ``full``); the appending rules that select from the prompt (``snapkv``, ``pyramidkv``, ``adakv``), the ring
+rule of ``streaming_llm``, H2O's and NAtS' typed eviction live in their policies' files. `nats.hf.StaticPolicyCache`
+is the transformers adapter over this engine.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import Tensor
 from nats.cache import attention as _attention
 
 __all__ = [
+    "RuleContext",
     "FixedRule",
     "AppendRule",
     "PromptState",
@@ -281,6 +284,18 @@ def attend(layer, qr: Tensor, ring: bool = False, even: bool = False) -> Tensor:
     return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None, even)
 
 
+@dataclass(frozen=True)
+class RuleContext:
+    """Where a rule runs (`FixedRule`): what the engine tells it besides the tensors. The policy's own options are
+    bound to the rule itself (``LayerCache.rule(**options)``)."""
+
+    layer_idx: int  # the decoder layer
+    n_layer: int  # the model's decoder layers (PyramidKV's per-layer budgets)
+    reserve: int  # tokens to decode after the prompt: planned per row on top of what the prompt leaves
+    track: bool  # record the cache sizes c_i of the queries (spec section 6)
+    prefill_kernel: str = "auto"  # how NAtS' prompt writes the cache: "auto", "torch" or "triton"
+
+
 @dataclass
 class PromptState:
     """What a rule's `FixedRule.prompt` returns for unpadded rows: the attention output ``y`` ``[b, Hq, n, D]``, and
@@ -311,35 +326,46 @@ class Plan:
 class FixedRule:
     """How a policy runs in the fixed-capacity engine. Subclasses say what a prompt leaves (``prompt``, ``plan``)
     and how a decode step changes a row (``step``), with device tensors only and fixed shapes (compiled, replayed
-    as a CUDA graph). ``ctx`` is the adapter (`nats.hf.StaticPolicyCache`): it gives ``policy_cls``, ``options``,
-    ``max_new_tokens``, ``n_layer``, ``track``, ``cores``.
+    as a CUDA graph). A rule is made with its policy's options (``LayerCache.rule(**options)``: the options the
+    policy's constructor takes, as keywords; a rule keeps those it uses) and carries the policy's flags; ``ctx``, a
+    `RuleContext`, says where it runs.
 
     Per-step state of a rule lives in the layer's ``rows`` (counters 3-5), its ring, or extra buffers it adds in
     ``setup`` (returned by ``buffers`` so that the adapter marks them static and counts them)."""
 
     name = "?"
     ring = False  # W ring slots per row besides the segment (NAtS)
+    budgeted = False  # the prompt's selection takes a budget (the policy's ``budgeted``)
+    even_rows = False  # every row of a layer holds as many keys (the policy's ``even_rows``; `attend`'s ``even``)
+
+    def __init__(self, **unused: Any):
+        """``unused``: the policy's options the rule does not read (those of its `LayerCache` only)."""
+
+    def check_budget(self, budget: int, n: int) -> None:
+        """Raise a ValueError unless the budget suits the rule's options and a sequence of n tokens: the policy's own
+        check (``LayerCache.rule`` binds it; none here)."""
 
     # ------------------------------------------------------------------ prompt
-    def direct(self, ctx, layer_idx: int, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor) -> Plan | None:
+    def direct(self, ctx: RuleContext, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor) -> Plan | None:
         """A fused prefill of an unpadded layer that plans the storage itself (returns the output and the plan), or
         None (the default): then `prompt` and `plan` run."""
         return None
 
-    def prompt(self, ctx, layer_idx: int, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, budget: int | None,
+    def prompt(self, ctx: RuleContext, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, budget: int | None,
                offset: int = 0):  # fmt: skip
         """The attention output of unpadded rows and what they keep (a `PromptState`); ``budget``: the rows'
         largest budget in tokens (budgeted policies); ``offset``: the position of the rows' first token as the decode
         steps count it (their left padding)."""
         raise NotImplementedError
 
-    def plan(self, ctx, core, state: PromptState, k: Tensor, v: Tensor, budgets: Tensor | None, real: Tensor) -> Plan:
+    def plan(self, ctx: RuleContext, core, state: PromptState, k: Tensor, v: Tensor, budgets: Tensor | None,
+             real: Tensor) -> Plan:  # fmt: skip
         """The rows' segments and the pool's fill from the prompt's state (all rows; padding excluded from
         ``keep``), ``budgets`` ``[R]`` (budgeted policies), ``real`` ``[R]`` the rows' real prompt tokens."""
         raise NotImplementedError
 
-    def setup(self, ctx, layer) -> None:
-        """After the layer's buffers are allocated (e.g. read options into the layer)."""
+    def setup(self, ctx: RuleContext, layer) -> None:
+        """After the layer's buffers are allocated (e.g. copy options into the layer)."""
 
     def buffers(self, layer) -> list[Tensor]:
         """Extra device buffers of the rule (marked static, counted by ``tensors``)."""
@@ -351,7 +377,8 @@ class FixedRule:
         return [(t, tuple(range(t.dim()))) for t in self.buffers(layer)]
 
     # ------------------------------------------------------------------ decode
-    def step(self, ctx, layer, core, qr: Tensor, kr: Tensor, vr: Tensor, pos: Tensor, hidden: Tensor) -> Tensor:
+    def step(self, ctx: RuleContext, layer, core, qr: Tensor, kr: Tensor, vr: Tensor, pos: Tensor,
+             hidden: Tensor) -> Tensor:  # fmt: skip
         """Admit the new token of every row (``kr``, ``vr`` ``[R, D]``, position ``pos`` ``[1]``), attend
         (``qr`` ``[R, G, D]``) and return ``(y [R, G, D], size [R])``: the keys each row's query read."""
         raise NotImplementedError
@@ -362,31 +389,31 @@ class FixedRule:
 
 
 class AppendRule(FixedRule):
-    """Keep what the policy selects of the prompt (``keep_mask`` of a budgeted policy; everything otherwise), then
-    append every new token (``full``, ``snapkv`` & co.). A full segment stops admitting: the row's new tokens are
-    attended to in their own step only (see Overflow in `nats.hf.StaticPolicyCache`)."""
+    """Keep what the rule selects of the prompt (`select`, in budgeted rules: SnapKV's family; everything here,
+    ``full``), then append every new token. A full segment stops admitting: the row's new tokens are attended to in
+    their own step only (see Overflow in `nats.hf.StaticPolicyCache`)."""
 
     name = "append"
+    even_rows = True
 
-    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget, offset=0):
+    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
+        """The prompt tokens each row keeps, bool ``[b, Hkv, n]``, of a prompt of n > ``budget`` tokens (q ``[b, Hq,
+        n, D]``, k ``[b, Hkv, n, D]``; budgeted rules; the budget and options checked already)."""
+        raise NotImplementedError
+
+    def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
         b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
         Hkv = k.shape[1]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
         sizes = torch.arange(1, n + 1, device=q.device).expand(b_, Hkv, n) if ctx.track else None
-        if not ctx.policy_cls.budgeted or budget is None or budget >= n:
+        if not self.budgeted or budget is None or budget >= n:
             return PromptState(y, torch.ones(b_, Hkv, n, dtype=torch.bool, device=q.device), sizes=sizes)
-        opts = ctx.policy_cls.accepted_options(ctx.options)
-        if ctx.policy_cls.needs_n_layer:
-            opts["n_layer"] = ctx.n_layer
-        selector = ctx.policy_cls(
-            batch=b_, n_head=Hq, n_kv_head=Hkv, head_dim=q.shape[-1], max_len=n, device=q.device, dtype=q.dtype,
-            layer_idx=layer_idx, budget=budget, backend="torch", track=False, **opts,
-        )  # fmt: skip
-        return PromptState(y, selector.keep_mask(q, k), sizes=sizes)  # the prefill reads every prompt key
+        self.check_budget(budget, 10**18)
+        return PromptState(y, self.select(ctx, q, k, budget), sizes=sizes)  # the prefill reads every prompt key
 
     def plan(self, ctx, core, state, k, v, budgets, real):
         R = state.keep.shape[0] * state.keep.shape[1]
-        cap = state.keep.sum(-1).view(R) + ctx.max_new_tokens
+        cap = state.keep.sum(-1).view(R) + ctx.reserve
         keep, rank, rows, end = plan_rows(state.keep, cap)
         return Plan(rows, end, lambda size: pool_fill(keep, rank, rows, k, v, size))
 
@@ -396,7 +423,7 @@ class AppendRule(FixedRule):
         dest = torch.where(full, torch.full_like(layer.start, scratch), layer.start + layer.length)
         layer.length.add_((~full).to(layer.length.dtype))
         write_kv(layer.kv_pool, dest, kr, vr)
-        return attend(layer, qr, even=ctx.policy_cls.even_rows), layer.length
+        return attend(layer, qr, even=self.even_rows), layer.length
 
 
 def fixed_policies() -> tuple[str, ...]:

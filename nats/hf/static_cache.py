@@ -43,7 +43,7 @@ from transformers.cache_utils import Cache
 
 from nats.cache import engine
 from nats.cache.budget import check_budget_value, row_budgets
-from nats.cache.engine import PoolLayout, PromptState, SegmentStorage, mark_static
+from nats.cache.engine import PoolLayout, PromptState, RuleContext, SegmentStorage, mark_static
 from nats.cache.registry import get_cache_class
 from nats.hf.buffers import CacheBuffers
 from nats.hf.cache import FixedRowsLayer
@@ -58,6 +58,7 @@ class StaticPolicyLayer(FixedRowsLayer, SegmentStorage):
     def __init__(self, owner: StaticPolicyCache, layer_idx: int):
         super().__init__(owner, layer_idx)
         self.max_cache_len = owner.max_len
+        self.context = RuleContext(layer_idx, owner.n_layer, owner.max_new_tokens, owner.track, owner.prefill_kernel)
         # tokens per row so far, padding included: one tensor for all layers (layer 0's; the others share it), which
         # layer 0 advances; the compiled step then reads one position counter, not one per layer (each is a guarded
         # graph input, host time at every step)
@@ -186,7 +187,7 @@ class StaticPolicyCache(Cache):
         config = model.config
         self.cores = routed_cores(model, "StaticPolicyCache")
         self.policy, self.policy_cls = policy, get_cache_class(policy)
-        self.rule = self.policy_cls.fixed_rule
+        self.rule = self.policy_cls.rule(**options)  # the policy's options bound to its rule
         if self.policy_cls.requires_core == "nats" and any(c is None for c in self.cores):
             raise ValueError(
                 f"StaticPolicyCache: policy {policy!r} needs NAtS scorers: call nats.hf.attach_nats(model)"
@@ -251,16 +252,16 @@ class StaticPolicyCache(Cache):
             self._budgets = row_budgets(self.budget, self.prompt_lengths)
             self._budgets_host = self._budgets.tolist()
             self._row_budgets = self._budgets.repeat_interleave(Hkv)
-        direct = None if groups is not None else rule.direct(self, layer.layer_idx, core, q, k, v, hidden)
+        direct = None if groups is not None else rule.direct(layer.context, core, q, k, v, hidden)
         if direct is not None:  # the rule's fused prefill planned the storage itself
             y, plan = direct
         else:
             if groups is None:  # no padding: every row at once
                 top = None if self._budgets is None else max(self._budgets_host)
-                state = rule.prompt(self, layer.layer_idx, core, q, k, v, hidden, top)
+                state = rule.prompt(layer.context, core, q, k, v, hidden, top)
             else:  # left padding: row by row over the real tokens, padding marked (-1 types, dropped keys)
                 state = self._prompt_padded(layer, core, q, k, v, hidden, groups)
-            plan = rule.plan(self, core, state, k, v, self._row_budgets, self._real_rows)
+            plan = rule.plan(layer.context, core, state, k, v, self._row_budgets, self._real_rows)
             if plan.sizes is None and state.sizes is not None:
                 plan.sizes = state.sizes.reshape(R, N)
         area = peak = None
@@ -288,7 +289,7 @@ class StaticPolicyCache(Cache):
         whole = PromptState(torch.zeros_like(q))
         for rows, p in groups:
             bb = None if self._budgets is None else max(self._budgets_host[rows])
-            part = self.rule.prompt(self, layer.layer_idx, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
+            part = self.rule.prompt(layer.context, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
                                     hidden[rows, p:], bb, offset=p)  # fmt: skip
             whole.y[rows, :, p:] = part.y
             if part.extra is not None:  # the rule's own per-row state, the sequences in order
@@ -319,7 +320,7 @@ class StaticPolicyCache(Cache):
             mark_static(layer.ring_kv, layer.ring_valid)
         for name, value in (plan.extra or {}).items():
             setattr(layer, name, value)
-        self.rule.setup(self, layer)
+        self.rule.setup(layer.context, layer)
         extra = self.rule.buffers(layer)
         if extra:
             mark_static(*extra)
@@ -334,8 +335,8 @@ class StaticPolicyCache(Cache):
         R = layer.seg.shape[1]
         G = Hq // (R // B)
         pos = (layer.cumulative_length - 1).reshape(1)  # the new token's position (padding included)
-        y, size = self.rule.step(self, layer, self.cores[layer.layer_idx], q.reshape(R, G, D), k.reshape(R, D),
-                                 v.reshape(R, D), pos, hidden.reshape(B, -1))  # fmt: skip
+        y, size = self.rule.step(layer.context, layer, self.cores[layer.layer_idx], q.reshape(R, G, D),
+                                 k.reshape(R, D), v.reshape(R, D), pos, hidden.reshape(B, -1))  # fmt: skip
         if self.track:
             layer.area.add_(size.to(torch.float64))
             torch.maximum(layer.peak, size, out=layer.peak)

@@ -9,6 +9,7 @@ head keeps its top-n_h prefix keys, the n_h differ between heads and sum to ``Hk
 a layer's heads after the prefill is exactly B (kvpress' AdaKVPress allocates the same way; Ada-KV's own code
 rounds the floor per head, so its total can differ by a few tokens). N <= B keeps everything.
 
+The selection is a function, `ada_keep`, which the cache and its fixed-capacity rule (`AdaKVRule`) both call.
 Storage, decoding (appends, no eviction) and budget accounting: as `snapkv` (rows have different lengths).
 """
 
@@ -16,12 +17,49 @@ from __future__ import annotations
 
 import math
 
-from nats.cache.policies.snapkv import SnapKVCache, top_mask
+from torch import Tensor
+
+from nats.cache.engine import RuleContext
+from nats.cache.policies.snapkv import SnapKVCache, SnapKVRule, snapkv_keep, top_mask
 from nats.cache.registry import register_cache
+
+
+def ada_prefix(votes: Tensor, budget: int, window: int, alpha: float = 0.2) -> Tensor:
+    """The prefix keys each KV head keeps, bool ``[B, Hkv, N - window]``, from SnapKV's votes ``[B, Hkv, N -
+    window]``: its best ``floor(alpha * (budget - window))``, then the best remaining votes of all heads together."""
+    B, H, p = votes.shape
+    base = budget - window
+    floor = math.floor(alpha * base)
+    safe = top_mask(votes, floor)
+    rest = votes.masked_fill(safe, float("-inf")).reshape(B, H * p)
+    chosen = top_mask(rest, H * (base - floor)).reshape(B, H, p)
+    return safe | chosen
+
+
+def ada_keep(q: Tensor, k: Tensor, budget: int, window: int = 32, kernel: int = 7, pooling: str = "max",
+             alpha: float = 0.2) -> Tensor:  # fmt: skip
+    """The prompt tokens Ada-SnapKV keeps, bool ``[B, Hkv, N]``: SnapKV's selection (`snapkv_keep`) with the prefix
+    keys shared out between the heads (`ada_prefix`)."""
+    return snapkv_keep(q, k, budget, window, kernel, pooling, lambda votes, n: ada_prefix(votes, budget, window, alpha))
+
+
+class AdaKVRule(SnapKVRule):
+    """Ada-SnapKV in the fixed-capacity engine: `SnapKVRule` with the heads' shares (`ada_keep`)."""
+
+    name = "adakv"
+    even_rows = False
+
+    def __init__(self, *, alpha: float = 0.2, **options):
+        super().__init__(**options)
+        self.alpha = alpha
+
+    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
+        return ada_keep(q, k, budget, int(self.window), int(self.kernel), self.pooling, float(self.alpha))
 
 
 @register_cache("adakv")
 class AdaKVCache(SnapKVCache):
+    fixed_rule = AdaKVRule
     even_rows = False  # each head takes its own share of the budget
 
     def __init__(self, *, budget: int, alpha: float = 0.2, **kwargs):
@@ -37,11 +75,5 @@ class AdaKVCache(SnapKVCache):
                 f"adakv: alpha (the share of B - window each head keeps first) must be in [0, 1], got {alpha!r}"
             )
 
-    def _keep_prefix(self, votes, n):
-        B, H, p = votes.shape
-        base = self.budget - self.window
-        floor = math.floor(self.alpha * base)
-        safe = top_mask(votes, floor)
-        rest = votes.masked_fill(safe, float("-inf")).reshape(B, H * p)
-        chosen = top_mask(rest, H * (base - floor)).reshape(B, H, p)
-        return safe | chosen
+    def keep_mask(self, q, k):
+        return ada_keep(q, k, self.budget, self.window, self.kernel, self.pooling, self.alpha)

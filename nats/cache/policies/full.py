@@ -16,7 +16,7 @@ from nats.cache.registry import register_cache
 class FullCache(SlotCache):
     """Every key, slot = position; query i sees keys 0..i."""
 
-    fixed_rule = AppendRule()  # the fixed-capacity engine: keep the whole prompt, append new tokens
+    fixed_rule = AppendRule  # the fixed-capacity engine: keep the whole prompt, append new tokens
 
     def __init__(self, **kwargs):
         super().__init__(capacity=kwargs["max_len"], **kwargs)

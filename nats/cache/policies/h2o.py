@@ -13,8 +13,8 @@ So the score of a key is the sum of the attention probabilities earlier queries 
 cache is per KV head and the score sums the probabilities of the query heads of its group (for multi-head
 attention this is the per-head rule). Scores accumulate in float32 (float64 for float64 models).
 
-The prefill is the base class' one: the same rule, one position at a time inside each layer. Its labelled
-parallel approximation is `h2o_dense` (h2o_dense.py).
+The prefill is the same rule, one position at a time inside each layer (`h2o_prefill`, which the cache and its
+fixed-capacity rule `H2ORule` both run). Its labelled parallel approximation is `h2o_dense` (h2o_dense.py).
 """
 
 from __future__ import annotations
@@ -63,28 +63,61 @@ def h2o_step(k, v, slot_pos, score, kr, vr, qr, pos, budget: int, recent: int, z
     return y, valid.sum(1)
 
 
+def h2o_buffers(rows: int, budget: int, head_dim: int, device, dtype: torch.dtype):
+    """An empty H2O state of ``rows`` rows of B = ``budget`` slots: keys and values ``[R, B, D]`` (zeros), the slots'
+    positions ``[R, B]`` (-1: empty), their scores ``[R, B]`` (float32; float64 for float64 models) and a device zero
+    of the scores' dtype (assigning the Python scalar 0 would copy from the host, which CUDA-graph capture refuses)."""
+    shape = (rows, budget, head_dim)
+    k = torch.zeros(shape, device=device, dtype=dtype)
+    v = torch.zeros(shape, device=device, dtype=dtype)
+    slot_pos = torch.full((rows, budget), -1, device=device, dtype=torch.long)
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    score = torch.zeros((rows, budget), device=device, dtype=sdt)
+    return k, v, slot_pos, score, torch.zeros((), device=device, dtype=sdt)
+
+
+def h2o_prefill(q, k, v, state, budget: int, recent: int, record=None):
+    """H2O's exact rule over a prompt, one position at a time (`h2o_step`): q ``[B, Hq, N, D]``, k, v ``[B, Hkv, N,
+    D]`` into ``state`` (`h2o_buffers`, updated in place), ``record(held)`` called after each position with the keys
+    each row held ``[R]``. Returns the attention output ``[B, Hq, N, D]``."""
+    B, Hq, N, D = q.shape
+    Hkv = k.shape[1]
+    R = B * Hkv
+    ys = []
+    for i in range(N):
+        pos = torch.full((1,), i, dtype=torch.long, device=q.device)
+        kr, vr, qr = k[:, :, i].reshape(R, D), v[:, :, i].reshape(R, D), q[:, :, i].reshape(R, Hq // Hkv, D)
+        y, held = h2o_step(*state[:4], kr, vr, qr, pos, budget, recent, state[4])
+        if record is not None:
+            record(held)
+        ys.append(y.reshape(B, Hq, 1, D))
+    return torch.cat(ys, dim=2)
+
+
 class H2ORule(FixedRule):
     """H2O in the fixed-capacity engine (`nats.cache.engine`): a segment of B slots per row (B: the budget, one for
-    all rows), the slots' positions and scores beside it; the prompt runs H2O's exact sequential rule (this file's
-    `H2OCache`), a decode step `h2o_step` with PyTorch attention (it needs the probabilities, which the split-K
+    all rows), the slots' positions and scores beside it; the prompt runs H2O's exact sequential rule
+    (`h2o_prefill`), a decode step `h2o_step` with PyTorch attention (it needs the probabilities, which the split-K
     kernel does not return). A fraction budget is resolved per sequence; rows of one batch take the largest."""
 
     name = "h2o"
+    budgeted = True
 
-    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget, offset=0):
+    def __init__(self, *, recent: int | None = None, **unused):
+        self.recent = recent  # as given: checked with the budget (check_budget)
+
+    def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
         b_, Hq, n, D = q.shape
         Hkv = k.shape[1]
-        cache = H2OCache(
-            batch=b_, n_head=Hq, n_kv_head=Hkv, head_dim=D, max_len=n, device=q.device, dtype=q.dtype,
-            layer_idx=layer_idx, budget=budget, backend="torch", track=False,
-            **ctx.policy_cls.accepted_options(ctx.options),
-        )  # fmt: skip
-        y = cache.prefill(q, k, v, hidden)
+        self.check_budget(budget, 10**18)  # a prompt within the budget is kept whole
+        recent = budget // 2 if self.recent is None else int(self.recent)
+        state = h2o_buffers(b_ * Hkv, budget, D, q.device, q.dtype)
+        y = h2o_prefill(q, k, v, state, budget, recent)
+        slot_pos = state[2]
         if offset:  # left padding: the decode steps count positions with the padding
-            cache.slot_pos.add_(torch.where(cache.slot_pos >= 0, offset, 0))
+            slot_pos.add_(torch.where(slot_pos >= 0, offset, 0))
         sizes = torch.arange(1, n + 1, device=q.device).clamp(max=budget).expand(b_, Hkv, n) if ctx.track else None
-        state = {"k": cache.k, "v": cache.v, "slot_pos": cache.slot_pos, "score": cache.score}
-        return PromptState(y, sizes=sizes, extra=state)
+        return PromptState(y, sizes=sizes, extra=dict(zip(("k", "v", "slot_pos", "score"), state[:4])))
 
     def plan(self, ctx, core, state, k, v, budgets, real):
         h, R = state.extra, state.extra["slot_pos"].shape[0]
@@ -105,8 +138,7 @@ class H2ORule(FixedRule):
 
     def setup(self, ctx, layer):
         layer.h2o_budget = layer.slot_pos.shape[1]
-        opts = ctx.policy_cls.accepted_options(ctx.options)
-        layer.h2o_recent = layer.h2o_budget // 2 if opts.get("recent") is None else int(opts["recent"])
+        layer.h2o_recent = layer.h2o_budget // 2 if self.recent is None else int(self.recent)
 
     def buffers(self, layer):
         return [layer.slot_pos, layer.score, layer.h2o_zero]
@@ -123,20 +155,14 @@ class H2ORule(FixedRule):
 @register_cache("h2o")
 class H2OCache(LayerCache):
     budgeted = True
-    fixed_rule = H2ORule()
+    fixed_rule = H2ORule
 
     def __init__(self, *, budget: int, recent: int | None = None, **kwargs):
         super().__init__(budget=budget, **kwargs)
         type(self).check_budget(budget, 10**18, recent=recent)
         self.recent = budget // 2 if recent is None else int(recent)
-        shape = (self.rows, budget, self.head_dim)
-        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.slot_pos = torch.full((self.rows, budget), -1, device=self.device, dtype=torch.long)
-        sdt = torch.float64 if self.dtype == torch.float64 else torch.float32
-        self.score = torch.zeros((self.rows, budget), device=self.device, dtype=sdt)
-        # a device zero: assigning the Python scalar 0 would copy from the host, which CUDA-graph capture refuses
-        self._zero = torch.zeros((), device=self.device, dtype=sdt)
+        self.k, self.v, self.slot_pos, self.score, self._zero = h2o_buffers(self.rows, budget, self.head_dim,
+                                                                            self.device, self.dtype)  # fmt: skip
 
     @classmethod
     def check_budget(cls, budget, n, recent: int | None = None, **options):
@@ -146,6 +172,12 @@ class H2OCache(LayerCache):
         r = budget // 2 if recent is None else recent
         if not 1 <= r <= budget:
             raise ValueError(f"h2o: recent must be in [1, B={budget}], got {r}")
+
+    def _prefill(self, q, k, v, x):
+        state = (self.k, self.v, self.slot_pos, self.score, self._zero)
+        y = h2o_prefill(q, k, v, state, self.budget, self.recent, record=self._record)
+        self.t += q.shape[2]
+        return y
 
     def step(self, q, k, v, x, pos):
         y, held = h2o_step(self.k, self.v, self.slot_pos, self.score, self._kv_rows(k), self._kv_rows(v),

@@ -46,7 +46,7 @@ from torch import Tensor
 from nats import functional as NF
 from nats.cache.attention import pool_attention, resolve_backend
 from nats.cache.base import LayerCache
-from nats.cache.engine import FixedRule, Plan, PromptState, SegmentStorage, plan_rows, pool_fill
+from nats.cache.engine import FixedRule, Plan, PromptState, RuleContext, SegmentStorage, plan_rows, pool_fill
 from nats.cache.registry import register_cache
 
 GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
@@ -202,13 +202,13 @@ class NAtSRule(FixedRule):
     ring = True
 
     @staticmethod
-    def triton_writes(ctx, k: torch.Tensor) -> bool:
-        """Whether the prefill writes the cache with the Triton kernels (the adapter's ``prefill_kernel``)."""
+    def triton_writes(ctx: RuleContext, k: torch.Tensor) -> bool:
+        """Whether the prefill writes the cache with the Triton kernels (the context's ``prefill_kernel``)."""
         if ctx.prefill_kernel != "auto":
             return ctx.prefill_kernel == "triton"
         return k.is_cuda and NF.triton_available()
 
-    def scored(self, ctx, q, k, backend: str) -> bool:
+    def scored(self, ctx: RuleContext, q, k, backend: str) -> bool:
         """Whether the prefill runs the Triton attention from the scorer's logits (`nats_prefill_scored`): with the
         Triton writes (on the CPU only where asked for, through Triton's interpreter), a head dim and dtype the
         kernels take, and a core that does not insist on the PyTorch reference."""
@@ -216,7 +216,7 @@ class NAtSRule(FixedRule):
 
         return self.triton_writes(ctx, k) and backend != "reference" and triton_takes(q)
 
-    def direct(self, ctx, layer_idx, core, q, k, v, hidden):
+    def direct(self, ctx, core, q, k, v, hidden):
         """The prefill of one unpadded layer by `prefill_cache.PrefillKernels` where `scored` holds and the tensors
         are laid out for it: the scorer's Linear, then four Triton launches whose launch parameters are worked out
         once per kind of layer, and no other operation (at batch 1 the prefill is bound by the host's work)."""
@@ -226,14 +226,14 @@ class NAtSRule(FixedRule):
 
         B, N, H = q.shape[0], q.shape[2], k.shape[1]
         logits = F.linear(hidden, core.scorer.weight, core.scorer.bias).view(B, N, H, 3).transpose(1, 2)
-        kernels = prefill_kernels(q, k, v, logits, core.type_bias, core.window, ctx.max_new_tokens)
+        kernels = prefill_kernels(q, k, v, logits, core.type_bias, core.window, ctx.reserve)
         if kernels is None:
             return None
         y, types, rows, end, ring_kv, ring_valid, last_g = kernels.attend(q, k, v, logits, core.type_bias)
         fill = lambda size: kernels.pool(types, k, v, rows, last_g, size)  # noqa: E731
         return y, Plan(rows, end, fill, (ring_kv, ring_valid, core.window), self._sizes(ctx, types, core))
 
-    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget, offset=0):
+    def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
         b_, n, Hkv = q.shape[0], q.shape[2], k.shape[1]
         backend = getattr(core, "backend", "auto")
         if self.scored(ctx, q, k, backend):
@@ -258,10 +258,10 @@ class NAtSRule(FixedRule):
         if self.triton_writes(ctx, k):  # two launches: prefill_cache.py
             from nats_kernels.nats_attention.prefill_cache import prefill_pool, prefill_rows  # noqa: PLC0415
 
-            rows, end, ring_kv, ring_valid, last_g = prefill_rows(types, k, v, W, ctx.max_new_tokens)
+            rows, end, ring_kv, ring_valid, last_g = prefill_rows(types, k, v, W, ctx.reserve)
             fill = lambda size: prefill_pool(types, k, v, rows, last_g, size)  # noqa: E731
         else:  # keep mask, segments, ring
-            keep, rank, rows, end, ring_kv, ring_valid = nats_rows(types, k, v, W, ctx.max_new_tokens)
+            keep, rank, rows, end, ring_kv, ring_valid = nats_rows(types, k, v, W, ctx.reserve)
             fill = lambda size: pool_fill(keep, rank, rows, k, v, size)  # noqa: E731
         return Plan(rows, end, fill, (ring_kv, ring_valid, W), self._sizes(ctx, types, core))
 
@@ -278,7 +278,7 @@ class NAtSRule(FixedRule):
 @register_cache("nats")
 class NAtSCache(LayerCache, SegmentStorage):
     requires_core = "nats"  # the types come from the layer's NAtS scorer
-    fixed_rule = NAtSRule()
+    fixed_rule = NAtSRule
     """Args (besides LayerCache's, ``reserve`` among them): window W (default: the core's), check_every, slack,
     shrink_above, init_capacity (initial segment length per row, default check_every, or reserve if given)."""
 

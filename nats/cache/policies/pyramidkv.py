@@ -13,15 +13,19 @@ instead, so its mean can exceed b a little). So the layers' mean cache after the
 layers keep more than B and the higher ones fewer. N <= B keeps everything in every layer; unlike the original,
 a prompt below 2 (B - w) is not sent back to plain SnapKV (as in kvpress). One layer: SnapKV.
 
-The policy needs the number of layers: ``n_layer`` (`make_caches` passes it to policies with ``needs_n_layer``).
-Storage, decoding (appends, no eviction) and budget accounting: as `snapkv`.
+The policy needs the number of layers: ``n_layer`` (`make_caches` passes it to policies with ``needs_n_layer``; the
+fixed-capacity engine's `nats.cache.engine.RuleContext` gives it to `PyramidKVRule`). The selection is a function,
+`pyramid_keep`, which both call. Storage, decoding (appends, no eviction) and budget accounting: as `snapkv`.
 """
 
 from __future__ import annotations
 
 import math
 
-from nats.cache.policies.snapkv import SnapKVCache, top_mask
+from torch import Tensor
+
+from nats.cache.engine import RuleContext
+from nats.cache.policies.snapkv import SnapKVCache, SnapKVRule, snapkv_keep, top_mask
 from nats.cache.registry import register_cache
 
 
@@ -48,8 +52,42 @@ def pyramid_budgets(base: int, prefix: int, n_layer: int, beta: float = 20) -> l
     return out
 
 
+def pyramid_sizes(n: int, budget: int, window: int, n_layer: int, beta: float = 20) -> list[int]:
+    """The cache size of every layer after a prefill of n tokens (window included)."""
+    if n <= budget:
+        return [n] * n_layer
+    return [x + window for x in pyramid_budgets(budget - window, n - window, n_layer, beta)]
+
+
+def pyramid_keep(q: Tensor, k: Tensor, budget: int, layer_idx: int, n_layer: int, window: int = 32, kernel: int = 7,
+                 pooling: str = "max", beta: float = 20) -> Tensor:  # fmt: skip
+    """The prompt tokens layer ``layer_idx`` of ``n_layer`` keeps, bool ``[B, Hkv, N]``: SnapKV's selection
+    (`snapkv_keep`) with the layer's prefix budget (`pyramid_sizes`)."""
+
+    def prefix(votes: Tensor, n: int) -> Tensor:
+        return top_mask(votes, pyramid_sizes(n, budget, window, n_layer, beta)[layer_idx] - window)
+
+    return snapkv_keep(q, k, budget, window, kernel, pooling, prefix)
+
+
+class PyramidKVRule(SnapKVRule):
+    """PyramidKV in the fixed-capacity engine: `SnapKVRule` with the layer's budget (`pyramid_keep`; the layers from
+    the `RuleContext`)."""
+
+    name = "pyramidkv"
+
+    def __init__(self, *, beta: float = 20, **options):
+        super().__init__(**options)
+        self.beta = beta
+
+    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
+        return pyramid_keep(q, k, budget, ctx.layer_idx, ctx.n_layer, int(self.window), int(self.kernel), self.pooling,
+                            float(self.beta))  # fmt: skip
+
+
 @register_cache("pyramidkv")
 class PyramidKVCache(SnapKVCache):
+    fixed_rule = PyramidKVRule
     needs_n_layer = True  # make_caches passes n_layer=len(model.blocks)
 
     def __init__(self, *, budget: int, n_layer: int | None = None, beta: float = 20, **kwargs):
@@ -70,11 +108,9 @@ class PyramidKVCache(SnapKVCache):
             raise ValueError(f"pyramidkv: beta must be >= 1 (the pyramid's min = (B - window) / beta), got {beta!r}")
 
     def layer_budgets(self, n: int) -> list[int]:
-        """The cache size of every layer after a prefill of n tokens (window included)."""
-        if n <= self.budget:
-            return [n] * self.n_layer
-        b = pyramid_budgets(self.budget - self.window, n - self.window, self.n_layer, self.beta)
-        return [x + self.window for x in b]
+        """The cache size of every layer after a prefill of n tokens (window included; `pyramid_sizes`)."""
+        return pyramid_sizes(n, self.budget, self.window, self.n_layer, self.beta)
 
-    def _keep_prefix(self, votes, n):
-        return top_mask(votes, self.layer_budgets(n)[self.layer_idx] - self.window)
+    def keep_mask(self, q, k):
+        return pyramid_keep(q, k, self.budget, self.layer_idx, self.n_layer, self.window, self.kernel, self.pooling,
+                            self.beta)  # fmt: skip

@@ -25,8 +25,9 @@ order, decode tokens are appended at ``length``: a step is one scatter and the p
 `nats.cache.attention` (device tensors only, CUDA-graph capturable after the prefill). `step` on a cache that
 was never prefilled starts from an empty prompt (nothing to compress: capacity max_len, all tokens kept).
 
-Subclasses change only which prefix keys a row keeps (:meth:`SnapKVCache._keep_prefix`): `pyramidkv` (per-layer
-budgets) and `adakv` (per-head budgets).
+The selection is a function, `snapkv_keep`, which the cache and its fixed-capacity rule (`SnapKVRule`: keep the
+selection, append new tokens) both call. Subclasses change only which prefix keys a row keeps (`snapkv_keep`'s
+``prefix``): `pyramidkv` (per-layer budgets) and `adakv` (per-head budgets).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch import Tensor
 
 from nats.cache.attention import compute_dtype
 from nats.cache.base import LayerCache
-from nats.cache.engine import AppendRule
+from nats.cache.engine import AppendRule, RuleContext
 from nats.cache.registry import register_cache
 
 POOLINGS = ("max", "avg")
@@ -84,9 +85,37 @@ def top_mask(scores: Tensor, n: int | Tensor) -> Tensor:
     return rank < n
 
 
+def snapkv_keep(q: Tensor, k: Tensor, budget: int, window: int = 32, kernel: int = 7, pooling: str = "max",
+                prefix=None) -> Tensor:  # fmt: skip
+    """The prompt tokens SnapKV keeps after a prefill of q ``[B, Hq, N, D]`` / k ``[B, Hkv, N, D]``, bool ``[B, Hkv,
+    N]``: everything if N <= budget, else the observation window and the prefix keys ``prefix(votes, N)`` chooses,
+    bool ``[B, Hkv, N - window]`` from the pooled votes (`snapkv_votes`; default: the best ``budget - window``)."""
+    B, Hkv, N = q.shape[0], k.shape[1], q.shape[2]
+    if N <= budget:
+        return torch.ones(B, Hkv, N, dtype=torch.bool, device=q.device)
+    votes = snapkv_votes(q, k, window, kernel, pooling)
+    chosen = top_mask(votes, budget - window) if prefix is None else prefix(votes, N)
+    return torch.cat([chosen, torch.ones(B, Hkv, window, dtype=torch.bool, device=q.device)], dim=-1)
+
+
+class SnapKVRule(AppendRule):
+    """SnapKV in the fixed-capacity engine (`nats.cache.engine`): `AppendRule` keeping `snapkv_keep`'s selection of
+    a prompt longer than the budget."""
+
+    name = "snapkv"
+    budgeted = True
+    even_rows = True
+
+    def __init__(self, *, window: int = 32, kernel: int = 7, pooling: str = "max", **unused):
+        self.window, self.kernel, self.pooling = window, kernel, pooling  # as given (checked with the budget)
+
+    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
+        return snapkv_keep(q, k, budget, int(self.window), int(self.kernel), self.pooling)
+
+
 @register_cache("snapkv")
 class SnapKVCache(LayerCache):
-    fixed_rule = AppendRule()  # the fixed-capacity engine: keep the selection, append new tokens
+    fixed_rule = SnapKVRule  # the fixed-capacity engine: keep the selection, append new tokens
     even_rows = True  # one budget for every row of a layer (PyramidKV's differ by layer only)
     budgeted = True
     prefill_time = True  # compresses once after an exact prefill; decoding appends without evicting
@@ -120,18 +149,9 @@ class SnapKVCache(LayerCache):
             raise ValueError(f"{name}: pooling must be one of {POOLINGS}, got {pooling!r}")
 
     # ------------------------------------------------------------------ selection
-    def _keep_prefix(self, votes: Tensor, n: int) -> Tensor:
-        """Which prefix keys each row keeps, bool ``[B, Hkv, n - window]``, from the votes (prompt of n > B tokens)."""
-        return top_mask(votes, self.budget - self.window)
-
     def keep_mask(self, q: Tensor, k: Tensor) -> Tensor:
-        """The prompt tokens the cache keeps after a prefill of q/k, bool ``[B, Hkv, N]``."""
-        B, _, N, _ = q.shape
-        if N <= self.budget:
-            return torch.ones(B, self.n_kv_head, N, dtype=torch.bool, device=q.device)
-        votes = snapkv_votes(q, k, self.window, self.kernel, self.pooling)
-        window = torch.ones(B, self.n_kv_head, self.window, dtype=torch.bool, device=q.device)
-        return torch.cat([self._keep_prefix(votes, N), window], dim=-1)
+        """The prompt tokens the cache keeps after a prefill of q/k, bool ``[B, Hkv, N]`` (`snapkv_keep`)."""
+        return snapkv_keep(q, k, self.budget, self.window, self.kernel, self.pooling)
 
     # ------------------------------------------------------------------ the protocol
     def _allocate(self, kept: int, prompt: int) -> None:

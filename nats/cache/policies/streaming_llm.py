@@ -48,9 +48,14 @@ class RingRule(AppendRule):
     attention is the StreamingLLM mask (exact: decoding continues the masked forward)."""
 
     name = "ring"
+    budgeted = True
 
-    def prompt(self, ctx, layer_idx, core, q, k, v, hidden, budget, offset=0):
-        sinks = int(ctx.options.get("sinks", 4))
+    def __init__(self, *, sinks: int = 4, **unused):
+        """``unused``: ``exact_prefill`` (not in the engine: its prompt attention is the StreamingLLM mask)."""
+        self.sinks = sinks
+
+    def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
+        sinks = int(self.sinks)
         if budget <= sinks:
             raise ValueError(f"StaticPolicyCache: streaming_llm budget {budget} must exceed sinks={sinks}")
         b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
@@ -68,20 +73,20 @@ class RingRule(AppendRule):
         return Plan(rows, end, lambda size: pool_fill(keep, rank, rows, k, v, size))
 
     def setup(self, ctx, layer):
-        layer.sinks = int(ctx.options.get("sinks", 4))
+        layer.sinks = int(self.sinks)
 
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
         dest = layer.start + ring_slot(layer.count, layer.sinks, layer.cap)
         layer.count.add_(1)
         layer.length.copy_(torch.minimum(layer.count, layer.cap))
         write_kv(layer.kv_pool, dest, kr, vr)
-        return attend(layer, qr, even=ctx.policy_cls.even_rows), layer.length
+        return attend(layer, qr, even=self.even_rows), layer.length
 
 
 @register_cache("streaming_llm")
 class StreamingLLMCache(SlotCache):
     budgeted = True
-    fixed_rule = RingRule()
+    fixed_rule = RingRule
 
     def __init__(self, *, budget: int, sinks: int = 4, exact_prefill: bool = False, **kwargs):
         type(self).check_budget(budget, 10**18, sinks=sinks)
