@@ -36,8 +36,8 @@ bytes allow (the row's bytes / a full cache's). A quick correctness check on a t
 `bench_decode.json` to `--out` (default: the environment variable OUT, else benchmarks/results) and prints the
 table last. ``--profile``: after each row's timed steps, 16 more under torch.profiler: the kernels by GPU time and, for
 graph rows, a replayed step's kernels, its time and the GPU's busy share of it (``profile_<policy>_<mode>_L<L>.txt``;
-the row's ``profile`` in the JSON). ``--inductor KEY=VALUE``: a setting of the compiled dense work
-(`nats.models.gpt.DECODE_INDUCTOR`), e.g. ``combo_kernels=True``.
+the row's ``profile`` in the JSON). ``--inductor KEY=VALUE``: a setting of the compiled dense work over the
+defaults (`nats.models.gpt.DECODE_INDUCTOR`), passed to the graph rows' `GraphDecoder`, e.g. ``combo_kernels=True``.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from nats.cache import roofline
 from nats.cache.decode import GraphDecoder, decode_step, make_caches, policy_logits, prefill
 from nats.cache.policies.full import FullCache
 from nats.cache.registry import register_cache
-from nats.models.gpt import DECODE_INDUCTOR, GPT, GPTConfig
+from nats.models.gpt import GPT, GPTConfig, decode_settings
 
 PROFILE_STEPS = 16  # decode steps under the profiler after a row's timed ones (--profile)
 
@@ -206,7 +206,7 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
     )
     fill(caches, policy, L, gen, types)
     token = torch.randint(0, model.config.vocab_size, (B,), device=dev)
-    dec = GraphDecoder(model, caches) if graph else None
+    dec = GraphDecoder(model, caches, inductor=args.inductor) if graph else None
     pos = dec.pos if graph else torch.full((1,), L, dtype=torch.long, device=dev)
     if policy == "nats":  # decoded tokens get synthetic types from the prompt's per-head rates too
         later = synthetic_types(B, types.shape[1], total - L, gen, dev, rate=rates, first_global=False)
@@ -303,14 +303,12 @@ def profile_steps(step, args, L: int, policy: str, graph: bool) -> dict | None:
 
 
 def set_inductor(settings: list[str]) -> dict:
-    """``KEY=VALUE`` words (`nats.utils.inductor_settings`) set on the compiled decode parts' inductor settings
-    (`nats.models.gpt.DECODE_INDUCTOR`). Returns them. ValueError, naming the word, for a malformed word or a key
-    inductor does not have."""
+    """``KEY=VALUE`` words (`nats.utils.inductor_settings`) as the compiled decode parts' inductor settings, to pass
+    to `GraphDecoder` (``inductor=``; over `nats.models.gpt.DECODE_INDUCTOR`'s). ValueError, naming the word, for a
+    malformed word or a key inductor does not have."""
     from nats.utils import inductor_settings
 
-    done = inductor_settings(settings)
-    DECODE_INDUCTOR.update(done)
-    return done
+    return inductor_settings(settings)
 
 
 def counted(maintain, calls: list[int]):
@@ -328,7 +326,7 @@ def counted(maintain, calls: list[int]):
 # correctness on the GPU (tiny model, float32)
 # ----------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def verify() -> list[str]:
+def verify(inductor: dict | None = None) -> list[str]:
     lines = []
     torch.manual_seed(0)
     cfg = GPTConfig.tiny(block_size=96, n_embd=64, attention={"name": "nats", "window": 4, "backend": "reference"})
@@ -366,7 +364,7 @@ def verify() -> list[str]:
         eager_caches = make_caches(model, policy, 3, 80, budget=budget, backend="triton", **opts)
         prefill(model, caches, idx[:, :P])
         prefill(model, eager_caches, idx[:, :P])
-        dec = GraphDecoder(model, caches)
+        dec = GraphDecoder(model, caches, inductor=inductor)
         outs, eager = [], []
         for i in range(P, 80):
             outs.append(dec(idx[:, i], i).clone())
@@ -460,7 +458,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         nargs="*",
         default=[],
         metavar="KEY=VALUE",
-        help="settings of the compiled decode parts (nats.models.gpt.DECODE_INDUCTOR), e.g. combo_kernels=True",
+        help="settings of the compiled decode parts over nats.models.gpt.DECODE_INDUCTOR, e.g. combo_kernels=True",
     )
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
@@ -486,7 +484,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lines = []
     if not args.no_verify:
         try:
-            lines = verify()
+            lines = verify(args.inductor)
         except Exception as exc:  # report and go on: the timings may still work
             traceback.print_exc()
             lines = [f"verify FAILED: {type(exc).__name__}: {exc}"]
@@ -555,7 +553,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "window": args.window,
         "budget_rule": "NAtS' kept share x L" if args.budget_frac is None else f"{args.budget_frac} x L",
         "torch": torch.__version__,
-        "inductor": dict(DECODE_INDUCTOR),
+        "inductor": decode_settings(args.inductor),
         "bandwidth_gbps": args.bandwidth["measured"] / 1e9,
         "datasheet_gbps": None if args.bandwidth["datasheet"] is None else args.bandwidth["datasheet"] / 1e9,
         "seconds": round(time.time() - t0, 1),

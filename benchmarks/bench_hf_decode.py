@@ -258,11 +258,12 @@ class _FirstToken:
 
 
 def generate(model, prompt: torch.Tensor, cache, n: int, compile_config=None, method: str | None = None,
-             on_prefill=None):  # fmt: skip
+             on_prefill=None, inductor: dict | None = None):  # fmt: skip
     """`n` greedy tokens after `prompt` through `cache`: the project's caches of `method` through nats-generate's
-    loop (`nats.hf.loop`), unless `method` is one of ``hf_*`` or None: ``model.generate`` (``compile_config``: how
-    it compiles the step). ``on_prefill``: called once the prompt's forward and the first token are done (or queued),
-    before the decode steps."""
+    loop (`nats.hf.loop`; ``inductor``: its compiled step's settings over `nats.hf.loop.STEP_INDUCTOR`'s), unless
+    `method` is one of ``hf_*`` or None: ``model.generate`` (``compile_config``: how it compiles the step).
+    ``on_prefill``: called once the prompt's forward and the first token are done (or queued), before the decode
+    steps."""
     from nats.hf import StaticPolicyCache
     from nats.hf.compat import cache_kwargs
     from nats.hf.loop import generate as loop
@@ -270,7 +271,7 @@ def generate(model, prompt: torch.Tensor, cache, n: int, compile_config=None, me
     if type(cache).__name__ == "GptFastDecoder":  # its own decode loop
         return cache.generate(prompt, n, on_prefill=on_prefill)
     if isinstance(cache, StaticPolicyCache) and method is not None and not method.startswith("hf_"):
-        return loop(model, prompt, cache, n, on_prefill=on_prefill)
+        return loop(model, prompt, cache, n, on_prefill=on_prefill, inductor=inductor)
     extra = {} if compile_config is None else {"compile_config": compile_config}
     if on_prefill is not None:
         extra["streamer"] = _FirstToken(on_prefill)
@@ -291,19 +292,17 @@ def new_tokens(method: str, args) -> int:
 
 
 def set_inductor(settings: list[str]) -> dict:
-    """``KEY=VALUE`` words (`nats.utils.inductor_settings`) set on ``torch._inductor.config`` and, for its keys, on the
-    decode step's own settings (`nats.hf.loop.STEP_INDUCTOR`, which would override the global ones). Returns them.
-    ValueError, naming the word, for a malformed word or a key inductor does not have."""
+    """``KEY=VALUE`` words (`nats.utils.inductor_settings`) set on ``torch._inductor.config`` (every compiled step:
+    ``model.generate``'s, the gpt-fast decoder's) and returned, for nats-generate's loop to take as its step's own
+    settings (`generate`'s ``inductor``: they override `nats.hf.loop.STEP_INDUCTOR`'s, which override the global
+    ones). ValueError, naming the word, for a malformed word or a key inductor does not have."""
     import torch._inductor.config as inductor_config
 
-    from nats.hf import loop
     from nats.utils import inductor_settings
 
     done = inductor_settings(settings)
     for key, value in done.items():
         setattr(inductor_config, key, value)
-        if key in loop.STEP_INDUCTOR:
-            loop.STEP_INDUCTOR[key] = value
     return done
 
 
@@ -312,10 +311,10 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def timed_request(model, prompt: torch.Tensor, make_cache, n_new: int, method: str, device):
+def timed_request(model, prompt: torch.Tensor, make_cache, n_new: int, method: str, device, inductor=None):
     """One request timed as every row times it: one generation, the device synchronised once the prompt's forward
     and the first token are done (the prefill's time, the first token's latency) and at the end (the decode steps'
-    time). Returns (prefill seconds, decode seconds, the output, the cache).
+    time). Returns (prefill seconds, decode seconds, the output, the cache). ``inductor``: `generate`'s.
 
     (The decode time was once the difference between this generation and one of a single token: at 8B, batch 8 x
     32k, a prefill of ~10 s against ~1.5 s of decoding, a 1% difference between the two prefills moved the decode
@@ -329,7 +328,7 @@ def timed_request(model, prompt: torch.Tensor, make_cache, n_new: int, method: s
     cache = make_cache()
     sync(device)
     t0 = time.perf_counter()
-    out = generate(model, prompt, cache, n_new, method=method, on_prefill=prefilled)
+    out = generate(model, prompt, cache, n_new, method=method, on_prefill=prefilled, inductor=inductor)
     sync(device)
     t2 = time.perf_counter()
     t1 = marks[0] if marks else t2  # (a generation of one token has no decode step)
@@ -352,8 +351,8 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     projections(model, method, args)
     with attention_of(model, method):
         # warm-up: compiled, autotuned, CUDA graphs recorded
-        generate(model, prompt, make_cache(), min(n_new, 4), method=method)
-        generate(model, prompt, make_cache(), min(n_new, 4), method=method)
+        generate(model, prompt, make_cache(), min(n_new, 4), method=method, inductor=args.inductor)
+        generate(model, prompt, make_cache(), min(n_new, 4), method=method, inductor=args.inductor)
         sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -363,7 +362,9 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
             if static_prefill is not None:
                 beside.append(static_prefill())
             out = cache = None  # the last request's cache freed: this one takes the buffers
-            prefill_s, decode_s, out, cache = timed_request(model, prompt, make_cache, n_new, method, device)
+            prefill_s, decode_s, out, cache = timed_request(
+                model, prompt, make_cache, n_new, method, device, args.inductor
+            )
             prefills.append(prefill_s)
             decodes.append(decode_s)
         new_graphs, recorded = compiled_graphs() - g0, cudagraph_recordings() - r0
@@ -440,7 +441,7 @@ def fit_batch(model, method: str, P: int, kept, budget: float, nbytes: float, ar
             calibrate(model, prompt, kept)
         cache = cache_maker(model, method, P, new_tokens(method, args), kept, B)()
         with attention_of(model, method):
-            generate(model, prompt, cache, 1, method=method)
+            generate(model, prompt, cache, 1, method=method, inductor=args.inductor)
         used = kv_bytes(cache)
         del cache
         if used <= budget or B == 1:
@@ -468,7 +469,7 @@ def profile(model, method: str, prompt: torch.Tensor, args, device, kept) -> Non
     with attention_of(model, method):
         for label, n in (("prefill (+1 token)", 1), ("prefill + decode steps", min(17, n_new))):
             with torch_profile(activities=acts) as prof:
-                generate(model, prompt, make_cache(), n, method=method)
+                generate(model, prompt, make_cache(), n, method=method, inductor=args.inductor)
                 sync(device)
             text += [
                 f"## {method} kept={kept} batch={B} prompt={P}: {label}",
@@ -584,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model, short prompt, CPU: tests the script")
     args = ap.parse_args(argv)
     try:
-        set_inductor(args.inductor)
+        args.inductor = set_inductor(args.inductor)
     except ValueError as e:
         print(f"bench_hf_decode: {e}")
         return 2
@@ -714,7 +715,7 @@ def mixed_workload(model, method: str, args, device, gen) -> dict:
     def serve(prompt) -> tuple[int, float]:
         """(tokens decoded after the first, seconds they took) of one request."""
         make = cache_maker(model, method, hi_p, n_new, kept, prompt.shape[0], **serving)
-        _, decode_s, _, _ = timed_request(model, prompt, make, n_new, method, device)
+        _, decode_s, _, _ = timed_request(model, prompt, make, n_new, method, device, args.inductor)
         return prompt.shape[0] * (n_new - 1), decode_s
 
     projections(model, method, args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -188,6 +188,21 @@ def inductor_settings(words: Sequence[str]) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             done[key] = raw
     return done
+
+
+def settings_key(settings: Mapping[str, Any]) -> tuple[tuple[str, str, Any], ...]:
+    """``settings`` (e.g. inductor's, `inductor_settings`) as a hashable key of a cache of compiled functions: one
+    ``(name, type name, value)`` per setting, sorted by name, a value that cannot be hashed (a list, a dict) by its
+    repr. Equal settings give equal keys; settings that differ in a value or its type (``True`` and ``1``) do not."""
+    pairs = []
+    for name, value in sorted(settings.items()):
+        kind = type(value).__qualname__
+        try:
+            hash(value)
+        except TypeError:
+            kind, value = f"repr of {kind}", repr(value)
+        pairs.append((name, kind, value))
+    return tuple(pairs)
 
 
 def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:

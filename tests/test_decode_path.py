@@ -100,6 +100,34 @@ def test_compiled_decode_equals_eager_with_one_compile_for_every_layer(kind):
     assert len(model.blocks) > 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+def test_compiled_decode_parts_are_kept_by_backend_and_settings(monkeypatch):
+    """GPT.compiled_decode(inductor=...): the parts are compiled once per backend and settings (over
+    `DECODE_INDUCTOR`'s: the same settings, however given, share the parts; others get their own), the settings
+    reach torch.compile (which checks them at once), the other backends take none; GraphDecoder passes its own."""
+    from nats.models import gpt
+
+    model = tiny({"name": "dense"})
+
+    def parts(**kw):
+        with model.compiled_decode(**kw):
+            return model.blocks[0].decode_parts
+
+    default = parts()
+    assert parts(inductor={}) == default and parts(inductor=dict(gpt.DECODE_INDUCTOR)) == default
+    combo = parts(inductor={"combo_kernels": True})
+    assert all(a is not b for a, b in zip(combo, default)) and parts(inductor={"combo_kernels": True}) == combo
+    assert parts(backend="aot_eager", inductor={"combo_kernels": True}) == parts(backend="aot_eager")
+    with pytest.raises(RuntimeError, match="combo_kernels"):  # a str where inductor wants a bool
+        parts(inductor={"combo_kernels": "yes"})
+    assert model.blocks[0].decode_parts == (gpt.before_cache, gpt.after_cache)
+    with pytest.raises(TypeError):
+        gpt.DECODE_INDUCTOR["combo_kernels"] = True
+    monkeypatch.setattr(decode, "graph_capturable", lambda caches: True)  # on the CPU: the step, not its graph
+    dec = GraphDecoder(model, make_caches(model, "full", 2, 24), inductor={"combo_kernels": "yes"})
+    with eval_mode(model), pytest.raises(RuntimeError, match="combo_kernels"):
+        dec._step()
+
+
 def test_decode_module_does_not_run_the_block_itself():
     """The block is written once (nats/models/gpt.py): the decode functions call the model's forward."""
     src = inspect.getsource(decode)
@@ -370,25 +398,24 @@ def test_bench_decode_smoke(tmp_path):
 
 
 @pytest.mark.usefixtures("registry_snapshot")
-def test_bench_decode_profiles_each_row_and_takes_inductor_settings(tmp_path, monkeypatch):
+def test_bench_decode_profiles_each_row_and_takes_inductor_settings(tmp_path):
     """--profile writes each row's kernel table over the steps after the timed ones (the caches reserve them: no
-    reallocation); --inductor sets the compiled decode parts' settings, and a key inductor lacks is one clear line."""
+    reallocation); --inductor gives the compiled decode parts' settings (over the defaults, which stay as they are),
+    and a key inductor lacks is one clear line."""
     from nats.models import gpt
 
     spec = importlib.util.spec_from_file_location("bench_decode_profile", REPO / "benchmarks" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr(gpt, "DECODE_INDUCTOR", dict(gpt.DECODE_INDUCTOR))
-    monkeypatch.setattr(bench, "DECODE_INDUCTOR", gpt.DECODE_INDUCTOR)
     args = ["--smoke", "--lengths", "48", "--policies", "full,nats", "--profile", "--out", str(tmp_path)]
     rows = bench.main([*args, "--inductor", "combo_kernels=True"])
-    assert gpt.DECODE_INDUCTOR == {"emulate_precision_casts": True, "combo_kernels": True}
+    assert gpt.DECODE_INDUCTOR == {"emulate_precision_casts": True}
     assert {r["policy"] for r in rows} == {"full", "nats"}
     for r in rows:
         assert r["reallocations"] == 0 and r["profile"] is None  # eager rows: no replayed graph to split
         text = (tmp_path / f"profile_{r['policy']}_eager_L48.txt").read_text()
         assert f"{bench.PROFILE_STEPS} decode steps" in text and "Self CPU" in text
     meta = json.loads((tmp_path / "bench_decode.json").read_text())["meta"]
-    assert meta["inductor"]["combo_kernels"] is True
+    assert meta["inductor"] == {"emulate_precision_casts": True, "combo_kernels": True}
     with pytest.raises(SystemExit, match="has no setting 'no_such_setting'"):
         bench.main([*args, "--inductor", "no_such_setting=1"])

@@ -167,8 +167,9 @@ def test_decode_benchmark_smoke(tmp_path):
     assert "bound x full" in text and "GB/s measured" in text and "x StaticCache tok/s" in text
 
 
-def test_bench_hf_decode_inductor_settings(capsys):
-    """--inductor KEY=VALUE sets torch._inductor.config for the compiled steps (values as Python literals); a key
+def test_bench_hf_decode_inductor_settings(capsys, monkeypatch):
+    """--inductor KEY=VALUE sets torch._inductor.config for the compiled steps (values as Python literals) and goes
+    to nats-generate's loop as its step's settings (an argument: the library's defaults stay as they are); a key
     inductor lacks or a word without '=' stops the script with one line naming it, before any model is built."""
     import torch._inductor.config as inductor_config
 
@@ -180,15 +181,20 @@ def test_bench_hf_decode_inductor_settings(capsys):
         done = bench.set_inductor(["coordinate_descent_tuning=True", "max_autotune_gemm_backends=ATEN,TRITON"])
         assert done == {"coordinate_descent_tuning": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
         assert inductor_config.coordinate_descent_tuning is True
-    from nats.hf import loop  # a key of the decode step's own settings is set there too (they override the global)
+    from nats.hf import StaticPolicyCache, loop
 
-    saved = dict(loop.STEP_INDUCTOR)
-    try:
-        with inductor_config.patch(combo_kernels=True):
-            assert bench.set_inductor(["combo_kernels=False"]) == {"combo_kernels": False}
-            assert loop.STEP_INDUCTOR["combo_kernels"] is False
-    finally:
-        loop.STEP_INDUCTOR.update(saved)
+    with inductor_config.patch(combo_kernels=True):
+        assert bench.set_inductor(["combo_kernels=False"]) == {"combo_kernels": False}
+    assert loop.STEP_INDUCTOR == {"combo_kernels": True}
+    seen = []  # the benchmark's generation hands the settings to the loop (which passes them to its compiled step)
+    monkeypatch.setattr(loop, "generate", lambda *a, **kw: seen.append(kw.get("inductor")) or a[1])
+    model = use_policy_caches(tiny_model("llama"))
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    bench.generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=2), 2, method="full",
+                   inductor={"combo_kernels": False})  # fmt: skip
+    bench.timed_request(model, prompt, lambda: StaticPolicyCache(model, "full", max_new_tokens=2), 2, "full",
+                        torch.device("cpu"), {"max_autotune": True})  # fmt: skip
+    assert seen == [{"combo_kernels": False}, {"max_autotune": True}]
     for word, says in (("no_such_setting=1", "has no setting 'no_such_setting'"), ("coordinate", "give KEY=VALUE")):
         assert bench.main(["--smoke", "--inductor", word]) == 2
         out = capsys.readouterr().out.strip()
@@ -266,7 +272,7 @@ def test_decode_benchmark_batch_fits_the_memory_budget():
     from conftest import load_script
 
     bench = load_script("benchmarks/bench_hf_decode.py")
-    args = bench.argparse.Namespace(model=None, smoke=True, prompt=[96], new=8, slow_new=8, window=8)
+    args = bench.argparse.Namespace(model=None, smoke=True, prompt=[96], new=8, slow_new=8, window=8, inductor={})
     model = bench.build_model(args, torch.device("cpu"), torch.float32)
     attach_nats(model, window=8)
     gen = torch.Generator().manual_seed(0)
@@ -377,7 +383,7 @@ def test_bench_times_the_decode_steps_apart_from_the_prefill(monkeypatch):
     bench = load_script("benchmarks/bench_hf_decode.py")
     calls = []
 
-    def fake(model, prompt, cache, n, method=None, on_prefill=None):
+    def fake(model, prompt, cache, n, method=None, on_prefill=None, inductor=None):
         calls.append(n)
         time.sleep(0.2)  # the prefill
         on_prefill()

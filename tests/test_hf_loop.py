@@ -63,18 +63,57 @@ def test_compiled_step_equals_eager_and_is_reused():
 
 
 def test_the_step_is_compiled_with_its_mode_and_the_step_settings(monkeypatch):
-    """The compiled step gets its mode's inductor settings (reduce-overhead: CUDA graphs) and `STEP_INDUCTOR`'s
-    (combo kernels); a backend by name gets neither."""
+    """The compiled step gets its mode's inductor settings (reduce-overhead: CUDA graphs), then `STEP_INDUCTOR`'s
+    (combo kernels), then the caller's (``inductor=``, through `generate` too); a backend by name gets neither."""
     from nats.hf import loop
 
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
     model = model_for("full")
-    loop._STEPS.pop(model, None)
     loop.decode_step(model, True)
-    loop.decode_step(model, "aot_eager")
+    loop.decode_step(model, "aot_eager", inductor={"max_autotune": True})
     assert seen[0]["options"] == {"triton.cudagraphs": True, "combo_kernels": True}, seen
     assert seen[1] == {"fullgraph": True, "backend": "aot_eager"}, seen
+    prompt = ids(n=20, b=2, seed=7)
+    eager = generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=4), 4, compile=False)
+    settings = {"combo_kernels": False, "max_autotune": True}
+    got = generate(model, prompt, StaticPolicyCache(model, "full", max_new_tokens=4), 4, compile=True,
+                   inductor=settings)  # fmt: skip
+    assert torch.equal(got, eager)  # (torch.compile is the identity here)
+    assert seen[2]["options"] == {"triton.cudagraphs": True, "combo_kernels": False, "max_autotune": True}, seen
+    assert len(seen) == 3 and loop.STEP_INDUCTOR == {"combo_kernels": True}
+
+
+def test_one_compiled_step_per_settings():
+    """The compiled steps are kept by model, mode and settings: the same settings (however given) reuse one, other
+    settings make another; the settings reach torch.compile, which checks them at once; the defaults are read
+    only."""
+    from nats.hf import loop
+
+    model = model_for("full")
+    default = loop.decode_step(model, True)
+    assert loop.decode_step(model, True, inductor={}) is default
+    assert loop.decode_step(model, True, inductor={"combo_kernels": True}) is default
+    other = loop.decode_step(model, True, inductor={"combo_kernels": False})
+    assert other is not default and loop.decode_step(model, True, inductor={"combo_kernels": False}) is other
+    gemm = loop.decode_step(model, True, inductor={"max_autotune_gemm_backends": "ATEN"})
+    assert gemm is not default and gemm is not other
+    assert loop.decode_step(model, "aot_eager", inductor={"combo_kernels": False}) is loop.decode_step(
+        model, "aot_eager"
+    )  # a backend by name takes no inductor settings
+    with pytest.raises(RuntimeError, match="combo_kernels"):  # torch.compile got it: a str where inductor wants a bool
+        loop.decode_step(model, True, inductor={"combo_kernels": "yes"})
+    with pytest.raises(TypeError):
+        loop.STEP_INDUCTOR["combo_kernels"] = False
+
+
+def test_settings_key_tells_values_and_their_types_apart():
+    from nats.utils import settings_key
+
+    assert settings_key({"b": 1, "a": [2]}) == settings_key({"a": [2], "b": 1})  # a list: by its repr
+    assert hash(settings_key({"a": [2], "b": {"c": 1}}))
+    assert settings_key({"a": True}) != settings_key({"a": 1})  # equal in Python, not as settings
+    assert settings_key({"a": [2]}) != settings_key({"a": "[2]"})
 
 
 def test_on_prefill_is_called_once_between_the_prompt_and_the_decode_steps():

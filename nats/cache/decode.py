@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -201,9 +201,11 @@ class GraphDecoder:
     (`captures` counts the captures: 1 when nothing was reallocated). A replay skips the caches' host code,
     so their host counters are advanced by ``LayerCache.replayed()``. With ``compile`` (default) the step's dense
     work around the caches is compiled (`nats.models.gpt.GPT.compiled_decode`): fewer, fused kernels in the
-    graph."""
+    graph; ``inductor``: its inductor settings over the defaults (`nats.models.gpt.DECODE_INDUCTOR`)."""
 
-    def __init__(self, model, caches: list[LayerCache], compile: bool = True):
+    def __init__(
+        self, model, caches: list[LayerCache], compile: bool = True, inductor: Mapping[str, Any] | None = None
+    ):
         if not graph_capturable(caches):
             raise ValueError(
                 "CUDA-graph decoding needs caches on a CUDA device with the Triton backend and a graph-safe policy "
@@ -211,6 +213,7 @@ class GraphDecoder:
             )
         self.model, self.caches = model, caches
         self.compile = compile and hasattr(model, "compiled_decode")
+        self.inductor = None if inductor is None else dict(inductor)
         dev = caches[0].device
         self.token = torch.zeros(caches[0].batch, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
@@ -224,7 +227,8 @@ class GraphDecoder:
     def _step(self) -> Tensor:
         if not self.compile:
             return decode_step(self.model, self.caches, self.token, self.pos)
-        with self.model.compiled_decode():  # compiled at the warm-up step, its kernels captured after it
+        # compiled at the warm-up step, its kernels captured after it
+        with self.model.compiled_decode(inductor=self.inductor):
             return decode_step(self.model, self.caches, self.token, self.pos)
 
     def _capture(self) -> None:

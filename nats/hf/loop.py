@@ -23,31 +23,45 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from nats.hf.compat import cache_kwargs, takes_cache_position
 from nats.hf.limits import check_context, check_unused, context_length
+from nats.utils import settings_key
 
-_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled decode steps, by mode
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled decode steps, by key
 
-#: inductor settings of the compiled step beside its mode's. ``combo_kernels``: independent small kernels of a layer
-#: launched as one (the rotary embedding of the query, of the key and the cache's own bookkeeping: one launch where
-#: there were three or four). On one H200 it made the project's full cache 1-8% faster in two runs a setting
-#: (Llama-3.2-1B's shape at batch 1, Llama-3.1-8B's at batch 8, 8k and 32k; the runs' spread included) and NAtS' step
-#: no faster beyond that spread (docs/results/bench_limit_h200.md).
-#: ``benchmarks/bench_hf_decode.py --inductor KEY=VALUE`` overrides a key here too.
-STEP_INDUCTOR: dict = {"combo_kernels": True}
+#: inductor settings of the compiled step beside its mode's, by default. ``combo_kernels``: independent small kernels
+#: of a layer launched as one (the rotary embedding of the query, of the key and the cache's own bookkeeping: one
+#: launch where there were three or four). On one H200 it made the project's full cache 1-8% faster in two runs a
+#: setting (Llama-3.2-1B's shape at batch 1, Llama-3.1-8B's at batch 8, 8k and 32k; the runs' spread included) and
+#: NAtS' step no faster beyond that spread (docs/results/bench_limit_h200.md). Read only: a caller's own settings go
+#: to `decode_step` / `generate` (``inductor=``), e.g. ``benchmarks/bench_hf_decode.py --inductor KEY=VALUE``.
+STEP_INDUCTOR: Mapping[str, Any] = MappingProxyType({"combo_kernels": True})
 
 
-def decode_step(model, compile: bool | str, mode: str | None = "reduce-overhead"):
+def step_settings(inductor: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The inductor settings of a compiled step given ``inductor``: `STEP_INDUCTOR` with its keys (and others)
+    overridden by ``inductor``'s."""
+    return {**STEP_INDUCTOR, **(inductor or {})}
+
+
+def decode_step(
+    model, compile: bool | str, mode: str | None = "reduce-overhead", *, inductor: Mapping[str, Any] | None = None
+):
     """The model's step ``(token [B, 1], position_ids [B, 1], cache_position [1], cache) -> logits [B, V]`` (float32),
-    compiled once per model and mode (``compile``: True, or the name of a torch.compile backend, then without a
-    mode or `STEP_INDUCTOR`), as ``generate`` keeps its compiled forward."""
+    compiled once per model, mode and settings (``compile``: True, or the name of a torch.compile backend, then
+    without a mode or inductor settings), as ``generate`` keeps its compiled forward. ``inductor``: inductor settings
+    over `STEP_INDUCTOR`'s (`step_settings`), after the mode's; two calls with different settings get two compiled
+    steps, with the same settings one."""
     mode = None if isinstance(compile, str) else mode
-    key = (compile, mode)
+    settings = step_settings(inductor) if compile and not isinstance(compile, str) else {}
+    key = (compile, mode, settings_key(settings))
     steps = _STEPS.setdefault(model, {})
     if key not in steps:
         with_position = takes_cache_position(model)
@@ -61,7 +75,7 @@ def decode_step(model, compile: bool | str, mode: str | None = "reduce-overhead"
         if isinstance(compile, str):
             steps[key] = torch.compile(step, fullgraph=True, backend=compile)
         else:
-            options = {**torch._inductor.list_mode_options(mode or "default"), **STEP_INDUCTOR}
+            options = {**torch._inductor.list_mode_options(mode or "default"), **settings}
             steps[key] = torch.compile(step, fullgraph=True, options=options) if compile else step
     return steps[key]
 
@@ -92,6 +106,7 @@ def generate(
     compile: bool | str | None = None,
     check_every: int = 32,
     on_prefill: Callable[[], None] | None = None,
+    inductor: Mapping[str, Any] | None = None,
 ) -> Tensor:
     """``ids`` ``[B, P]`` (left-padded where ``attention_mask`` has zeros) and up to ``max_new_tokens`` tokens after
     them, ``[B, P + n]``: greedy (``temperature`` 0) or sampled. With ``eos_token_id``, a row's tokens after its end
@@ -99,7 +114,8 @@ def generate(
     the only host reads before the end). ``compile``: the step compiled with CUDA graphs (default: on CUDA; a
     backend's name: compiled by it, without CUDA graphs). ``on_prefill``: called once, after the prompt's forward and
     the first token's choice are queued and before the first decode step is (a benchmark synchronises there and
-    times the decode steps alone)."""
+    times the decode steps alone). ``inductor``: inductor settings of the compiled step over `STEP_INDUCTOR`'s
+    (`decode_step`; default: those alone)."""
     if max_new_tokens < 1:
         return ids
     B, P = ids.shape
@@ -122,7 +138,7 @@ def generate(
     done = None if eos is None else torch.isin(cur[:, 0], eos)
     if on_prefill is not None:
         on_prefill()
-    step = decode_step(model, compile)
+    step = decode_step(model, compile, inductor=inductor)
     if compile:  # one compiled step for every batch and prompt: the sizes that change are dynamic from the start
         for layer in getattr(cache, "layers", ()):
             for t, dims in layer.dynamic_dims() if hasattr(layer, "dynamic_dims") else ():

@@ -18,6 +18,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nats.attention.registry import AttentionDims, build_attention
+from nats.utils import settings_key
 from nats_kernels.cross_entropy import linear_cross_entropy
 
 OUTPUT_GATES = ("none", "headwise", "elementwise")
@@ -389,17 +391,21 @@ class GPT(nn.Module):
         return GPTOutput(logits=logits.detach(), loss=loss, aux_loss=aux_loss, stats=stats)
 
     @contextlib.contextmanager
-    def compiled_decode(self, backend: str | None = "inductor") -> Iterator[GPT]:
+    def compiled_decode(
+        self, backend: str | None = "inductor", inductor: Mapping[str, Any] | None = None
+    ) -> Iterator[GPT]:
         """Within the block, decode steps run their dense work around each layer's KV cache (`before_cache`:
         LayerNorm, q/k/v product, RoPE; `after_cache`: output gate and projection, MLP, residuals) compiled by
         ``torch.compile`` with ``backend``, one compile for every layer (the blocks share the code: their weights
         are its inputs). Eager, a GPT-2-small step at batch 8 is ~25 kernels per layer of a few microseconds each:
         its time is the kernels' latency, not the bytes they read (``benchmarks/bench_decode.py``). The caches' own
         kernels stay as they are. Static shapes (one compile per batch size); inductor rounds to bf16 where eager
-        does (``emulate_precision_casts``). `nats.cache.decode.GraphDecoder` runs its warm-up and its captures in
-        it; ``backend=None`` is the eager functions."""
+        does (``emulate_precision_casts``). ``inductor``: inductor settings over `DECODE_INDUCTOR`'s
+        (`decode_settings`; backend "inductor" only, the other backends take none): the parts are compiled once per
+        backend and settings. `nats.cache.decode.GraphDecoder` runs its warm-up and its captures in it;
+        ``backend=None`` is the eager functions."""
         saved = [block.decode_parts for block in self.blocks]
-        parts = (before_cache, after_cache) if backend is None else _compiled_decode_parts(backend)
+        parts = (before_cache, after_cache) if backend is None else _compiled_decode_parts(backend, inductor)
         for block in self.blocks:
             block.decode_parts = parts
         try:
@@ -426,19 +432,28 @@ class GPT(nn.Module):
         return linear_cross_entropy(x.reshape(-1, x.size(-1)), w, targets.reshape(-1))  # [B*N, C], [B*N]
 
 
-_COMPILED_DECODE: dict[str, tuple] = {}
-#: inductor settings of the compiled decode parts: rounding to bf16 where eager does (the parts then equal the eager
-#: ones). ``benchmarks/bench_decode.py --inductor KEY=VALUE`` sets a key here before the first compile.
-DECODE_INDUCTOR: dict = {"emulate_precision_casts": True}
+_COMPILED_DECODE: dict[tuple, tuple] = {}  # (backend, its settings' key) -> the compiled parts
+#: inductor settings of the compiled decode parts by default: rounding to bf16 where eager does (the parts then equal
+#: the eager ones). Read only: a caller's own settings go to `GPT.compiled_decode` (``inductor=``), e.g.
+#: ``benchmarks/bench_decode.py --inductor KEY=VALUE``.
+DECODE_INDUCTOR: Mapping[str, Any] = MappingProxyType({"emulate_precision_casts": True})
 
 
-def _compiled_decode_parts(backend: str) -> tuple:
-    """`before_cache` and `after_cache` compiled with ``backend``, made once per process (dynamo's code cache is
-    per function: one compile serves every block and model of the same shapes)."""
-    if backend not in _COMPILED_DECODE:
-        options = dict(DECODE_INDUCTOR) if backend == "inductor" else None
-        _COMPILED_DECODE[backend] = tuple(
+def decode_settings(inductor: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The inductor settings of the compiled decode parts given ``inductor``: `DECODE_INDUCTOR` with its keys (and
+    others) overridden by ``inductor``'s."""
+    return {**DECODE_INDUCTOR, **(inductor or {})}
+
+
+def _compiled_decode_parts(backend: str, inductor: Mapping[str, Any] | None = None) -> tuple:
+    """`before_cache` and `after_cache` compiled with ``backend`` (inductor: with `decode_settings` of ``inductor``),
+    made once per process and settings (dynamo's code cache is per function: one compile serves every block and
+    model of the same shapes)."""
+    options = decode_settings(inductor) if backend == "inductor" else None
+    key = (backend, settings_key(options or {}))
+    if key not in _COMPILED_DECODE:
+        _COMPILED_DECODE[key] = tuple(
             torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
             for fn in (before_cache, after_cache)
         )
-    return _COMPILED_DECODE[backend]
+    return _COMPILED_DECODE[key]
