@@ -27,9 +27,10 @@ def pytest_addoption(parser):
 
 def pytest_itemcollected(item):
     """The tests of the local SLURM cluster run in one test process (make test's -n ... --dist loadgroup): marked
-    as they are collected, before pytest-xdist groups them."""
+    as they are collected, before pytest-xdist groups them. They are slow (a real cluster's jobs: `make test-all`)."""
     if "slurm_cluster" in getattr(item, "fixturenames", ()):
         item.add_marker(pytest.mark.xdist_group("slurm"))
+        item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own (see _xdist_group_suffix)

@@ -525,6 +525,7 @@ def test_stream_programs_fill_one_wave(monkeypatch):
     assert pool_decode.stream_programs(torch.device("cpu"), 64, 128, 2, 2) == 4
 
 
+@pytest.mark.slow  # a GPU benchmark's CPU smoke run: make test-all
 def test_sweep_pool_attention_smoke(tmp_path):
     """benchmarks/sweep_pool_attention.py --smoke: the default launch choice first, the others timed, all checked
     against the PyTorch reference."""

@@ -72,6 +72,7 @@ DDP_RUN = SMALL + [
 ]
 
 
+@pytest.mark.slow  # DDP on gloo: make test-all
 def test_two_process_ddp_matches_one_process(tmp_path):
     """`nats-train trainer=ddp` with 2 CPU processes (Lightning launches the second one, gloo): global batch 8 =
     2 x 2 processes x 2 accumulation; the same samples per optimizer step as one process with 4 accumulation
@@ -89,6 +90,7 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     assert info["metrics"]["val/loss"] == pytest.approx(single["val/loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # a GPU script's CPU smoke run: make test-all
 def test_ddp_scaling_script_cpu_smoke(tmp_path):
     """benchmarks/ddp_scaling.py end to end on CPU (2 gloo processes vs 1): both runs, the table, the plot."""
     out = tmp_path / "out"

@@ -136,6 +136,7 @@ def test_model_names_from_the_config():
     assert figure3.model_name(cfg(name="nats", sparsity_lambda=1, mask_grad="exact")) == "nats_l1_exact"
 
 
+@pytest.mark.slow  # four trainings and their evaluations (tests/test_sweeps.py runs a multirun by default)
 def test_tiny_study_multirun_then_report(tmp_path):
     """nats-train -m experiment=study_fig3_dense,study_fig3_nats seed=1,2: four runs, each with its evaluations;
     the report has a row per (model, method) with the mean ± sample std over the two seeds."""
@@ -265,6 +266,7 @@ def test_a_run_evaluates_its_best_checkpoint_end_to_end(tmp_path):
     assert "best checkpoint by validation loss" in (tmp_path / "rep" / "figure3.md").read_text()
 
 
+@pytest.mark.slow  # a GPU script's CPU smoke run: make test-all
 def test_long_training_script_on_cpu(tmp_path):
     """experiments/gpu_long_training.sh end to end at a tiny scale (STEPS=2, the tiny model, on the CPU): both
     runs train, evaluate their final and their best checkpoints, and both reports are written; an unknown MODELS

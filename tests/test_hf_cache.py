@@ -350,6 +350,7 @@ def test_decode_benchmark_profile_tables(tmp_path):
     assert text.count("### the same by host time") == 2 and "prefill + decode steps" in text
 
 
+@pytest.mark.slow  # a GPU benchmark's CPU smoke run: make test-all
 def test_host_benchmark_smoke(tmp_path):
     """benchmarks/bench_hf_host.py on a tiny model on the CPU (generate made to compile the step): both caches'
     rows, the NAtS cache reading its packed buffers (4 tensors per layer, one position counter for all layers)

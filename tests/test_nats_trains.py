@@ -78,6 +78,10 @@ def train(run_dir: Path, overrides: list[str]) -> tuple[dict[int, dict[str, floa
     return steps, val[0], float(cfg.optim.grad_clip)
 
 
+# the two trainings run once, in one test process (make test's --dist loadgroup would otherwise run them in each)
+pytestmark = pytest.mark.xdist_group("nats_trains")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Both runs, on one thread: on shared cores, two OpenMP threads that wait on each other take several times
