@@ -23,6 +23,12 @@ runs, a :class:`RuleContext` per layer. :class:`AppendRule` is written here (kee
 token: ``full``); the appending rules that select from the prompt (``snapkv``, ``pyramidkv``, ``adakv``), the ring
 rule of ``streaming_llm``, H2O's and NAtS' typed eviction live in their policies' files. `nats.hf.StaticPolicyCache`
 is the transformers adapter over this engine.
+
+An :class:`EngineLayer` is a layer's storage with its rule and context: the measurements every policy shares (kept
+tokens, area and peak fractions, bytes, NAtS' type fractions) and, for eager callers, growth: when the tokens to
+decode are not known (``RuleContext.reserve=None``) or a row's segment is full, `EngineLayer.maintain` lays the pool
+out again with more room (one reallocation, one more CUDA graph for a caller that replays the step as one), counting
+on the host the steps that cannot fill a row so that it looks at the device only when they run out.
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ __all__ = [
     "Plan",
     "PoolLayout",
     "SegmentStorage",
+    "EngineLayer",
     "rounded",
+    "grown",
     "plan_rows",
     "pool_fill",
     "mark_static",
@@ -60,6 +68,17 @@ __all__ = [
 ]
 
 _ROUND = 1024  # pool sizes are rounded up to a multiple of this many slots (fewer distinct shapes to compile) ...
+
+
+GROW_STEPS = 16  # free slots per row at least after a growth (or a prompt planned without a reserve) ...
+GROW_SLACK = 1 / 32  # ... or this fraction of the row's tokens when that is more (NAtSCache's check_every and slack)
+
+
+def grown(length: Tensor) -> Tensor:
+    """The capacities ``[R]`` a growth gives rows holding ``length`` ``[R]`` tokens: ``length + max(GROW_STEPS,
+    ceil(GROW_SLACK * length))`` (the NAtS LayerCache's compaction, `nats.cache.policies.nats.NAtSCache`)."""
+    extra = torch.ceil(length.to(torch.float64) * GROW_SLACK).to(torch.long).clamp(min=GROW_STEPS)
+    return length + extra
 
 
 def rounded(n: int) -> int:
@@ -249,16 +268,18 @@ def pool_attention_op(
     ring_v: Tensor | None,
     ring_valid: Tensor | None,
     even: bool = False,
+    backend: str = "auto",
 ) -> Tensor:
     """q ``[R, G, D]`` over segment ``[start[r], start[r] + length[r])`` of ``k_pool``/``v_pool`` ``[P, D]`` and the
     valid ring slots (``ring_k``/``ring_v`` ``[R, W, D]``, ``ring_valid`` ``[R, W]``) -> ``[R, G, D]``; ``even``: the
     rows hold the same number of keys (the policy's ``even_rows``: each row split alike; else the rows' keys streamed
-    end to end in equal shares).
+    end to end in equal shares); ``backend``: ``"torch"``, ``"triton"`` or ``"auto"`` (the default: Triton for CUDA
+    tensors where the kernels import, else PyTorch; `nats.cache.attention.resolve_backend`).
 
     The split-K count is chosen here, when the op runs, from the rows and the pool's slots per row
     (`pool_splits`), not by the compiled step: as a constant of the graph it made one more graph per value, and a
     process serving changing batches and prompts reached dynamo's recompile limit (then decoding eagerly)."""
-    backend = _attention.resolve_backend("auto", q.device)
+    backend = _attention.resolve_backend(backend, q.device)
     max_len = 0 if backend == "triton" else max(int(length.max()), 1)  # Triton reads the lengths on the device
     R = q.shape[0]
     splits = None
@@ -271,17 +292,18 @@ def pool_attention_op(
 
 
 @pool_attention_op.register_fake
-def _(q, k_pool, v_pool, start, length, ring_k, ring_v, ring_valid, even=False):
+def _(q, k_pool, v_pool, start, length, ring_k, ring_v, ring_valid, even=False, backend="auto"):
     return torch.empty_like(q)
 
 
-def attend(layer, qr: Tensor, ring: bool = False, even: bool = False) -> Tensor:
+def attend(layer, qr: Tensor, ring: bool = False, even: bool = False, backend: str = "auto") -> Tensor:
     """Decode attention of ``qr`` ``[R, G, D]`` over each row's segment of ``layer.kv_pool`` (and its valid ring
-    slots where ``ring``): `pool_attention_op`; ``even``: the policy's ``even_rows``."""
+    slots where ``ring``): `pool_attention_op`; ``even``: the policy's ``even_rows``; ``backend``: the context's."""
     if ring:
         return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, layer.ring_k,
-                                  layer.ring_v, layer.ring_valid, even)  # fmt: skip
-    return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None, even)
+                                  layer.ring_v, layer.ring_valid, even, backend)  # fmt: skip
+    return pool_attention_op(qr, layer.k_pool, layer.v_pool, layer.start, layer.length, None, None, None, even,
+                             backend)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -291,9 +313,17 @@ class RuleContext:
 
     layer_idx: int  # the decoder layer
     n_layer: int  # the model's decoder layers (PyramidKV's per-layer budgets)
-    reserve: int  # tokens to decode after the prompt: planned per row on top of what the prompt leaves
-    track: bool  # record the cache sizes c_i of the queries (spec section 6)
+    # tokens to decode after the prompt: planned per row on top of what the prompt leaves; None: unknown (the rows
+    # get `GROW_STEPS` free slots and an eager caller grows the pool when they run out, `EngineLayer.maintain`)
+    reserve: int | None
+    track: bool  # record the cache sizes c_i of the queries (spec section 6; NAtS: and count the types)
     prefill_kernel: str = "auto"  # how NAtS' prompt writes the cache: "auto", "torch" or "triton"
+    backend: str = "auto"  # the decode attention's kernels (both custom ops): "torch", "triton" or "auto"
+
+    @property
+    def room(self) -> int:
+        """Free slots planned per row after the prompt: the reserve, or `GROW_STEPS` where it is unknown."""
+        return GROW_STEPS if self.reserve is None else self.reserve
 
 
 @dataclass
@@ -335,6 +365,9 @@ class FixedRule:
 
     name = "?"
     ring = False  # W ring slots per row besides the segment (NAtS)
+    # a row's segment grows with the decoded tokens (appending rules and NAtS: a step adds at most one token per row);
+    # False where the rule keeps its rows within a fixed size (the ring rule, H2O): `EngineLayer.maintain` never grows
+    grows = False
     budgeted = False  # the prompt's selection takes a budget (the policy's ``budgeted``)
     even_rows = False  # every row of a layer holds as many keys (the policy's ``even_rows``; `attend`'s ``even``)
 
@@ -391,10 +424,12 @@ class FixedRule:
 class AppendRule(FixedRule):
     """Keep what the rule selects of the prompt (`select`, in budgeted rules: SnapKV's family; everything here,
     ``full``), then append every new token. A full segment stops admitting: the row's new tokens are attended to in
-    their own step only (see Overflow in `nats.hf.StaticPolicyCache`)."""
+    their own step only (see Overflow in `nats.hf.StaticPolicyCache`; an eager caller grows the segment before it
+    fills instead, `EngineLayer.maintain`)."""
 
     name = "append"
     even_rows = True
+    grows = True
 
     def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
         """The prompt tokens each row keeps, bool ``[b, Hkv, n]``, of a prompt of n > ``budget`` tokens (q ``[b, Hq,
@@ -413,7 +448,7 @@ class AppendRule(FixedRule):
 
     def plan(self, ctx, core, state, k, v, budgets, real):
         R = state.keep.shape[0] * state.keep.shape[1]
-        cap = state.keep.sum(-1).view(R) + ctx.reserve
+        cap = state.keep.sum(-1).view(R) + ctx.room
         keep, rank, rows, end = plan_rows(state.keep, cap)
         return Plan(rows, end, lambda size: pool_fill(keep, rank, rows, k, v, size))
 
@@ -423,7 +458,165 @@ class AppendRule(FixedRule):
         dest = torch.where(full, torch.full_like(layer.start, scratch), layer.start + layer.length)
         layer.length.add_((~full).to(layer.length.dtype))
         write_kv(layer.kv_pool, dest, kr, vr)
-        return attend(layer, qr, even=self.even_rows), layer.length
+        return attend(layer, qr, even=self.even_rows, backend=ctx.backend), layer.length
+
+
+class EngineLayer(SegmentStorage):
+    """One layer of the engine: its storage (`SegmentStorage`), the rule that runs in it (``rule``, a `FixedRule`)
+    and where (``context``, a `RuleContext`), the measurements every policy shares, and growth for eager callers.
+    `nats.hf.StaticPolicyCache`'s layers are EngineLayers; so is a layer driven directly (`prefill`, `step`).
+
+    **Measurements** (spec section 6), the same for every policy: where the context tracks, ``area`` (float64) and
+    ``peak`` (int64) ``[R]`` hold the sum and the maximum of the cache sizes c_i of the row's queries (the prompt's
+    from the plan, then `record` at each step); `fractions` divides them by the row's real tokens so far (`seen`);
+    `kept` is what the rule holds now, `nbytes` / `kv_nbytes` / `kept_nbytes` the bytes of the layer's buffers, of
+    its keys and values, and of the kept tokens' keys and values; `type_fractions` the fractions of each token type
+    for rules that count them while tracking (NAtS: its ``type_counts`` ``[R, 3]``).
+
+    **Growth** (rules that `FixedRule.grows`): a row's segment holds what the prompt kept plus ``context.room``
+    free slots (the reserve, or `GROW_STEPS` when the number of new tokens is unknown). A step adds at most one token
+    per row, so the host knows that ``free_steps`` steps cannot fill a row without looking at the device. `maintain`,
+    before each eager step, counts them down; when they run out it reads the rows' free slots once (one host
+    synchronisation), goes on if every row has room, and otherwise lays the pool out again with `grown` capacities
+    (`SegmentStorage.relayout`, O(kept tokens); the counters and the ring stay as they are, so NAtS' globals, locals
+    and sliding tokens survive). A growth reallocates the pool: `maintain` returns True, and a caller replaying the
+    step as a CUDA graph must capture it again (one reallocation, one more CUDA graph). The compiled fixed-capacity
+    path (`nats.hf.StaticPolicyCache`) never calls it: it plans its reserve and keeps the rule's overflow."""
+
+    rule: FixedRule
+    context: RuleContext
+    core: Any = None  # the layer's attention core (NAtS' scorer), for `prefill` and `step`
+    area: Tensor | None = None
+    peak: Tensor | None = None
+    real: Tensor  # each row's real prompt tokens [R]
+    prompt_width: int = 0  # the prompt's tokens, padding included
+    t: int = 0  # tokens per row so far, padding included (the position of the next token)
+    free_steps: int | None = None  # steps that cannot fill a row, known on the host (None: the layer never grows)
+    reallocations: int = 0  # growths so far
+    peak_nbytes: int = 0  # the most bytes the layer's buffers took
+
+    def __init__(self, rule: FixedRule, context: RuleContext, core=None):
+        """A layer driven directly (`prefill`, then `maintain` and `step` per token)."""
+        self.rule, self.context, self.core = rule, context, core
+
+    def install(self, plan: Plan, pool: Tensor) -> None:
+        """Take a planned layer's buffers: the pool ``[2, P, D]`` (``plan.fill``), the rows' bookkeeping, the ring and
+        the rule's own buffers where it has them, the prompt's area and peak where tracked (all marked static); then
+        the rule's ``setup``."""
+        self.kv_pool, self.seg = pool, plan.rows
+        if self.context.track:
+            self.area, self.peak = plan.sizes.sum(-1).double(), plan.sizes.amax(-1)
+        if plan.ring is not None:
+            self.ring_kv, self.ring_valid, self.window = plan.ring
+        for name, value in (plan.extra or {}).items():
+            setattr(self, name, value)
+        self.rule.setup(self.context, self)
+        mark_static(*self.own_tensors())
+
+    # ------------------------------------------------------------------ driven directly (eager)
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None = None, budget: int | None = None):
+        """The prompt of unpadded rows: q ``[B, Hq, N, D]``, k, v ``[B, Hkv, N, D]``, ``hidden`` ``[B, N, C]`` (NAtS'
+        scorer input), ``budget`` tokens per row (budgeted rules). Returns the attention output ``[B, Hq, N, D]``;
+        the storage is planned, filled and its free steps known."""
+        ctx, rule = self.context, self.rule
+        B, Hkv, N = k.shape[:3]
+        direct = rule.direct(ctx, self.core, q, k, v, hidden)
+        if direct is not None:
+            y, plan = direct
+        else:
+            state = rule.prompt(ctx, self.core, q, k, v, hidden, budget)
+            rows = torch.full((B * Hkv,), N, dtype=torch.long, device=k.device)
+            plan = rule.plan(ctx, self.core, state, k, v, None if budget is None else rows.clamp(max=budget), rows)
+            y = state.y
+            if plan.sizes is None and state.sizes is not None:
+                plan.sizes = state.sizes.reshape(B * Hkv, N)
+        self.install(plan, plan.fill(rounded(int(plan.end) + 1)))  # + the scratch slot
+        self.real, self.prompt_width, self.t = torch.full_like(self.length, N), N, N
+        self.free_steps = ctx.room if rule.grows else None
+        self.peak_nbytes = self.nbytes()
+        return y
+
+    def step(self, qr: Tensor, kr: Tensor, vr: Tensor, hidden: Tensor | None = None) -> Tensor:
+        """One eager decode step of every row: `maintain` (growth), the rule's step for the token at position ``t``
+        (``qr`` ``[R, G, D]``, ``kr``, ``vr`` ``[R, D]``, ``hidden`` ``[B, C]``: NAtS' scorer input), its cache
+        sizes recorded. Returns the attention output ``[R, G, D]``."""
+        self.maintain()
+        pos = torch.full((1,), self.t, dtype=torch.long, device=kr.device)
+        y, size = self.rule.step(self.context, self, self.core, qr, kr, vr, pos, hidden)
+        if self.context.track:
+            self.record(size)
+        self.t += 1
+        return y
+
+    def maintain(self) -> bool:
+        """Host-side upkeep before an eager step (class docstring): True when the pool was reallocated (a captured
+        CUDA graph must be captured again), False otherwise; no host synchronisation while ``free_steps`` lasts."""
+        if self.free_steps is None:
+            return False
+        if self.free_steps > 0:
+            self.free_steps -= 1
+            return False
+        free = int((self.cap - self.length).min())  # one synchronisation, once the guarantee ran out
+        full = free <= 0
+        if full:  # a row is full: grow (at least GROW_STEPS free slots per row after it)
+            self.grow()
+            free = int((self.cap - self.length).min())
+        self.free_steps = free - 1
+        return full
+
+    def grow(self) -> None:
+        """Lay the pool out again with `grown` capacities (every row: its tokens + their slack)."""
+        self.relayout(grown(self.length))
+        self.reallocations += 1
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
+
+    # ------------------------------------------------------------------ measurements
+    def record(self, size: Tensor) -> None:
+        """Add one step's cache sizes c_i ``[R]`` (the keys each row's query read) to ``area`` and ``peak``."""
+        self.area.add_(size.to(torch.float64))
+        torch.maximum(self.peak, size, out=self.peak)
+
+    def seen(self) -> Tensor:
+        """Real tokens per row so far ``[R]``: the row's prompt (padding excluded) and the decoded ones."""
+        return self.real + (self.t - self.prompt_width)
+
+    def kept(self) -> Tensor:
+        """Tokens each row holds now ``[R]`` (the rule's count: NAtS' segment and valid ring slots)."""
+        return self.rule.kept(self)
+
+    def fractions(self) -> dict[str, Tensor]:
+        """Area and peak fractions (spec section 6) over each row's real tokens so far, float64 ``[R]`` each:
+        ``sum_i c_i / sum_i (i + 1)`` and ``max_i c_i / n`` (`nats.cache.base.LayerCache.fractions`' formula)."""
+        if self.area is None:
+            raise RuntimeError("the layer does not track its cache sizes (its context has track=False)")
+        n = self.seen().double()
+        return {"area": self.area / (n * (n + 1) / 2), "peak": self.peak.double() / n}
+
+    def type_fractions(self) -> Tensor:
+        """Fractions of global, local and sliding tokens so far, float64 ``[R, 3]`` (rules that count token types
+        while tracking: NAtS)."""
+        counts = getattr(self, "type_counts", None)
+        if counts is None:
+            raise RuntimeError(f"the {self.rule.name!r} rule counts no token types (NAtS does, while tracking)")
+        c = counts.to(torch.float64)
+        return c / c.sum(-1, keepdim=True).clamp(min=1)
+
+    def own_tensors(self) -> list[Tensor]:
+        """The layer's buffers: the storage's, the rule's, the area and peak where tracked."""
+        rows = [t for t in (self.area, self.peak) if t is not None]
+        return self.storage_tensors() + self.rule.buffers(self) + rows
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer the layer owns (keys, values and bookkeeping)."""
+        return sum(t.numel() * t.element_size() for t in self.own_tensors())
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the key/value buffers (pool and ring)."""
+        return self.storage_kv_nbytes()
+
+    def kept_nbytes(self) -> int:
+        """Bytes of the keys and values of the tokens held now."""
+        return int(self.kept().sum()) * 2 * self.kv_pool.shape[-1] * self.kv_pool.element_size()
 
 
 def fixed_policies() -> tuple[str, ...]:

@@ -43,21 +43,23 @@ from transformers.cache_utils import Cache
 
 from nats.cache import engine
 from nats.cache.budget import check_budget_value, row_budgets
-from nats.cache.engine import PoolLayout, PromptState, RuleContext, SegmentStorage, mark_static
+from nats.cache.engine import EngineLayer, PoolLayout, PromptState, RuleContext, mark_static
 from nats.cache.registry import get_cache_class
 from nats.hf.buffers import CacheBuffers
 from nats.hf.cache import FixedRowsLayer
 from nats.hf.limits import check_context, context_length, reuse_message
 
 
-class StaticPolicyLayer(FixedRowsLayer, SegmentStorage):
-    """One decoder layer's buffers (allocated by the prefill, when the kept tokens are known)."""
+class StaticPolicyLayer(FixedRowsLayer, EngineLayer):
+    """One decoder layer's buffers (allocated by the prefill, when the kept tokens are known): an engine layer
+    (`nats.cache.engine.EngineLayer`: storage, measurements) with transformers' layer interface."""
 
     is_compileable = True
 
     def __init__(self, owner: StaticPolicyCache, layer_idx: int):
         super().__init__(owner, layer_idx)
         self.max_cache_len = owner.max_len
+        self.rule = owner.rule
         self.context = RuleContext(layer_idx, owner.n_layer, owner.max_new_tokens, owner.track, owner.prefill_kernel)
         # tokens per row so far, padding included: one tensor for all layers (layer 0's; the others share it), which
         # layer 0 advances; the compiled step then reads one position counter, not one per layer (each is a guarded
@@ -107,28 +109,21 @@ class StaticPolicyLayer(FixedRowsLayer, SegmentStorage):
     def reset(self) -> None:
         raise NotImplementedError("StaticPolicyCache: make a new cache per generate call")
 
-    # ------------------------------------------------------------------ storage (nats.cache.engine.SegmentStorage)
-    def allocate(self, pool: Tensor, seg: Tensor, area: Tensor | None, peak: Tensor | None) -> None:
-        """Take the layer's pool ``[2, P, D]`` (`nats.cache.engine.pool_fill`), its rows' bookkeeping ``[6, R]`` and,
-        where the cache sizes are tracked, their sum and maximum over the prompt ``[R]`` (advanced by the decode
-        steps)."""
-        self.kv_pool, self.seg, self.area, self.peak = pool, seg, area, peak
-        mark_static(*(t for t in (self.kv_pool, self.seg, self.area, self.peak) if t is not None))
-        self.ready = True
+    @property
+    def t(self) -> int:
+        """Tokens per row so far, padding included (`nats.cache.engine.EngineLayer.seen`)."""
+        return int(self.cumulative_length)
 
+    # ------------------------------------------------------------------ storage (nats.cache.engine.EngineLayer)
     def tensors(self) -> list[Tensor]:
-        """The buffers the decode step reads and writes (the packed tensors themselves, the position counter and,
-        with tracking, the area and peak sums)."""
-        extra = (self.cumulative_length, getattr(self, "area", None), getattr(self, "peak", None))
-        return self.storage_tensors() + self.owner.rule.buffers(self) + [t for t in extra if t is not None]
-
-    def kv_nbytes(self) -> int:
-        return self.storage_kv_nbytes()
+        """The buffers the decode step reads and writes (the packed tensors themselves, the rule's, with tracking the
+        area and peak sums, and the position counter)."""
+        return self.own_tensors() + [self.cumulative_length]
 
     def dynamic_dims(self) -> list[tuple[Tensor, tuple[int, ...]]]:
         """The decode step's buffers with their dimensions that change with the batch and the prompt (`nats.hf.loop`
         marks them dynamic, so that one compiled step serves every request)."""
-        rows = [(t, (0,)) for t in (getattr(self, "area", None), getattr(self, "peak", None)) if t is not None]
+        rows = [(t, (0,)) for t in (self.area, self.peak) if t is not None]
         return self.storage_dynamic_dims() + rows + self.owner.rule.dynamic_dims(self)
 
 
@@ -146,7 +141,8 @@ class StaticPolicyCache(Cache):
             float in (0, 1)); `nats.cache.budget`.
         max_len: the longest sequence (prompt + new tokens); the size of the attention mask ``generate`` builds
             (default ``config.max_position_embeddings``).
-        track: record each decode step's cache size for `fractions` (two small device ops per layer and step).
+        track: record each decode step's cache size for `fractions` (two small device ops per layer and step) and,
+            for NAtS, count the token types for `type_fractions` (one more buffer and op per layer and step).
         prefill_kernel: how NAtS' prefill writes the cache: ``"triton"`` (two fused launches per layer,
             `nats_kernels.nats_attention.prefill_cache`), ``"torch"`` (some thirty small PyTorch operations per
             layer, the kernels' reference) or ``"auto"`` (default: Triton for CUDA tensors where the kernels
@@ -264,9 +260,6 @@ class StaticPolicyCache(Cache):
             plan = rule.plan(layer.context, core, state, k, v, self._row_budgets, self._real_rows)
             if plan.sizes is None and state.sizes is not None:
                 plan.sizes = state.sizes.reshape(R, N)
-        area = peak = None
-        if self.track:
-            area, peak = plan.sizes.sum(-1).double(), plan.sizes.amax(-1)
         # the pool is allocated one layer later (PoolLayout), all remaining ones at the last layer
         host = stream = None
         if q.is_cuda:  # the sizes' pinned slots and the stream, once per prefill
@@ -274,8 +267,7 @@ class StaticPolicyCache(Cache):
                 self._sizes_host = torch.empty(self.n_layer, dtype=torch.long, pin_memory=True)
                 self._stream = torch.cuda.current_stream(q.device)
             host, stream = self._sizes_host[layer.layer_idx : layer.layer_idx + 1], self._stream
-        self._unallocated.append((layer, PoolLayout(plan.rows, plan.end, plan.fill, host, stream), plan, area, peak,
-                                  N))  # fmt: skip
+        self._unallocated.append((layer, PoolLayout(plan.rows, plan.end, plan.fill, host, stream), plan, N))
         last = layer.layer_idx == self.n_layer - 1
         while len(self._unallocated) > (0 if last else 1):
             self._fill_pool(*self._unallocated.pop(0))
@@ -307,23 +299,14 @@ class StaticPolicyCache(Cache):
             whole.extra = {name: torch.cat(parts) for name, parts in whole.extra.items()}
         return whole
 
-    def _fill_pool(self, layer, layout, plan, area, peak, N) -> None:
+    def _fill_pool(self, layer, layout, plan, N) -> None:
         """A prefilled layer's buffers: its pool, its bookkeeping, its ring (if the rule has one), the rule's own
-        buffers, its sizes so far."""
+        buffers, its sizes so far (`nats.cache.engine.EngineLayer.install`)."""
         need = layout.size() + 1  # + the scratch slot (the last one) where skipped writes go
         fixed = None if self.row_slots is None else layout.rows.shape[-1] * self.row_slots + 1  # by the batch alone
         size = fixed if fixed is not None and need <= fixed else engine.rounded(need)
-        pool = layout.fill(size)
-        layer.allocate(pool, layout.rows, area, peak)
-        if plan.ring is not None:
-            layer.ring_kv, layer.ring_valid, layer.window = plan.ring
-            mark_static(layer.ring_kv, layer.ring_valid)
-        for name, value in (plan.extra or {}).items():
-            setattr(layer, name, value)
-        self.rule.setup(layer.context, layer)
-        extra = self.rule.buffers(layer)
-        if extra:
-            mark_static(*extra)
+        layer.install(plan, layout.fill(size))
+        layer.ready = True
         layer.real = self._real_rows
         layer.prompt_width = N
         if self.buffers is not None:  # the layer's buffers into the fixed ones, the fresh ones freed at once
@@ -338,29 +321,43 @@ class StaticPolicyCache(Cache):
         y, size = self.rule.step(layer.context, layer, self.cores[layer.layer_idx], q.reshape(R, G, D),
                                  k.reshape(R, D), v.reshape(R, D), pos, hidden.reshape(B, -1))  # fmt: skip
         if self.track:
-            layer.area.add_(size.to(torch.float64))
-            torch.maximum(layer.peak, size, out=layer.peak)
+            layer.record(size)
         return y.reshape(B, Hq, 1, D)
 
     # ------------------------------------------------------------------ measurements
+    # the engine's measurements (`nats.cache.engine.EngineLayer`), per layer, sequence and KV head
+    def _per_layer(self, values) -> Tensor:
+        return torch.stack([v.view(layer.batch_size, layer.n_kv_head, *v.shape[1:]) for layer, v in values])
+
     def kept(self) -> Tensor:
         """Tokens held now per layer, sequence and KV head, ``[n_layer, B, Hkv]``."""
-        return torch.stack([self.rule.kept(layer).view(layer.batch_size, layer.n_kv_head) for layer in self.layers])
+        return self._per_layer((layer, layer.kept()) for layer in self.layers)
 
     def fractions(self) -> dict[str, Tensor]:
         """Area and peak fractions (spec section 6) over each row's real tokens so far, ``[n_layer, B, Hkv]``."""
         if not self.track:
             raise RuntimeError("StaticPolicyCache: made with track=False, it has no area / peak record")
-        area, peak = [], []
-        for layer in self.layers:
-            n = (layer.real + (int(layer.cumulative_length) - layer.prompt_width)).double()
-            area.append((layer.area / (n * (n + 1) / 2)).view(layer.batch_size, layer.n_kv_head))
-            peak.append((layer.peak.double() / n).view(layer.batch_size, layer.n_kv_head))
-        return {"area": torch.stack(area), "peak": torch.stack(peak)}
+        per = [(layer, layer.fractions()) for layer in self.layers]
+        return {key: self._per_layer((layer, f[key]) for layer, f in per) for key in ("area", "peak")}
+
+    def type_fractions(self) -> Tensor:
+        """NAtS: fractions of global, local and sliding tokens so far (the prompt's real tokens and the decoded
+        ones), float64 ``[n_layer, B, Hkv, 3]``; counted while tracking."""
+        if not self.track:
+            raise RuntimeError("StaticPolicyCache: made with track=False, it has no type counts")
+        return self._per_layer((layer, layer.type_fractions()) for layer in self.layers)
 
     def kv_nbytes(self) -> int:
         """Bytes of the key/value buffers (pools and rings) allocated now."""
         return sum(layer.kv_nbytes() for layer in self.layers if layer.ready)
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer the layers allocated (keys, values, bookkeeping, the rule's and the tracking's)."""
+        return sum(layer.nbytes() for layer in self.layers if layer.ready)
+
+    def kept_nbytes(self) -> int:
+        """Bytes of the keys and values of the tokens held now."""
+        return sum(layer.kept_nbytes() for layer in self.layers if layer.ready)
 
     def overflowed(self) -> bool:
         """True if more tokens were decoded than ``max_new_tokens`` planned (see Overflow in the module docstring)."""

@@ -129,6 +129,7 @@ def nats_decode(
     ring_kv: Tensor,
     ring_valid: Tensor,
     kv_pool: Tensor,
+    backend: str = "auto",
 ) -> Tensor:
     """Query ``pos`` (``q`` ``[R, G, D]``) over each row's segment, its valid ring slots and the new token itself,
     then the new token's type from the scorer (``x [B, C] . w_s[3 Hkv, C]``, rounded to x's dtype as the Linear's
@@ -139,10 +140,14 @@ def nats_decode(
     count, the last token's type, -), ``ring_kv`` ``[2, R, W, D]``, ``kv_pool`` ``[2, P, D]`` (keys, values). Each is
     one mutated argument: an op that mutated several views of one tensor would break the functionalization of a
     compiled step (inductor copies each mutated argument back, and the copies of aliasing views overwrite each
-    other's writes)."""
+    other's writes).
+
+    ``backend``: the fused Triton kernels (``"triton"``), the PyTorch form (``"torch"``) or ``"auto"`` (the default:
+    Triton for CUDA tensors where the kernels import; `nats.cache.attention.resolve_backend`)."""
     start, length, cap, n_global, t = rows[0], rows[1], rows[2], rows[3], rows[4]
     ring_k, ring_v, k_pool, v_pool = ring_kv[0], ring_kv[1], kv_pool[0], kv_pool[1]
-    if resolve_backend("auto", k_new.device) == "triton":
+    backend = resolve_backend(backend, k_new.device)
+    if backend == "triton":
         from nats_kernels.nats_attention.nats_step import nats_decode as kernel  # noqa: PLC0415
 
         return kernel(q, k_new, v_new, pos, t, k_pool, v_pool, start, length, n_global, ring_k, ring_v, ring_valid,
@@ -152,13 +157,13 @@ def nats_decode(
     new = torch.where((new != SLIDING) & (length >= cap), torch.full_like(new, SLIDING), new)  # a full segment
     t.copy_(new)
     attend = lambda: pool_attention(q, k_pool, v_pool, start, length, max(int(length.max()), 1), ring_k=ring_k,  # noqa: E731
-                                    ring_v=ring_v, ring_valid=ring_valid)  # fmt: skip
+                                    ring_v=ring_v, ring_valid=ring_valid, backend=backend)  # fmt: skip
     return step_torch(new, pos, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, n_global,
                       scratch, attend)  # fmt: skip
 
 
 @nats_decode.register_fake
-def _(q, x, w_s, bias, pos, rows, k_new, v_new, ring_kv, ring_valid, kv_pool):
+def _(q, x, w_s, bias, pos, rows, k_new, v_new, ring_kv, ring_valid, kv_pool, backend="auto"):
     return torch.empty_like(q)
 
 
@@ -195,11 +200,17 @@ class NAtSRule(FixedRule):
     * Step: the attention's two launches with the step fused into them (``nats::nats_decode``): the split kernel
       reads the rows, the merge adds the new token itself, and the merge kernel's extra programs then compute the
       new token's type from the scorer, write it to the ring and append it, and for a global token drop its row's
-      locals. A full segment keeps a global or local token as a sliding one (visible for W steps).
+      locals. A full segment keeps a global or local token as a sliding one (visible for W steps); an eager caller
+      grows the segment before it fills instead (`nats.cache.engine.EngineLayer.maintain`: the ring, the global count
+      and the last type survive the relayout).
+    * Types: while the context tracks, ``type_counts`` ``[R, 3]`` (a buffer of the rule) counts each row's global,
+      local and sliding tokens, the prompt's (padding excluded) and then one per step
+      (`nats.cache.engine.EngineLayer.type_fractions`).
     """
 
     name = "nats"
     ring = True
+    grows = True
 
     @staticmethod
     def triton_writes(ctx: RuleContext, k: torch.Tensor) -> bool:
@@ -226,12 +237,14 @@ class NAtSRule(FixedRule):
 
         B, N, H = q.shape[0], q.shape[2], k.shape[1]
         logits = F.linear(hidden, core.scorer.weight, core.scorer.bias).view(B, N, H, 3).transpose(1, 2)
-        kernels = prefill_kernels(q, k, v, logits, core.type_bias, core.window, ctx.reserve)
+        kernels = prefill_kernels(q, k, v, logits, core.type_bias, core.window, ctx.room)
         if kernels is None:
             return None
         y, types, rows, end, ring_kv, ring_valid, last_g = kernels.attend(q, k, v, logits, core.type_bias)
         fill = lambda size: kernels.pool(types, k, v, rows, last_g, size)  # noqa: E731
-        return y, Plan(rows, end, fill, (ring_kv, ring_valid, core.window), self._sizes(ctx, types, core))
+        plan = Plan(rows, end, fill, (ring_kv, ring_valid, core.window), self._sizes(ctx, types, core))
+        plan.extra = self._counts(ctx, types)
+        return y, plan
 
     def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
         b_, n, Hkv = q.shape[0], q.shape[2], k.shape[1]
@@ -253,22 +266,41 @@ class NAtSRule(FixedRule):
         R, N = types.shape[0] * types.shape[1], types.shape[-1]
         return NF._ref.kv_cache_sizes(types.reshape(R, N).long(), core.window)  # 0 on padding (-1: no type)
 
+    @staticmethod
+    def _counts(ctx, types):
+        """While tracking, the rule's buffer: each row's tokens of each type ``[R, 3]`` (-1, padding: none)."""
+        if not ctx.track:
+            return None
+        R = types.shape[0] * types.shape[1]
+        t = types.reshape(R, -1)
+        return {"type_counts": (t[..., None] == torch.arange(3, device=t.device, dtype=t.dtype)).sum(1)}
+
     def plan(self, ctx, core, state, k, v, budgets, real):
         types, W = state.types, core.window
         if self.triton_writes(ctx, k):  # two launches: prefill_cache.py
             from nats_kernels.nats_attention.prefill_cache import prefill_pool, prefill_rows  # noqa: PLC0415
 
-            rows, end, ring_kv, ring_valid, last_g = prefill_rows(types, k, v, W, ctx.reserve)
+            rows, end, ring_kv, ring_valid, last_g = prefill_rows(types, k, v, W, ctx.room)
             fill = lambda size: prefill_pool(types, k, v, rows, last_g, size)  # noqa: E731
         else:  # keep mask, segments, ring
-            keep, rank, rows, end, ring_kv, ring_valid = nats_rows(types, k, v, W, ctx.reserve)
+            keep, rank, rows, end, ring_kv, ring_valid = nats_rows(types, k, v, W, ctx.room)
             fill = lambda size: pool_fill(keep, rank, rows, k, v, size)  # noqa: E731
-        return Plan(rows, end, fill, (ring_kv, ring_valid, W), self._sizes(ctx, types, core))
+        return Plan(rows, end, fill, (ring_kv, ring_valid, W), self._sizes(ctx, types, core), self._counts(ctx, types))
+
+    def buffers(self, layer):
+        counts = getattr(layer, "type_counts", None)
+        return [] if counts is None else [counts]
+
+    def dynamic_dims(self, layer):
+        return [(t, (0,)) for t in self.buffers(layer)]  # the rows (the three types stay)
 
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
         size = self.kept(layer) + 1  # the keys query pos reads: its row's and itself
         y = nats_decode(qr, hidden, core.scorer.weight, core.type_bias, pos, layer.seg, kr, vr, layer.ring_kv,
-                        layer.ring_valid, layer.kv_pool)  # fmt: skip
+                        layer.ring_valid, layer.kv_pool, ctx.backend)  # fmt: skip
+        if ctx.track:  # the new token's type (the step wrote it into the rows' last type)
+            t = layer.last_type
+            layer.type_counts.scatter_add_(1, t[:, None], torch.ones_like(t)[:, None])
         return y, size
 
     def kept(self, layer):

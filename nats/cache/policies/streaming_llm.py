@@ -49,6 +49,7 @@ class RingRule(AppendRule):
 
     name = "ring"
     budgeted = True
+    grows = False  # a row holds its budget at most
 
     def __init__(self, *, sinks: int = 4, **unused):
         """``unused``: ``exact_prefill`` (not in the engine: its prompt attention is the StreamingLLM mask)."""
@@ -80,7 +81,7 @@ class RingRule(AppendRule):
         layer.count.add_(1)
         layer.length.copy_(torch.minimum(layer.count, layer.cap))
         write_kv(layer.kv_pool, dest, kr, vr)
-        return attend(layer, qr, even=self.even_rows), layer.length
+        return attend(layer, qr, even=self.even_rows, backend=ctx.backend), layer.length
 
 
 @register_cache("streaming_llm")

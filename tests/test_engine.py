@@ -1,0 +1,211 @@
+"""The fixed-capacity cache engine (`nats.cache.engine`) driven directly, one `EngineLayer` per test on tiny shapes,
+without transformers: growth when the number of new tokens is unknown (decoding equals a run planned with enough
+room, token for token; `maintain` says when it reallocated and looks at the device only once its host count of free
+steps ran out), the engine's measurements (against the NAtS LayerCache and `nats.hf.StaticPolicyCache`) and the
+backend choice reaching both attention ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nats_kernels
+from nats.attention.nats import NAtSAttention
+from nats.attention.registry import AttentionDims
+from nats.cache.engine import GROW_STEPS, EngineLayer, RuleContext
+from nats.cache.registry import get_cache_class
+
+B, HQ, HKV, D, C = 2, 4, 2, 8, 16
+R, G = B * HKV, HQ // HKV
+
+interpreted = pytest.mark.skipif(not nats_kernels.INTERPRET, reason="Triton on CPU tensors needs its interpreter")
+
+
+def layer(policy, reserve, track=True, core=None, backend="torch", **options):
+    rule = get_cache_class(policy).rule(**options)
+    return EngineLayer(rule, RuleContext(0, 1, reserve, track, "torch", backend), core)
+
+
+def prompt(n, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, n, D, generator=g, dtype=dtype) for h in (HQ, HKV, HKV))
+    return q, k, v, torch.randn(B, n, C, generator=g, dtype=dtype)
+
+
+def tokens(steps, dtype=torch.float64, seed=1):
+    """Each step's query [R, G, D], key and value [R, D] and block input [B, C]."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(R, G, D, generator=g, dtype=dtype), torch.randn(R, D, generator=g, dtype=dtype),
+         torch.randn(R, D, generator=g, dtype=dtype), torch.randn(B, C, generator=g, dtype=dtype))
+        for _ in range(steps)
+    ]  # fmt: skip
+
+
+def decode(cache, n=10, steps=40, budget=None, dtype=torch.float64):
+    """Prefill n tokens and decode `steps`: (prompt output, the steps' outputs [steps, R, G, D])."""
+    q, k, v, x = prompt(n, dtype)
+    y = cache.prefill(q, k, v, x, budget=budget)
+    return y, torch.stack([cache.step(*t) for t in tokens(steps, dtype)])
+
+
+def nats_core(window=4, bias=(1.0, 0.0, 0.0)):
+    """A NAtS scorer with random weights (types of every kind), globals favoured by ``bias`` (rows that grow)."""
+    torch.manual_seed(0)
+    core = NAtSAttention(AttentionDims(C, HQ, HKV, D, 256, 0, 1), window=window, backend="reference").eval()
+    with torch.no_grad():
+        core.scorer.weight.normal_(0, 0.5)
+        core.type_bias.copy_(torch.tensor(bias))
+    return core
+
+
+# ------------------------------------------------------------------------------------------------------------ growth
+@pytest.mark.parametrize("policy,options", [("full", {}), ("snapkv", {"window": 4})])
+def test_appending_rules_grow_without_a_reserve_and_decode_as_with_one(policy, options):
+    budget = 6 if policy == "snapkv" else None
+    grown, planned = layer(policy, None, **options), layer(policy, 40, **options)
+    y0, ys = decode(grown, budget=budget)
+    y1, yp = decode(planned, budget=budget)
+    assert torch.equal(y0, y1) and torch.equal(ys, yp)
+    assert grown.reallocations >= 2 and planned.reallocations == 0  # 40 steps: past GROW_STEPS twice
+    kept = (10 if budget is None else budget) + 40
+    assert grown.kept().tolist() == [kept] * R == planned.kept().tolist()  # every token seen is held
+    assert torch.equal(grown.fractions()["area"], planned.fractions()["area"])
+
+
+def test_a_reserve_that_runs_out_grows_instead_of_dropping_tokens():
+    short, planned = layer("full", 5), layer("full", 40)
+    _, ys = decode(short)
+    _, yp = decode(planned)
+    assert torch.equal(ys, yp) and short.kept().tolist() == [50] * R
+    assert short.reallocations >= 1
+
+
+def test_nats_grows_and_decodes_as_with_enough_reserve():
+    grown, planned = layer("nats", None, core=nats_core()), layer("nats", 40, core=nats_core())
+    y0, ys = decode(grown, dtype=torch.float32)
+    y1, yp = decode(planned, dtype=torch.float32)
+    assert torch.equal(y0, y1) and torch.equal(ys, yp)
+    assert grown.reallocations >= 1 and planned.reallocations == 0
+    # the ring, the global count and the last type survived the relayouts
+    for name in ("length", "n_global", "last_type"):
+        assert torch.equal(getattr(grown, name), getattr(planned, name)), name
+    assert torch.equal(grown.ring_kv, planned.ring_kv) and torch.equal(grown.ring_valid, planned.ring_valid)
+    assert torch.equal(grown.kept(), planned.kept()) and torch.equal(grown.type_counts, planned.type_counts)
+    assert int(grown.n_global.min()) > GROW_STEPS  # the rows did need more room than planned without a reserve
+
+
+def test_maintain_says_when_it_reallocated_and_trusts_its_host_count_until_it_runs_out():
+    cache = layer("full", 3)
+    cache.prefill(*prompt(10))
+    cache.length.copy_(cache.cap)  # rows full on the device: only a look at the device can tell
+    pool = cache.kv_pool
+    said = [cache.maintain() for _ in range(3)]
+    assert said == [False] * 3 and cache.kv_pool is pool  # the 3 planned free steps: no look
+    assert cache.maintain() is True and cache.kv_pool is not pool and cache.reallocations == 1
+    assert int((cache.cap - cache.length).min()) == GROW_STEPS
+    assert cache.free_steps == GROW_STEPS - 1
+    assert [cache.maintain() for _ in range(GROW_STEPS - 1)] == [False] * (GROW_STEPS - 1)
+    ring = layer("streaming_llm", None, sinks=2)  # a fixed-size rule never grows
+    decode(ring, steps=30, budget=6)
+    assert ring.free_steps is None and not ring.maintain() and ring.kept().tolist() == [6] * R
+
+
+# ------------------------------------------------------------------------------------------------------ measurements
+def test_nats_measurements_equal_the_layer_cache():
+    core = nats_core(bias=(0.0, 0.0, 0.0))
+    cache = layer("nats", None, core=core)
+    q, k, v, x = prompt(12, torch.float32)
+    cache.prefill(q, k, v, x)
+    ref = get_cache_class("nats")(batch=B, n_head=HQ, n_kv_head=HKV, head_dim=D, max_len=64, backend="torch",
+                                  core=core)  # fmt: skip
+    ref.prefill(q, k, v, x)
+    for qr, kr, vr, xr in tokens(20, torch.float32):
+        y = cache.step(qr, kr, vr, xr)
+        pos = torch.full((1,), ref.t, dtype=torch.long)
+        r = ref.step(qr.reshape(B, HQ, 1, D), kr.reshape(B, HKV, 1, D), vr.reshape(B, HKV, 1, D), xr[:, None], pos)
+        assert torch.equal(y.reshape(B, HQ, 1, D), r)
+    assert torch.equal(cache.kept().view(B, HKV), ref.kept())
+    for key, val in cache.fractions().items():
+        assert torch.equal(val.view(B, HKV), ref.fractions()[key]), key
+    types = cache.type_fractions()
+    assert torch.equal(types.view(B, HKV, 3), ref.type_fractions())
+    assert torch.allclose(types.sum(-1), torch.ones(R, dtype=torch.float64))
+    assert bool((types > 0).all())  # every type occurs
+    assert cache.kept_nbytes() == ref.kept_nbytes()
+    assert cache.kv_nbytes() == cache.storage_kv_nbytes() < cache.nbytes()
+    untracked = layer("nats", None, track=False, core=core)
+    untracked.prefill(q, k, v, x)
+    with pytest.raises(RuntimeError, match="counts no token types"):
+        untracked.type_fractions()
+    with pytest.raises(RuntimeError, match="track=False"):
+        untracked.fractions()
+
+
+@pytest.mark.parametrize(
+    "policy,options",
+    [("full", {}), ("nats", {}), ("streaming_llm", {"budget": 12, "sinks": 2}), ("h2o", {"budget": 12})],
+)
+def test_measurements_equal_static_policy_cache(policy, options):
+    """The same prompt and tokens through `nats.hf.StaticPolicyCache` (its attention entry point, by hand) and
+    through engine layers: the same outputs, kept tokens, fractions, bytes and (NAtS) type fractions."""
+    pytest.importorskip("transformers")
+    from test_hf_nats import tiny_model  # noqa: PLC0415
+
+    from nats.hf import StaticPolicyCache, attach_nats, use_policy_caches  # noqa: PLC0415
+
+    model = tiny_model("llama")
+    model = attach_nats(model, window=4, init_std=0.5) if policy == "nats" else use_policy_caches(model)
+    cfg = model.config
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    budget = options.pop("budget", None)
+    cache = StaticPolicyCache(model, policy, max_new_tokens=6, budget=budget, **options)
+    g = torch.Generator().manual_seed(3)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    L = cache.n_layer
+    layers = [EngineLayer(cache.rule, RuleContext(i, L, 6, True, "auto"), cache.cores[i]) for i in range(L)]
+    for n in (20, 1, 1, 1, 1, 1):
+        for i, own in enumerate(layers):
+            q, k, v, x = rand(2, hq, n, d), rand(2, hkv, n, d), rand(2, hkv, n, d), rand(2, n, cfg.hidden_size)
+            cache.layers[i].update(k, v)
+            y = cache.attend(i, q, x, None)
+            if own.t == 0:
+                mine = own.prefill(q, k, v, x, budget=budget)
+            else:
+                mine = own.step(q.reshape(-1, hq // hkv, d), k.reshape(-1, d), v.reshape(-1, d), x[:, 0])
+            assert torch.equal(mine.reshape(y.shape), y)
+    ours = [own.fractions() for own in layers]
+    for key in ("area", "peak"):
+        assert torch.equal(torch.stack([f[key].view(2, hkv) for f in ours]), cache.fractions()[key]), key
+    assert torch.equal(torch.stack([own.kept().view(2, hkv) for own in layers]), cache.kept())
+    for what in ("nbytes", "kv_nbytes", "kept_nbytes"):
+        assert sum(getattr(own, what)() for own in layers) == getattr(cache, what)(), what
+    if policy == "nats":
+        got = cache.type_fractions()
+        assert torch.equal(torch.stack([own.type_fractions().view(2, hkv, 3) for own in layers]), got)
+        assert torch.allclose(got.sum(-1), torch.ones_like(got[..., 0]))
+    else:
+        with pytest.raises(RuntimeError, match="counts no token types"):
+            cache.type_fractions()
+
+
+# ------------------------------------------------------------------------------------------------------------ backend
+@pytest.mark.parametrize("policy", ["full", "nats"])
+def test_the_contexts_backend_reaches_the_attention_ops(policy):
+    core = nats_core() if policy == "nats" else None
+    cache = layer(policy, 4, core=core, backend="bogus")
+    q, k, v, x = prompt(6, torch.float32)
+    cache.prefill(q, k, v, x)
+    qr, kr, vr, xr = tokens(1, torch.float32)[0]
+    with pytest.raises(ValueError, match="unknown decode attention backend 'bogus'"):
+        cache.step(qr, kr, vr, xr)
+
+
+@interpreted
+@pytest.mark.parametrize("policy", ["full", "nats"])
+def test_triton_backend_decodes_as_torch(policy):
+    outs = []
+    for backend in ("torch", "triton"):
+        cache = layer(policy, 4, core=nats_core() if policy == "nats" else None, backend=backend)
+        outs.append(decode(cache, n=6, steps=3, dtype=torch.float32)[1])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
