@@ -1,8 +1,8 @@
 """The fixed-capacity cache engine (`nats.cache.engine`) driven directly, one `EngineLayer` per test on tiny shapes,
 without transformers: growth when the number of new tokens is unknown (decoding equals a run planned with enough
 room, token for token; `maintain` says when it reallocated and looks at the device only once its host count of free
-steps ran out), the engine's measurements (against the NAtS LayerCache and `nats.hf.StaticPolicyCache`) and the
-backend choice reaching both attention ops."""
+steps ran out), the engine's measurements (against the NAtS LayerCache and `nats.hf.StaticPolicyCache`), StreamingLLM's
+``exact_prefill`` (against its LayerCache) and the backend choice reaching both attention ops."""
 
 from __future__ import annotations
 
@@ -187,6 +187,26 @@ def test_measurements_equal_static_policy_cache(policy, options):
     else:
         with pytest.raises(RuntimeError, match="counts no token types"):
             cache.type_fractions()
+
+
+# ------------------------------------------------------------------------------------------- streaming exact prefill
+@pytest.mark.parametrize("exact", [True, False])
+def test_ring_rule_exact_prefill_as_the_streaming_llm_layer_cache(exact):
+    budget, n = 6, 14
+    cache = layer("streaming_llm", None, sinks=2, exact_prefill=exact)
+    shapes = dict(batch=B, n_head=HQ, n_kv_head=HKV, head_dim=D, max_len=64, backend="torch", dtype=torch.float64)
+    ref = get_cache_class("streaming_llm")(budget=budget, sinks=2, exact_prefill=exact, **shapes)
+    q, k, v, x = prompt(n)
+    y = cache.prefill(q, k, v, x, budget=budget)
+    assert torch.equal(y, ref.prefill(q, k, v, x))
+    for qr, kr, vr, xr in tokens(10):
+        pos = torch.full((1,), ref.t, dtype=torch.long)
+        r = ref.step(qr.reshape(B, HQ, 1, D), kr.reshape(B, HKV, 1, D), vr.reshape(B, HKV, 1, D), None, pos)
+        # the same keys, laid out in another order (the ring's slots): equal up to the summation order
+        torch.testing.assert_close(cache.step(qr, kr, vr, xr).reshape(B, HQ, 1, D), r, rtol=1e-12, atol=1e-12)
+    assert torch.equal(cache.kept().view(B, HKV), ref.kept())
+    for key, val in cache.fractions().items():
+        assert torch.equal(val.view(B, HKV), ref.fractions()[key]), key
 
 
 # ------------------------------------------------------------------------------------------------------------ backend

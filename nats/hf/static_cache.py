@@ -152,8 +152,8 @@ class StaticPolicyCache(Cache):
             that needs more gets a larger pool.
         buffers: a `nats.hf.CacheBuffers` that successive caches decode from (the same addresses for every request;
             `nats.hf.buffers`).
-        **options: the policy's options (``sinks=`` for streaming_llm; ``window=``, ``kernel=``, ``pooling=`` for
-            snapkv / pyramidkv; NAtS' window comes from its scorers).
+        **options: the policy's options (``sinks=``, ``exact_prefill=`` for streaming_llm; ``window=``, ``kernel=``,
+            ``pooling=`` for snapkv / pyramidkv; NAtS' window comes from its scorers).
     """
 
     def __init__(

@@ -45,15 +45,15 @@ class RingRule(AppendRule):
     """The fixed-capacity form (`nats.cache.engine`): a segment of ``budget`` slots per row, the sinks first, then a
     ring overwritten oldest first; the row's ``count`` (counter 5: the tokens written, counted from the kept length
     after the prompt) gives the slot. The prompt's
-    attention is the StreamingLLM mask (exact: decoding continues the masked forward)."""
+    attention is the StreamingLLM mask (exact: decoding continues the masked forward), or with ``exact_prefill`` the
+    causal attention over the whole prompt (kvpress' press; the same keys kept, the prompt's sizes unclamped)."""
 
     name = "ring"
     budgeted = True
     grows = False  # a row holds its budget at most
 
-    def __init__(self, *, sinks: int = 4, **unused):
-        """``unused``: ``exact_prefill`` (not in the engine: its prompt attention is the StreamingLLM mask)."""
-        self.sinks = sinks
+    def __init__(self, *, sinks: int = 4, exact_prefill: bool = False, **unused):
+        self.sinks, self.exact_prefill = sinks, bool(exact_prefill)
 
     def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
         sinks = int(self.sinks)
@@ -61,10 +61,16 @@ class RingRule(AppendRule):
             raise ValueError(f"StaticPolicyCache: streaming_llm budget {budget} must exceed sinks={sinks}")
         b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
         Hkv = k.shape[1]
-        mask = streaming_mask(n, budget, sinks, device=q.device)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv)
+        if self.exact_prefill:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
+        else:
+            mask = streaming_mask(n, budget, sinks, device=q.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv)
         keep = prompt_keep(n, budget, sinks, q.device).expand(b_, Hkv, n).contiguous()  # strides as padded
-        sizes = torch.arange(1, n + 1, device=q.device).clamp(max=budget).expand(b_, Hkv, n) if ctx.track else None
+        sizes = None
+        if ctx.track:
+            sizes = torch.arange(1, n + 1, device=q.device)
+            sizes = (sizes if self.exact_prefill else sizes.clamp(max=budget)).expand(b_, Hkv, n)
         return PromptState(y, keep, sizes=sizes)
 
     def plan(self, ctx, core, state, k, v, budgets, real):
