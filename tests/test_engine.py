@@ -15,15 +15,15 @@ from nats.attention.registry import AttentionDims
 from nats.cache.engine import GROW_STEPS, EngineLayer, RuleContext
 from nats.cache.registry import get_cache_class
 
-B, HQ, HKV, D, C = 2, 4, 2, 8, 16
+B, HQ, HKV, D, C = 2, 4, 2, 16, 16  # D: a head dim the Triton kernels take (the GPU test)
 R, G = B * HKV, HQ // HKV
 
 interpreted = pytest.mark.skipif(not nats_kernels.INTERPRET, reason="Triton on CPU tensors needs its interpreter")
 
 
-def layer(policy, reserve, track=True, core=None, backend="torch", **options):
+def layer(policy, reserve, track=True, core=None, backend="torch", prefill_kernel="torch", **options):
     rule = get_cache_class(policy).rule(**options)
-    return EngineLayer(rule, RuleContext(0, 1, reserve, track, "torch", backend), core)
+    return EngineLayer(rule, RuleContext(0, 1, reserve, track, prefill_kernel, backend), core)
 
 
 def prompt(n, dtype=torch.float64, seed=0):
@@ -42,11 +42,11 @@ def tokens(steps, dtype=torch.float64, seed=1):
     ]  # fmt: skip
 
 
-def decode(cache, n=10, steps=40, budget=None, dtype=torch.float64):
+def decode(cache, n=10, steps=40, budget=None, dtype=torch.float64, device="cpu"):
     """Prefill n tokens and decode `steps`: (prompt output, the steps' outputs [steps, R, G, D])."""
-    q, k, v, x = prompt(n, dtype)
+    q, k, v, x = (t.to(device) for t in prompt(n, dtype))
     y = cache.prefill(q, k, v, x, budget=budget)
-    return y, torch.stack([cache.step(*t) for t in tokens(steps, dtype)])
+    return y, torch.stack([cache.step(*(t.to(device) for t in ts)) for ts in tokens(steps, dtype)])
 
 
 def nats_core(window=4, bias=(1.0, 0.0, 0.0)):
@@ -93,6 +93,24 @@ def test_nats_grows_and_decodes_as_with_enough_reserve():
     assert torch.equal(grown.ring_kv, planned.ring_kv) and torch.equal(grown.ring_valid, planned.ring_valid)
     assert torch.equal(grown.kept(), planned.kept()) and torch.equal(grown.type_counts, planned.type_counts)
     assert int(grown.n_global.min()) > GROW_STEPS  # the rows did need more room than planned without a reserve
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nats_grows_on_cuda_with_the_fused_kernels():
+    """The Triton prefill (from the scorer's logits) and fused step: a run that grows decodes as one planned with
+    enough room (the split-K count follows the pool's size, so the outputs agree to rounding), the same types kept."""
+    core = nats_core().cuda()
+    runs = []
+    for reserve in (None, 40):
+        cache = layer("nats", reserve, core=core, backend="auto", prefill_kernel="auto")
+        runs.append((cache, *decode(cache, dtype=torch.float32, device="cuda")))
+    (grown, y0, ys), (planned, y1, yp) = runs
+    assert grown.reallocations >= 1 and planned.reallocations == 0
+    torch.testing.assert_close(y0, y1)
+    torch.testing.assert_close(ys, yp, rtol=1e-5, atol=1e-5)
+    assert torch.equal(grown.type_counts, planned.type_counts) and torch.equal(grown.kept(), planned.kept())
+    assert torch.equal(grown.ring_valid, planned.ring_valid) and torch.equal(grown.n_global, planned.n_global)
 
 
 def test_maintain_says_when_it_reallocated_and_trusts_its_host_count_until_it_runs_out():
