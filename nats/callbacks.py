@@ -12,6 +12,14 @@ import torch
 from lightning.pytorch.callbacks import Callback, Checkpoint, ThroughputMonitor, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
+from nats.lightning_compat import (
+    batches_that_stepped_shifted,
+    received_sigterm,
+    set_received_sigterm,
+    should_accumulate,
+    should_update_logs,
+)
+
 log = logging.getLogger(__name__)
 
 
@@ -79,7 +87,7 @@ class TokenThroughput(ThroughputMonitor):
         self._samples[stage] += _batch_size(batch)
         self._batches[stage] += 1
         # a timing point exactly where Lightning's `_compute` writes the rates (the end of a logged optimizer step)
-        if not trainer.fit_loop._should_accumulate() and trainer._logger_connector.should_update_logs:
+        if not should_accumulate(trainer) and should_update_logs(trainer):
             self._timing_point(trainer)
 
     @rank_zero_only
@@ -486,7 +494,7 @@ class InterruptCheckpoint(Callback):
 
         def stop(reason: str) -> None:  # as SIGTERM: at the end of the current optimizer step
             self.reason = reason
-            trainer._signal_connector.received_sigterm = True
+            set_received_sigterm(trainer)
 
         def on_sigint(signum, frame) -> None:
             signal.signal(signal.SIGINT, previous)  # the next Ctrl-C interrupts at once
@@ -519,11 +527,12 @@ class InterruptCheckpoint(Callback):
         self._restore = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        signals = trainer._signal_connector
-        if signals.received_sigterm and trainer.fit_loop._should_accumulate():
-            signals.received_sigterm, self._deferred = False, True  # Lightning would stop in mid-step
+        if received_sigterm(trainer) and should_accumulate(trainer):
+            set_received_sigterm(trainer, False)  # Lightning would stop in mid-step
+            self._deferred = True
         elif self._deferred:
-            signals.received_sigterm, self._deferred = True, False  # the step is complete: stop now
+            set_received_sigterm(trainer)  # the step is complete: stop now
+            self._deferred = False
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self._validated_step = trainer.global_step
@@ -536,13 +545,9 @@ class InterruptCheckpoint(Callback):
             # checkpoint of a step that validated by skipping that validation and counting the step once more
             # (it expects the count from before, as a checkpoint saved at the validation's end has it), which
             # would shift the logged steps of the resumed run by one: save the count it expects.
-            loop = trainer.fit_loop.epoch_loop
             shift = int(getattr(self, "_validated_step", None) == trainer.global_step and trainer.global_step > 0)
-            loop._batches_that_stepped -= shift
-            try:
+            with batches_that_stepped_shifted(trainer, shift):
                 trainer.save_checkpoint(self.ckpt_path, weights_only=False)
-            finally:
-                loop._batches_that_stepped += shift
             if self._requeue is not None and trainer.is_global_zero:
                 from nats.runs import requeue_job
 

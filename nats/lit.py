@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from nats.lightning_compat import attached_trainer, batches_that_stepped, should_update_logs
 from nats.models.gpt import GPT, GPTConfig
 
 CLIP_MODES = ("global", "separate")
@@ -145,10 +146,7 @@ def logs_written_now(trainer) -> bool:
         return False
     if trainer.fast_dev_run:
         return True
-    connector = getattr(trainer, "_logger_connector", None)
-    if connector is None or not hasattr(type(connector), "should_update_logs"):
-        return True  # a Lightning without it: log every step rather than never
-    return bool(connector.should_update_logs)
+    return should_update_logs(trainer)
 
 
 def host_scalar(value: float) -> torch.Tensor:
@@ -264,7 +262,7 @@ class LitGPT(L.LightningModule):
         kwargs = {}
         if "fused" not in make.keywords and "fused" in inspect.signature(make.func).parameters:
             fused = next(self.model.parameters()).is_cuda or (
-                self._trainer is not None and self._trainer.strategy.root_device.type == "cuda"
+                (trainer := attached_trainer(self)) is not None and trainer.strategy.root_device.type == "cuda"
             )
             kwargs["fused"] = fused or None
         optimizer = make(groups, **kwargs)
@@ -363,7 +361,7 @@ class LitGPT(L.LightningModule):
 
     def _grad_norms_logged_now(self) -> bool:
         """`logs_written_now` for this module's trainer."""
-        return logs_written_now(self._trainer)
+        return logs_written_now(attached_trainer(self))
 
     # ------------------------------------------------------------------ steps
     def forward(self, idx, targets=None):
@@ -467,8 +465,8 @@ class LitGPT(L.LightningModule):
 
     def _stage_layer_stats(self, stats: Mapping[str, torch.Tensor]) -> None:
         """Start copying ``stats`` (scalars) to the host, for `_write_layer_stats` at Lightning's logging step."""
-        epoch_loop = getattr(getattr(self._trainer, "fit_loop", None), "epoch_loop", None)
-        step = getattr(epoch_loop, "_batches_that_stepped", self.global_step)  # the step Lightning's logs carry
+        trainer = attached_trainer(self)
+        step = self.global_step if trainer is None else batches_that_stepped(trainer)  # the step Lightning's logs carry
         values = torch.stack([v.detach().float().reshape(()) for v in stats.values()])
         event = None
         if values.is_cuda:

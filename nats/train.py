@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nats.cli import check_hf_model, check_trainer, console, guarded
 from nats.data.datamodule import TokenDataModule
+from nats.lightning_compat import check_lightning
 from nats.runs import (
     AUTO,
     RunInterrupted,
@@ -124,6 +125,7 @@ def build(cfg: DictConfig):
         logger=loggers or False,
         **({"plugins": plugins} if plugins else {}),
     )
+    check_lightning(trainer)  # the private Lightning attributes the callbacks reach: found now, not at a SIGTERM
     return datamodule, module, trainer
 
 

@@ -8,6 +8,8 @@ import time
 
 from lightning.pytorch.callbacks import Callback
 
+from nats.lightning_compat import set_received_sigterm
+
 
 class SlowSteps(Callback):
     """Sleeps ``seconds`` after every optimizer step: a run of a tiny model that lasts long enough to be signalled,
@@ -33,4 +35,4 @@ class SigtermAt(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not self.sent and trainer.global_step == self.step:
             self.sent = True
-            trainer._signal_connector.received_sigterm = True
+            set_received_sigterm(trainer)

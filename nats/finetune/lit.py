@@ -41,6 +41,7 @@ from torch import nn
 from nats.attention.nats import sparsity_loss
 from nats.hf.hooks import SCORER_NAME
 from nats.hf.scorers import attach_nats, nats_density, nats_state_dict, nats_stats, scorers
+from nats.lightning_compat import attached_trainer
 from nats.lit import check_optim_keys, host_scalar, logs_written_now, optimizer_node, optimizer_partial
 from nats.utils import atomic_write
 
@@ -233,7 +234,7 @@ class LitNAtSDistill(L.LightningModule):
         loss = mse + self.sparsity()
         # not prog_bar (a host sync per micro-batch): nats.callbacks.StepProgressBar reads train/loss itself
         self.log("train/loss", loss)
-        if logs_written_now(self._trainer):  # the rest only on the steps whose logs are written
+        if logs_written_now(attached_trainer(self)):  # the rest only on the steps whose logs are written
             self.log("train/mse", mse)
             self.log("train/density", density)
             # the density of the argmax types of the same batch (inference's; the sampled ones' is train/density)
@@ -309,7 +310,7 @@ class LitNAtSDistill(L.LightningModule):
         """Clip the scorers' gradient norm to ``optim.grad_clip`` (None: off), on the device; log the pre-clip norm
         as ``train/grad_norm`` on the steps whose logs are written."""
         clip = self.optim_cfg.get("grad_clip")
-        logged = logs_written_now(self._trainer)
+        logged = logs_written_now(attached_trainer(self))
         if not clip and not logged:
             return
         params = [p for p in self.scorer_parameters() if p.grad is not None]
