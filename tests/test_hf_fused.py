@@ -153,6 +153,7 @@ def test_fused_on_cuda_equals_unfused(policy):
     """On a GPU: the Triton prefill writes (keys and values of the fused product strided differently) and the step
     replayed as a CUDA graph give the unfused model's tokens."""
     model = (nats_model() if policy == "nats" else use_policy_caches(tiny_model("llama"))).cuda()
+    model.config.max_position_embeddings = 512  # a prompt of 300 tokens: past the tiny model's 256 on purpose
     prompt = ids(n=300, b=2, seed=5).cuda()
     ref = generate(model, prompt, StaticPolicyCache(model, policy, max_new_tokens=NEW), NEW)
     fuse_projections(model)
