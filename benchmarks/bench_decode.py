@@ -17,15 +17,17 @@ being the model's forward with the caches (`nats.cache.decode.decode_step`), tim
 * `nats`: synthetic types near 10 % density: per KV head a global rate drawn from U(0.05, 0.13), locals at
   rate 0.03, the rest sliding (token 0 global), for the prompt and for the decoded tokens; head sizes therefore
   differ. The scorer still runs in every step: the append kernel computes its logits and then takes the synthetic
-  type, read from a table at the device position (`SyntheticTypes`), so the step launches no extra kernel;
+  type, read from a table at the device position (the cache's ``type_table``, `nats.cache.policies.nats.TypeTable`),
+  so the step launches no extra kernel;
 * `streaming_llm` and `h2o` with a budget of NAtS' kept share of L after the prompt (the mean over layers,
   sequences and KV heads; `--budget-frac` sets another share).
 
 "graph" rows decode through `nats.cache.decode.GraphDecoder`, as `generate` does on CUDA: the first warm-up step
 runs eagerly, the second captures the step in a CUDA graph, later steps replay it (host work between replays:
 each cache's `maintain()`; a reallocation would re-capture, and is counted: `re-captures`, captures after the
-warm-up, should be 0). "eager" rows run the same step in Python. Memory: bytes the caches have allocated (keys,
-values and metadata), the bytes of the keys and values of the tokens they hold, and the ratio. Speed: ms per
+warm-up, should be 0; `reallocations` reads NAtS' `compactions`, the other policies here never reallocate).
+"eager" rows run the same step in Python. Memory: bytes the caches have allocated (keys, values and metadata), the
+bytes of the keys and values of the tokens they hold, and the ratio. Speed: ms per
 decode step (batch `--batch`), tokens/s, the time relative to the fastest `full` row and to the
 `streaming_llm` row of the same mode at the same L. Against the memory-bandwidth limit (`nats.cache.roofline`): the
 bytes a step reads (the weights, of the embeddings one row per sequence, + the keys and values the caches hold after
@@ -56,18 +58,20 @@ import torch.nn.functional as F
 
 from nats import functional as NF
 from nats.cache import roofline
+from nats.cache.base import LayerCache
 from nats.cache.decode import GraphDecoder, decode_step, make_caches, policy_logits, prefill
 from nats.cache.policies.full import FullCache
-from nats.cache.registry import register_cache
+from nats.cache.policies.nats import TypeTable
 from nats.models.gpt import GPT, GPTConfig, decode_settings
 
 PROFILE_STEPS = 16  # decode steps under the profiler after a row's timed ones (--profile)
 
 
-@register_cache("full_sdpa")
 class FullSDPACache(FullCache):
-    """`full` through torch SDPA (FlashAttention) over the grown prefix: eager only (shapes grow)."""
+    """`full` through torch SDPA (FlashAttention) over the grown prefix: eager only (shapes grow). A baseline of
+    this benchmark, passed to `make_caches` as a class (`policy_class`); not in the library's cache registry."""
 
+    name = "full_sdpa"
     graph_safe = False
 
     def step(self, q, k, v, x, pos):
@@ -100,24 +104,32 @@ def synthetic_types(
     return types
 
 
-class SyntheticTypes:
-    """Stands in for a NAtS core while decoding: the types are those of a table of synthetic types [B, H, T] at
-    positions offset..offset + T - 1, looked up at the decode position on the device (graph-safe), while the
-    scorer still runs (its cost stays in the step). The fused (Triton) step reads the table in its append kernel
-    (``forced_types``: the kernel computes the scorer's logits, then takes the table's type; no extra launch); the
-    torch step reads one-hot logits of the table's row (``type_logits``, with the scorer's times 0)."""
+BASELINES = {"full_sdpa": FullSDPACache}  # the benchmark's own policies (the library's registry has the others)
 
-    def __init__(self, core, types: torch.Tensor, offset: int, pos: torch.Tensor):
-        self.core, self.window, self.backend, self.pos = core, core.window, core.backend, pos
-        self.scorer, self.type_bias = core.scorer, core.type_bias  # what the fused step's kernel reads
-        B, H, T = types.shape
-        self.forced_types = (types.permute(2, 0, 1).reshape(T, B * H).long().contiguous(), offset)  # [T, R]
-        self.table = F.one_hot(types.permute(2, 0, 1), 3).float() * 10.0  # [T, B, H, 3]
-        self.offset = offset
 
-    def type_logits(self, x):
-        z = self.table.index_select(0, self.pos - self.offset)  # [1, B, H, 3]
-        return self.core.type_logits(x) * 0.0 + z.permute(1, 2, 0, 3)
+def policy_class(policy: str) -> str | type[LayerCache]:
+    """What `make_caches` takes for a benchmark policy name: the benchmark's own class, else the registered name."""
+    return BASELINES.get(policy, policy)
+
+
+def type_table(types: torch.Tensor, first_pos: int) -> TypeTable:
+    """Synthetic types [B, H, T] of the positions first_pos..first_pos + T - 1 as a NAtS cache's ``type_table``
+    (rows r = b * H + h): the steps take them in place of the scorer's, which still runs (its cost stays in the
+    step; the fused step reads the table in its append kernel, no extra launch)."""
+    B, H, T = types.shape
+    return TypeTable(types.permute(2, 0, 1).reshape(T, B * H), first_pos)
+
+
+def reallocations(caches) -> int:
+    """The caches' storage reallocations so far: NAtS' ``compactions`` (its only reallocation); a policy without
+    that counter must keep `LayerCache.maintain`, which never reallocates."""
+    total = 0
+    for c in caches:
+        if hasattr(c, "compactions"):
+            total += c.compactions
+        elif type(c).maintain is not LayerCache.maintain:
+            raise TypeError(f"{type(c).__name__} overrides maintain() but counts no reallocations (compactions)")
+    return total
 
 
 def fill(caches, policy: str, L: int, gen: torch.Generator, types: torch.Tensor | None) -> None:
@@ -193,9 +205,13 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
     profiled = PROFILE_STEPS if args.profile else 0  # steps decoded under the profiler after the timed ones
     total = L + args.warmup + args.steps + profiled + 1
     gen = torch.Generator(device=dev).manual_seed(0)
+    options = {}
+    if policy == "nats":  # decoded tokens get synthetic types from the prompt's per-head rates too
+        later = synthetic_types(B, types.shape[1], total - L, gen, dev, rate=rates, first_global=False)
+        options["type_table"] = type_table(later, L)
     caches = make_caches(
         model,
-        policy,
+        policy_class(policy),
         B,
         total,
         budget=budget,
@@ -203,18 +219,12 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
         track=False,
         budget_check_len=total,
         reserve=args.warmup + args.steps + profiled,
+        **options,
     )
     fill(caches, policy, L, gen, types)
     token = torch.randint(0, model.config.vocab_size, (B,), device=dev)
     dec = GraphDecoder(model, caches, inductor=args.inductor) if graph else None
     pos = dec.pos if graph else torch.full((1,), L, dtype=torch.long, device=dev)
-    if policy == "nats":  # decoded tokens get synthetic types from the prompt's per-head rates too
-        later = synthetic_types(B, types.shape[1], total - L, gen, dev, rate=rates, first_global=False)
-        for c in caches:
-            c.core = SyntheticTypes(c.core, later, L, pos)
-    calls = [0]
-    for c in caches:  # count the reallocations maintain() reports (eager steps call it themselves)
-        c.maintain = counted(c.maintain, calls)
 
     def step(i: int) -> None:
         nonlocal token
@@ -227,7 +237,7 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
 
     for i in range(args.warmup):
         step(i)
-    captures0, realloc0 = dec.captures if graph else 0, calls[0]
+    captures0, realloc0 = dec.captures if graph else 0, reallocations(caches)
     compactions0 = sum(getattr(c, "compactions", 0) for c in caches)
     timer = Timer(dev)
     timer.start()
@@ -262,7 +272,7 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
         / caches[0].t
         / torch.empty((), dtype=caches[0].dtype).element_size(),
         "recaptures": dec.captures - captures0 if graph else None,
-        "reallocations": calls[0] - realloc0,
+        "reallocations": reallocations(caches) - realloc0,
         "compactions": sum(getattr(c, "compactions", 0) for c in caches) - compactions0,
         **roofline.step_stats(nbytes, B * 1000.0 / ms, B, bw.get("measured"), bw.get("datasheet")),
         "bound_vs_full": nbytes / full,
@@ -309,17 +319,6 @@ def set_inductor(settings: list[str]) -> dict:
     from nats.utils import inductor_settings
 
     return inductor_settings(settings)
-
-
-def counted(maintain, calls: list[int]):
-    """`maintain` that adds its reallocations (True returns) to calls[0]."""
-
-    def wrapper() -> bool:
-        changed = maintain()
-        calls[0] += bool(changed)
-        return changed
-
-    return wrapper
 
 
 # ----------------------------------------------------------------------------------------------------

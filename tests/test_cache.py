@@ -15,7 +15,7 @@ from nats.cache.attention import torch_pool_attention
 from nats.cache.decode import decode_step
 from nats.cache.policies.h2o import H2OCache
 from nats.cache.policies.h2o_dense import h2o_dense_mask
-from nats.cache.policies.nats import NAtSCache
+from nats.cache.policies.nats import NAtSCache, TypeTable
 from nats.cache.policies.streaming_llm import StreamingLLMCache, streaming_mask
 from nats.models.gpt import GPT, GPTConfig
 
@@ -635,17 +635,17 @@ def test_decode_benchmark_helpers_on_cpu():
     B, L = 2, 64
     types = bench.synthetic_types(B, 2, L, gen, "cpu")
     assert (types[..., 0] == 0).all() and 0.03 < float((types == 0).float().mean()) < 0.2
+    later = torch.full((B, 2, 8), 2)
+    later[0, 0, 3] = 0  # one global for row (0, 0) at position L + 3
     for policy in ("full", "full_sdpa", "nats", "h2o", "streaming_llm"):
         budget = 12 if policy in ("h2o", "streaming_llm") else None
-        caches = make_caches(model, policy, B, L + 8, budget=budget, backend="torch", track=False)
+        opts = {"type_table": bench.type_table(later, L)} if policy == "nats" else {}
+        caches = make_caches(
+            model, bench.policy_class(policy), B, L + 8, budget=budget, backend="torch", track=False, **opts
+        )
         bench.fill(caches, policy, L, gen, types if policy == "nats" else None)
         token = torch.randint(0, V, (B,))
         pos = torch.tensor([L])
-        later = torch.full((B, 2, 8), 2)
-        later[0, 0, 3] = 0  # one global for row (0, 0) at position L + 3
-        if policy == "nats":
-            for c in caches:
-                c.core = bench.SyntheticTypes(c.core, later, L, pos)
         for _ in range(L, L + 8):
             logits = decode_step(model, caches, token, pos)
             token = logits.argmax(-1)
@@ -670,11 +670,11 @@ def test_decode_benchmark_helpers_on_cpu():
     # the Triton step takes the same synthetic types, from the table its append kernel reads at the device position
     runs = {}
     for backend in ("torch", "triton"):
-        caches = make_caches(model, "nats", B, L + 8, backend=backend, track=False)
+        caches = make_caches(
+            model, "nats", B, L + 8, backend=backend, track=False, type_table=bench.type_table(later, L)
+        )
         bench.fill(caches, "nats", L, torch.Generator().manual_seed(1), types)
         pos = torch.tensor([L])
-        for c in caches:
-            c.core = bench.SyntheticTypes(c.core, later, L, pos)
         token = torch.zeros(B, dtype=torch.long)
         for _ in range(L, L + 8):
             logits = decode_step(model, caches, token, pos)
@@ -807,16 +807,83 @@ def assert_same_nats_state(a: NAtSCache, b: NAtSCache) -> None:
         assert torch.equal(a.ring_v[r][valid], b.ring_v[r][valid]), r
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_nats_type_table_keeps_the_tokens_its_types_say(backend):
+    """A NAtS cache made with a TypeTable decodes with the table's types, not the scorer's (which differ): after a
+    prompt and N steps it holds exactly what loading the whole sequence with the prompt's and the table's types
+    keeps (globals, live locals, valid ring slots), each step's output is the NAtS attention of those types, and
+    equals a step given the same types through types= (Triton through its interpreter on the CPU)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    B, P, N, W = 2, 5, 12, 3
+    model = nats_model(window=W, n_layer=1).float().to(dev)
+    attn, core = model.blocks[0].attn, model.blocks[0].attn.core
+    H, Hkv, D, C = attn.n_head, attn.n_kv_head, attn.head_dim, model.config.n_embd
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 3, (B, Hkv, P), generator=gen)
+    prompt[..., 0] = NF.TOKEN_GLOBAL
+    later = torch.randint(0, 3, (B, Hkv, N), generator=gen)
+    q = torch.randn(B, H, P + N, D, generator=gen).to(dev)
+    k, v = (torch.randn(B, Hkv, P + N, D, generator=gen).to(dev) for _ in range(2))
+    x = torch.randn(N, B, 1, C, generator=gen).to(dev)
+    table = TypeTable(later.permute(2, 0, 1).reshape(N, B * Hkv), P)
+
+    def new(**kw):
+        shapes = {"batch": B, "n_head": H, "n_kv_head": Hkv, "head_dim": D, "max_len": P + N, "window": W}
+        return NAtSCache(**shapes, backend=backend, check_every=2, init_capacity=1, device=dev, core=core, **kw)
+
+    cache, given = new(type_table=table), new()
+    for c in (cache, given):
+        c.load(k[:, :, :P], v[:, :, :P], prompt.to(dev))
+    whole = torch.cat([prompt, later], -1).to(dev)
+    ref = NF.nats_attention_types(q, k, v, whole, W, backend="reference")  # [B, H, P + N, D]
+    differs = False
+    with torch.no_grad():
+        for i in range(N):
+            pos = torch.tensor([P + i], device=dev)
+            want = table.table[i].to(dev)
+            differs |= not torch.equal(cache.types_of(x[i], pos), want)
+            args = (q[:, :, P + i : P + i + 1], k[:, :, P + i : P + i + 1], v[:, :, P + i : P + i + 1], x[i], pos)
+            y = cache.step(*args)
+            assert torch.equal(cache._t, want), i
+            assert torch.allclose(y, given.step(*args, types=want), atol=1e-6, rtol=0), i
+            assert torch.allclose(y[:, :, 0], ref[:, :, P + i], atol=1e-5, rtol=0), i
+    assert differs  # the scorer alone would have typed some token otherwise
+    loaded = new()
+    loaded.load(k, v, whole)
+    for name in ("length", "n_global", "ring_valid"):
+        assert torch.equal(getattr(cache, name), getattr(loaded, name)), name
+    for r in range(cache.rows):
+        a, b, n = int(cache.start[r]), int(loaded.start[r]), int(cache.length[r])
+        assert torch.equal(cache.k_pool[a : a + n], loaded.k_pool[b : b + n]), r
+        assert torch.equal(cache.v_pool[a : a + n], loaded.v_pool[b : b + n]), r
+        valid = cache.ring_valid[r]
+        assert torch.equal(cache.ring_k[r][valid], loaded.ring_k[r][valid]), r
+
+
+def test_type_table_checks_its_table():
+    """A TypeTable takes integer types -1..2 [T, R] from a position >= 0, and a cache only one of its rows."""
+    with pytest.raises(ValueError, match="integer tensor"):
+        TypeTable(torch.zeros(3, 4), 0)
+    with pytest.raises(ValueError, match="-1..2"):
+        TypeTable(torch.full((3, 4), 3), 0)
+    with pytest.raises(ValueError, match="first_pos"):
+        TypeTable(torch.zeros(3, 4, dtype=torch.long), -1)
+    with pytest.raises(ValueError, match="4 columns, the cache 2 rows"):
+        NAtSCache(batch=1, n_head=2, n_kv_head=2, head_dim=8, max_len=8, window=2,
+                  type_table=TypeTable(torch.zeros(3, 4, dtype=torch.long), 0))  # fmt: skip
+    with pytest.raises(TypeError, match="TypeTable"):
+        NAtSCache(batch=1, n_head=2, n_kv_head=2, head_dim=8, max_len=8, window=2, type_table=(torch.zeros(3, 2), 0))
+
+
 @pytest.mark.parametrize("override", [None, "types", "table"])
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 def test_nats_fused_step_with_model_projections_equals_torch_step(pos_emb, override):
     """The Triton step (nats_decode: the scorer's type computed in the merge kernel, k and v read through their
     strides) fed q, k, v as Attention.project makes them (views of the fused qkv output,
     whose layout differs between learned positions and RoPE; GQA) equals the torch step: the same types (ties, the
-    type offsets, token 0), cache state and output. ``types``: the step's types= argument; ``table``: a core's
-    forced_types read at the device position after a prompt (-1: the scorer's type)."""
-    from types import SimpleNamespace
-
+    type offsets, token 0), cache state and output. ``types``: the step's types= argument; ``table``: the cache's
+    type_table read at the device position after a prompt (-1: the scorer's type), by the fused step and by a torch
+    cache with the same table."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, the real kernel on a GPU
     B, N, W = 2, 9, 3
     P = 5 if override == "table" else 0  # prompt tokens loaded before the steps
@@ -830,21 +897,20 @@ def test_nats_fused_step_with_model_projections_equals_torch_step(pos_emb, overr
         w[1] = w[0]  # KV head 0: equal global and local logits, the tie goes to the first maximum (global)
         core.scorer.weight.copy_(w)
         core.type_bias.copy_(torch.tensor([0.4, 0.4, -0.3]))  # equal offsets on global and local keep the tie
+    table = torch.randint(-1, 3, (N, B * Hkv), generator=gen).to(dev)
+    tab = {"type_table": TypeTable(table, P)} if override == "table" else {}
     caches = [
         NAtSCache(batch=B, n_head=H, n_kv_head=Hkv, head_dim=D, max_len=P + N, window=W, backend=be, check_every=2,
-                  init_capacity=1, device=dev, core=core)
-        for be in ("torch", "triton")
+                  init_capacity=1, device=dev, core=core, **kw)
+        for be, kw in (("torch", {}), ("triton", tab), ("torch", tab))
     ]  # fmt: skip
-    ref, fused = caches
-    table = torch.randint(-1, 3, (N, B * Hkv), generator=gen).to(dev)
+    ref, fused, tab_torch = caches
     if P:
         prompt = torch.randint(0, 3, (B, Hkv, P), generator=gen)
         prompt[..., 0] = 0
         k0, v0 = torch.randn(B, Hkv, P, D, generator=gen), torch.randn(B, Hkv, P, D, generator=gen)
         for c in caches:
             c.load(k0.to(dev), v0.to(dev), prompt.to(dev))
-    if override == "table":
-        fused.core = SimpleNamespace(scorer=core.scorer, type_bias=core.type_bias, forced_types=(table, P))
     raw, unbiased = [], []  # the scorer's argmax without token 0's rule, and without the offsets
     with torch.no_grad():
         for i in range(N):
@@ -866,9 +932,12 @@ def test_nats_fused_step_with_model_projections_equals_torch_step(pos_emb, overr
                 want, kw = torch.where(table[i] >= 0, table[i], scored), {}
             y_ref = ref.step(q, k, v, x, pos, types=want.view(B, Hkv))
             y = fused.step(q, k, v, x, pos, **kw)
-            assert torch.equal(fused._t, want), i
+            y_tab = tab_torch.step(q, k, v, x, pos, **kw)
+            assert torch.equal(fused._t, want) and torch.equal(tab_torch._t, want), i
             assert torch.allclose(y, y_ref, atol=1e-5, rtol=0), i
+            assert torch.equal(y_tab, y_ref), i
             assert_same_nats_state(ref, fused)
+            assert_same_nats_state(ref, tab_torch)
     if override is None:  # the cases the kernel must get right occurred
         assert (raw[0] != 0).any()  # token 0: global although the scorer says otherwise
         assert any(not torch.equal(u, r) for u, r in zip(unbiased[1:], raw[1:]))  # the offsets change a type

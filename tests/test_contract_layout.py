@@ -29,7 +29,7 @@ def test_contributing_names_the_places(kind):
     assert (REPO / test).is_file()
     for name in registry.names():
         cls = registry.get(name)
-        if not cls.__module__.startswith("nats."):  # registered by a script (e.g. benchmarks/bench_decode.py)
+        if not cls.__module__.startswith("nats."):  # registered by a script or a test
             continue
         module = Path(inspect.getfile(cls)).resolve()
         assert module.parent == (REPO / folder).resolve(), f"{kind} {name!r} is defined in {module}, not in {folder}/"

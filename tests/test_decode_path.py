@@ -361,27 +361,21 @@ def test_graph_decoder_replays_equal_eager_and_recapture_on_overflow():
 # ----------------------------------------------------------------------------------------------------
 # the benchmark's smoke mode
 # ----------------------------------------------------------------------------------------------------
-@pytest.fixture
-def registry_snapshot():
-    """The script registers its `full_sdpa` policy on import (another test may have imported it already): run
-    with that name free and restore the registry after (every policy imported first: one imported later would not
-    register again once the snapshot is restored)."""
+def test_bench_decode_smoke(tmp_path):
+    """The CPU smoke run; the script's own baseline (`full_sdpa`) stays out of the library's cache registry, on
+    import and when it runs."""
     from nats.cache.registry import CACHES
 
     CACHES.import_all()
-    saved = dict(CACHE_POLICIES)
-    CACHE_POLICIES.pop("full_sdpa", None)
-    yield
-    CACHE_POLICIES.clear()
-    CACHE_POLICIES.update(saved)
-
-
-@pytest.mark.usefixtures("registry_snapshot")
-def test_bench_decode_smoke(tmp_path):
+    before = dict(CACHE_POLICIES)
     spec = importlib.util.spec_from_file_location("bench_decode_smoke", REPO / "benchmarks" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    assert CACHE_POLICIES == before and "full_sdpa" not in CACHE_POLICIES
     rows = bench.main(["--smoke", "--out", str(tmp_path)])
+    sdpa = bench.main(["--smoke", "--policies", "full_sdpa", "--out", str(tmp_path / "sdpa")])
+    assert {(r["policy"], r["kept_share"]) for r in sdpa} == {("full (sdpa)", 1.0)} and len(sdpa) == 2
+    assert CACHE_POLICIES == before and "full_sdpa" not in CACHE_POLICIES
     got = {(r["L"], r["policy"]) for r in rows}
     assert got == {(L, p) for L in (48, 64) for p in ("full", "nats", "streaming_llm")}
     for r in rows:
@@ -397,7 +391,6 @@ def test_bench_decode_smoke(tmp_path):
         assert (r["bound_vs_full"] == 1.0) == (r["policy"] == "full") and r["bound_vs_full"] <= 1.0
 
 
-@pytest.mark.usefixtures("registry_snapshot")
 def test_bench_decode_profiles_each_row_and_takes_inductor_settings(tmp_path):
     """--profile writes each row's kernel table over the steps after the timed ones (the caches reserve them: no
     reallocation); --inductor gives the compiled decode parts' settings (over the defaults, which stay as they are),

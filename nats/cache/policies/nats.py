@@ -39,6 +39,8 @@ periodically in the same spirit). Attention reads each segment and the valid rin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -60,6 +62,41 @@ def kept_after_prompt(types: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     isg = types == GLOBAL
     last_g = torch.where(isg, pos, torch.full_like(pos, -1)).amax(-1, keepdim=True)
     return isg | ((types == LOCAL) & (pos > last_g)), isg
+
+
+@dataclass(frozen=True)
+class TypeTable:
+    """Types given for a run of positions, in place of the scorer's (a NAtS cache's ``type_table``): ``table``
+    ``[T, R]`` integer, row ``i`` the types of position ``first_pos + i`` for the cache's rows ``r = b * Hkv + h``
+    (0 global, 1 local, 2 sliding; -1 keeps the scorer's type, for a cache whose core has one). A step reads the
+    row of its position on the device (graph-safe: the fused Triton step in its append kernel, the PyTorch step by an
+    index), so the steps decode at the positions ``first_pos .. first_pos + T - 1`` only; the scorer still runs, so
+    the step's work is the same. The use: decoding with chosen types, e.g. a benchmark at a chosen kept share with a
+    model whose scorer is untrained."""
+
+    table: Tensor
+    first_pos: int = 0
+
+    def __post_init__(self):
+        t = self.table
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"TypeTable: table must be an integer tensor [T, R], got {getattr(t, 'shape', t)!r}")
+        if t.numel() and (int(t.min()) < -1 or int(t.max()) > SLIDING):
+            raise ValueError(
+                f"TypeTable: types must be in -1..{SLIDING} (-1: the scorer's), got {int(t.min())}..{int(t.max())}"
+            )
+        if int(self.first_pos) != self.first_pos or self.first_pos < 0:
+            raise ValueError(f"TypeTable: first_pos must be an integer >= 0, got {self.first_pos!r}")
+
+    def to(self, rows: int, device) -> TypeTable:
+        """The table as int64 on `device`, checked against a cache of `rows` rows."""
+        if self.table.shape[1] != rows:
+            raise ValueError(f"TypeTable: the table has {self.table.shape[1]} columns, the cache {rows} rows (B * Hkv)")
+        return TypeTable(self.table.to(device=device, dtype=torch.long).contiguous(), int(self.first_pos))
+
+    def at(self, pos: Tensor) -> Tensor:
+        """The given types of position ``pos`` (a device tensor [1]): int64 ``[R]``, -1 where the scorer's stay."""
+        return self.table.index_select(0, pos.reshape(1) - self.first_pos)[0]
 
 
 def append_token(t, pos, k_new, v_new, ring_k, ring_v, ring_valid, k_pool, v_pool, start, length, scratch) -> None:
@@ -312,7 +349,9 @@ class NAtSCache(LayerCache, SegmentStorage):
     requires_core = "nats"  # the types come from the layer's NAtS scorer
     fixed_rule = NAtSRule
     """Args (besides LayerCache's, ``reserve`` among them): window W (default: the core's), check_every, slack,
-    shrink_above, init_capacity (initial segment length per row, default check_every, or reserve if given)."""
+    shrink_above, init_capacity (initial segment length per row, default check_every, or reserve if given),
+    type_table (a `TypeTable`: the decoded tokens' types at its positions in place of the scorer's, read on the
+    device by both backends; a step's own ``types=`` wins over it)."""
 
     def __init__(
         self,
@@ -322,9 +361,13 @@ class NAtSCache(LayerCache, SegmentStorage):
         slack: float = 1 / 32,
         shrink_above: float = 1.15,
         init_capacity: int | None = None,
+        type_table: TypeTable | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if type_table is not None and not isinstance(type_table, TypeTable):
+            raise TypeError(f"nats cache: type_table must be a TypeTable, got {type(type_table).__name__}")
+        self.type_table = None if type_table is None else type_table.to(self.rows, self.device)
         if window is None:
             if self.core is None or not hasattr(self.core, "window"):
                 raise ValueError("nats cache: pass window=W or the layer's NAtS attention core (core=...)")
@@ -414,12 +457,19 @@ class NAtSCache(LayerCache, SegmentStorage):
 
     # ------------------------------------------------------------------ the protocol
     def step(self, q, k, v, x, pos, types: torch.Tensor | None = None):
-        """One token; `types` ([B, Hkv] or [R]) overrides the scorer (tests, synthetic benchmarks)."""
+        """One token; `types` ([B, Hkv] or [R]) overrides the scorer (tests), else the cache's `type_table` where it
+        gives a type (-1: the scorer's)."""
         if self.auto_maintain:
             self.maintain()
         if self.backend == "triton":
             return self._step_fused(q, k, v, x, pos, types)
-        t = self.types_of(x, pos) if types is None else types.reshape(self.rows).to(torch.long)
+        if types is not None:
+            t = types.reshape(self.rows).to(torch.long)
+        elif self.type_table is not None:
+            given = self.type_table.at(pos)
+            t = given if self.core is None else torch.where(given >= 0, given, self.types_of(x, pos))
+        else:
+            t = self.types_of(x, pos)
         self._t.copy_(t)
         self._record_step()
         attend = lambda: pool_attention(self._q_rows(q), self.k_pool, self.v_pool, self.start, self.length,  # noqa: E731
@@ -463,10 +513,9 @@ class NAtSCache(LayerCache, SegmentStorage):
         reads the rows, the merge adds the new token, its extra programs compute the token's type from the core's
         scorer and admit it; k and v are read where the projection wrote them).
 
-        Types that replace the scorer's argmax come from ``types`` or, for synthetic benchmarks, from the core's
-        ``forced_types``: a pair (table [T, R] int64 on the device, first position p0) whose row ``pos - p0``
-        holds the types of position ``pos`` (-1: the scorer's), read by the kernel at the device position. The
-        scorer runs whenever the core has one, so an override leaves the step's work as it is."""
+        Types that replace the scorer's argmax come from ``types`` or from the cache's `type_table`, whose row
+        ``pos - first_pos`` the kernel reads at the device position (-1: the scorer's). The scorer runs whenever the
+        core has one, so an override leaves the step's work as it is."""
         from nats_kernels.nats_attention.nats_step import nats_decode as kernel  # noqa: PLC0415
 
         if k.shape[2] != 1:
@@ -475,8 +524,8 @@ class NAtSCache(LayerCache, SegmentStorage):
         types_from = None
         if types is not None:
             types = types.reshape(self.rows).to(device=self.device, dtype=torch.long)
-        elif getattr(self.core, "forced_types", None) is not None:
-            types, types_from = self.core.forced_types
+        elif self.type_table is not None:
+            types, types_from = self.type_table.table, self.type_table.first_pos
         if types is None and scorer is None:
             if self.core is None:
                 raise ValueError("nats cache: step() without types= needs the layer's NAtS core (core=...)")
