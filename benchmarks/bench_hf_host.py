@@ -237,7 +237,7 @@ _INSITU_PARTS = {
     "types_and_attention": ("nats.cache.policies.nats:NAtSRule", "prompt"),
     "direct_scorer_attention_rows": ("nats.cache.policies.nats:NAtSRule", "direct"),
     "pool_size_wait": ("nats.cache.engine:PoolLayout", "size"),
-    "pool_fill_and_allocate": ("nats.hf.static_cache:StaticPolicyCache", "_fill_pool"),
+    "pool_fill_and_allocate": ("nats.cache.engine_cache:EngineCache", "_fill_pool"),
 }
 
 

@@ -1,7 +1,8 @@
 """The fixed-capacity cache engine (`nats.cache.engine`) driven directly, one `EngineLayer` per test on tiny shapes,
 without transformers: growth when the number of new tokens is unknown (decoding equals a run planned with enough
 room, token for token; `maintain` says when it reallocated and looks at the device only once its host count of free
-steps ran out), the engine's measurements (against the NAtS LayerCache and `nats.hf.StaticPolicyCache`), StreamingLLM's
+steps ran out), the engine's measurements (against the NAtS LayerCache and `nats.hf.StaticPolicyCache`), the
+multi-layer `EngineCache` driven without transformers (against `nats.hf.StaticPolicyCache`), StreamingLLM's
 ``exact_prefill`` (against its LayerCache) and the backend choice reaching both attention ops."""
 
 from __future__ import annotations
@@ -205,6 +206,48 @@ def test_measurements_equal_static_policy_cache(policy, options):
     else:
         with pytest.raises(RuntimeError, match="counts no token types"):
             cache.type_fractions()
+
+
+@pytest.mark.parametrize("policy,options", [("nats", {}), ("snapkv", {"budget": 0.5, "window": 4})])
+def test_engine_cache_driven_directly_as_static_policy_cache(policy, options):
+    """`EngineCache` over a model's layers without transformers (its own entry point, left padding given as token
+    counts, positions counted on the host) runs as `nats.hf.StaticPolicyCache` does given transformers' 4-D mask:
+    the same outputs, kept tokens, fractions and bytes; the engine module imports no transformers."""
+    pytest.importorskip("transformers")
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from test_hf_nats import tiny_model  # noqa: PLC0415
+
+    from nats.cache.engine_cache import EngineCache  # noqa: PLC0415
+    from nats.hf import StaticPolicyCache, attach_nats, use_policy_caches  # noqa: PLC0415
+
+    check = "import sys, nats.cache.engine_cache; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", check], check=True)
+    model = tiny_model("llama")
+    model = attach_nats(model, window=4, init_std=0.5) if policy == "nats" else use_policy_caches(model)
+    cfg = model.config
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    budget = options.pop("budget", None)
+    cache = StaticPolicyCache(model, policy, max_new_tokens=4, budget=budget, prefill_kernel="torch", **options)
+    own = EngineCache(policy, cache.cores, reserve=4, budget=budget, prefill_kernel="torch", **options)
+    pads, P = torch.tensor([3, 0]), 16
+    mask = (torch.arange(P) >= pads[:, None])[:, None, None, :].expand(2, 1, P, P)
+    g = torch.Generator().manual_seed(5)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    for n in (P, 1, 1, 1, 1):
+        for i in range(cache.n_layer):
+            q, k, v, x = rand(2, hq, n, d), rand(2, hkv, n, d), rand(2, hkv, n, d), rand(2, n, cfg.hidden_size)
+            cache.layers[i].update(k, v)
+            y = cache.attend(i, q, x, mask if n > 1 else None)
+            assert torch.equal(own.attend(i, q, k, v, x, pads if n > 1 else None), y)
+    assert torch.equal(own.kept(), cache.kept())
+    for key in ("area", "peak"):
+        assert torch.equal(own.fractions()[key], cache.fractions()[key]), key
+    for what in ("nbytes", "kv_nbytes", "kept_nbytes", "overflowed"):
+        assert getattr(own, what)() == getattr(cache, what)(), what
+    if policy == "nats":
+        assert torch.equal(own.type_fractions(), cache.type_fractions())
 
 
 # ------------------------------------------------------------------------------------------- streaming exact prefill

@@ -371,7 +371,7 @@ def test_host_benchmark_smoke(tmp_path):
     timed = parts["nats"]["types_and_attention"] + parts["nats"]["pool_fill_and_allocate"]
     assert timed < rows["nats"]["prefill_attention_ms"]  # parts of the attention function's time
     assert "| nats | 9 |" in (tmp_path / "bench_hf_host.md").read_text()
-    assert "_prefill" in (tmp_path / "python_prefill_nats.txt").read_text()  # StaticPolicyCache._prefill's line
+    assert "_prefill" in (tmp_path / "python_prefill_nats.txt").read_text()  # EngineCache._prefill's line
 
 
 def test_bench_times_the_decode_steps_apart_from_the_prefill(monkeypatch):

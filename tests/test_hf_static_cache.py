@@ -148,10 +148,10 @@ def test_prefill_reads_a_layers_pool_size_after_queuing_the_next_layer(monkeypat
     """The prefill does not wait for a layer's pool size before the next layer's work is queued (a blocking read
     per layer idles the GPU at every layer): layer l's pool is allocated during layer l + 1's prefill, the rest at
     the last layer; the decoding that follows is unchanged (the other tests)."""
-    from nats.hf import static_cache
+    from nats.cache.engine import PoolLayout  # the engine's prefill (nats.cache.engine_cache) plans with it
 
     order = []
-    real_init, real_size = static_cache.PoolLayout.__init__, static_cache.PoolLayout.size
+    real_init, real_size = PoolLayout.__init__, PoolLayout.size
 
     def init(self, *args):
         real_init(self, *args)
@@ -162,8 +162,8 @@ def test_prefill_reads_a_layers_pool_size_after_queuing_the_next_layer(monkeypat
         order.append(("size", self.n))
         return real_size(self)
 
-    monkeypatch.setattr(static_cache.PoolLayout, "__init__", init)
-    monkeypatch.setattr(static_cache.PoolLayout, "size", size)
+    monkeypatch.setattr(PoolLayout, "__init__", init)
+    monkeypatch.setattr(PoolLayout, "size", size)
     model = nats_model()
     cache = StaticPolicyCache(model, "nats", max_new_tokens=NEW)
     greedy(model, ids(n=PROMPT, b=2), cache)

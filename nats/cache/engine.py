@@ -21,8 +21,9 @@ A policy runs here by declaring a :class:`FixedRule` class (the class attribute 
 ``LayerCache.rule(**options)`` makes the rule, bound to the policy's options; the engine then tells it only where it
 runs, a :class:`RuleContext` per layer. :class:`AppendRule` is written here (keep the whole prompt, append every new
 token: ``full``); the appending rules that select from the prompt (``snapkv``, ``pyramidkv``, ``adakv``), the ring
-rule of ``streaming_llm``, H2O's and NAtS' typed eviction live in their policies' files. `nats.hf.StaticPolicyCache`
-is the transformers adapter over this engine.
+rule of ``streaming_llm``, H2O's and NAtS' typed eviction live in their policies' files. The engine over a model's
+layers (the prefill across them, left padding, budgets, the decode step, the cache-level measurements) is
+`nats.cache.engine_cache.EngineCache`; `nats.hf.StaticPolicyCache` is its transformers adapter.
 
 An :class:`EngineLayer` is a layer's storage with its rule and context: the measurements every policy shares (kept
 tokens, area and peak fractions, bytes, NAtS' type fractions) and, for eager callers, growth: when the tokens to

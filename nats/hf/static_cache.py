@@ -41,10 +41,8 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
-from nats.cache import engine
-from nats.cache.budget import check_budget_value, row_budgets
-from nats.cache.engine import EngineLayer, PoolLayout, PromptState, RuleContext, mark_static
-from nats.cache.registry import get_cache_class
+from nats.cache.engine import EngineLayer, mark_static
+from nats.cache.engine_cache import EngineCache, fixed_policy
 from nats.hf.buffers import CacheBuffers
 from nats.hf.cache import FixedRowsLayer
 from nats.hf.limits import check_context, context_length, reuse_message
@@ -60,7 +58,7 @@ class StaticPolicyLayer(FixedRowsLayer, EngineLayer):
         super().__init__(owner, layer_idx)
         self.max_cache_len = owner.max_len
         self.rule = owner.rule
-        self.context = RuleContext(layer_idx, owner.n_layer, owner.max_new_tokens, owner.track, owner.prefill_kernel)
+        self.context = owner.layer_context(layer_idx)
         # tokens per row so far, padding included: one tensor for all layers (layer 0's; the others share it), which
         # layer 0 advances; the compiled step then reads one position counter, not one per layer (each is a guarded
         # graph input, host time at every step)
@@ -127,8 +125,10 @@ class StaticPolicyLayer(FixedRowsLayer, EngineLayer):
         return self.storage_dynamic_dims() + rows + self.owner.rule.dynamic_dims(self)
 
 
-class StaticPolicyCache(Cache):
-    """A compileable transformers cache running a KV-cache policy in fixed-capacity buffers (module docstring).
+class StaticPolicyCache(EngineCache, Cache):
+    """A compileable transformers cache running a KV-cache policy in fixed-capacity buffers (module docstring): the
+    transformers wiring over an `nats.cache.engine_cache.EngineCache` (the prefill, the decode step and the
+    measurements), which it extends so that the compiled step reads the same attributes as the engine.
 
     Args:
         model: a supported transformers model with NAtS attached (`nats.hf.attach_nats`) for ``"nats"``, or
@@ -172,53 +172,29 @@ class StaticPolicyCache(Cache):
     ):
         from nats.hf.hooks import routed_cores  # noqa: PLC0415
 
-        fixed = engine.fixed_policies()
-        if policy not in fixed:
-            raise ValueError(
-                f"StaticPolicyCache: policy {policy!r} has no fixed-capacity form; choose one of {', '.join(fixed)}"
-                " (evaluation-only policies do not decode)"
-            )
+        fixed_policy(policy, "StaticPolicyCache")
         if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
             raise ValueError(f"StaticPolicyCache: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         config = model.config
-        self.cores = routed_cores(model, "StaticPolicyCache")
-        self.policy, self.policy_cls = policy, get_cache_class(policy)
-        self.rule = self.policy_cls.rule(**options)  # the policy's options bound to its rule
-        if self.policy_cls.requires_core == "nats" and any(c is None for c in self.cores):
-            raise ValueError(
-                f"StaticPolicyCache: policy {policy!r} needs NAtS scorers: call nats.hf.attach_nats(model)"
-            )
-        if self.policy_cls.budgeted and budget is None:
-            raise ValueError(f"StaticPolicyCache: policy {policy!r} needs a budget (tokens, or a fraction in (0, 1))")
-        try:
-            check_budget_value(budget, "each row's prompt")
-        except ValueError as err:
-            raise ValueError(f"StaticPolicyCache: {err}") from None
-        self.budget, self.options = budget, dict(options)
+        cores = routed_cores(model, "StaticPolicyCache")
         self.max_new_tokens = int(max_new_tokens)
-        self.track = track
-        if prefill_kernel not in ("auto", "torch", "triton"):
-            raise ValueError(
-                f"StaticPolicyCache: prefill_kernel must be 'auto', 'torch' or 'triton', got {prefill_kernel!r}"
-            )
-        self.prefill_kernel = prefill_kernel
-        if row_slots is not None and (int(row_slots) != row_slots or row_slots < 1):
-            raise ValueError(f"StaticPolicyCache: row_slots must be a positive integer, got {row_slots!r}")
-        self.row_slots, self.buffers = row_slots, buffers
-        self.n_head, self.n_layer = config.num_attention_heads, len(self.cores)
+        self.buffers = buffers
+        self.n_head = config.num_attention_heads
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
+        self.context = context_length(config)  # prompt + max_new_tokens at most (nats.hf.limits)
+        EngineCache.__init__(self, policy, cores, reserve=self.max_new_tokens, budget=budget, track=track,
+                             prefill_kernel=prefill_kernel, row_slots=row_slots, who="StaticPolicyCache",
+                             **options)  # fmt: skip
         if self.max_len < 1:
             raise ValueError("StaticPolicyCache: pass max_len (the model config has no max_position_embeddings)")
-        self.context = context_length(config)  # prompt + max_new_tokens at most (nats.hf.limits)
-        self.prompt_lengths: Tensor | None = None  # real tokens per sequence, set by the prefill
-        self._real_rows: Tensor | None = None  # the same per row (sequence x KV head)
-        self._unallocated: list[tuple] = []  # prefilled layers whose pools are allocated at the next layer
-        self._sizes_host: Tensor | None = None  # CUDA: the layers' pool sizes, copied into pinned memory ...
-        self._stream = None  # ... on this stream (both set by the first prefilled layer)
-        self._budgets: Tensor | None = None  # budgeted policies: tokens per sequence, set by the prefill ...
-        self._budgets_host: list[int] = []  # ... and the same on the host ...
-        self._row_budgets: Tensor | None = None  # ... and per row (sequence x KV head)
-        super().__init__(layers=[StaticPolicyLayer(self, i) for i in range(len(self.cores))])
+        Cache.__init__(self, layers=self.layers)
+
+    def new_layer(self, layer_idx: int) -> StaticPolicyLayer:
+        return StaticPolicyLayer(self, layer_idx)
+
+    def installed(self, layer: StaticPolicyLayer) -> None:
+        if self.buffers is not None:  # the layer's buffers into the fixed ones, the fresh ones freed at once
+            self.buffers.adopt(self, layer)
 
     # ------------------------------------------------------------------ the attention function's entry point
     def attend(self, layer_idx: int, query: Tensor, hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -228,141 +204,12 @@ class StaticPolicyCache(Cache):
         layer = self.layers[layer_idx]
         k, v = layer.pending
         layer.pending = None
-        if not layer.ready:
-            return self._prefill(layer, query, k, v, hidden, attention_mask)
-        return self._decode(layer, query, k, v, hidden)
-
-    # ------------------------------------------------------------------ prefill
-    def _prefill(self, layer, q, k, v, hidden, attention_mask) -> Tensor:
-        B, Hq, N, D = q.shape
-        Hkv = k.shape[1]
-        R = B * Hkv
-        if self.prompt_lengths is None:  # the first layer: the padding, once for every layer
-            pads = _left_padding(attention_mask, B, N, q.device)
-            self.prompt_lengths, self._pads = N - pads, pads
-            self._groups = None if bool((pads == 0).all()) else [(slice(b, b + 1), int(pads[b])) for b in range(B)]
-            self._real_rows = self.prompt_lengths.repeat_interleave(Hkv)  # [R], the same for every layer
-        groups, rule = self._groups, self.rule
-        core = self.cores[layer.layer_idx]
-        if self.budget is not None and self._budgets is None:  # the rows' budgets, on the device and the host, once
-            self._budgets = row_budgets(self.budget, self.prompt_lengths)
-            self._budgets_host = self._budgets.tolist()
-            self._row_budgets = self._budgets.repeat_interleave(Hkv)
-        direct = None if groups is not None else rule.direct(layer.context, core, q, k, v, hidden)
-        if direct is not None:  # the rule's fused prefill planned the storage itself
-            y, plan = direct
-        else:
-            if groups is None:  # no padding: every row at once
-                top = None if self._budgets is None else max(self._budgets_host)
-                state = rule.prompt(layer.context, core, q, k, v, hidden, top)
-            else:  # left padding: row by row over the real tokens, padding marked (-1 types, dropped keys)
-                state = self._prompt_padded(layer, core, q, k, v, hidden, groups)
-            plan = rule.plan(layer.context, core, state, k, v, self._row_budgets, self._real_rows)
-            if plan.sizes is None and state.sizes is not None:
-                plan.sizes = state.sizes.reshape(R, N)
-        # the pool is allocated one layer later (PoolLayout), all remaining ones at the last layer
-        host = stream = None
-        if q.is_cuda:  # the sizes' pinned slots and the stream, once per prefill
-            if self._sizes_host is None:
-                self._sizes_host = torch.empty(self.n_layer, dtype=torch.long, pin_memory=True)
-                self._stream = torch.cuda.current_stream(q.device)
-            host, stream = self._sizes_host[layer.layer_idx : layer.layer_idx + 1], self._stream
-        self._unallocated.append((layer, PoolLayout(plan.rows, plan.end, plan.fill, host, stream), plan, N))
-        last = layer.layer_idx == self.n_layer - 1
-        while len(self._unallocated) > (0 if last else 1):
-            self._fill_pool(*self._unallocated.pop(0))
-        return y if direct is not None else state.y
-
-    def _prompt_padded(self, layer, core, q, k, v, hidden, groups) -> PromptState:
-        """The rule's prompt state of a left-padded batch, one sequence at a time over its real tokens: the output
-        is zero on padding, the keep mask false there, the types -1 and the cache sizes 0."""
-        B, _, N, _ = q.shape
-        Hkv = k.shape[1]
-        whole = PromptState(torch.zeros_like(q))
-        for rows, p in groups:
-            bb = None if self._budgets is None else max(self._budgets_host[rows])
-            part = self.rule.prompt(layer.context, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
-                                    hidden[rows, p:], bb, offset=p)  # fmt: skip
-            whole.y[rows, :, p:] = part.y
-            if part.extra is not None:  # the rule's own per-row state, the sequences in order
-                whole.extra = whole.extra or {}
-                for name, value in part.extra.items():
-                    whole.extra.setdefault(name, []).append(value)
-            for name, fill, dtype in (("keep", False, torch.bool), ("types", -1, torch.long), ("sizes", 0, torch.long)):
-                value = getattr(part, name)
-                if value is None:
-                    continue
-                if getattr(whole, name) is None:
-                    setattr(whole, name, torch.full((B, Hkv, N), fill, dtype=dtype, device=q.device))
-                getattr(whole, name)[rows, :, p:] = value
-        if whole.extra is not None:
-            whole.extra = {name: torch.cat(parts) for name, parts in whole.extra.items()}
-        return whole
-
-    def _fill_pool(self, layer, layout, plan, N) -> None:
-        """A prefilled layer's buffers: its pool, its bookkeeping, its ring (if the rule has one), the rule's own
-        buffers, its sizes so far (`nats.cache.engine.EngineLayer.install`)."""
-        need = layout.size() + 1  # + the scratch slot (the last one) where skipped writes go
-        fixed = None if self.row_slots is None else layout.rows.shape[-1] * self.row_slots + 1  # by the batch alone
-        size = fixed if fixed is not None and need <= fixed else engine.rounded(need)
-        layer.install(plan, layout.fill(size))
-        layer.ready = True
-        layer.real = self._real_rows
-        layer.prompt_width = N
-        if self.buffers is not None:  # the layer's buffers into the fixed ones, the fresh ones freed at once
-            self.buffers.adopt(self, layer)
-
-    # ------------------------------------------------------------------ decode (compiled by generate)
-    def _decode(self, layer, q, k, v, hidden) -> Tensor:
-        B, Hq, _, D = q.shape
-        R = layer.seg.shape[1]
-        G = Hq // (R // B)
+        if not layer.ready:  # the padding from transformers' mask, read at the first layer
+            B, _, N, _ = query.shape
+            pads = None if self.prompt_lengths is not None else _left_padding(attention_mask, B, N, query.device)
+            return self._prefill(layer, query, k, v, hidden, pads)
         pos = (layer.cumulative_length - 1).reshape(1)  # the new token's position (padding included)
-        y, size = self.rule.step(layer.context, layer, self.cores[layer.layer_idx], q.reshape(R, G, D),
-                                 k.reshape(R, D), v.reshape(R, D), pos, hidden.reshape(B, -1))  # fmt: skip
-        if self.track:
-            layer.record(size)
-        return y.reshape(B, Hq, 1, D)
-
-    # ------------------------------------------------------------------ measurements
-    # the engine's measurements (`nats.cache.engine.EngineLayer`), per layer, sequence and KV head
-    def _per_layer(self, values) -> Tensor:
-        return torch.stack([v.view(layer.batch_size, layer.n_kv_head, *v.shape[1:]) for layer, v in values])
-
-    def kept(self) -> Tensor:
-        """Tokens held now per layer, sequence and KV head, ``[n_layer, B, Hkv]``."""
-        return self._per_layer((layer, layer.kept()) for layer in self.layers)
-
-    def fractions(self) -> dict[str, Tensor]:
-        """Area and peak fractions (spec section 6) over each row's real tokens so far, ``[n_layer, B, Hkv]``."""
-        if not self.track:
-            raise RuntimeError("StaticPolicyCache: made with track=False, it has no area / peak record")
-        per = [(layer, layer.fractions()) for layer in self.layers]
-        return {key: self._per_layer((layer, f[key]) for layer, f in per) for key in ("area", "peak")}
-
-    def type_fractions(self) -> Tensor:
-        """NAtS: fractions of global, local and sliding tokens so far (the prompt's real tokens and the decoded
-        ones), float64 ``[n_layer, B, Hkv, 3]``; counted while tracking."""
-        if not self.track:
-            raise RuntimeError("StaticPolicyCache: made with track=False, it has no type counts")
-        return self._per_layer((layer, layer.type_fractions()) for layer in self.layers)
-
-    def kv_nbytes(self) -> int:
-        """Bytes of the key/value buffers (pools and rings) allocated now."""
-        return sum(layer.kv_nbytes() for layer in self.layers if layer.ready)
-
-    def nbytes(self) -> int:
-        """Bytes of every buffer the layers allocated (keys, values, bookkeeping, the rule's and the tracking's)."""
-        return sum(layer.nbytes() for layer in self.layers if layer.ready)
-
-    def kept_nbytes(self) -> int:
-        """Bytes of the keys and values of the tokens held now."""
-        return sum(layer.kept_nbytes() for layer in self.layers if layer.ready)
-
-    def overflowed(self) -> bool:
-        """True if more tokens were decoded than ``max_new_tokens`` planned (see Overflow in the module docstring)."""
-        layer = self.layers[0]
-        return layer.ready and int(layer.cumulative_length) - layer.prompt_width > self.max_new_tokens
+        return self._decode(layer, query, k, v, hidden, pos)
 
 
 def _left_padding(attention_mask: Tensor | None, B: int, N: int, device) -> Tensor:
