@@ -454,6 +454,21 @@ def test_eval_hf_checks_its_inputs_before_the_model_loads(args, needle, tmp_path
         E.run(cfg)
 
 
+def _print_help(script: str, tmp_path, monkeypatch) -> None:
+    """``<script> --help``, in-process (its text goes to the captured stdout)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PROJECT_ROOT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    GlobalHydra.instance().clear()
+    try:
+        importlib.import_module(SCRIPTS[script]).main()
+    except SystemExit as exit_:
+        assert exit_.code in (None, 0)
+    GlobalHydra.instance().clear()
+
+
 def _listed_groups(text: str) -> dict[str, list[str]]:
     """group -> options of the "== Config groups" section of a --help text."""
     section = text.split("== Config groups")[1].split("\n", 1)[1].split("\n\n")[0]
@@ -465,22 +480,13 @@ def _listed_groups(text: str) -> dict[str, list[str]]:
 def test_help_lists_the_config_groups_the_script_uses(script, tmp_path, monkeypatch, capfd):
     """--help lists exactly the config groups the script's config composes, with all their options: a listed group
     takes an option (group=option composes), every other group of conf/ does not (the config has no such group)."""
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import ConfigCompositionException
 
     from conftest import REPO, compose
 
     config = {"nats-train": "train", "nats-eval": "eval", "nats-eval-hf": "eval_hf", "nats-generate": "generate"}
     config_name = config.get(script, "prepare")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PROJECT_ROOT", str(tmp_path))
-    monkeypatch.setattr(sys, "argv", [script, "--help"])
-    GlobalHydra.instance().clear()
-    try:
-        importlib.import_module(SCRIPTS[script]).main()
-    except SystemExit as exit_:
-        assert exit_.code in (None, 0)
-    GlobalHydra.instance().clear()
+    _print_help(script, tmp_path, monkeypatch)
     listed = _listed_groups(capfd.readouterr().out)
     assert listed, "no config groups listed"
     every = sorted(
@@ -533,17 +539,7 @@ def test_every_console_script_goes_through_the_boundary():
 def test_help_says_what_the_script_does(script, tmp_path, monkeypatch, capfd):
     """--help (Hydra's help template, conf/hydra/help/): what it does, its main settings and three examples
     (nats-train's: a common override, resume=, an experiment config), not "powered by Hydra"."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PROJECT_ROOT", str(tmp_path))
-    monkeypatch.setattr(sys, "argv", [script, "--help"])
-    GlobalHydra.instance().clear()
-    try:
-        importlib.import_module(SCRIPTS[script]).main()
-    except SystemExit as exit_:
-        assert exit_.code in (None, 0)
-    GlobalHydra.instance().clear()
+    _print_help(script, tmp_path, monkeypatch)
     text = capfd.readouterr().out
     assert text.startswith(f"{script}: "), text[:300]
     assert "powered by Hydra" not in text and "== Main settings" in text

