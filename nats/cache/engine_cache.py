@@ -88,7 +88,7 @@ class EngineCache:
             check_budget_value(budget, "each row's prompt")
         except ValueError as err:
             raise ValueError(f"{who}: {err}") from None
-        self.budget, self.options = budget, dict(options)
+        self.budget = budget
         self.reserve, self.track, self.backend, self.who = reserve, track, backend, who
         if prefill_kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"{who}: prefill_kernel must be 'auto', 'torch' or 'triton', got {prefill_kernel!r}")
