@@ -6,26 +6,31 @@
 
 GPT-2-small shapes (12 layers, 12 heads, d = 768, head dim 64, vocab 50304) with random weights in bf16, a NAtS
 attention core (W = 16) whose scorer types the decoded tokens, block_size = the longest prompt + the decoded
-tokens (RoPE tables cover every position). For each prompt length L and policy the caches are filled directly
-with synthetic keys/values for the L prompt tokens (no prefill compute), planned for the tokens that will be
-decoded (``reserve``, as `generate` does), then `--warmup` + `--steps` tokens are decoded greedily, one step
-being the model's forward with the caches (`nats.cache.decode.decode_step`), timed with CUDA events over the
-`--steps` after the warm-up:
+tokens (RoPE tables cover every position). For each prompt length L and policy the cache (one
+`nats.cache.engine_cache.EngineCache` over the layers) is filled by its own prefill with synthetic queries, keys
+and values for the L prompt tokens (`fill`: each layer's attention over the prompt and what the policy keeps of it,
+without the model's dense work; H2O's prefill is its exact sequential rule, slow at long prompts), planned for the
+tokens that will be decoded (``reserve``, as `generate` does), then `--warmup` + `--steps` tokens are decoded
+greedily, one step being the model's forward with the cache (`nats.cache.decode.decode_step`), timed with CUDA
+events over the `--steps` after the warm-up:
 
-* `full`: every key (Triton pool kernel); `full (sdpa)`: every key through torch SDPA/FlashAttention on a
-  contiguous cache, eager only (the usual implementation; its shapes grow, so it cannot be captured);
+* `full`: every key (Triton pool kernel); `full (sdpa)`: every key through torch SDPA/FlashAttention over the
+  rows' segments of the same pool viewed as a contiguous cache, eager only (the usual implementation; its shapes
+  grow, so it cannot be captured);
 * `nats`: synthetic types near 10 % density: per KV head a global rate drawn from U(0.05, 0.13), locals at
   rate 0.03, the rest sliding (token 0 global), for the prompt and for the decoded tokens; head sizes therefore
-  differ. The scorer still runs in every step: the append kernel computes its logits and then takes the synthetic
-  type, read from a table at the device position (the cache's ``type_table``, `nats.cache.policies.nats.TypeTable`),
-  so the step launches no extra kernel;
+  differ. The types are the cache's ``type_table`` (`nats.cache.policies.nats.TypeTable`) of every position, which
+  the prefill applies to the prompt and each step reads at the device position. The scorer still runs in every
+  step: the append kernel computes its logits and then takes the synthetic type, so the step launches no extra
+  kernel;
 * `streaming_llm` and `h2o` with a budget of NAtS' kept share of L after the prompt (the mean over layers,
   sequences and KV heads; `--budget-frac` sets another share).
 
 "graph" rows decode through `nats.cache.decode.GraphDecoder`, as `generate` does on CUDA: the first warm-up step
 runs eagerly, the second captures the step in a CUDA graph, later steps replay it (host work between replays:
-each cache's `maintain()`; a reallocation would re-capture, and is counted: `re-captures`, captures after the
-warm-up, should be 0; `reallocations` reads NAtS' `compactions`, the other policies here never reallocate).
+the cache's `maintain()`; a reallocation would re-capture, and is counted: `re-captures`, captures after the
+warm-up, should be 0; `reallocations`: the cache's pool growths during the timed steps, `EngineCache.reallocations`,
+0 within the reserve).
 "eager" rows run the same step in Python. Memory: bytes the caches have allocated (keys, values and metadata), the
 bytes of the keys and values of the tokens they hold, and the ratio. Speed: ms per
 decode step (batch `--batch`), tokens/s, the time relative to the fastest `full` row and to the
@@ -58,34 +63,38 @@ import torch.nn.functional as F
 
 from nats import functional as NF
 from nats.cache import roofline
-from nats.cache.base import LayerCache
 from nats.cache.decode import GraphDecoder, decode_step, make_caches, policy_logits, prefill
-from nats.cache.policies.full import FullCache
+from nats.cache.engine import write_kv
+from nats.cache.engine_cache import EngineCache
+from nats.cache.policies.full import FullRule
 from nats.cache.policies.nats import TypeTable
 from nats.models.gpt import GPT, GPTConfig, decode_settings
 
 PROFILE_STEPS = 16  # decode steps under the profiler after a row's timed ones (--profile)
 
 
-class FullSDPACache(FullCache):
-    """`full` through torch SDPA (FlashAttention) over the grown prefix: eager only (shapes grow). A baseline of
-    this benchmark, passed to `make_caches` as a class (`policy_class`); not in the library's cache registry."""
+class FullSDPARule(FullRule):
+    """`full` through torch SDPA (FlashAttention) over the grown prefix: eager only (shapes grow). The rows of an
+    unpadded `full` cache have equal capacities, so the pool's first ``R * cap`` slots are a contiguous cache
+    ``[B, Hkv, cap, D]``; a step appends the token as `full` does and attends over the first ``t + 1`` keys. A
+    baseline of this benchmark (`make_cache` puts it in a `full` cache), not in the library's cache registry."""
 
     name = "full_sdpa"
-    graph_safe = False
 
-    def step(self, q, k, v, x, pos):
-        self.k.index_copy_(2, pos, k)
-        self.v.index_copy_(2, pos, v)
-        self.length.add_(1)
-        self.t += 1
-        return F.scaled_dot_product_attention(
-            q, self.k[:, :, : self.t], self.v[:, :, : self.t], enable_gqa=q.shape[1] != k.shape[1]
-        )
+    def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
+        R, G, D = qr.shape
+        B, Hkv = layer.batch_size, layer.n_kv_head
+        cap = int(layer.cap[0])  # host reads: eager only
+        write_kv(layer.kv_pool, layer.start + layer.length, kr, vr)
+        layer.length.add_(1)
+        n = layer.t + 1  # the keys so far: the prompt and the tokens decoded, this one included
+        kv = layer.kv_pool[:, : R * cap].view(2, B, Hkv, cap, D)[:, :, :, :n]
+        y = F.scaled_dot_product_attention(qr.reshape(B, Hkv * G, 1, D), kv[0], kv[1], enable_gqa=G != 1)
+        return y.reshape(R, G, D), layer.length
 
 
 # ----------------------------------------------------------------------------------------------------
-# synthetic prompts written into the caches
+# synthetic prompts through the cache's prefill
 # ----------------------------------------------------------------------------------------------------
 def head_rates(H: int, gen: torch.Generator, device) -> torch.Tensor:
     """Per KV head global rate in [0.05, 0.13] (head sizes differ)."""
@@ -104,71 +113,54 @@ def synthetic_types(
     return types
 
 
-BASELINES = {"full_sdpa": FullSDPACache}  # the benchmark's own policies (the library's registry has the others)
-
-
-def policy_class(policy: str) -> str | type[LayerCache]:
-    """What `make_caches` takes for a benchmark policy name: the benchmark's own class, else the registered name."""
-    return BASELINES.get(policy, policy)
+BASELINES = {"full_sdpa": FullSDPARule}  # the benchmark's own policies (the library's registry has the others)
 
 
 def type_table(types: torch.Tensor, first_pos: int) -> TypeTable:
     """Synthetic types [B, H, T] of the positions first_pos..first_pos + T - 1 as a NAtS cache's ``type_table``
-    (rows r = b * H + h): the steps take them in place of the scorer's, which still runs (its cost stays in the
-    step; the fused step reads the table in its append kernel, no extra launch)."""
+    (rows r = b * H + h): the prefill and the steps take them in place of the scorer's, which still runs (its cost
+    stays in the step; the fused step reads the table in its append kernel, no extra launch)."""
     B, H, T = types.shape
     return TypeTable(types.permute(2, 0, 1).reshape(T, B * H), first_pos)
 
 
-def reallocations(caches) -> int:
-    """The caches' storage reallocations so far: NAtS' ``compactions`` (its only reallocation); a policy without
-    that counter must keep `LayerCache.maintain`, which never reallocates."""
-    total = 0
-    for c in caches:
-        if hasattr(c, "compactions"):
-            total += c.compactions
-        elif type(c).maintain is not LayerCache.maintain:
-            raise TypeError(f"{type(c).__name__} overrides maintain() but counts no reallocations (compactions)")
-    return total
+def make_cache(model, policy: str, batch: int, max_len: int, **kw) -> EngineCache:
+    """`make_caches` for a benchmark policy: a registered one, or the benchmark's own rule (`BASELINES`) put in the
+    cache of the policy it derives from before anything is filled."""
+    own = BASELINES.get(policy)
+    if own is None:
+        return make_caches(model, policy, batch, max_len, **kw)
+    cache = make_caches(model, own.__mro__[1].name, batch, max_len, **kw)
+    rule = own.rule(**cache.rule.options)
+    cache.rule = rule
+    for layer in cache.layers:
+        layer.rule = rule
+    return cache
 
 
-def fill(caches, policy: str, L: int, gen: torch.Generator, types: torch.Tensor | None) -> None:
-    """The state after L prompt tokens with random keys/values (no compute)."""
-    for c in caches:
-        dev, dt = c.device, c.dtype
-        if policy in ("full", "full_sdpa"):
-            c.k[:, :, :L].normal_(generator=gen)
-            c.v[:, :, :L].normal_(generator=gen)
-            c.length.fill_(L)
-        elif policy == "streaming_llm":
-            c.k.normal_(generator=gen)
-            c.v.normal_(generator=gen)
-            c.length.fill_(c.budget)
-        elif policy == "h2o":
-            c.k.normal_(generator=gen)
-            c.v.normal_(generator=gen)
-            B = c.budget
-            old = torch.randperm(L - c.recent, generator=gen, device=dev)[: B - c.recent].sort().values
-            recent = torch.arange(L - c.recent, L, device=dev)
-            c.slot_pos.copy_(torch.cat([old, recent]).expand(c.rows, B))
-            c.score.uniform_(0, 1, generator=gen)
-        elif policy == "nats":
-            shape = (c.batch, c.n_kv_head, L, c.head_dim)
-            k = torch.randn(shape, generator=gen, device=dev, dtype=dt)
-            v = torch.randn(shape, generator=gen, device=dev, dtype=dt)
-            c.load(k, v, types)
-            del k, v
-        else:
-            raise ValueError(policy)
-        c.t = L
+@torch.no_grad()
+def fill(cache: EngineCache, model, B: int, L: int, gen: torch.Generator) -> None:
+    """The state after L prompt tokens of B sequences through the cache's own prefill, layer by layer, with random
+    queries, keys and values (and block inputs for NAtS' scorer; the types come from the cache's ``type_table``):
+    each layer's attention over the prompt and what its policy keeps, without the model's dense work."""
+    cfg = model.config
+    Hq, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    p = next(model.parameters())
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device=p.device, dtype=p.dtype)  # noqa: E731
+    for i in range(len(cache)):
+        q, k, v = rand(B, Hq, L, D), rand(B, Hkv, L, D), rand(B, Hkv, L, D)
+        hidden = rand(B, L, cfg.n_embd) if cache.policy_cls.requires_core is not None else None
+        cache.attend(i, q, k, v, hidden)
+        del q, k, v, hidden
 
 
 # ----------------------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------------------
 def nats_kept_share(types: torch.Tensor, window: int) -> float:
-    """The share of the L prompt tokens the NAtS cache keeps after them (as `NAtSCache.load`): every global,
-    the locals after the row's last global, the sliding tokens of the last W - 1 positions; mean over rows."""
+    """The share of the L prompt tokens the NAtS cache keeps after them (as its prefill: every global and the
+    locals after the row's last global, `nats.cache.policies.nats.kept_after_prompt`, and in its ring the sliding
+    tokens of the last W - 1 positions); mean over rows."""
     L = types.shape[-1]
     pos = torch.arange(L, device=types.device)
     isg = types == NF.TOKEN_GLOBAL
@@ -206,12 +198,12 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
     total = L + args.warmup + args.steps + profiled + 1
     gen = torch.Generator(device=dev).manual_seed(0)
     options = {}
-    if policy == "nats":  # decoded tokens get synthetic types from the prompt's per-head rates too
+    if policy == "nats":  # the prompt's types, then the decoded tokens' from the prompt's per-head rates too
         later = synthetic_types(B, types.shape[1], total - L, gen, dev, rate=rates, first_global=False)
-        options["type_table"] = type_table(later, L)
-    caches = make_caches(
+        options["type_table"] = type_table(torch.cat([types, later], -1), 0)
+    cache = make_cache(
         model,
-        policy_class(policy),
+        policy,
         B,
         total,
         budget=budget,
@@ -221,9 +213,9 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
         reserve=args.warmup + args.steps + profiled,
         **options,
     )
-    fill(caches, policy, L, gen, types)
+    fill(cache, model, B, L, gen)
     token = torch.randint(0, model.config.vocab_size, (B,), device=dev)
-    dec = GraphDecoder(model, caches, inductor=args.inductor) if graph else None
+    dec = GraphDecoder(model, cache, inductor=args.inductor) if graph else None
     pos = dec.pos if graph else torch.full((1,), L, dtype=torch.long, device=dev)
 
     def step(i: int) -> None:
@@ -231,28 +223,24 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
         if graph:
             logits = dec(token, L + i)
         else:
-            logits = decode_step(model, caches, token, pos)
+            logits = decode_step(model, cache, token, pos)
             pos.add_(1)
         token = logits.argmax(-1)
 
     for i in range(args.warmup):
         step(i)
-    captures0, realloc0 = dec.captures if graph else 0, reallocations(caches)
-    compactions0 = sum(getattr(c, "compactions", 0) for c in caches)
+    captures0, realloc0 = dec.captures if graph else 0, cache.reallocations()
     timer = Timer(dev)
     timer.start()
     for i in range(args.warmup, args.warmup + args.steps):
         step(i)
     ms = timer.ms() / args.steps
     steps = profile_steps(step, args, L, policy, graph) if args.profile else None
-    alloc = sum(c.nbytes() for c in caches)
-    kv_alloc = sum(c.kv_nbytes() for c in caches)
-    kept = sum(c.kept_nbytes() for c in caches)
-    peak_alloc = sum(getattr(c, "max_nbytes", c.nbytes()) for c in caches)
+    alloc, kv_alloc, kept, peak_alloc = cache.nbytes(), cache.kv_nbytes(), cache.kept_nbytes(), cache.peak_nbytes()
     weights = roofline.weight_bytes(model, B)
-    elem = torch.empty((), dtype=caches[0].dtype).element_size()
+    elem = cache.layers[0].kv_pool.element_size()
     cfg = model.config
-    full = weights + roofline.kv_bytes(cfg.n_layer, B * cfg.n_kv_head, caches[0].t, cfg.head_dim, elem)
+    full = weights + roofline.kv_bytes(cfg.n_layer, B * cfg.n_kv_head, cache.t, cfg.head_dim, elem)
     nbytes = weights + kept
     bw = getattr(args, "bandwidth", {}) or {}
     row = {
@@ -267,18 +255,14 @@ def bench_one(model, policy: str, L: int, args, graph: bool, types, rates, budge
         "kept_MB": kept / 2**20,
         "alloc_over_kept": alloc / kept,
         "peak_alloc_over_kept": peak_alloc / kept,
-        "kept_share": kept
-        / (len(caches) * B * model.config.n_kv_head * model.config.head_dim * 2)
-        / caches[0].t
-        / torch.empty((), dtype=caches[0].dtype).element_size(),
+        "kept_share": kept / (len(cache) * B * cfg.n_kv_head * cfg.head_dim * 2) / cache.t / elem,
         "recaptures": dec.captures - captures0 if graph else None,
-        "reallocations": reallocations(caches) - realloc0,
-        "compactions": sum(getattr(c, "compactions", 0) for c in caches) - compactions0,
+        "reallocations": cache.reallocations() - realloc0,
         **roofline.step_stats(nbytes, B * 1000.0 / ms, B, bw.get("measured"), bw.get("datasheet")),
         "bound_vs_full": nbytes / full,
         "profile": None if steps is None else {k: steps[k] for k in ("kernels_per_step", "span_us", "busy_us")},
     }
-    return row  # the caches and the graph are freed with this frame (the caller empties the CUDA cache)
+    return row  # the cache and the graph are freed with this frame (the caller empties the CUDA cache)
 
 
 def profile_steps(step, args, L: int, policy: str, graph: bool) -> dict | None:
@@ -341,19 +325,18 @@ def verify(inductor: dict | None = None) -> list[str]:
     for b, w in zip(model.blocks, saved):
         b.attn.core.scorer.weight.copy_(w)
     refs = {"nats": ref_nats, "full": ref_full}
-    for policy in ("nats", "full"):
-        opts = {"check_every": 4} if policy == "nats" else {}
-        out, _ = policy_logits(model, idx, policy, sequential=True, prefill_len=16, backend="triton", **opts)
+    for policy in ("nats", "full"):  # no reserve: the pools grow while decoding
+        out, _ = policy_logits(model, idx, policy, sequential=True, prefill_len=16, backend="triton")
         lines.append(
             f"verify {policy:13s} eager triton decode vs parallel forward: max |diff| = "
             f"{(out - refs[policy]).abs().max().item():.2e}"
         )
-    # graph replays with teacher forcing: planned caches (reserve: 1 capture), and nats with a small reserve
-    # (overflow: compactions, re-captures)
+    # graph replays with teacher forcing: planned caches (reserve: 1 capture), and nats without a reserve (its
+    # pools grow: reallocations, re-captures)
     P = 16
     for policy, opts in (
         ("nats", {"reserve": 80 - P}),
-        ("nats", {"reserve": 2, "check_every": 2}),
+        ("nats", {}),
         ("full", {}),
         ("streaming_llm", {}),
         ("h2o", {}),
@@ -369,9 +352,10 @@ def verify(inductor: dict | None = None) -> list[str]:
             outs.append(dec(idx[:, i], i).clone())
             eager.append(decode_step(model, eager_caches, idx[:, i], i))
         diff = (torch.stack(outs) - torch.stack(eager)).abs().max().item()
-        name = f"{policy} {opts.get('reserve', '')}".strip()
+        name = f"{policy} {opts.get('reserve', 'grows')}" if policy == "nats" else policy
         lines.append(
-            f"verify {name:13s} CUDA-graph replay vs eager decode: max |diff| = {diff:.2e} ({dec.captures} captures)"
+            f"verify {name:13s} CUDA-graph replay vs eager decode: max |diff| = {diff:.2e} ({dec.captures} captures, "
+            f"{caches.reallocations()} reallocations)"
         )
         if policy in ("nats", "full"):
             d = (torch.stack(outs, 1) - refs[policy][:, P:]).abs().max().item()
@@ -383,8 +367,8 @@ def verify(inductor: dict | None = None) -> list[str]:
 def table(rows: list[dict], meta: dict) -> str:
     out = [
         f"Decode benchmark on {meta['device']}: {meta['model']}, random weights, {meta['dtype']}, batch "
-        f"{meta['batch']}, {meta['steps']} timed greedy decode steps after {meta['warmup']} warm-up steps, prompt "
-        f"written into the cache. NAtS: synthetic types (per-head global rate U(0.05, 0.13), locals 0.03, rest "
+        f"{meta['batch']}, {meta['steps']} timed greedy decode steps after {meta['warmup']} warm-up steps, synthetic "
+        f"prompt prefilled by the cache. NAtS: synthetic types (per-head global rate U(0.05, 0.13), locals 0.03, rest "
         f"sliding, W = {meta['window']}); streaming_llm / h2o budget = {meta['budget_rule']}. torch {meta['torch']}.",
         "",
         f"Bandwidth: {meta['bandwidth_gbps']:.0f} GB/s measured (a device-to-device copy, read + write), data sheet "
@@ -392,7 +376,7 @@ def table(rows: list[dict], meta: dict) -> str:
         "",
         "| prompt L | policy | mode | budget | kept share | ms / step | tokens/s | vs full | bytes' bound | step MB | "
         "GB/s | of measured BW | of data sheet | vs streaming_llm | cache MB (alloc) | kept KV MB | alloc / kept | "
-        "compactions | re-captures |",
+        "reallocations | re-captures |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     best_full, stream = {}, {}
@@ -411,7 +395,7 @@ def table(rows: list[dict], meta: dict) -> str:
             f"| {r['L']} | {r['policy']} | {r['mode']} | {r['budget'] or '-'} | {r['kept_share']:.3f} | "
             f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | {rel:.2f}x | {bound} | {r['step_gb'] * 1e3:.1f} | "
             f"{r['achieved_gbps']:.4g} | {shares[0]} | {shares[1]} | {srel:.2f}x | {r['alloc_MB']:.1f} | "
-            f"{r['kept_MB']:.1f} | {r['alloc_over_kept']:.3f} | {r['compactions']} | {rec} |"
+            f"{r['kept_MB']:.1f} | {r['alloc_over_kept']:.3f} | {r['reallocations']} | {rec} |"
         )
     out.append("")
     out.append(
@@ -419,8 +403,9 @@ def table(rows: list[dict], meta: dict) -> str:
         "`streaming_llm` row of the same mode and L. `kept share`: tokens held after the last step over tokens "
         "processed. `alloc / kept`: bytes the caches allocated (keys, values, metadata) over the bytes of the keys "
         "and values of the tokens they hold after the last step. `re-captures`: CUDA-graph captures during the "
-        "timed steps (storage reallocated). `step MB`: the bytes a step reads (the weights + the kept keys and "
-        "values); `GB/s`: step MB / step time; `bytes' bound`: the smallest `vs full` those bytes allow (the row's "
+        "timed steps (storage reallocated); `reallocations`: the pools' growths during them. `step MB`: the bytes a "
+        "step reads (the weights + the kept keys and values); `GB/s`: step MB / step time; `bytes' bound`: the "
+        "smallest `vs full` those bytes allow (the row's "
         "bytes / a full cache's)."
     )
     return "\n".join(out) + "\n"

@@ -28,7 +28,8 @@ tokens (``--scorers``: a fine-tuned scorer file, whose types are then used as th
   way, but waits for the GPU at every token before its host work for the next);
 * ``nats_torch_prefill``: ``nats`` whose prefill writes the cache with PyTorch operations
   (``prefill_kernel="torch"``, the reference) instead of the default two fused Triton launches per layer;
-* ``policy_nats``: the older `nats.hf.PolicyCache` (per-layer Python per token; not compiled), for reference;
+* ``policy_nats``: the same NAtS cache without a planned number of new tokens (``max_new_tokens=None``: eager steps,
+  the pool grown where a row fills; not compiled), for reference;
 * ``sdpa_static``, ``flex_static``: the full cache a strong engineer would write, gpt-fast style
   (`benchmarks/gptfast_decode.py`: a hand-written decode loop over the same model's modules, static buffers, each
   KV head read once for its query group, no decode mask): SDPA over the positions so far (compiled, length
@@ -189,7 +190,7 @@ def cache_maker(model, method: str, P: int, n_new: int, kept: float | None, batc
     (``serving``: ``row_slots`` and ``buffers`` for the project's fixed-capacity caches, `nats.hf.buffers`)."""
     from transformers import DynamicCache, StaticCache
 
-    from nats.hf import PolicyCache, StaticPolicyCache
+    from nats.hf import StaticPolicyCache
 
     budget = None if kept is None else max(8, int(kept * P))
     fast = []  # a gpt-fast-style decoder is made once and reused: its compiled step and CUDA graphs stay valid
@@ -205,7 +206,7 @@ def cache_maker(model, method: str, P: int, n_new: int, kept: float | None, batc
         if method == "static":
             return StaticCache(config=model.config, max_cache_len=P + n_new)
         if method == "policy_nats":
-            return PolicyCache(model, "nats", max_len=P + n_new, track=False)
+            return StaticPolicyCache(model, "nats", max_len=P + n_new, track=False)
         policy = method.removeprefix("hf_")
         extra = {"budget": budget} if policy == "streaming_llm" else {}
         if method == "nats_torch_prefill":
@@ -270,7 +271,9 @@ def generate(model, prompt: torch.Tensor, cache, n: int, compile_config=None, me
 
     if type(cache).__name__ == "GptFastDecoder":  # its own decode loop
         return cache.generate(prompt, n, on_prefill=on_prefill)
-    if isinstance(cache, StaticPolicyCache) and method is not None and not method.startswith("hf_"):
+    # a cache made without a number of new tokens (policy_nats: eager steps) goes through model.generate
+    planned = isinstance(cache, StaticPolicyCache) and cache.max_new_tokens is not None
+    if planned and method is not None and not method.startswith("hf_"):
         return loop(model, prompt, cache, n, on_prefill=on_prefill, inductor=inductor)
     extra = {} if compile_config is None else {"compile_config": compile_config}
     if on_prefill is not None:
@@ -338,7 +341,7 @@ def timed_request(model, prompt: torch.Tensor, make_cache, n_new: int, method: s
 def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | None, static_prefill=None) -> dict:
     """One row; ``static_prefill``: a function timing one StaticCache prefill of the same prompt, called before each
     of this row's timed prefills (the row's prefill ratio then compares timings taken side by side)."""
-    from nats.hf import CacheBuffers, PolicyCache, StaticPolicyCache
+    from nats.hf import CacheBuffers, StaticPolicyCache
     from nats.hf.loop import compiled_graphs, cudagraph_recordings
 
     B, P = prompt.shape
@@ -375,7 +378,7 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     extra = {"static_prefill_s": statistics.median(beside)} if beside else {}
     if hasattr(cache, "kept"):  # [n_layer, B, Hkv] tokens held: how even the rows each layer's attention reads are
         held = cache.kept().double().flatten(1)
-        if isinstance(cache, (StaticPolicyCache, PolicyCache)):
+        if isinstance(cache, StaticPolicyCache):
             share = float(held.mean()) / seen
         uneven = float((held.amax(1) / held.mean(1).clamp_min(1)).mean())  # a layer's longest row over its mean
         extra["row_kept"] = {"min": float(held.min()), "mean": float(held.mean()), "max": float(held.max()),

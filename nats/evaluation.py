@@ -227,7 +227,7 @@ def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar,
         rows = chunk_rows(xb.shape[1], model.config.vocab_size)
         for x, y in zip(xb.split(rows), yb.split(rows)):
             x, y = x.to(device), y.to(device)
-            logits, caches = policy_logits(
+            logits, cache = policy_logits(
                 model,
                 x,
                 run["cls"],
@@ -242,13 +242,12 @@ def _run_one(model: GPT, run: dict[str, Any], loader, device, backend: str, bar,
             del logits
             tokens += y.numel()
             windows += x.shape[0]
-            fr = [c.fractions() for c in caches]
-            a = torch.stack([f["area"].sum(0) for f in fr]).cpu()  # [L, Hkv], summed over the batch
-            p = torch.stack([f["peak"].sum(0) for f in fr]).cpu()
+            fr = cache.fractions()  # [L, B, Hkv] each
+            a, p = fr["area"].sum(1).cpu(), fr["peak"].sum(1).cpu()  # [L, Hkv], summed over the batch
             area = a if area is None else area + a
             peak = p if peak is None else peak + p
-            if hasattr(caches[0], "type_fractions"):
-                t = torch.stack([c.type_fractions().sum(0) for c in caches]).cpu()  # [L, Hkv, 3]
+            if cache.counts_types():
+                t = cache.type_fractions().sum(1).cpu()  # [L, Hkv, 3]
                 types = t if types is None else types + t
         bar.update(1)
     area, peak = area / windows, peak / windows

@@ -43,9 +43,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nats.cache import decode
-from nats.cache.base import LayerCache
 from nats.cache.budget import resolve_budget
 from nats.cache.decode import check_graph, check_model
+from nats.cache.engine_cache import EngineCache
 from nats.cache.registry import available_caches, get_cache_class
 from nats.cli import check_hf_model, check_local_model, check_override_syntax, hydra_quoted, hydra_script
 from nats.utils import atomic_write, resolve_device
@@ -64,32 +64,32 @@ _MODEL_HINT = (
 # ----------------------------------------------------------------------------------------------------
 # decoding
 # ----------------------------------------------------------------------------------------------------
-def cache_stats(caches: list[LayerCache]) -> dict[str, Any]:
-    """What the caches hold after decoding, averaged over layers, KV heads and sequences: `kept` KV entries per
+def cache_stats(cache: EngineCache) -> dict[str, Any]:
+    """What the cache holds after decoding, averaged over layers, KV heads and sequences: `kept` KV entries per
     layer and KV head (and the largest), `kv_fraction` = kept / tokens processed, the `area` and `peak` fractions
     over the decode, `kept_bytes` (keys and values of the kept entries, all layers and sequences) against
     `full_bytes` (what keeping everything would hold), `allocated_bytes`; for nats `type_fractions`."""
-    n = caches[0].t
-    kept = torch.stack([c.kept().to(torch.float64) for c in caches])  # [L, B, Hkv]
-    fr = [c.fractions() for c in caches]
-    c0 = caches[0]
-    elem = torch.empty((), dtype=c0.dtype).element_size()
+    n = cache.t
+    kept = cache.kept().to(torch.float64)  # [L, B, Hkv]
+    fr = cache.fractions()
+    L, B, Hkv = kept.shape
+    pool = cache.layers[0].kv_pool
     out = {
         "processed": n,
-        "layers": len(caches),
-        "kv_heads": c0.n_kv_head,
-        "sequences": c0.batch,
+        "layers": L,
+        "kv_heads": Hkv,
+        "sequences": B,
         "kept": float(kept.mean()),
         "kept_max": int(kept.max()),
         "kv_fraction": float(kept.mean()) / n,
-        "area": float(torch.stack([f["area"] for f in fr]).mean()),
-        "peak": float(torch.stack([f["peak"] for f in fr]).mean()),
-        "kept_bytes": sum(c.kept_nbytes() for c in caches),
-        "full_bytes": len(caches) * c0.rows * n * 2 * c0.head_dim * elem,
-        "allocated_bytes": sum(c.nbytes() for c in caches),
+        "area": float(fr["area"].mean()),
+        "peak": float(fr["peak"].mean()),
+        "kept_bytes": cache.kept_nbytes(),
+        "full_bytes": L * B * Hkv * n * 2 * pool.shape[-1] * pool.element_size(),
+        "allocated_bytes": cache.nbytes(),
     }
-    if all(hasattr(c, "type_fractions") for c in caches):
-        t = torch.stack([c.type_fractions() for c in caches]).mean(dim=(0, 1, 2))  # [3]
+    if cache.counts_types():
+        t = cache.type_fractions().mean(dim=(0, 1, 2))  # [3]
         out["type_fractions"] = dict(zip(("global", "local", "sliding"), (float(v) for v in t)))
     return out
 

@@ -10,16 +10,19 @@ import pytest
 import torch
 
 from nats import functional as NF
-from nats.cache import available_caches, generate, make_caches, policy_logits
+from nats.attention.nats import NAtSAttention
+from nats.attention.registry import AttentionDims
+from nats.cache import available_caches, generate, get_cache_class, make_caches, policy_logits
 from nats.cache.attention import torch_pool_attention
-from nats.cache.decode import decode_step
-from nats.cache.policies.h2o import H2OCache
+from nats.cache.decode import prefill
+from nats.cache.engine import EngineLayer, RuleContext
 from nats.cache.policies.h2o_dense import h2o_dense_mask
-from nats.cache.policies.nats import NAtSCache, TypeTable
-from nats.cache.policies.streaming_llm import StreamingLLMCache, streaming_mask
+from nats.cache.policies.nats import TypeTable, scorer_types
+from nats.cache.policies.streaming_llm import streaming_mask
 from nats.models.gpt import GPT, GPTConfig
 
 V = 61
+C = 8  # the block input of the NAtS layers driven directly (their scorer's input)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -69,24 +72,46 @@ def onehot_probe(R: int, N: int, G: int = 1):
     return q, k, v
 
 
-def step_all(cache, q, k, v, types=None):
-    """Step a cache over N positions with per-row q [R, G, N, D], k/v [R, N, D]; returns out [R, G, N, D]."""
+def type_table(types: torch.Tensor, first_pos: int = 0) -> TypeTable:
+    """The TypeTable giving types ``[B, Hkv, T]`` to positions ``first_pos ..``: rows r = b * Hkv + h."""
+    B, H, T = types.shape
+    return TypeTable(types.permute(2, 0, 1).reshape(T, B * H), first_pos)
+
+
+def nats_core(H: int, G: int, D: int, window: int, dtype=torch.float64, device="cpu") -> NAtSAttention:
+    """A NAtS scorer of H KV heads (G query heads each) and head dim D, with random weights."""
+    torch.manual_seed(0)
+    dims = AttentionDims(n_embd=C, n_head=H * G, n_kv_head=H, head_dim=D, block_size=256, layer_idx=0, n_layer=1)
+    return NAtSAttention(dims, window=window, backend="reference").to(device, dtype).eval()
+
+
+def new_layer(policy: str, core=None, backend: str = "torch", reserve: int | None = None, **options) -> EngineLayer:
+    """One layer of the engine driven directly; without a reserve its pool grows as the steps need
+    (`EngineLayer.maintain`)."""
+    rule = get_cache_class(policy).rule(**options)
+    return EngineLayer(rule, RuleContext(0, 1, reserve, True, "torch", backend), core)
+
+
+def step_all(layer: EngineLayer, q, k, v, x=None, prefill_len: int = 1, budget: int | None = None, batch=None):
+    """Prefill a layer with the first ``prefill_len`` positions of per-row q [R, G, N, D], k/v [R, N, D] (rows r = b *
+    Hkv + h of ``batch`` sequences, by default x's or one per row; x [B, N, C]: the block input, NAtS' scorer), then
+    step it over the others; returns the outputs [R, G, N, D]."""
     R, G, N, D = q.shape
-    B, H = cache.batch, cache.n_kv_head
-    outs = []
-    for i in range(N):
-        qi = q[:, :, i].reshape(B, H * G, 1, D)
-        ki = k[:, i].reshape(B, H, 1, D)
-        vi = v[:, i].reshape(B, H, 1, D)
-        pos = torch.tensor([i], device=q.device)
-        kw = {} if types is None else {"types": types[..., i]}
-        y = cache.step(qi, ki, vi, None, pos, **kw)
-        outs.append(y.reshape(R, G, D))
-    return torch.stack(outs, dim=2)
+    B = batch or (R if x is None else x.shape[0])
+    H, P = R // B, prefill_len
+    y = layer.prefill(q[:, :, :P].reshape(B, H * G, P, D), k[:, :P].reshape(B, H, P, D),
+                      v[:, :P].reshape(B, H, P, D), None if x is None else x[:, :P], budget=budget)  # fmt: skip
+    outs = [y.reshape(R, G, P, D)]
+    for i in range(P, N):
+        outs.append(layer.step(q[:, :, i], k[:, i], v[:, i], None if x is None else x[:, i])[:, :, None])
+    return torch.cat(outs, dim=2)
 
 
-def new_cache(cls, B, H, N, G=1, **kw):
-    return cls(batch=B, n_head=H * G, n_kv_head=H, head_dim=N, max_len=N, dtype=torch.float64, backend="torch", **kw)
+def nats_probe_layer(types: torch.Tensor, window: int, D: int, G: int = 1, backend: str = "torch", device="cpu",
+                     dtype=torch.float64) -> EngineLayer:  # fmt: skip
+    """A NAtS layer whose tokens get the given types ``[B, Hkv, N]`` (a TypeTable over every position)."""
+    core = nats_core(types.shape[1], G, D, window, dtype, device)
+    return new_layer("nats", core, backend, type_table=type_table(types.to(device)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -123,9 +148,9 @@ def test_nats_cache_visible_sets_sizes_and_kept(window):
     types[0, 0, 5:25] = 1  # a long local run (grows and then truncates a segment)
     types[1, 1] = 2
     types[1, 1, 0] = 0
-    cache = new_cache(NAtSCache, B, H, N, window=window, check_every=2, init_capacity=1)
+    layer = nats_probe_layer(types, window, N)
     q, k, v = onehot_probe(B * H, N)
-    out = step_all(cache, q, k, v, types=types)  # [R, 1, N, N]
+    out = step_all(layer, q, k, v, x=torch.randn(B, N, C, dtype=torch.float64))  # [R, 1, N, N]
     vis = out[:, 0] > 0  # [R, N(query), N(key)]
     expect = NF.nats_mask(types, window).reshape(B * H, N, N)
     assert torch.equal(vis, expect)
@@ -133,33 +158,32 @@ def test_nats_cache_visible_sets_sizes_and_kept(window):
     for r in range(B * H):
         brute = brute_nats_visible(rows[r], window)
         assert [set(torch.nonzero(vis[r, i]).flatten().tolist()) for i in range(N)] == brute
-    sizes = NF.kv_cache_sizes(types, window).double()  # [B, H, N]
-    fr = cache.fractions()
+    sizes = NF.kv_cache_sizes(types, window).double().reshape(B * H, N)
+    fr = layer.fractions()
     assert torch.allclose(fr["area"], sizes.sum(-1) / (N * (N + 1) / 2))
     assert torch.allclose(fr["peak"], sizes.amax(-1) / N)
     # kept after the last step = the keys that query N would still see (globals, live locals, sliding)
     nxt = torch.cat([types, torch.full((B, H, 1), 2)], -1)  # a sliding token N: does not evict anything
     kept = NF.nats_mask(nxt, window)[..., N, :N].sum(-1)
-    assert torch.equal(cache.kept(), kept)
-    assert cache.compactions > 0  # compaction happened and kept the contents right
+    assert torch.equal(layer.kept(), kept.reshape(B * H))
+    assert layer.reallocations > 0  # the local run outgrew its segment: the pool grew and kept the contents right
 
 
-def test_nats_load_equals_stepping_state():
+def test_nats_prefill_equals_stepping_state():
+    """A NAtS layer prefilled with a whole sequence holds what one prefilled with its first token and stepped over
+    the rest holds (the same types, given by a TypeTable): segments, globals, ring, measurements."""
     torch.manual_seed(1)
     B, H, N, D, W = 2, 3, 33, 8, 4
     types = torch.randint(0, 3, (B, H, N))
     types[..., 0] = 0
     k = torch.randn(B, H, N, D, dtype=torch.float64)
     v = torch.randn(B, H, N, D, dtype=torch.float64)
-    stepped = NAtSCache(
-        batch=B, n_head=H, n_kv_head=H, head_dim=D, max_len=N, dtype=torch.float64, window=W, backend="torch"
-    )
     q = torch.randn(B * H, 1, N, D, dtype=torch.float64)
-    step_all(stepped, q, k.reshape(B * H, N, D), v.reshape(B * H, N, D), types=types)
-    loaded = NAtSCache(
-        batch=B, n_head=H, n_kv_head=H, head_dim=D, max_len=N, dtype=torch.float64, window=W, backend="torch"
-    )
-    loaded.load(k, v, types)
+    x = torch.randn(B, N, C, dtype=torch.float64)
+    stepped, loaded = nats_probe_layer(types, W, D), nats_probe_layer(types, W, D)
+    step_all(stepped, q, k.reshape(B * H, N, D), v.reshape(B * H, N, D), x)
+    step_all(loaded, q, k.reshape(B * H, N, D), v.reshape(B * H, N, D), x, prefill_len=N)
+    assert stepped.reallocations > 0 and loaded.reallocations == 0  # the stepped layer grew on the way
     assert torch.equal(stepped.length, loaded.length) and torch.equal(stepped.n_global, loaded.n_global)
     assert torch.equal(stepped.ring_valid, loaded.ring_valid)
     assert torch.equal(stepped.kept(), loaded.kept())
@@ -174,34 +198,40 @@ def test_nats_load_equals_stepping_state():
     assert torch.allclose(stepped.type_fractions(), loaded.type_fractions())
 
 
-def test_streaming_visible_sets_brute_force():
+@pytest.mark.parametrize("prefill_len", [1, 3, 20])
+def test_streaming_visible_sets_brute_force(prefill_len):
+    """A prompt shorter than the sinks, one shorter than the budget, one past it: the ring has the budget's slots."""
     B, H, N, budget, sinks = 2, 2, 30, 9, 4
-    cache = new_cache(StreamingLLMCache, B, H, N, budget=budget, sinks=sinks)
+    layer = new_layer("streaming_llm", sinks=sinks)
     q, k, v = onehot_probe(B * H, N)
-    vis = step_all(cache, q, k, v)[:, 0] > 0
+    vis = step_all(layer, q, k, v, prefill_len=prefill_len, budget=budget)[:, 0] > 0
     brute = torch.tensor([[j <= i and (j < sinks or i - j < budget - sinks) for j in range(N)] for i in range(N)])
     assert torch.equal(streaming_mask(N, budget, sinks), brute)
     assert torch.equal(vis, brute.expand(B * H, N, N))
     area, peak = NF.budget_fractions(budget, N)
-    fr = cache.fractions()
+    fr = layer.fractions()
     assert torch.allclose(fr["area"], torch.tensor(area, dtype=torch.float64))
     assert torch.allclose(fr["peak"], torch.tensor(peak, dtype=torch.float64))
+    assert layer.kept().tolist() == [budget] * (B * H)
 
 
-def test_h2o_hand_example_uniform_attention():
+@pytest.mark.parametrize("prefill_len", [1, 5])
+def test_h2o_hand_example_uniform_attention(prefill_len):
     """q = 0: every kept key gets 1/|S|. With B = 4, R = 2 the scores after step 3 are
     (0: 1 + 1/2 + 1/3 + 1/4, 1: 1/2 + 1/3 + 1/4, 2: 1/3 + 1/4, 3: 1/4): step 4 evicts key 2 (the lowest
-    non-recent score), step 5 evicts key 3 (0.25 + 0.25 < the others), step 6 evicts key 4."""
+    non-recent score), step 5 evicts key 3 (0.25 + 0.25 < the others), step 6 evicts key 4. The prompt runs the
+    same rule as the steps."""
     N = 8
-    cache = new_cache(H2OCache, 1, 1, N, budget=4)
+    layer = new_layer("h2o")
     q, k, v = onehot_probe(1, N)
-    vis = step_all(cache, q, k, v)[0, 0] > 0
+    vis = step_all(layer, q, k, v, prefill_len=prefill_len, budget=4)[0, 0] > 0
     got = [sorted(torch.nonzero(vis[i]).flatten().tolist()) for i in range(N)]
     assert got[:4] == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
     assert got[4] == [0, 1, 3, 4]
     assert got[5] == [0, 1, 4, 5]
     assert got[6] == [0, 1, 5, 6]
     assert got[7] == [0, 1, 6, 7]
+    assert sorted(layer.slot_pos[0].tolist()) == [0, 1, 6, 7]  # the positions the layer holds
 
 
 def brute_h2o(q, k, v, budget, recent):
@@ -228,31 +258,23 @@ def brute_h2o(q, k, v, budget, recent):
 
 
 @pytest.mark.parametrize("budget,recent", [(6, None), (7, 2), (10, None)])
-def test_h2o_matches_slow_loop_gqa(budget, recent):
+@pytest.mark.parametrize("prefill_len", [1, 9])
+def test_h2o_matches_slow_loop_gqa(budget, recent, prefill_len):
     torch.manual_seed(2)
     B, H, G, N, D = 2, 2, 2, 28, 8
     q = torch.randn(B * H, G, N, D, dtype=torch.float64) * 2
     k = torch.randn(B * H, N, D, dtype=torch.float64)
     v = torch.randn(B * H, N, D, dtype=torch.float64)
-    cache = H2OCache(
-        batch=B,
-        n_head=H * G,
-        n_kv_head=H,
-        head_dim=D,
-        max_len=N,
-        dtype=torch.float64,
-        backend="torch",
-        budget=budget,
-        recent=recent,
-    )
-    out = step_all(cache, q, k, v)
+    layer = new_layer("h2o", recent=recent)
+    out = step_all(layer, q, k, v, prefill_len=prefill_len, budget=budget, batch=B)
     R = budget // 2 if recent is None else recent
     for r in range(B * H):
-        ref, _ = brute_h2o(q[r], k[r], v[r], budget, R)
+        ref, visible = brute_h2o(q[r], k[r], v[r], budget, R)
         assert torch.allclose(out[r], ref, atol=1e-12, rtol=0)
-    assert torch.equal(cache.kept(), torch.full((B, H), budget))
+        assert sorted(layer.slot_pos[r].tolist()) == visible[-1]  # the positions held after the last step
+    assert torch.equal(layer.kept(), torch.full((B * H,), budget))
     area, peak = NF.budget_fractions(budget, N)
-    assert torch.allclose(cache.fractions()["area"], torch.tensor(area, dtype=torch.float64))
+    assert torch.allclose(layer.fractions()["area"], torch.tensor(area, dtype=torch.float64))
 
 
 def test_h2o_dense_approximation_mask_sizes():
@@ -284,9 +306,9 @@ def test_nats_decode_equals_forward(prefill_len):
     model = nats_model(window=4)
     idx = torch.randint(0, V, (3, 61))
     ref = model(idx).logits
-    out, caches = policy_logits(model, idx, "nats", sequential=True, prefill_len=prefill_len, check_every=4)
+    out, cache = policy_logits(model, idx, "nats", sequential=True, prefill_len=prefill_len)
     assert torch.allclose(out, ref, atol=1e-10, rtol=0)
-    par, pcaches = policy_logits(model, idx, "nats")
+    par, pcache = policy_logits(model, idx, "nats")
     assert torch.allclose(par, ref, atol=1e-12, rtol=0)
     # the measured cache sizes are kv_cache_sizes of the model's own types; all three types occur
     from nats.attention.nats import collect_types
@@ -296,11 +318,11 @@ def test_nats_decode_equals_forward(prefill_len):
     for layer, t in types.items():
         seen |= set(t.unique().tolist())
         sizes = NF.kv_cache_sizes(t, 4).double()
-        for c in (caches[layer], pcaches[layer]):
-            assert torch.allclose(c.fractions()["area"], sizes.sum(-1) / (61 * 62 / 2))
-            assert torch.allclose(c.fractions()["peak"], sizes.amax(-1) / 61)
+        for c in (cache, pcache):
+            assert torch.allclose(c.fractions()["area"][layer], sizes.sum(-1) / (61 * 62 / 2))
+            assert torch.allclose(c.fractions()["peak"][layer], sizes.amax(-1) / 61)
     assert seen == {0, 1, 2}
-    assert any(c.compactions for c in caches)
+    assert cache.reallocations() > 0 and pcache.reallocations() == 0  # the decode loop grew its pools
 
 
 def test_nats_decode_learned_positions_and_elementwise_gate():
@@ -562,8 +584,8 @@ def test_nats_decode_with_triton_backend():
     model = nats_model(window=3, n_layer=2).float().to(dev)
     idx = torch.randint(0, V, (2, 12)).to(dev)
     ref = model(idx).logits
-    out, caches = policy_logits(model, idx, "nats", sequential=True, backend="triton", check_every=2)
-    assert caches[0].backend == "triton"
+    out, cache = policy_logits(model, idx, "nats", sequential=True, backend="triton")
+    assert all(layer.context.backend == "triton" for layer in cache.layers)
     assert torch.allclose(out, ref, atol=1e-4, rtol=0)
 
 
@@ -572,21 +594,22 @@ def test_nats_decode_with_triton_backend():
 # ----------------------------------------------------------------------------------------------------
 def test_nats_cache_memory_follows_kept_tokens_per_head():
     torch.manual_seed(0)
-    B, H, N, D, W = 2, 4, 3000, 16, 8
+    B, H, N, D, W, S = 2, 4, 3000, 16, 8, 64
     # very different head sizes: head h keeps a fraction 0.02 * 4**h of its tokens as globals
     rate = torch.tensor([0.02, 0.05, 0.2, 0.6]).view(1, H, 1)
     u = torch.rand(B, H, N)
     types = torch.where(u < rate, 0, torch.where(u < rate + 0.02, 1, 2))
     types[..., 0] = 0
+    types = torch.cat([types, torch.randint(0, 3, (B, H, S))], -1)  # then S decode steps of random types
+    layer = nats_probe_layer(types, W, D, dtype=torch.float32)
     k = torch.randn(B, H, N, D)
-    cache = NAtSCache(batch=B, n_head=H, n_kv_head=H, head_dim=D, max_len=N, window=W, backend="torch")
-    cache.load(k, k, types)
-    kv_ratio = cache.kv_nbytes() / cache.kept_nbytes()
-    padded = B * H * int(cache.length.max()) / int(cache.kept().sum())
+    layer.prefill(torch.zeros(B, H, N, D), k, k, torch.zeros(B, N, C))
+    kv_ratio = layer.kv_nbytes() / layer.kept_nbytes()
+    padded = B * H * int(layer.length.max()) / int(layer.kept().sum())
     assert kv_ratio < 1.1 < padded, (kv_ratio, padded)
-    q = torch.randn(B * H, 1, 64, D)
-    step_all(cache, q, torch.randn(B * H, 64, D), torch.randn(B * H, 64, D), types=torch.randint(0, 3, (B, H, 64)))
-    assert cache.kv_nbytes() / cache.kept_nbytes() < 1.15
+    for _ in range(S):
+        layer.step(torch.randn(B * H, 1, D), torch.randn(B * H, D), torch.randn(B * H, D), torch.zeros(B, C))
+    assert layer.kv_nbytes() / layer.kept_nbytes() < 1.15
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -622,10 +645,13 @@ def test_model_errors():
 
 
 def test_decode_benchmark_helpers_on_cpu():
-    """benchmarks/bench_decode.py (a GPU script): its synthetic cache fill and decode steps, on CPU."""
+    """benchmarks/bench_decode.py (a GPU script): its synthetic prompt through the cache's prefill (NAtS' types from
+    the type table, for the prompt and the decoded tokens) and decode steps, on CPU."""
     import importlib.util
 
     from conftest import REPO
+    from nats.cache.decode import decode_step
+    from nats.cache.policies.nats import kept_after_prompt
 
     spec = importlib.util.spec_from_file_location("bench_decode", REPO / "benchmarks" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
@@ -637,21 +663,29 @@ def test_decode_benchmark_helpers_on_cpu():
     assert (types[..., 0] == 0).all() and 0.03 < float((types == 0).float().mean()) < 0.2
     later = torch.full((B, 2, 8), 2)
     later[0, 0, 3] = 0  # one global for row (0, 0) at position L + 3
-    for policy in ("full", "full_sdpa", "nats", "h2o", "streaming_llm"):
+    table = bench.type_table(torch.cat([types, later], -1), 0)  # the prompt's positions and the decoded ones
+
+    def run(policy, backend="torch", seed=0):
         budget = 12 if policy in ("h2o", "streaming_llm") else None
-        opts = {"type_table": bench.type_table(later, L)} if policy == "nats" else {}
-        caches = make_caches(
-            model, bench.policy_class(policy), B, L + 8, budget=budget, backend="torch", track=False, **opts
-        )
-        bench.fill(caches, policy, L, gen, types if policy == "nats" else None)
-        token = torch.randint(0, V, (B,))
+        opts = {"type_table": table} if policy == "nats" else {}
+        cache = bench.make_cache(model, policy, B, L + 8, budget=budget, backend=backend, track=False, **opts)
+        gen = torch.Generator().manual_seed(seed)
+        bench.fill(cache, model, B, L, gen)
+        assert cache.t == L
+        token = torch.randint(0, V, (B,), generator=gen)
         pos = torch.tensor([L])
         for _ in range(L, L + 8):
-            logits = decode_step(model, caches, token, pos)
+            logits = decode_step(model, cache, token, pos)
             token = logits.argmax(-1)
             pos += 1
-        assert torch.isfinite(logits).all()
-        kept = sum(int(c.kept().sum()) for c in caches)
+        assert cache.t == L + 8
+        return logits, cache
+
+    logits = {}
+    for policy in ("full", "full_sdpa", "nats", "h2o", "streaming_llm"):
+        logits[policy], cache = run(policy)
+        assert torch.isfinite(logits[policy]).all()
+        kept = int(cache.kept().sum())
         expect = {
             "full": 2 * B * 2 * (L + 8),
             "full_sdpa": 2 * B * 2 * (L + 8),
@@ -662,67 +696,54 @@ def test_decode_benchmark_helpers_on_cpu():
             assert kept == expect[policy], policy
         else:
             assert 0 < kept < 2 * B * 2 * (L + 8) * 0.5
-            c = caches[0]
-            assert int(c.type_counts.sum()) == 0  # track=False
+            assert not cache.counts_types()  # track=False
+            c = cache.layers[0]
             assert int(c.n_global[0]) == int((types[0, 0] == 0).sum()) + 1 and int(c.n_global[1]) == int(
                 (types[0, 1] == 0).sum()
             )
+            # what the table's types keep of the prompt and the decoded tokens: globals, live locals, ring
+            whole = table.table.t()  # [R, L + 8]
+            keep, isg = kept_after_prompt(whole)
+            ring = (whole == 2) & (torch.arange(L + 8) > L + 8 - 4)
+            for layer in cache.layers:
+                assert torch.equal(layer.kept(), keep.sum(1) + ring.sum(1))
+                assert torch.equal(layer.n_global, isg.sum(1))
+        assert cache.reallocations() == 0 and cache.peak_nbytes() >= cache.nbytes() > cache.kv_nbytes()
+    # the benchmark's own SDPA baseline reads the same keys as full (the same prompt and tokens)
+    assert torch.allclose(logits["full_sdpa"], logits["full"], atol=1e-5, rtol=0)
     # the Triton step takes the same synthetic types, from the table its append kernel reads at the device position
-    runs = {}
-    for backend in ("torch", "triton"):
-        caches = make_caches(
-            model, "nats", B, L + 8, backend=backend, track=False, type_table=bench.type_table(later, L)
-        )
-        bench.fill(caches, "nats", L, torch.Generator().manual_seed(1), types)
-        pos = torch.tensor([L])
-        token = torch.zeros(B, dtype=torch.long)
-        for _ in range(L, L + 8):
-            logits = decode_step(model, caches, token, pos)
-            token = logits.argmax(-1)
-            pos += 1
-        runs[backend] = logits, caches
-    (ref, ref_caches), (out, caches) = runs["torch"], runs["triton"]
+    (ref, ref_cache), (out, cache) = run("nats", "torch", seed=1), run("nats", "triton", seed=1)
     assert torch.allclose(out, ref, atol=1e-4, rtol=0)
-    for a, b in zip(ref_caches, caches):  # the same tokens kept (their keys differ by the attention's rounding)
+    for a, b in zip(ref_cache.layers, cache.layers):  # the same tokens kept (keys differ by the attention's rounding)
         for name in ("start", "length", "n_global", "ring_valid"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
-        for r in range(a.rows):  # the segments (past its length the PyTorch step leaves a moved global's old copy)
+        for r in range(a.seg.shape[1]):  # the segments (past its length the PyTorch step leaves a moved global's copy)
             s, n = int(a.start[r]), int(a.length[r])
             assert torch.allclose(a.k_pool[s : s + n], b.k_pool[s : s + n], atol=1e-4, rtol=0), r
-    assert int(caches[0].n_global[0]) == int((types[0, 0] == 0).sum()) + 1  # the synthetic global at L + 3
+    assert int(cache.layers[0].n_global[0]) == int((types[0, 0] == 0).sum()) + 1  # the synthetic global at L + 3
 
 
 def test_nats_fused_triton_step_equals_torch_step():
-    """The Triton backend's fused append/evict launches leave the same cache state as the torch ops."""
+    """The Triton backend's fused append/evict launches leave the same cache state as the torch ops, growth
+    included."""
     torch.manual_seed(4)
-    B, H, G, N, D, W = 2, 2, 2, 14, 8, 3
+    B, H, G, N, D, W = 2, 2, 2, 24, 8, 3
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, the real kernel on a GPU
     types = torch.randint(0, 3, (B, H, N))
     types[..., 0] = 0
+    types[0, 1, 2:21] = 1  # a local run past the first segment's free slots: the pools grow
     q = torch.randn(B * H, G, N, D)
-    k, v = torch.randn(B * H, N, D), torch.randn(B * H, N, D)
-    types, q, k, v = (t.to(dev) for t in (types, q, k, v))
-    caches = [
-        NAtSCache(
-            batch=B,
-            n_head=H * G,
-            n_kv_head=H,
-            head_dim=D,
-            max_len=N,
-            window=W,
-            backend=be,
-            check_every=2,
-            init_capacity=1,
-            device=dev,
-        )
-        for be in ("torch", "triton")
-    ]
-    outs = [step_all(c, q, k, v, types=types) for c in caches]
+    k, v, x = torch.randn(B * H, N, D), torch.randn(B * H, N, D), torch.randn(B, N, C)
+    types, q, k, v, x = (t.to(dev) for t in (types, q, k, v, x))
+    layers = [nats_probe_layer(types, W, D, G, be, dev, torch.float32) for be in ("torch", "triton")]
+    outs = [step_all(layer, q, k, v, x) for layer in layers]
     assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=0)
-    a, b = caches
+    a, b = layers
+    assert a.reallocations == b.reallocations > 0
     for name in ("length", "n_global", "ring_valid", "type_counts", "start", "cap"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert torch.equal(a.k_pool[:-1], b.k_pool[:-1]) and torch.equal(a.ring_k, b.ring_k)
+    assert_same_nats_state(a, b)  # the segments (past a row's length the PyTorch step leaves a moved global's copy)
+    assert torch.equal(a.ring_kv, b.ring_kv)  # every step writes its ring slot, whatever the type
     assert torch.allclose(a.fractions()["area"], b.fractions()["area"])
 
 
@@ -794,11 +815,11 @@ def test_triton_nats_decode_matches_torch(dtype, W):
 # ----------------------------------------------------------------------------------------------------
 # the fused step's scorer and strided key/value reads (nats_decode), against the torch step
 # ----------------------------------------------------------------------------------------------------
-def assert_same_nats_state(a: NAtSCache, b: NAtSCache) -> None:
-    """Two NAtS caches hold the same tokens: metadata, pool segments and valid ring slots (scratch slots aside)."""
+def assert_same_nats_state(a: EngineLayer, b: EngineLayer) -> None:
+    """Two NAtS layers hold the same tokens: metadata, pool segments and valid ring slots (scratch slots aside)."""
     for name in ("start", "cap", "length", "n_global", "ring_valid", "type_counts"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    for r in range(a.rows):
+    for r in range(a.seg.shape[1]):
         s, n = int(a.start[r]), int(a.length[r])
         assert torch.equal(a.k_pool[s : s + n], b.k_pool[s : s + n]), r
         assert torch.equal(a.v_pool[s : s + n], b.v_pool[s : s + n]), r
@@ -809,50 +830,41 @@ def assert_same_nats_state(a: NAtSCache, b: NAtSCache) -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_nats_type_table_keeps_the_tokens_its_types_say(backend):
-    """A NAtS cache made with a TypeTable decodes with the table's types, not the scorer's (which differ): after a
-    prompt and N steps it holds exactly what loading the whole sequence with the prompt's and the table's types
-    keeps (globals, live locals, valid ring slots), each step's output is the NAtS attention of those types, and
-    equals a step given the same types through types= (Triton through its interpreter on the CPU)."""
+    """A NAtS layer made with a TypeTable from position P decodes with the table's types, not the scorer's (which
+    differ; the prompt before P keeps the scorer's): each step's type is the table's, its output the NAtS attention of
+    those types, and after N steps the layer holds exactly what a prefill of the whole sequence with the same types
+    keeps (globals, live locals, valid ring slots; Triton through its interpreter on the CPU)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     B, P, N, W = 2, 5, 12, 3
     model = nats_model(window=W, n_layer=1).float().to(dev)
     attn, core = model.blocks[0].attn, model.blocks[0].attn.core
-    H, Hkv, D, C = attn.n_head, attn.n_kv_head, attn.head_dim, model.config.n_embd
+    H, Hkv, D, Cm = attn.n_head, attn.n_kv_head, attn.head_dim, model.config.n_embd
+    R, G = B * Hkv, H // Hkv
     gen = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, 3, (B, Hkv, P), generator=gen)
-    prompt[..., 0] = NF.TOKEN_GLOBAL
-    later = torch.randint(0, 3, (B, Hkv, N), generator=gen)
+    later = torch.randint(0, 3, (B, Hkv, N), generator=gen).to(dev)
     q = torch.randn(B, H, P + N, D, generator=gen).to(dev)
     k, v = (torch.randn(B, Hkv, P + N, D, generator=gen).to(dev) for _ in range(2))
-    x = torch.randn(N, B, 1, C, generator=gen).to(dev)
-    table = TypeTable(later.permute(2, 0, 1).reshape(N, B * Hkv), P)
-
-    def new(**kw):
-        shapes = {"batch": B, "n_head": H, "n_kv_head": Hkv, "head_dim": D, "max_len": P + N, "window": W}
-        return NAtSCache(**shapes, backend=backend, check_every=2, init_capacity=1, device=dev, core=core, **kw)
-
-    cache, given = new(type_table=table), new()
-    for c in (cache, given):
-        c.load(k[:, :, :P], v[:, :, :P], prompt.to(dev))
-    whole = torch.cat([prompt, later], -1).to(dev)
-    ref = NF.nats_attention_types(q, k, v, whole, W, backend="reference")  # [B, H, P + N, D]
+    x = torch.randn(B, P + N, Cm, generator=gen).to(dev)
+    cache = new_layer("nats", core, backend, type_table=type_table(later, P))
     differs = False
     with torch.no_grad():
+        whole = torch.cat([core.hard_types(x[:, :P]), later], -1)  # the scorer's types, then the table's
+        ref = NF.nats_attention_types(q, k, v, whole, W, backend="reference")  # [B, H, P + N, D]
+        cache.prefill(q[:, :, :P], k[:, :, :P], v[:, :, :P], x[:, :P])
         for i in range(N):
-            pos = torch.tensor([P + i], device=dev)
-            want = table.table[i].to(dev)
-            differs |= not torch.equal(cache.types_of(x[i], pos), want)
-            args = (q[:, :, P + i : P + i + 1], k[:, :, P + i : P + i + 1], v[:, :, P + i : P + i + 1], x[i], pos)
-            y = cache.step(*args)
-            assert torch.equal(cache._t, want), i
-            assert torch.allclose(y, given.step(*args, types=want), atol=1e-6, rtol=0), i
-            assert torch.allclose(y[:, :, 0], ref[:, :, P + i], atol=1e-5, rtol=0), i
+            p = P + i
+            want = later[..., i].reshape(R)
+            scored = scorer_types(x[:, p], core.scorer.weight, core.type_bias, torch.tensor([p], device=dev))
+            differs |= not torch.equal(scored, want)
+            y = cache.step(q[:, :, p].reshape(R, G, D), k[:, :, p].reshape(R, D), v[:, :, p].reshape(R, D), x[:, p])
+            assert torch.equal(cache.last_type, want), i
+            assert torch.allclose(y.reshape(B, H, D), ref[:, :, p], atol=1e-5, rtol=0), i
+        loaded = new_layer("nats", core, backend, type_table=type_table(whole))
+        loaded.prefill(q, k, v, x)
     assert differs  # the scorer alone would have typed some token otherwise
-    loaded = new()
-    loaded.load(k, v, whole)
-    for name in ("length", "n_global", "ring_valid"):
+    for name in ("length", "n_global", "ring_valid", "type_counts"):
         assert torch.equal(getattr(cache, name), getattr(loaded, name)), name
-    for r in range(cache.rows):
+    for r in range(R):
         a, b, n = int(cache.start[r]), int(loaded.start[r]), int(cache.length[r])
         assert torch.equal(cache.k_pool[a : a + n], loaded.k_pool[b : b + n]), r
         assert torch.equal(cache.v_pool[a : a + n], loaded.v_pool[b : b + n]), r
@@ -868,80 +880,68 @@ def test_type_table_checks_its_table():
         TypeTable(torch.full((3, 4), 3), 0)
     with pytest.raises(ValueError, match="first_pos"):
         TypeTable(torch.zeros(3, 4, dtype=torch.long), -1)
-    with pytest.raises(ValueError, match="4 columns, the cache 2 rows"):
-        NAtSCache(batch=1, n_head=2, n_kv_head=2, head_dim=8, max_len=8, window=2,
-                  type_table=TypeTable(torch.zeros(3, 4, dtype=torch.long), 0))  # fmt: skip
+    model = nats_model(window=2, n_layer=1)
+    rows = model.blocks[0].attn.n_kv_head  # one sequence
+    table = TypeTable(torch.zeros(3, rows + 2, dtype=torch.long), 0)
+    cache = make_caches(model, "nats", 1, 8, type_table=table)
+    with pytest.raises(ValueError, match=f"{rows + 2} columns, the cache {rows} rows"):
+        prefill(model, cache, torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="TypeTable"):
-        NAtSCache(batch=1, n_head=2, n_kv_head=2, head_dim=8, max_len=8, window=2, type_table=(torch.zeros(3, 2), 0))
+        make_caches(model, "nats", 1, 8, type_table=(torch.zeros(3, rows), 0))
 
 
-@pytest.mark.parametrize("override", [None, "types", "table"])
+@pytest.mark.parametrize("override", [None, "table"])
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 def test_nats_fused_step_with_model_projections_equals_torch_step(pos_emb, override):
-    """The Triton step (nats_decode: the scorer's type computed in the merge kernel, k and v read through their
-    strides) fed q, k, v as Attention.project makes them (views of the fused qkv output,
-    whose layout differs between learned positions and RoPE; GQA) equals the torch step: the same types (ties, the
-    type offsets, token 0), cache state and output. ``types``: the step's types= argument; ``table``: the cache's
-    type_table read at the device position after a prompt (-1: the scorer's type), by the fused step and by a torch
-    cache with the same table."""
+    """The Triton step (nats_decode: the scorer's type computed in the merge kernel) fed q, k, v as Attention.project
+    makes them (views of the fused qkv output, whose layout differs between learned positions and RoPE; GQA), through
+    the cache as the model calls it, equals the torch step: the same types (ties, the type offsets), cache state and
+    output. ``table``: the cache's type_table read at the device position after a prompt (-1: the scorer's type), by
+    the fused step and by the torch step. (Token 0 is the prompt's here; the kernel's token-0 rule:
+    test_nats_kernels_scorer_rounds_like_the_linear.)"""
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, the real kernel on a GPU
     B, N, W = 2, 9, 3
-    P = 5 if override == "table" else 0  # prompt tokens loaded before the steps
+    P = 5 if override == "table" else 1  # prompt tokens prefilled before the steps
     model = tiny({"name": "nats", "window": W}, n_layer=1, pos_emb=pos_emb).float().to(dev)
     attn, core = model.blocks[0].attn, model.blocks[0].attn.core
-    H, Hkv, D, C = attn.n_head, attn.n_kv_head, attn.head_dim, model.config.n_embd
+    H, Hkv, D, Cm = attn.n_head, attn.n_kv_head, attn.head_dim, model.config.n_embd
     assert Hkv < H
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        w = torch.randn(3 * Hkv, C, generator=gen)
+        w = torch.randn(3 * Hkv, Cm, generator=gen)
         w[1] = w[0]  # KV head 0: equal global and local logits, the tie goes to the first maximum (global)
         core.scorer.weight.copy_(w)
         core.type_bias.copy_(torch.tensor([0.4, 0.4, -0.3]))  # equal offsets on global and local keep the tie
     table = torch.randint(-1, 3, (N, B * Hkv), generator=gen).to(dev)
     tab = {"type_table": TypeTable(table, P)} if override == "table" else {}
-    caches = [
-        NAtSCache(batch=B, n_head=H, n_kv_head=Hkv, head_dim=D, max_len=P + N, window=W, backend=be, check_every=2,
-                  init_capacity=1, device=dev, core=core, **kw)
-        for be, kw in (("torch", {}), ("triton", tab), ("torch", tab))
-    ]  # fmt: skip
-    ref, fused, tab_torch = caches
-    if P:
-        prompt = torch.randint(0, 3, (B, Hkv, P), generator=gen)
-        prompt[..., 0] = 0
-        k0, v0 = torch.randn(B, Hkv, P, D, generator=gen), torch.randn(B, Hkv, P, D, generator=gen)
-        for c in caches:
-            c.load(k0.to(dev), v0.to(dev), prompt.to(dev))
-    raw, unbiased = [], []  # the scorer's argmax without token 0's rule, and without the offsets
+    ref, fused = (make_caches(model, "nats", B, P + N, backend=be, **tab) for be in ("torch", "triton"))
+    raw, unbiased = [], []  # the scorer's argmax, and without the offsets
     with torch.no_grad():
+        x0 = torch.randn(B, P, Cm, generator=gen).to(dev)
+        q0, k0, v0 = attn.project(x0, model.rope, torch.arange(P, device=dev))
+        for c in (ref, fused):
+            c.attend(0, q0, k0, v0, x0)
         for i in range(N):
             pos = torch.tensor([P + i], device=dev)
-            x = torch.randn(B, 1, C, generator=gen).to(dev)
+            x = torch.randn(B, 1, Cm, generator=gen).to(dev)
             q, k, v = attn.project(x, model.rope, pos)
             row = (H + 2 * Hkv) * D if pos_emb == "learned" else (H + Hkv) * D  # RoPE writes q and k anew
             assert not k.is_contiguous() and k.stride()[:2] == (row, D) and v.stride()[:2] == ((H + 2 * Hkv) * D, D)
             z = core.type_logits(x).reshape(B * Hkv, 3)
             raw.append(z.argmax(-1))
             unbiased.append((z - core.type_bias).argmax(-1))
-            scored = ref.types_of(x, pos)
-            if override is None:
-                want, kw = scored, {}
-            elif override == "types":
-                want = torch.randint(0, 3, (B * Hkv,), generator=gen).to(dev)
-                kw = {"types": want.view(B, Hkv)}
-            else:
-                want, kw = torch.where(table[i] >= 0, table[i], scored), {}
-            y_ref = ref.step(q, k, v, x, pos, types=want.view(B, Hkv))
-            y = fused.step(q, k, v, x, pos, **kw)
-            y_tab = tab_torch.step(q, k, v, x, pos, **kw)
-            assert torch.equal(fused._t, want) and torch.equal(tab_torch._t, want), i
+            scored = scorer_types(x[:, 0], core.scorer.weight, core.type_bias, pos)
+            assert torch.equal(scored, raw[-1]), i
+            want = scored if override is None else torch.where(table[i] >= 0, table[i], scored)
+            y_ref = ref.attend(0, q, k, v, x, pos=pos)
+            y = fused.attend(0, q, k, v, x, pos=pos)
+            a, b = ref.layers[0], fused.layers[0]
+            assert torch.equal(b.last_type, want) and torch.equal(a.last_type, want), i
             assert torch.allclose(y, y_ref, atol=1e-5, rtol=0), i
-            assert torch.equal(y_tab, y_ref), i
-            assert_same_nats_state(ref, fused)
-            assert_same_nats_state(ref, tab_torch)
+            assert_same_nats_state(a, b)
     if override is None:  # the cases the kernel must get right occurred
-        assert (raw[0] != 0).any()  # token 0: global although the scorer says otherwise
-        assert any(not torch.equal(u, r) for u, r in zip(unbiased[1:], raw[1:]))  # the offsets change a type
-        counts = fused.type_counts.view(B, Hkv, 3)
+        assert any(not torch.equal(u, r) for u, r in zip(unbiased, raw))  # the offsets change a type
+        counts = fused.layers[0].type_counts.view(B, Hkv, 3)
         assert (counts.sum((0, 1)) > 0).all()  # all three types occur
         assert counts[:, 0, 1].sum() == 0 and counts[:, 0, 0].sum() > B  # the tie of KV head 0 goes to global
     if override == "table":
@@ -1010,18 +1010,21 @@ def test_nats_kernels_scorer_rounds_like_the_linear(bias):
 
 
 def test_nats_fused_step_launches_only_the_attentions_two_kernels(monkeypatch):
-    """One fused step of a layer runs no torch compute besides the copy of q into the pool attention's [R, G, D]
-    rows: the scorer, the type offsets and the key/value rows are all taken by the attention's two kernels
-    (nats_decode: the pool attention's split kernel and the step's own merge, which admits the token), so those are
-    the launches. Ops that only make views or allocate do not launch a kernel and are not counted."""
+    """One fused step of a layer, untracked, runs no torch compute besides the copies of the model's q, k and v
+    (views of its fused projection) into the engine's rows ([R, G, D], [R, D]): the scorer, the type offsets, the
+    admission and the attention are all the attention's two kernels (nats_decode: the pool attention's split kernel
+    and the step's own merge, which admits the token), so those are the launches. The ops of the kernel's wrapper
+    inside the custom op nats::nats_decode are counted too; ops that only make views or allocate do not launch a
+    kernel and are not counted."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from nats_kernels.nats_attention import nats_step, pool_decode
 
     free = set(
         "view _unsafe_view reshape transpose permute t slice select split split_with_sizes expand unsqueeze squeeze "
-        "alias as_strided detach empty empty_like".split()
+        "unflatten alias as_strided detach empty empty_like".split()
     )
+    free.add("nats_decode")  # the custom op: its body (the kernel's wrapper) is counted below
     launches, ops, inside = [], [], [False]
 
     class Ops(TorchDispatchMode):
@@ -1042,19 +1045,28 @@ def test_nats_fused_step_launches_only_the_attentions_two_kernels(monkeypatch):
                 inside[0] = False
 
         monkeypatch.setattr(kernel, "run", run)
+
+    def wrapper(*args, _fn=nats_step.nats_decode, **kw):  # inside the custom op the outer mode is off
+        with Ops():
+            return _fn(*args, **kw)
+
+    monkeypatch.setattr(nats_step, "nats_decode", wrapper)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny({"name": "nats", "window": 3}, n_layer=1).to(dev, torch.bfloat16)
     attn = model.blocks[0].attn
-    cache = make_caches(model, "nats", 2, 8, backend="triton", track=False)[0]
+    cache = make_caches(model, "nats", 2, 8, backend="triton", track=False)
     cache.auto_maintain = False  # host bookkeeping between steps, not part of the step
     with torch.no_grad():
-        pos = torch.tensor([0], device=dev)
-        x = torch.randn(2, 1, model.config.n_embd, device=dev, dtype=torch.bfloat16)
-        q, k, v = attn.project(x, model.rope, pos)
+        pos = torch.arange(2, device=dev)  # a prompt of two tokens, then the step of token 2
+        x = torch.randn(2, 3, model.config.n_embd, device=dev, dtype=torch.bfloat16)
+        cache[0].prefill(*attn.project(x[:, :2], model.rope, pos), x[:, :2])
+        launches.clear()
+        pos = torch.tensor([2], device=dev)
+        q, k, v = attn.project(x[:, 2:], model.rope, pos)
         with Ops():
-            cache.step(q, k, v, x, pos)
+            cache[0].step(q, k, v, x[:, 2:], pos)
     assert launches == ["_stream_decode_kernel", "_merge_admit_kernel"]
-    assert ops == ["clone.default"], ops
+    assert ops == ["clone.default"] * 3, ops
 
 
 def test_pool_attention_passes_the_split_choice_to_the_kernel(monkeypatch):
@@ -1072,22 +1084,26 @@ def test_pool_attention_passes_the_split_choice_to_the_kernel(monkeypatch):
 
 
 def test_full_cache_append_writes_the_new_token_in_place_compiled_or_not():
-    """The full cache's step writes (`full.append`): the new key and value into slot pos of every row, the others
-    untouched, every row's length pos + 1; compiled (functionalized and its mutations written back, as inductor
-    does on CUDA; aot_eager here, inductor runs it in the GPU tests) into the same buffers with the same values."""
-    from nats.cache.policies import full
-
-    B, H, cap, D = 2, 3, 16, 8
+    """The full rule's step (`AppendRule.step`) writes the new key and value into slot ``start + length`` of every
+    row, the others untouched, every row's length + 1; compiled (functionalized and its mutations written back, as
+    inductor does on CUDA; aot_eager here, inductor runs it in the GPU tests) into the same buffers with the same
+    values."""
+    B, H, D = 2, 3, 8
+    R = B * H
     gen = torch.Generator().manual_seed(0)
-    bufs = [torch.randn(B, H, cap, D, generator=gen) for _ in range(2)]
-    ref = [b.clone() for b in bufs]
-    length = torch.zeros(B * H, dtype=torch.long)
-    compiled = torch.compile(full.append, fullgraph=True, backend="aot_eager")
-    for p in (0, 5, 15):
-        k, v = (torch.randn(B, H, 1, D, generator=gen) for _ in range(2))
-        pos = torch.tensor([p])
-        ptrs = [b.data_ptr() for b in bufs]
-        compiled(*bufs, length, k, v, pos)
-        assert [b.data_ptr() for b in bufs] == ptrs and torch.equal(length, torch.full((B * H,), p + 1))
-        ref[0][:, :, p], ref[1][:, :, p] = k[:, :, 0], v[:, :, 0]
-        assert torch.equal(bufs[0], ref[0]) and torch.equal(bufs[1], ref[1])
+    layer = new_layer("full", reserve=16)
+    layer.prefill(*(torch.randn(B, H, 4, D, generator=gen) for _ in range(3)))
+
+    def eager(q, k, v, pos):
+        return layer.rule.step(layer.context, layer, None, q, k, v, pos, None)
+
+    compiled = torch.compile(eager, fullgraph=True, backend="aot_eager")
+    for p in range(4, 10):  # compiled and eager steps in turn, on the same buffers
+        q, k, v = (torch.randn(R, *shape, D, generator=gen) for shape in ((1,), (), ()))
+        ptrs = [t.data_ptr() for t in (layer.kv_pool, layer.seg)]
+        ref = layer.kv_pool.clone()
+        dest = layer.start + layer.length
+        ref[0, dest], ref[1, dest] = k, v
+        (compiled if p % 2 else eager)(q, k, v, torch.tensor([p]))
+        assert [t.data_ptr() for t in (layer.kv_pool, layer.seg)] == ptrs
+        assert torch.equal(layer.length, torch.full((R,), p + 1)) and torch.equal(layer.kv_pool, ref), p

@@ -11,11 +11,10 @@ import pytest
 import torch
 from test_cache import masked_forward
 
-from nats.cache import make_caches, policy_logits
+from nats.cache import get_cache_class, make_caches, policy_logits
 from nats.cache.decode import eval_mode, prefill
-from nats.cache.policies.adakv import AdaKVCache
-from nats.cache.policies.pyramidkv import PyramidKVCache, pyramid_budgets
-from nats.cache.policies.snapkv import SnapKVCache
+from nats.cache.engine import EngineLayer, RuleContext, rounded
+from nats.cache.policies.pyramidkv import pyramid_budgets, pyramid_sizes
 from nats.models.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -83,20 +82,42 @@ def dense_over(q, keys, vals):
     return (torch.softmax(s, dim=0).T @ vals).reshape(q.shape)
 
 
-def new_cache(cls, B, H, G, D, max_len, **kw):
-    return cls(
-        batch=B, n_head=H * G, n_kv_head=H, head_dim=D, max_len=max_len, dtype=torch.float64, backend="torch", **kw
-    )
+def new_layer(policy, reserve=None, layer_idx=0, n_layer=1, **options) -> EngineLayer:
+    """One layer of the engine running the policy's rule, driven directly (PyTorch attention); ``reserve``: the
+    decoded tokens planned for (None: the pool grows as the steps need)."""
+    rule = get_cache_class(policy).rule(**options)
+    return EngineLayer(rule, RuleContext(layer_idx, n_layer, reserve, True, "torch", "torch"))
 
 
 def rand(*shape, seed, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
 
 
-def held(cache):
-    """The positions a cache holds per row: list [B][Hkv] of sorted lists."""
-    pos = cache.visible_positions().view(cache.batch, cache.n_kv_head, -1)
-    return [[sorted(x for x in row.tolist() if x >= 0) for row in seq] for seq in pos]
+def held(layer, k, v):
+    """The positions a layer holds per row, list [B][Hkv] of sorted lists: its segments' keys found among the
+    sequence's keys k [B, Hkv, T, D] (random: each occurs once), each exactly once and with its own value."""
+    B, H = k.shape[:2]
+    out = []
+    for b in range(B):
+        rows = []
+        for h in range(H):
+            r = b * H + h
+            s, n = int(layer.start[r]), int(layer.length[r])
+            match = (layer.k_pool[s : s + n, None] == k[b, h][None]).all(-1)  # [n, T]
+            assert bool((match.sum(1) == 1).all()), (b, h)
+            pos = match.long().argmax(1)
+            assert torch.equal(layer.v_pool[s : s + n], v[b, h, pos]), (b, h)
+            rows.append(sorted(pos.tolist()))
+        out.append(rows)
+    return out
+
+
+def step(layer, q, k, v, i):
+    """The layer's decode step of position i of q [B, Hq, T, D], k, v [B, Hkv, T, D] -> [B, Hq, 1, D]."""
+    B, Hq, _, D = q.shape
+    R = B * k.shape[1]
+    y = layer.step(q[:, :, i].reshape(R, Hq * B // R, D), k[:, :, i].reshape(R, D), v[:, :, i].reshape(R, D))
+    return y.reshape(B, Hq, 1, D)
 
 
 # awkward shapes: prompt below the window, prompt <= budget (keep all), at budget + 1, GQA groups 1-3, batch > 1
@@ -116,11 +137,12 @@ CASES = [
 def test_snapkv_prefill_keeps_the_reference_set_and_is_exact(B, H, G, N, budget, window, kernel, pooling):
     D = 8
     q, k, v = rand(B, H * G, N, D, seed=1, scale=2), rand(B, H, N, D, seed=2), rand(B, H, N, D, seed=3)
-    cache = new_cache(SnapKVCache, B, H, G, D, N + 5, budget=budget, window=window, kernel=kernel, pooling=pooling)
-    y = cache.prefill(q, k, v, None)
+    cache = new_layer("snapkv", 5, window=window, kernel=kernel, pooling=pooling)
+    y = cache.prefill(q, k, v, None, budget=budget)
     expect = ref_kept(q, k, budget, window, kernel, pooling)
-    assert held(cache) == expect
-    assert torch.equal(cache.kept(), torch.full((B, H), min(N, budget)))
+    assert held(cache, k, v) == expect
+    assert torch.equal(cache.kept(), torch.full((B * H,), min(N, budget)))
+    assert torch.equal(cache.cap, cache.kept() + 5)  # the reserve planned on top of what the prompt keeps
     # the prefill output is full causal attention
     for b in range(B):
         for h in range(H * G):
@@ -129,25 +151,25 @@ def test_snapkv_prefill_keeps_the_reference_set_and_is_exact(B, H, G, N, budget,
                 assert torch.allclose(y[b, h, i], ref[0], atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("cls", [SnapKVCache, PyramidKVCache, AdaKVCache])
+@pytest.mark.parametrize("policy", ["snapkv", "pyramidkv", "adakv"])
 @pytest.mark.parametrize("B,H,G,N,budget,window,kernel,pooling", CASES[:1] + CASES[3:5])
-def test_decode_attends_exactly_the_kept_keys_and_fractions(cls, B, H, G, N, budget, window, kernel, pooling):
+def test_decode_attends_exactly_the_kept_keys_and_fractions(policy, B, H, G, N, budget, window, kernel, pooling):
     D, steps = 8, 6
     T = N + steps
     q, k, v = rand(B, H * G, T, D, seed=4, scale=2), rand(B, H, T, D, seed=5), rand(B, H, T, D, seed=6)
-    kw = {"n_layer": 3, "layer_idx": 1} if cls is PyramidKVCache else {}
-    cache = new_cache(cls, B, H, G, D, T, budget=budget, window=window, kernel=kernel, pooling=pooling, **kw)
-    cache.prefill(q[:, :, :N], k[:, :, :N], v[:, :, :N], None)
-    prompt_kept = held(cache)
+    where = {"layer_idx": 1, "n_layer": 3} if policy == "pyramidkv" else {}
+    cache = new_layer(policy, None, window=window, kernel=kernel, pooling=pooling, **where)  # grows as it decodes
+    cache.prefill(q[:, :, :N], k[:, :, :N], v[:, :, :N], None, budget=budget)
+    prompt_kept = held(cache, k, v)
     n0 = cache.kept().clone()
     for s in range(steps):
         i = N + s
-        pos = torch.tensor([i])
-        y = cache.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], None, pos)
+        y = step(cache, q, k, v, i)
+        now = held(cache, k, v)
         for b in range(B):
             for h in range(H):
                 keys = prompt_kept[b][h] + list(range(N, i + 1))
-                assert held(cache)[b][h] == keys
+                assert now[b][h] == keys
                 ref = dense_over(q[b, h * G : (h + 1) * G, i], k[b, h, keys], v[b, h, keys])
                 assert torch.allclose(y[b, h * G : (h + 1) * G, 0], ref, atol=1e-12, rtol=0)
     assert torch.equal(cache.kept(), n0 + steps)
@@ -166,25 +188,23 @@ def test_pyramidkv_and_adakv_kept_sets_equal_the_reference():
     base, prefix = budget - window, N - window
     budgets = pyramid_budgets(base, prefix, L, beta=2)
     for layer in range(L):
-        cache = new_cache(
-            PyramidKVCache, B, H, G, D, N, budget=budget, window=window, n_layer=L, layer_idx=layer, beta=2
-        )
-        cache.prefill(q, k, v, None)
-        assert held(cache) == ref_kept(q, k, budget, window, prefix_budget=budgets[layer])
+        cache = new_layer("pyramidkv", 0, layer_idx=layer, n_layer=L, window=window, beta=2)
+        cache.prefill(q, k, v, None, budget=budget)
+        assert held(cache, k, v) == ref_kept(q, k, budget, window, prefix_budget=budgets[layer])
         assert (cache.kept() == budgets[layer] + window).all()
     for alpha in (0.0, 0.5, 1.0):
-        cache = new_cache(AdaKVCache, B, H, G, D, N, budget=budget, window=window, alpha=alpha, pooling="avg")
-        cache.prefill(q, k, v, None)
-        assert held(cache) == ref_kept(q, k, budget, window, pooling="avg", alpha=alpha)
-        kept = cache.kept()
+        cache = new_layer("adakv", 0, window=window, alpha=alpha, pooling="avg")
+        cache.prefill(q, k, v, None, budget=budget)
+        assert held(cache, k, v) == ref_kept(q, k, budget, window, pooling="avg", alpha=alpha)
+        kept = cache.kept().view(B, H)
         assert torch.equal(kept.sum(1), torch.full((B,), H * budget))  # the layer's total is Hkv * B
         assert (kept >= math.floor(alpha * base) + window).all()
         if alpha == 0.0:
             assert len(set(kept.flatten().tolist())) > 1  # the heads' budgets differ
         if alpha == 1.0:  # every head its own B: SnapKV
-            snap = new_cache(SnapKVCache, B, H, G, D, N, budget=budget, window=window, pooling="avg")
-            snap.prefill(q, k, v, None)
-            assert held(cache) == held(snap)
+            snap = new_layer("snapkv", 0, window=window, pooling="avg")
+            snap.prefill(q, k, v, None, budget=budget)
+            assert held(cache, k, v) == held(snap, k, v)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -220,15 +240,16 @@ def test_pyramid_budgets_sum_monotone_close(base, prefix, L, beta):
 
 def test_pyramid_layer_budgets_through_make_caches():
     model = tiny(n_layer=4)
-    caches = make_caches(model, "pyramidkv", 2, 40, budget=12, window=4)
-    assert [c.n_layer for c in caches] == [4] * 4  # make_caches passes the number of layers
-    sizes = caches[0].layer_budgets(30)
-    assert sizes == [c.layer_budgets(30)[c.layer_idx] for c in caches] == caches[3].layer_budgets(30)
+    cache = make_caches(model, "pyramidkv", 2, 40, budget=12, window=4)
+    # the engine tells each layer's rule where it runs: its index among the model's 4 layers
+    assert [(lay.context.layer_idx, lay.context.n_layer) for lay in cache.layers] == [(i, 4) for i in range(4)]
+    sizes = pyramid_sizes(30, 12, 4, 4)
     assert sum(sizes) == 4 * 12 and sizes == sorted(sizes, reverse=True) and sizes[0] > 12 > sizes[-1]
-    assert caches[0].layer_budgets(12) == [12] * 4  # a prompt within the budget: everything
+    assert pyramid_sizes(12, 12, 4, 4) == [12] * 4  # a prompt within the budget: everything
     with eval_mode(model):
-        prefill(model, caches, torch.randint(0, V, (2, 30)))
-    assert [int(c.kept()[0, 0]) for c in caches] == sizes
+        prefill(model, cache, torch.randint(0, V, (2, 30)))
+    kept = cache.kept()  # [layer, sequence, KV head]: one budget per layer
+    assert torch.equal(kept, torch.tensor(sizes)[:, None, None].expand(4, 2, 2))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -285,11 +306,11 @@ def test_decode_loop_equals_masked_forward(policy):
     with torch.no_grad():
         ref = masked_decode_reference(model, idx, P, budget, window, kept_fn)
         full = model(idx).logits
-    seq, caches = policy_logits(model, idx, policy, sequential=True, prefill_len=P, budget=budget, **opts)
+    seq, cache = policy_logits(model, idx, policy, sequential=True, prefill_len=P, budget=budget, **opts)
     assert torch.allclose(seq, ref, atol=1e-10, rtol=0)
     assert torch.allclose(seq[:, :P], full[:, :P], atol=1e-10, rtol=0)  # the prefill is exact
     assert not torch.allclose(seq[:, P:], full[:, P:], atol=1e-3)  # the budget matters after it
-    kept = torch.stack([c.kept() for c in caches]).double()
+    kept = cache.kept().double()
     assert float(kept.mean()) == budget + (44 - P)  # mean over layers and heads: B + decoded tokens
     # the parallel prefill of everything is the full model; decoding from an empty prompt keeps everything
     par, _ = policy_logits(model, idx, policy, budget=budget, **opts)
@@ -303,25 +324,27 @@ def test_prompt_within_budget_equals_full_cache():
     with torch.no_grad():
         full = model(idx).logits
     for policy in ("snapkv", "pyramidkv", "adakv"):
-        seq, caches = policy_logits(model, idx, policy, sequential=True, prefill_len=16, budget=16, window=8)
+        seq, cache = policy_logits(model, idx, policy, sequential=True, prefill_len=16, budget=16, window=8)
         assert torch.allclose(seq, full, atol=1e-10, rtol=0), policy
-        assert all(torch.equal(c.kept(), torch.full((3, 2), 40)) for c in caches)
+        assert torch.equal(cache.kept(), torch.full((3, 3, 2), 40))
 
 
 # ----------------------------------------------------------------------------------------------------
 # memory, generate, errors
 # ----------------------------------------------------------------------------------------------------
 def test_memory_follows_the_compression():
+    """The pool holds each row's kept tokens + the reserve (rounded up, + the scratch slot), not the prompt."""
     B, H, G, N, D, budget, new = 2, 2, 2, 300, 16, 40, 10
     q, k, v = rand(B, H * G, N, D, seed=10), rand(B, H, N, D, seed=11), rand(B, H, N, D, seed=12)
-    cache = new_cache(SnapKVCache, B, H, G, D, N + new, budget=budget)
-    assert cache.nbytes() == 2 * B * H * 8  # nothing allocated before the prefill but start/length
-    cache.prefill(q, k, v, None)
-    assert cache.kv_nbytes() == 2 * B * H * (budget + new) * D * 8
+    cache = new_layer("snapkv", new)
+    cache.prefill(q, k, v, None, budget=budget)
+    assert cache.cap.tolist() == [budget + new] * (B * H)
+    assert cache.kv_nbytes() == 2 * rounded(B * H * (budget + new) + 1) * D * 8 < 2 * B * H * N * D * 8
     assert cache.kept_nbytes() == 2 * B * H * budget * D * 8
-    ada = new_cache(AdaKVCache, B, H, G, D, N + new, budget=budget)
-    ada.prefill(q, k, v, None)
-    assert ada.kv_nbytes() == 2 * B * H * (int(ada.kept().max()) + new) * D * 8  # padded to the longest head
+    ada = new_layer("adakv", new)
+    ada.prefill(q, k, v, None, budget=budget)
+    assert torch.equal(ada.cap, ada.kept() + new) and len(set(ada.kept().tolist())) > 1  # each row its own share
+    assert ada.kv_nbytes() == 2 * rounded(int(ada.cap.sum()) + 1) * D * 8
 
 
 def test_generate_runs_and_keeps_the_budget():
@@ -331,8 +354,8 @@ def test_generate_runs_and_keeps_the_budget():
     prompt = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(5))
     out = generate(model, prompt, 8, policy="snapkv", budget=12, window=4)
     assert out.shape == (2, 38) and torch.equal(out[:, :30], prompt)
-    _, caches = generate(model, prompt, 8, "adakv", budget=12, window=4, return_caches=True)
-    kept = torch.stack([c.kept() for c in caches])  # 30 prompt tokens + 7 fed back: B + 7 per head on average
+    _, cache = generate(model, prompt, 8, "adakv", budget=12, window=4, return_caches=True)
+    kept = cache.kept()  # [layer, sequence, KV head]; 30 prompt tokens + 7 fed back: B + 7 per head on average
     assert torch.equal(kept.sum(-1), torch.full((3, 2), 2 * (12 + 7)))
 
 
@@ -354,14 +377,13 @@ def test_errors():
         make_caches(model, "pyramidkv", 1, 40, budget=10, window=4, beta=0.5)
     with pytest.raises(ValueError, match="alpha .* must be in \\[0, 1\\]"):
         make_caches(model, "adakv", 1, 40, budget=10, window=4, alpha=1.5)
-    with pytest.raises(ValueError, match="pyramidkv needs n_layer"):
-        new_cache(PyramidKVCache, 1, 2, 1, 8, 40, budget=10, window=4)
-    cache = new_cache(SnapKVCache, 1, 2, 1, 8, 20, budget=10, window=4)
-    with pytest.raises(ValueError, match="exceeds max_len=20"):
-        cache.prefill(*(rand(1, 2, 21, 8, seed=0) for _ in range(3)), None)
-    cache.prefill(*(rand(1, 2, 20, 8, seed=0) for _ in range(3)), None)
-    with pytest.raises(RuntimeError, match="more than max_len=20 tokens"):
-        cache.step(*(rand(1, 2, 1, 8, seed=0) for _ in range(3)), None, torch.tensor([20]))
+    with pytest.raises(ValueError, match="exceed the model's block_size=64"):
+        make_caches(model, "snapkv", 1, 80, budget=10, window=4)
+    with pytest.raises(TypeError, match="does not accept the options \\['alpha'\\]"):
+        make_caches(model, "snapkv", 1, 40, budget=10, window=4, alpha=0.5)
+    layer = new_layer("snapkv", 0, window=4)  # the rule checks the budget at the prompt too
+    with pytest.raises(ValueError, match="snapkv: window=4 must be below the budget B=3"):
+        layer.prefill(*(rand(1, 2, 20, 8, seed=0) for _ in range(3)), None, budget=3)
 
 
 def test_triton_decode_equals_torch():
@@ -370,7 +392,8 @@ def test_triton_decode_equals_torch():
     model = tiny(n_layer=2).float().to(dev)
     idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(6)).to(dev)
     kw = {"sequential": True, "prefill_len": 13, "budget": 8, "window": 3}
-    out, caches = policy_logits(model, idx, "adakv", backend="triton", **kw)
+    out, cache = policy_logits(model, idx, "adakv", backend="triton", **kw)
     ref, _ = policy_logits(model, idx, "adakv", backend="torch", **kw)
-    assert caches[0].backend == "triton" and len(set(caches[0].kept().flatten().tolist())) > 1
+    assert all(lay.context.backend == "triton" for lay in cache.layers)
+    assert len(set(cache.kept()[0].flatten().tolist())) > 1
     assert torch.allclose(out, ref, atol=1e-5, rtol=0)

@@ -116,20 +116,19 @@ def test_kept_within_budget_and_fractions(name):
     caches = make_caches(model, name, 2, N, budget=budget, backend="torch", **options)
 
     def check(t: int) -> None:
-        for c in caches:
-            kept = c.kept()
-            assert kept.shape == (2, 2) and kept.dtype == torch.long
-            assert (kept >= 1).all() and (kept <= t).all(), (name, t, kept)
-            if budget is not None and not prefill_time(cls):
-                assert (kept <= budget).all(), (name, t, kept)
-            fr = c.fractions()
-            for key in ("area", "peak"):
-                assert fr[key].shape == (2, 2) and ((fr[key] >= 0) & (fr[key] <= 1)).all(), (name, key, fr[key])
-            if budget is not None and not prefill_time(cls):
-                assert (fr["peak"] <= budget / t + 1e-12).all()
-            assert c.nbytes() > 0 and c.t == t
+        kept = caches.kept()  # [layer, sequence, KV head]
+        assert kept.shape == (2, 2, 2) and kept.dtype == torch.long
+        assert (kept >= 1).all() and (kept <= t).all(), (name, t, kept)
+        if budget is not None and not prefill_time(cls):
+            assert (kept <= budget).all(), (name, t, kept)
+        fr = caches.fractions()
+        for key in ("area", "peak"):
+            assert fr[key].shape == (2, 2, 2) and ((fr[key] >= 0) & (fr[key] <= 1)).all(), (name, key, fr[key])
+        if budget is not None and not prefill_time(cls):
+            assert (fr["peak"] <= budget / t + 1e-12).all()
+        assert all(layer.nbytes() > 0 for layer in caches.layers) and caches.t == t
         if prefill_time(cls):  # per-layer (PyramidKV) or per-head (AdaKV) budgets: B on average, + decoded tokens
-            mean = torch.stack([c.kept() for c in caches]).double().mean()
+            mean = kept.double().mean()
             assert mean <= budget + t - P + 1e-12, (name, t, mean)
 
     with eval_mode(model):

@@ -1,15 +1,18 @@
 """Every registered policy through every decoding path (the contract of `nats.cache.engine`): adding a policy (one
-file in nats/cache/policies/, one conf/cache/<name>.yaml) puts it under these tests on the transformers paths, as
-tests/test_contract_cache.py does on the GPT path.
+file in nats/cache/policies/, one conf/cache/<name>.yaml) puts it under these tests on the GPT path and the
+transformers paths, as tests/test_contract_cache.py does for the GPT path's measurements.
 
-* a decodable policy declares how it runs in the fixed-capacity engine (`fixed_rule`, the rule's class, which
-  ``rule(**options)`` makes with the policy's flags) or says why it cannot (`no_fixed_rule`), and `StaticPolicyCache`
-  offers exactly those with a rule;
-* `StaticPolicyCache` (the fixed-capacity engine) decodes the same greedy tokens as `PolicyCache` (the policy's own
-  `LayerCache`, PyTorch attention), keeps the same number of tokens, and equals the parallel forward where the
-  policy is exact (``full``, ``nats``);
-* batch equals alone: a left-padded batch through `StaticPolicyCache`, and a batch of equal-length prompts through
-  `PolicyCache`, decode each sequence as it decodes alone.
+* a registered policy is a `FixedRule` (what it keeps of a prompt, how a step changes a row) whose ``rule(**options)``
+  carries its flags; every decodable one runs in the engine on every path (`fixed_policies`) and the evaluation-only
+  ones are refused with the reason;
+* the GPT path: `nats.cache.decode.generate` (a cache planned for the new tokens) decodes the greedy tokens that
+  teacher forcing through a cache that grows gives (`policy_logits(sequential=True)`);
+* the transformers paths: ``model.generate`` through `StaticPolicyCache` planned for the new tokens, through one
+  that does not know their number (eager steps, growth) and `nats.hf.loop.generate` decode the same greedy tokens and
+  hold the same number of tokens after them;
+* where the policy is exact (``full``, ``nats``) every path equals the model's parallel forward;
+* batch equals alone: a left-padded batch planned for the new tokens, and a batch of equal-length prompts through a
+  cache that grows, decode each sequence as it decodes alone.
 """
 
 from __future__ import annotations
@@ -21,12 +24,17 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_cache import nats_model as gpt_nats_model  # noqa: E402
+from test_cache import tiny as gpt_tiny  # noqa: E402
 from test_hf_nats import ids, tiny_model  # noqa: E402
-from test_hf_static_cache import greedy as hf_greedy  # noqa: E402
 
 from nats.cache import available_caches, get_cache_class  # noqa: E402
+from nats.cache.decode import generate as gpt_generate  # noqa: E402
+from nats.cache.decode import policy_logits  # noqa: E402
 from nats.cache.engine import FixedRule, fixed_policies  # noqa: E402
-from nats.hf import PolicyCache, StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
+from nats.hf import StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
+from nats.hf.compat import cache_kwargs  # noqa: E402
+from nats.hf.loop import generate as loop_generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -53,21 +61,25 @@ def model_for(name: str):
     return use_policy_caches(model)
 
 
+def hf_greedy(model, prompt, cache, mask=None, n=NEW, compile_config=None):
+    """``model.generate``'s n greedy tokens through a cache (its end token held back: ``min_new_tokens``)."""
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt) if mask is None else mask,
+                              max_new_tokens=n, min_new_tokens=n, do_sample=False, compile_config=compile_config,
+                              disable_compile=compile_config is None, **cache_kwargs(model, cache))  # fmt: skip
+
+
 greedy = functools.partial(hf_greedy, n=NEW)  # NEW greedy tokens through a cache (compiled with compile_config=)
 
 
-def test_every_decodable_policy_has_a_fixed_rule_or_says_why():
-    for name in DECODABLE:
+def test_every_decodable_policy_runs_in_the_engine():
+    assert set(DECODABLE) == set(FIXED) and set(FIXED) < set(available_caches())
+    for name in available_caches():  # the rule, made with the policy's options, carries the policy's flags
         cls = get_cache_class(name)
-        assert (cls.fixed_rule is None) != (cls.no_fixed_rule is None), (
-            f"policy {name!r}: declare fixed_rule (nats.cache.engine.FixedRule) or no_fixed_rule (the reason)"
-        )
-    assert set(FIXED) == {n for n in DECODABLE if get_cache_class(n).fixed_rule is not None}
-    for name in FIXED:  # the rule, made with the policy's options, carries the policy's flags
-        cls = get_cache_class(name)
+        assert issubclass(cls, FixedRule) and cls.name == name, name
         rule = cls.rule(**options(name))
-        assert isinstance(rule, FixedRule), name
-        assert (rule.budgeted, rule.even_rows) == (cls.budgeted, cls.even_rows), name
+        assert isinstance(rule, cls), name
+        assert (rule.budgeted, rule.even_rows, rule.decodable) == (cls.budgeted, cls.even_rows, cls.decodable), name
     assert {"full", "nats", "streaming_llm", "snapkv", "h2o"} <= set(FIXED)
     no_rule = next(n for n in available_caches() if not get_cache_class(n).decodable)  # evaluation-only
     model = use_policy_caches(tiny_model("llama"))
@@ -75,20 +87,41 @@ def test_every_decodable_policy_has_a_fixed_rule_or_says_why():
         StaticPolicyCache(model, no_rule, max_new_tokens=NEW, **options(no_rule))
 
 
+@pytest.mark.parametrize("name", DECODABLE)
+def test_gpt_generate_equals_teacher_forcing_through_a_growing_cache(name):
+    """The GPT path: `generate` (pools planned for the new tokens, no growth) and the sequential `policy_logits`
+    over the same tokens (no reserve: the pools grow) give the same greedy tokens; exact policies the forward's."""
+    cls = get_cache_class(name)
+    model = gpt_nats_model(block_size=96) if cls.requires_core == "nats" else gpt_tiny({"name": "dense"}, block_size=96)
+    P, new = 40, 24  # more new tokens than a growing pool's first room (GROW_STEPS)
+    idx = torch.randint(0, 61, (2, P), generator=torch.Generator().manual_seed(3))
+    kw = options(name)
+    out, cache = gpt_generate(model, idx, new, name, return_caches=True, **kw)
+    assert cache.reallocations() == 0 and cache.t == P + new - 1
+    seq, grown = policy_logits(model, out[:, :-1], name, sequential=True, prefill_len=P, **kw)
+    assert torch.equal(seq[:, P - 1 :].argmax(-1), out[:, P:]), name
+    assert torch.equal(grown.kept(), cache.kept())
+    if name in EXACT:
+        with torch.no_grad():
+            full = model(out[:, :-1]).logits
+        assert torch.equal(full[:, P - 1 :].argmax(-1), out[:, P:])
+
+
 @pytest.mark.parametrize("name", FIXED)
-def test_fixed_engine_decodes_as_the_policy_itself(name):
+def test_transformers_paths_decode_alike(name):
     model, prompt, kw = model_for(name), ids(n=PROMPT, b=2), options(name)
-    ref_cache = PolicyCache(model, name, max_len=PROMPT + NEW, backend="torch", **kw)
-    ref = greedy(model, prompt, ref_cache)
-    cache = StaticPolicyCache(model, name, max_new_tokens=NEW, max_len=PROMPT + NEW, **kw)
-    out = greedy(model, prompt, cache)
-    assert torch.equal(out, ref)
-    # the same tokens held after the last step (the static cache counts NAtS' deferred eviction as done)
-    assert torch.equal(cache.kept().cpu(), ref_cache.kept().cpu())
+    model.generation_config.eos_token_id = None  # greedy on every path: the loop holds no end token back
+    planned = StaticPolicyCache(model, name, max_new_tokens=NEW, max_len=PROMPT + NEW, **kw)
+    out = greedy(model, prompt, planned)
+    growing = StaticPolicyCache(model, name, max_len=PROMPT + NEW, **kw)  # the number of new tokens unknown
+    assert torch.equal(greedy(model, prompt, growing), out)
+    looped = StaticPolicyCache(model, name, max_new_tokens=NEW, max_len=PROMPT + NEW, **kw)
+    assert torch.equal(loop_generate(model, prompt, looped, NEW, compile=False), out)
+    # the same tokens held after the last step on every path
+    assert torch.equal(planned.kept(), growing.kept()) and torch.equal(planned.kept(), looped.kept())
     if name in EXACT:
         with torch.no_grad():
             full = model(out).logits
-        full[..., model.generation_config.eos_token_id] = float("-inf")  # min_new_tokens holds the end token back
         assert torch.equal(full[:, PROMPT - 1 : -1].argmax(-1), out[:, PROMPT:])
 
 
@@ -105,12 +138,12 @@ def test_fixed_engine_left_padded_batch_equals_each_prompt_alone(name):
 
 
 @pytest.mark.parametrize("name", DECODABLE)
-def test_policy_cache_batch_equals_each_prompt_alone(name):
+def test_growing_cache_batch_equals_each_prompt_alone(name):
     model, kw = model_for(name), options(name)
     prompt = ids(n=PROMPT, b=2)
 
     def run(p):
-        return greedy(model, p, PolicyCache(model, name, max_len=PROMPT + NEW, backend="torch", **kw))
+        return greedy(model, p, StaticPolicyCache(model, name, max_len=PROMPT + NEW, backend="torch", **kw))
 
     out = run(prompt)
     assert torch.equal(out[:1], run(prompt[:1])) and torch.equal(out[1:], run(prompt[1:]))

@@ -11,9 +11,12 @@ import json
 
 import pytest
 import torch
-from test_cache import nats_model, new_cache, onehot_probe, step_all, tiny
+from test_cache import nats_model, onehot_probe, tiny
 
 from conftest import REPO
+from nats import functional as NF
+from nats.attention.nats import NAtSAttention
+from nats.attention.registry import AttentionDims
 from nats.cache import decode
 from nats.cache.decode import (
     GraphDecoder,
@@ -25,8 +28,9 @@ from nats.cache.decode import (
     prefill,
     resolve_policy,
 )
-from nats.cache.policies.nats import NAtSCache
-from nats.cache.policies.snapkv import SnapKVCache
+from nats.cache.engine import GROW_STEPS, EngineLayer, RuleContext
+from nats.cache.policies.nats import NAtSRule, TypeTable, kept_after_prompt
+from nats.cache.policies.snapkv import SnapKVRule
 from nats.cache.registry import CACHE_POLICIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -36,16 +40,16 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def count_maintain(monkeypatch) -> list[bool]:
-    """Record every NAtSCache.maintain() result (True = the storage was reallocated)."""
+    """Record every EngineLayer.maintain() result (True = the layer's pool was reallocated)."""
     calls: list[bool] = []
-    original = NAtSCache.maintain
+    original = EngineLayer.maintain
 
     def maintain(self):
         changed = original(self)
         calls.append(changed)
         return changed
 
-    monkeypatch.setattr(NAtSCache, "maintain", maintain)
+    monkeypatch.setattr(EngineLayer, "maintain", maintain)
     return calls
 
 
@@ -142,7 +146,7 @@ def test_forward_with_caches_errors():
     with pytest.raises(ValueError, match="pass the layers' caches"):
         model(idx, pos=3)
     with pytest.raises(ValueError, match="one cache per layer"):
-        model(idx, caches=caches[:1])
+        model(idx, caches=[caches[0]])
     with pytest.raises(ValueError, match="one token per sequence"):
         model(idx, caches=caches, pos=3)
     with pytest.raises(ValueError, match="without targets"):
@@ -165,54 +169,74 @@ def test_policy_name_resolved_once(monkeypatch):
     idx = torch.randint(0, V, (1, 6))
     generate(model, idx, 3, "nats", return_caches=True)
     assert calls == ["nats"]
-    assert resolve_policy(NAtSCache) is NAtSCache and resolve_policy("nats") is NAtSCache
+    assert resolve_policy(NAtSRule) is NAtSRule and resolve_policy("nats") is NAtSRule
 
 
 # ----------------------------------------------------------------------------------------------------
 # planned capacity: no reallocation within the reserve; the overflow rule
 # ----------------------------------------------------------------------------------------------------
 def test_generate_nats_never_reallocates(monkeypatch):
-    """generate plans the NAtS pool for max_new_tokens at the prefill: maintain() never reallocates, even with a
-    compaction period that reallocates without a reserve; the tokens are those of the unplanned decode."""
+    """generate plans the NAtS pools for max_new_tokens at the prefill: no layer ever needs to check for room
+    (maintain() is not called) or reallocates; the tokens are those of the unplanned decode, whose pools grow."""
     model = nats_model(window=2, block_size=96)
     torch.manual_seed(5)
     idx = torch.randint(0, V, (2, 20))
     new = 40
     calls = count_maintain(monkeypatch)
-    out, caches = generate(model, idx, new, "nats", return_caches=True, check_every=2)
-    assert len(calls) == (new - 1) * len(caches) and not any(calls)
-    assert all(c.compactions == 0 for c in caches)
-    assert all(c.reserve == new for c in caches)
-    # the same greedy tokens by teacher forcing through caches without a reserve (periodic compaction)
-    calls.clear()
-    seq, plain = policy_logits(model, out[:, :-1], "nats", sequential=True, prefill_len=20, check_every=2)
-    assert any(calls) and any(c.compactions for c in plain)  # without a reserve the same decode reallocates
+    out, cache = generate(model, idx, new, "nats", return_caches=True)
+    assert calls == [] and cache.reallocations() == 0 and cache.reserve == new
+    assert not cache.overflowed() and all(bool((lay.cap >= lay.length).all()) for lay in cache.layers)
+    # the same greedy tokens by teacher forcing through a cache without a reserve (its pools grow)
+    seq, plain = policy_logits(model, out[:, :-1], "nats", sequential=True, prefill_len=20)
+    assert any(calls) and plain.reallocations() == sum(calls) > 0  # without a reserve the same decode reallocates
     assert torch.equal(seq[:, 19:].argmax(-1), out[:, 20:])
 
 
-def load_prompt(cache, k, v, types, P):
-    """The state after the first P positions of the probe (k, v [R, N, D]) written by `load`."""
-    B, H = cache.batch, cache.n_kv_head
-    cache.load(k[:, :P].reshape(B, H, P, -1), v[:, :P].reshape(B, H, P, -1), types[..., :P])
+C = 8  # the block input of the NAtS layers driven directly (their scorer's input)
 
 
-def one_step(cache, q, k, v, types, i):
-    """Step position i of the probe (q [R, 1, N, D], k and v [R, N, D]) with the given types."""
-    B, H, D = cache.batch, cache.n_kv_head, q.shape[-1]
-    return cache.step(
-        q[:, :, i].reshape(B, H, 1, D),
-        k[:, i].reshape(B, H, 1, D),
-        v[:, i].reshape(B, H, 1, D),
-        None,
-        torch.tensor([i]),
-        types=types[..., i],
-    )
+def nats_layer(B, H, N, window, reserve, types):
+    """One NAtS layer of the engine driven directly (float64, H KV heads of one query head, head dim N: the
+    probe's), its types given for every position by a TypeTable (types [B, H, N]), a random scorer beside them."""
+    torch.manual_seed(0)
+    dims = AttentionDims(n_embd=C, n_head=H, n_kv_head=H, head_dim=N, block_size=256, layer_idx=0, n_layer=1)
+    core = NAtSAttention(dims, window=window, backend="reference").double().eval()
+    table = TypeTable(types.permute(2, 0, 1).reshape(N, B * H), 0)
+    rule = NAtSRule.rule(type_table=table)
+    return EngineLayer(rule, RuleContext(0, 1, reserve, True, "torch", "torch"), core)
+
+
+def load_prompt(layer, q, k, v, x, P):
+    """The prefill of the first P positions of the probe (q [R, 1, N, D], k and v [R, N, D], x [B, N, C])."""
+    B = x.shape[0]
+    R, _, N, D = q.shape
+    H = R // B
+    y = layer.prefill(q[:, 0, :P].reshape(B, H, P, D), k[:, :P].reshape(B, H, P, D), v[:, :P].reshape(B, H, P, D),
+                      x[:, :P])  # fmt: skip
+    return y.reshape(R, P, D)
+
+
+def one_step(layer, q, k, v, x, i):
+    """Step position i of the probe: the layer's eager step (growth first, `EngineLayer.maintain`) -> [R, D]."""
+    return layer.step(q[:, :, i], k[:, i], v[:, i], x[:, i])[:, 0]
+
+
+def nats_reference(q, k, v, types, window):
+    """The NAtS attention of the given types over the whole probe (spec section 2) [R, N, D], and what a cache
+    holds after it: every global, the live locals, the sliding tokens of the last W - 1 positions [R]."""
+    R, _, N, D = q.shape
+    t = types.reshape(R, N)
+    y = NF.nats_attention_types(q[:, :1].transpose(0, 1), k[None], v[None], t[None], window, backend="reference")
+    keep, _ = kept_after_prompt(t)
+    ring = (t == NF.TOKEN_SLIDING) & (torch.arange(N) > N - window)
+    return y[0], keep.sum(1) + ring.sum(1)
 
 
 @pytest.mark.parametrize("reserve", [0, 3])
 def test_nats_overflow_rule(reserve):
-    """Beyond the reserve: maintain() reads the lengths once the guarantee runs out and compacts only when a row
-    is full; the attention equals a cache without a reserve at every step."""
+    """Beyond the reserve: maintain() trusts its host count of free steps, reads the lengths once it runs out and
+    grows the pool only when a row is full; the attention equals the NAtS attention of the types at every step and
+    the tokens held are those the types keep."""
     torch.manual_seed(2)
     B, H, N, W = 2, 2, 24, 3
     P = 6
@@ -221,51 +245,60 @@ def test_nats_overflow_rule(reserve):
     types[0, 0, P:] = 1  # row 0 gets a local at every step: it fills its reserve first
     types[1, 1, P:] = 2  # row 3 only sliding tokens: never grows
     q, k, v = onehot_probe(B * H, N)
-    ref_cache = new_cache(NAtSCache, B, H, N, window=W, check_every=4)
-    ref = step_all(ref_cache, q, k, v, types=types)
-    cache = new_cache(NAtSCache, B, H, N, window=W, check_every=4, reserve=reserve)
-    load_prompt(cache, k, v, types, P)
-    assert torch.equal(cache.cap - cache.length, torch.full((B * H,), reserve))
+    x = torch.randn(B, N, C, dtype=torch.float64)
+    ref, kept = nats_reference(q, k, v, types, W)
+    layer = nats_layer(B, H, N, W, reserve, types)
+    assert torch.allclose(load_prompt(layer, q, k, v, x, P), ref[:, :P], atol=1e-12)
+    assert torch.equal(layer.cap - layer.length, torch.full((B * H,), reserve)) and layer.free_steps == reserve
     changed = []
-    cache.auto_maintain = False
     for i in range(P, N):
-        changed.append(cache.maintain())
-        y = one_step(cache, q, k, v, types, i)
-        assert torch.allclose(y.reshape(B * H, N), ref[:, 0, i], atol=1e-12), i
-    # row 0 adds a token per step: full after `reserve` steps, the step after that compacts (once: the new
-    # layout leaves at least check_every free slots, and row 0 grows by one per step)
+        before = layer.reallocations
+        y = one_step(layer, q, k, v, x, i)
+        changed.append(layer.reallocations > before)
+        assert torch.allclose(y, ref[:, i], atol=1e-12), i
+    # row 0 adds a token per step: full after `reserve` steps, the step after that grows the pool (by at least
+    # GROW_STEPS free slots a row, so the next growth comes GROW_STEPS steps later)
     assert not any(changed[:reserve]) and changed[reserve]
-    assert cache.compactions == sum(changed) >= 1
-    assert torch.equal(cache.kept(), ref_cache.kept())
+    assert [i for i, c in enumerate(changed) if c] == list(range(reserve, N - P, GROW_STEPS))
+    assert layer.reallocations == sum(changed) >= 1
+    assert torch.equal(layer.kept(), kept)
+    assert int(layer.n_global[1 * H + 1]) == int((types[1, 1] == 0).sum())  # the sliding row kept its globals
 
 
-def test_nats_reserve_with_room_left_never_compacts():
+def test_nats_reserve_with_room_left_never_grows():
     """Only sliding tokens after the prompt: the reserve never fills, so there is nothing to reallocate even far
     beyond it (the guarantee is extended by the free slots read once)."""
     B, H, N, W, P = 1, 2, 30, 2, 4
     types = torch.full((B, H, N), 2)
     types[..., 0] = 0
     q, k, v = onehot_probe(B * H, N)
-    cache = new_cache(NAtSCache, B, H, N, window=W, check_every=2, reserve=2)
-    load_prompt(cache, k, v, types, P)
+    x = torch.randn(B, N, C, dtype=torch.float64)
+    ref, kept = nats_reference(q, k, v, types, W)
+    layer = nats_layer(B, H, N, W, 2, types)
+    load_prompt(layer, q, k, v, x, P)
+    pool = layer.kv_pool
     for i in range(P, N):
-        one_step(cache, q, k, v, types, i)
-    assert cache.compactions == 0
+        assert torch.allclose(one_step(layer, q, k, v, x, i), ref[:, i], atol=1e-12), i
+    assert layer.reallocations == 0 and layer.kv_pool is pool
+    assert torch.equal(layer.length, torch.ones(B * H, dtype=torch.long)) and torch.equal(layer.kept(), kept)
 
 
 def test_reserve_errors_and_snapkv_plan():
-    with pytest.raises(ValueError, match="reserve"):
-        new_cache(NAtSCache, 1, 1, 8, window=2, reserve=-1)
     model = tiny({"name": "dense"})
+    with pytest.raises(ValueError, match="reserve"):
+        make_caches(model, "full", 1, 8, reserve=-1)
     idx = torch.randint(0, V, (1, 30))
-    caches = make_caches(model, SnapKVCache, 1, 40, budget=12, window=4, reserve=2)
-    prefill(model, caches, idx[:, :20])
-    assert caches[0].capacity == 12 + 2
+    cache = make_caches(model, SnapKVRule, 1, 40, budget=12, window=4, reserve=2)
+    prefill(model, cache, idx[:, :20])
+    for layer in cache.layers:  # the budget's tokens + the reserve, per row
+        assert layer.cap.tolist() == [12 + 2] * 2 and layer.length.tolist() == [12] * 2
     with eval_mode(model):
-        decode_step(model, caches, idx[:, 20], 20)
-        decode_step(model, caches, idx[:, 21], 21)
-        with pytest.raises(RuntimeError, match="reserve=2"):
-            decode_step(model, caches, idx[:, 22], 22)
+        decode_step(model, cache, idx[:, 20], 20)
+        decode_step(model, cache, idx[:, 21], 21)
+        assert not cache.overflowed() and cache.kept().flatten().tolist() == [14] * 6
+        # past the reserve the capacity binds (no reallocation): the rows stop admitting, the cache says so
+        decode_step(model, cache, idx[:, 22], 22)
+    assert cache.overflowed() and cache.kept().flatten().tolist() == [14] * 6 and cache.reallocations() == 0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -308,13 +341,13 @@ def test_sequential_policy_logits_graph_equals_eager(policy):
     model = tiny({"name": "dense"}, block_size=96).float().cuda()
     idx = torch.randint(0, V, (3, 96), device="cuda")
     info = {}
-    got, caches = policy_logits(model, idx, policy, sequential=True, budget=24, info=info)
+    got, cache = policy_logits(model, idx, policy, sequential=True, budget=24, info=info)
     want, eager = policy_logits(model, idx, policy, sequential=True, budget=24, graph=False)
     assert info == {"decode": "cuda_graph"}
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
-    for a, b in zip(caches, eager, strict=True):
-        fa, fb = a.fractions(), b.fractions()
-        assert torch.allclose(fa["area"], fb["area"]) and torch.equal(fa["peak"], fb["peak"])
+    fa, fb = cache.fractions(), eager.fractions()
+    assert torch.allclose(fa["area"], fb["area"]) and torch.equal(fa["peak"], fb["peak"])
+    assert torch.equal(cache.kept(), eager.kept()) and cache.t == eager.t == 96
 
 
 @pytest.mark.gpu
@@ -325,13 +358,12 @@ def test_graph_generate_equals_eager_without_recapture(policy, monkeypatch):
     model = nats_model(window=4, block_size=128).float().cuda()
     idx = torch.randint(0, V, (3, 40), device="cuda")
     budget = 24 if policy in ("streaming_llm", "h2o", "snapkv") else None
-    # nats: a period that would reallocate without a reserve
-    opts = {"nats": {"check_every": 2}, "snapkv": {"window": 4}}.get(policy, {})
+    opts = {"snapkv": {"window": 4}}.get(policy, {})
     calls = count_maintain(monkeypatch)
     info = {}
-    out, caches = generate(model, idx, 64, policy, budget=budget, return_caches=True, info=info, **opts)
+    out, cache = generate(model, idx, 64, policy, budget=budget, return_caches=True, info=info, **opts)
     assert info == {"decode": "cuda_graph", "captures": 1}  # captured once, replayed for every later token
-    assert not any(calls) and all(c.t == 40 + 63 for c in caches)
+    assert calls and not any(calls) and cache.t == 40 + 63 and cache.reallocations() == 0
     eager, _ = generate(model, idx, 64, policy, budget=budget, return_caches=True, graph=False, **opts)
     assert torch.equal(out, eager)
 
@@ -344,18 +376,20 @@ def test_graph_decoder_replays_equal_eager_and_recapture_on_overflow():
     idx = torch.randint(0, V, (2, 80), device="cuda")
     P = 16
     for reserve, expect_recaptures in ((80 - P, False), (2, True)):
-        caches = make_caches(model, "nats", 2, 80, reserve=reserve, check_every=2)
-        eager = make_caches(model, "nats", 2, 80, reserve=reserve, check_every=2)
-        prefill(model, caches, idx[:, :P])
+        # the graph's cache grows past a short reserve between replays; the eager one grows as it decodes
+        cache = make_caches(model, "nats", 2, 80, reserve=reserve)
+        eager = make_caches(model, "nats", 2, 80)
+        prefill(model, cache, idx[:, :P])
         prefill(model, eager, idx[:, :P])
-        dec = GraphDecoder(model, caches)
+        dec = GraphDecoder(model, cache)
         with eval_mode(model):
             for i in range(P, 80):
                 a = dec(idx[:, i], i)
                 b = decode_step(model, eager, idx[:, i], i)
                 assert torch.allclose(a, b, atol=1e-4, rtol=0), i
-        assert (dec.captures > 1) == expect_recaptures
-        assert caches[0].t == eager[0].t == 80
+        assert (dec.captures > 1) == expect_recaptures == (cache.reallocations() > 0)
+        assert cache.t == eager.t == 80
+        assert torch.equal(cache.kept(), eager.kept())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -379,12 +413,12 @@ def test_bench_decode_smoke(tmp_path):
     got = {(r["L"], r["policy"]) for r in rows}
     assert got == {(L, p) for L in (48, 64) for p in ("full", "nats", "streaming_llm")}
     for r in rows:
-        assert r["ms_per_step"] > 0 and r["reallocations"] == 0 and r["compactions"] == 0
+        assert r["ms_per_step"] > 0 and r["reallocations"] == 0 and "compactions" not in r
         if r["policy"] == "streaming_llm":  # the budget is NAtS' kept share of the prompt
             nats_row = next(x for x in rows if x["L"] == r["L"] and x["policy"] == "nats")
             assert abs(r["budget"] / r["L"] - nats_row["kept_share"]) < 0.1
     md = (tmp_path / "bench_decode.md").read_text()
-    assert "vs streaming_llm" in md and "re-captures" in md
+    assert "vs streaming_llm" in md and "re-captures" in md and "| reallocations |" in md
     assert "bytes' bound" in md and "GB/s measured" in md
     for r in rows:  # against the bandwidth limit: a full cache reads the most, the others less
         assert r["step_gb"] > 0 and r["achieved_gbps"] > 0 and r["share_of_measured"] > 0

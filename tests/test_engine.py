@@ -1,9 +1,10 @@
 """The fixed-capacity cache engine (`nats.cache.engine`) driven directly, one `EngineLayer` per test on tiny shapes,
 without transformers: growth when the number of new tokens is unknown (decoding equals a run planned with enough
 room, token for token; `maintain` says when it reallocated and looks at the device only once its host count of free
-steps ran out), the engine's measurements (against the NAtS LayerCache and `nats.hf.StaticPolicyCache`), the
-multi-layer `EngineCache` driven without transformers (against `nats.hf.StaticPolicyCache`), StreamingLLM's
-``exact_prefill`` (against its LayerCache) and the backend choice reaching both attention ops."""
+steps ran out), the engine's measurements (against NAtS' definitions, spec sections 2, 5 and 6, and
+`nats.hf.StaticPolicyCache`), the multi-layer `EngineCache` driven without transformers (against
+`nats.hf.StaticPolicyCache`), StreamingLLM's ``exact_prefill`` (against its mask over the whole sequence) and the
+backend choice reaching both attention ops."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import pytest
 import torch
 
 import nats_kernels
+from nats import functional as NF
 from nats.attention.nats import NAtSAttention
 from nats.attention.registry import AttentionDims
 from nats.cache.engine import GROW_STEPS, EngineLayer, RuleContext
+from nats.cache.policies.nats import kept_after_prompt
+from nats.cache.policies.streaming_llm import streaming_mask
 from nats.cache.registry import get_cache_class
 
 B, HQ, HKV, D, C = 2, 4, 2, 16, 16  # D: a head dim the Triton kernels take (the GPU test)
@@ -131,27 +135,48 @@ def test_maintain_says_when_it_reallocated_and_trusts_its_host_count_until_it_ru
 
 
 # ------------------------------------------------------------------------------------------------------ measurements
-def test_nats_measurements_equal_the_layer_cache():
-    core = nats_core(bias=(0.0, 0.0, 0.0))
+def whole(prompt_part, steps, i):
+    """The prompt's q, k, v (item i = 0, 1, 2, ``[B, heads, n, D]``) or x (i = 3, ``[B, n, C]``) with the steps'
+    (`tokens`) after it, in the prompt's layout."""
+    if i == 3:
+        return torch.cat([prompt_part, torch.stack([t[i] for t in steps], 1)], 1)
+    heads = prompt_part.shape[1]
+    return torch.cat([prompt_part, torch.stack([t[i].reshape(B, heads, D) for t in steps], 2)], 2)
+
+
+def test_nats_measurements_equal_the_definitions():
+    """A NAtS layer's outputs, kept tokens, area and peak fractions, type fractions and bytes after a prompt and 20
+    steps, against NAtS' definitions over the whole sequence with the scorer's types (token 0 global): the attention
+    of the types' mask, the cache sizes c_i = sum_j M_ij (spec section 6), what the types keep (globals, live
+    locals, the sliding tokens of the last W - 1 positions)."""
+    W = 4
+    core = nats_core(window=W, bias=(0.0, 0.0, 0.0))
     cache = layer("nats", None, core=core)
     q, k, v, x = prompt(12, torch.float32)
-    cache.prefill(q, k, v, x)
-    ref = get_cache_class("nats")(batch=B, n_head=HQ, n_kv_head=HKV, head_dim=D, max_len=64, backend="torch",
-                                  core=core)  # fmt: skip
-    ref.prefill(q, k, v, x)
-    for qr, kr, vr, xr in tokens(20, torch.float32):
-        y = cache.step(qr, kr, vr, xr)
-        pos = torch.full((1,), ref.t, dtype=torch.long)
-        r = ref.step(qr.reshape(B, HQ, 1, D), kr.reshape(B, HKV, 1, D), vr.reshape(B, HKV, 1, D), xr[:, None], pos)
-        assert torch.equal(y.reshape(B, HQ, 1, D), r)
-    assert torch.equal(cache.kept().view(B, HKV), ref.kept())
-    for key, val in cache.fractions().items():
-        assert torch.equal(val.view(B, HKV), ref.fractions()[key]), key
-    types = cache.type_fractions()
-    assert torch.equal(types.view(B, HKV, 3), ref.type_fractions())
-    assert torch.allclose(types.sum(-1), torch.ones(R, dtype=torch.float64))
-    assert bool((types > 0).all())  # every type occurs
-    assert cache.kept_nbytes() == ref.kept_nbytes()
+    ys = [cache.prefill(q, k, v, x)]
+    steps = tokens(20, torch.float32)
+    for qr, kr, vr, xr in steps:
+        ys.append(cache.step(qr, kr, vr, xr).reshape(B, HQ, 1, D))
+    qa, ka, va, xa = (whole(t, steps, i) for i, t in enumerate((q, k, v, x)))
+    N = qa.shape[2]
+    with torch.no_grad():
+        types = core.hard_types(xa)  # [B, Hkv, N]
+    ref = NF.nats_attention_types(qa, ka, va, types, W, backend="reference")
+    torch.testing.assert_close(torch.cat(ys, 2), ref, rtol=1e-5, atol=1e-5)
+    t = types.reshape(R, N)
+    keep, _ = kept_after_prompt(t)
+    ring = (t == NF.TOKEN_SLIDING) & (torch.arange(N) > N - W)
+    assert torch.equal(cache.kept(), keep.sum(1) + ring.sum(1))
+    sizes = NF.nats_mask(t, W).sum(-1).double()  # [R, N]
+    fr = cache.fractions()
+    assert torch.equal(fr["area"], sizes.sum(-1) / (N * (N + 1) / 2))
+    assert torch.equal(fr["peak"], sizes.amax(-1) / N)
+    counts = torch.stack([(t == i).sum(-1) for i in range(3)], -1).double()
+    types_fr = cache.type_fractions()
+    assert torch.equal(types_fr, counts / N)
+    assert torch.allclose(types_fr.sum(-1), torch.ones(R, dtype=torch.float64))
+    assert bool((types_fr > 0).all())  # every type occurs
+    assert cache.kept_nbytes() == int(cache.kept().sum()) * 2 * D * 4
     assert cache.kv_nbytes() == cache.storage_kv_nbytes() < cache.nbytes()
     untracked = layer("nats", None, track=False, core=core)
     untracked.prefill(q, k, v, x)
@@ -252,22 +277,33 @@ def test_engine_cache_driven_directly_as_static_policy_cache(policy, options):
 
 # ------------------------------------------------------------------------------------------- streaming exact prefill
 @pytest.mark.parametrize("exact", [True, False])
-def test_ring_rule_exact_prefill_as_the_streaming_llm_layer_cache(exact):
-    budget, n = 6, 14
-    cache = layer("streaming_llm", None, sinks=2, exact_prefill=exact)
-    shapes = dict(batch=B, n_head=HQ, n_kv_head=HKV, head_dim=D, max_len=64, backend="torch", dtype=torch.float64)
-    ref = get_cache_class("streaming_llm")(budget=budget, sinks=2, exact_prefill=exact, **shapes)
+def test_ring_rule_exact_prefill_and_decode_as_the_streaming_mask(exact):
+    """StreamingLLM's ring rule over a prompt and 10 steps: the prompt's attention is causal over every prompt key
+    (``exact_prefill``) or the StreamingLLM mask, the steps that mask over the whole sequence (the sinks and the
+    last B - sinks keys); its sizes c_i the mask's rows, B tokens held."""
+    budget, n, sinks = 6, 14, 2
+    cache = layer("streaming_llm", None, sinks=sinks, exact_prefill=exact)
     q, k, v, x = prompt(n)
-    y = cache.prefill(q, k, v, x, budget=budget)
-    assert torch.equal(y, ref.prefill(q, k, v, x))
-    for qr, kr, vr, xr in tokens(10):
-        pos = torch.full((1,), ref.t, dtype=torch.long)
-        r = ref.step(qr.reshape(B, HQ, 1, D), kr.reshape(B, HKV, 1, D), vr.reshape(B, HKV, 1, D), None, pos)
-        # the same keys, laid out in another order (the ring's slots): equal up to the summation order
-        torch.testing.assert_close(cache.step(qr, kr, vr, xr).reshape(B, HQ, 1, D), r, rtol=1e-12, atol=1e-12)
-    assert torch.equal(cache.kept().view(B, HKV), ref.kept())
-    for key, val in cache.fractions().items():
-        assert torch.equal(val.view(B, HKV), ref.fractions()[key]), key
+    ys = [cache.prefill(q, k, v, x, budget=budget)]
+    steps = tokens(10)
+    for qr, kr, vr, xr in steps:
+        ys.append(cache.step(qr, kr, vr, xr).reshape(B, HQ, 1, D))
+    qa, ka, va = (whole(t, steps, i) for i, t in enumerate((q, k, v)))
+    N = qa.shape[2]
+    mask = streaming_mask(N, budget, sinks)
+    if exact:
+        mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+    ka, va = (t.repeat_interleave(G, 1) for t in (ka, va))
+    s = (qa @ ka.transpose(-1, -2)) / D**0.5
+    ref = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ va
+    # the same keys, laid out in another order (the ring's slots): equal up to the summation order
+    torch.testing.assert_close(torch.cat(ys, 2), ref, rtol=1e-12, atol=1e-12)
+    assert cache.kept().tolist() == [budget] * R
+    sizes = mask.sum(-1).double()
+    fr = cache.fractions()
+    assert torch.equal(fr["area"], torch.full((R,), float(sizes.sum() / (N * (N + 1) / 2)), dtype=torch.float64))
+    assert torch.equal(fr["peak"], torch.full((R,), float(sizes.max() / N), dtype=torch.float64))
+    assert (float(sizes.max()) == n) == exact  # the exact prompt's last query read every prompt key
 
 
 # ------------------------------------------------------------------------------------------------------------ backend

@@ -342,3 +342,27 @@ def test_out_of_memory_names_the_setting_to_lower(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"out of memory .* lower batch_size=16 \(e\.g\. batch_size=4\)"):
         run(eval_cfg(ckpt, tmp_path / "out", ["max_windows=2", "batch_size=16", "methods=[full]"]))
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.slow
+def test_carry_over_script_compares_two_versions(tmp_path):
+    """experiments/carry_over.py runs nats-eval through two versions of the code and tabulates both: given this
+    checkout as the earlier version too, every number agrees; a version without the packages is refused."""
+    (tmp_path / "nats" / "checkpoints").mkdir(parents=True)  # a run's layout: the table is labelled "nats"
+    ckpt = make_checkpoint(tmp_path / "nats" / "checkpoints" / "last.ckpt", {"name": "nats", "window": 8},
+                           block_size=64, n_layer=1)  # fmt: skip
+    script = Path(__file__).resolve().parents[1] / "experiments" / "carry_over.py"
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(script), "--base", str(script.parents[1]), "--out", str(out), "gpt", str(ckpt), "--",
+           "max_windows=1", f"paths.data_dir={DATA_DIR}", "methods=[nats,full,streaming_llm]",
+           "budgets=[16]"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [line for line in (out / "carry_over_gpt.md").read_text().splitlines() if line.startswith("| nats |")]
+    rows += [line for line in proc.stdout.splitlines() if line.startswith(("| full |", "| streaming_llm |"))]
+    assert len(rows) == 3 and all(line.rstrip().endswith("| 0 |") for line in rows), rows
+    (tmp_path / "empty").mkdir()
+    bad = subprocess.run([sys.executable, str(script), "--base", str(tmp_path / "empty"), "--out", str(out), "gpt",
+                          str(ckpt)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode != 0 and "has no nats/" in bad.stderr

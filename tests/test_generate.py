@@ -63,7 +63,7 @@ def test_policy_equals_greedy_parallel_forward(ckpts, kind, policy):
     out, caches = decode_generate(model, idx, NEW, policy, vocab_limit=VOCAB_SIZE, return_caches=True)
     assert out.shape == (2, idx.shape[1] + NEW)
     assert torch.equal(out, ref), (out[0, idx.shape[1] :].tolist(), ref[0, idx.shape[1] :].tolist())
-    assert len(caches) == model.config.n_layer and caches[0].t == idx.shape[1] + NEW - 1
+    assert len(caches) == model.config.n_layer and caches.t == caches.layers[0].t == idx.shape[1] + NEW - 1
     # without the vocabulary limit it is nats.cache.decode.generate's loop (same tokens when none is padding)
     plain, _ = decode_generate(model, idx, NEW, policy, return_caches=True)
     assert torch.equal(plain, decode_generate(model, idx, NEW, policy))

@@ -1,8 +1,10 @@
-"""nats.hf.cache.PolicyCache: the project's KV-cache policies inside transformers' `generate`.
+"""nats.hf.StaticPolicyCache made for an unknown number of new tokens (``max_new_tokens=None``: eager steps, pools
+that grow): the project's KV-cache policies inside transformers' `generate`.
 
 The evicting NAtS cache decodes token for token what the parallel NAtS forward predicts, while holding fewer keys
-than it has seen; the full policy equals transformers' own decoding; a baseline (StreamingLLM) runs on a model
-without scorers and matches the native decode loop's rule; misuse is refused with a message.
+than it has seen; the full policy equals transformers' own decoding, also past the room planned at the prefill (the
+pools grow); a baseline (StreamingLLM) runs on a model without scorers and matches the native decode loop's rule; a
+left-padded batch equals each prompt alone; misuse is refused with a message.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf_nats import ids, tiny_model  # noqa: E402
 
-from nats.hf import PolicyCache, attach_nats, detach_nats, use_policy_caches  # noqa: E402
+from nats.hf import StaticPolicyCache, attach_nats, detach_nats, use_policy_caches  # noqa: E402
 from nats.hf.compat import cache_kwargs, generate_through  # noqa: E402
 
 PROMPT, NEW = 40, 12
+
+
+def growing(model, policy, max_len=PROMPT + NEW, **kw):
+    """A cache for an unknown number of new tokens (eager steps, pools that grow), the PyTorch decode kernels."""
+    return StaticPolicyCache(model, policy, max_new_tokens=None, max_len=max_len, backend="torch", **kw)
 
 
 def greedy(model, prompt, cache=None, n=NEW):
@@ -30,7 +37,7 @@ def greedy(model, prompt, cache=None, n=NEW):
 def test_nats_cache_generate_equals_parallel_forward_and_evicts(arch, batch):
     model = attach_nats(tiny_model(arch), window=4, init_std=0.5)
     prompt = ids(n=PROMPT, b=batch)
-    cache = PolicyCache(model, "nats", max_len=PROMPT + NEW, backend="torch")
+    cache = growing(model, "nats")
     gen = greedy(model, prompt, cache)
     assert gen.shape == (batch, PROMPT + NEW)
     with torch.no_grad():
@@ -53,10 +60,16 @@ def test_full_policy_equals_transformers_decoding():
     prompt = ids(n=PROMPT, b=2)
     ref = greedy(model, prompt)  # eager attention, DynamicCache
     use_policy_caches(model)
-    assert torch.equal(greedy(model, prompt), ref)  # no PolicyCache: plain attention through the nats function
-    cache = PolicyCache(model, "full", max_len=PROMPT + NEW, backend="torch")
+    assert torch.equal(greedy(model, prompt), ref)  # no policy cache: plain attention through the nats function
+    cache = growing(model, "full")
     assert torch.equal(greedy(model, prompt, cache), ref)
     assert (cache.kept() == PROMPT + NEW - 1).all()
+    # past the free slots the prefill planned, each layer's pool grows (eager steps), the tokens unchanged
+    n = 3 * NEW
+    cache = growing(model, "full", max_len=PROMPT + n)
+    assert torch.equal(greedy(model, prompt, cache, n=n), greedy(model, prompt, n=n))
+    assert cache.reallocations() >= len(cache.layers) and (cache.kept() == PROMPT + n - 1).all()
+    assert not cache.overflowed()
     detach_nats(model)
     assert model.config._attn_implementation == "eager"
 
@@ -66,7 +79,7 @@ def test_streaming_llm_on_a_model_without_scorers_matches_its_rule():
     model = use_policy_caches(tiny_model("llama"))
     prompt = ids(n=PROMPT, b=1)
     budget, sinks = 16, 4
-    cache = PolicyCache(model, "streaming_llm", max_len=PROMPT + NEW, budget=budget, sinks=sinks, backend="torch")
+    cache = growing(model, "streaming_llm", budget=budget, sinks=sinks)
     gen = greedy(model, prompt, cache)
     assert (cache.kept() == budget).all()
     # query i sees the sinks and the last budget - sinks tokens: the eager model with that mask, one query at a time
@@ -85,36 +98,70 @@ def test_streaming_llm_on_a_model_without_scorers_matches_its_rule():
 def test_misuse_is_refused():
     plain = tiny_model("llama")
     with pytest.raises(ValueError, match="use_policy_caches"):
-        PolicyCache(plain, "full", max_len=64)
+        growing(plain, "full", max_len=64)
     use_policy_caches(plain)
     with pytest.raises(ValueError, match="attach_nats"):
-        PolicyCache(plain, "nats", max_len=64)
-    with pytest.raises(ValueError, match="unknown cache policy"):
-        PolicyCache(plain, "nope", max_len=64)
-    with pytest.raises(ValueError, match="budget"):
-        PolicyCache(plain, "full", max_len=64, budget=8)
+        growing(plain, "nats", max_len=64)
+    with pytest.raises(ValueError, match="'nope' has no fixed-capacity form"):
+        growing(plain, "nope", max_len=64)
+    with pytest.raises(ValueError, match="'full' takes no budget"):
+        growing(plain, "full", max_len=64, budget=8)
     model = attach_nats(tiny_model("llama"), window=4)
-    cache = PolicyCache(model, "nats", max_len=PROMPT, backend="torch")
+    cache = growing(model, "nats", max_len=PROMPT)
     with pytest.raises(ValueError, match="max_len"):
         greedy(model, ids(n=PROMPT, b=1), cache)
     with pytest.raises(NotImplementedError, match="beam"):
-        greedy_beams = PolicyCache(model, "nats", max_len=PROMPT + NEW, backend="torch")
+        greedy_beams = growing(model, "nats")
         with torch.no_grad():
             model.generate(ids(n=8, b=1), max_new_tokens=4, num_beams=2, **cache_kwargs(model, greedy_beams))
 
 
-def test_padded_batch_is_refused_naming_the_cache_that_takes_one():
-    """PolicyCache holds one unpadded sequence per row: a left-padded batch is refused with the fix, the
-    StaticPolicyCache that takes one (tests/test_hf_static_cache.py: padded rows equal each prompt alone)."""
-    model = attach_nats(tiny_model("llama"), window=4)
-    prompt = ids(n=PROMPT, b=2)
-    mask = torch.ones_like(prompt)
-    mask[0, :3] = 0
-    cache = PolicyCache(model, "nats", max_len=PROMPT + NEW, backend="torch")
-    with pytest.raises(NotImplementedError) as err, torch.no_grad():
-        model.generate(prompt, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **cache_kwargs(model, cache))
-    msg = str(err.value)
-    assert "padded" in msg and "StaticPolicyCache" in msg and "left-padded" in msg, msg
+@pytest.mark.parametrize("policy", ["full", "nats"])
+def test_teacher_forcing_inside_continuing_equals_the_parallel_forward(policy):
+    """``with cache.continuing():`` a forward of several tokens extends the cached sequence (each token one decode
+    step, past the free slots planned: the pools grow) and predicts what the parallel forward over the whole sequence
+    predicts; outside, such a forward is refused as a second prompt, the cache unchanged."""
+    if policy == "nats":
+        model = attach_nats(tiny_model("llama"), window=4, init_std=0.5)
+    else:
+        model = use_policy_caches(tiny_model("llama"))
+    seq = ids(n=PROMPT + 3 * NEW, b=2, seed=7)
+    cache = growing(model, policy, max_len=seq.shape[1])
+    with torch.no_grad():
+        first = model(seq[:, :PROMPT], use_cache=True, **cache_kwargs(model, cache)).logits
+        with pytest.raises(ValueError, match="make a new cache for each call"):
+            model(seq[:, PROMPT:], use_cache=True, **cache_kwargs(model, cache))
+        assert int(cache.get_seq_length()) == cache.seen == PROMPT
+        with cache.continuing():
+            rest = model(seq[:, PROMPT:], use_cache=True, **cache_kwargs(model, cache)).logits
+        full = model(seq).logits
+    assert int(cache.get_seq_length()) == cache.seen == seq.shape[1]
+    assert cache.reallocations() > 0  # more tokens than the free slots the prefill planned
+    got = torch.cat([first, rest], dim=1)
+    assert torch.equal(got.argmax(-1), full.argmax(-1))
+    if policy == "full":
+        torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
+    else:
+        assert (cache.kept() < seq.shape[1]).any()  # it evicted on the way
+
+
+@pytest.mark.parametrize("policy,kw", [("nats", {}), ("full", {}), ("streaming_llm", {"budget": 12})])
+def test_left_padded_batch_equals_each_prompt_alone(policy, kw):
+    """Made for an unknown number of new tokens, the cache takes a left-padded batch (its rows prefilled over their
+    real tokens): each row decodes what its prompt alone decodes, for more new tokens than the free slots planned."""
+    model = attach_nats(tiny_model("llama"), window=4, init_std=0.5)
+    n = 2 * NEW
+    p1, p2 = ids(n=26, b=1, seed=3), ids(n=PROMPT, b=1, seed=4)
+    alone = [greedy(model, p, growing(model, policy, max_len=PROMPT + n, **kw), n=n) for p in (p1, p2)]
+    pad = torch.zeros(1, PROMPT - 26, dtype=torch.long)
+    batch = torch.cat([torch.cat([pad, p1], 1), p2])
+    mask = torch.cat([torch.cat([pad, torch.ones_like(p1)], 1), torch.ones_like(p2)])
+    cache = growing(model, policy, max_len=PROMPT + n, **kw)
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             **cache_kwargs(model, cache))  # fmt: skip
+    assert torch.equal(out[0, PROMPT:], alone[0][0, 26:]) and torch.equal(out[1, PROMPT:], alone[1][0, PROMPT:])
+    assert int(cache.kept()[:, 0].max()) <= 26 + n - 1  # the padded row keeps none of its padding
 
 
 def test_decode_benchmark_smoke(tmp_path):

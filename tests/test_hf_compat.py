@@ -16,17 +16,18 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf_nats import ARCHS, ids, tiny_model  # noqa: E402
 
-from nats.hf import PolicyCache, attach_nats, use_policy_caches  # noqa: E402
+from nats.hf import StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
 from nats.hf.compat import cache_argument, cache_from_kwargs, cache_kwargs, update_cache  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_layer_policy_sees_the_prompt(arch):
     model = use_policy_caches(tiny_model(arch))
-    cache = PolicyCache(model, "full", max_len=32, backend="torch")
+    cache = StaticPolicyCache(model, "full", max_new_tokens=None, max_len=32, backend="torch")
     with torch.no_grad():
         model(ids(n=10, b=1), use_cache=True, **cache_kwargs(model, cache))
-    assert [layer.policy is not None and layer.policy.t for layer in cache.layers] == [10] * len(cache.layers)
+    assert [layer.ready for layer in cache.layers] == [True] * len(cache.layers)  # each layer's prefill ran
+    assert cache.kept().tolist() == [[[10] * model.config.num_key_value_heads]] * len(cache.layers)
 
 
 def test_cache_argument_matches_the_installed_release():
@@ -42,7 +43,7 @@ def test_cache_argument_matches_the_installed_release():
 def test_generate_path_uses_no_deprecated_argument():
     model = attach_nats(tiny_model("llama"), window=4, init_std=0.5)
     prompt = ids(n=12, b=1)
-    cache = PolicyCache(model, "nats", max_len=20, backend="torch")
+    cache = StaticPolicyCache(model, "nats", max_new_tokens=None, max_len=20, backend="torch")
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         model.generate(
@@ -54,7 +55,9 @@ def test_generate_path_uses_no_deprecated_argument():
         )
     deprecated = [str(w.message) for w in caught if "deprecat" in str(w.message).lower()]
     assert deprecated == []
-    assert cache.layers[0].policy.t == 12 + 3  # the prompt and every new token but the last went through the cache
+    # the prompt and every new token but the last went through each layer's rule (its token types counted)
+    assert int(cache.get_seq_length()) == 12 + 3
+    assert all(bool((layer.type_counts.sum(-1) == 12 + 3).all()) for layer in cache.layers)
 
 
 def test_update_cache_calls_update_as_each_release_does():

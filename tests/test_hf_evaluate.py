@@ -189,7 +189,7 @@ def test_the_expected_answers_score_correct_end_to_end(first_run, pretrained, tm
 def test_continuation_is_teacher_forced_through_the_cache(pretrained, policy):
     """pg19_continuation: the predictions and NLL through the policy cache (prompt, then the reference fed in)
     are the parallel forward's over prompt + reference (dense, or NAtS with the same scorers)."""
-    from nats.hf import PolicyCache, load_nats_state_dict, use_policy_caches
+    from nats.hf import StaticPolicyCache, load_nats_state_dict, use_policy_caches
 
     model = transformers.AutoModelForCausalLM.from_pretrained(pretrained).eval()
     if policy == "nats":
@@ -203,7 +203,7 @@ def test_continuation_is_teacher_forced_through_the_cache(pretrained, policy):
         torch.randint(0, 1000, (40,), generator=g).tolist(),
         torch.randint(0, 1000, (6,), generator=g).tolist(),
     )
-    cache = PolicyCache(model, policy, max_len=46, backend="torch")
+    cache = StaticPolicyCache(model, policy, max_new_tokens=None, max_len=46, backend="torch")
     preds, nll = E.continue_one(model, prompt, reference, cache)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + reference[:-1]])).logits[0, 39:]

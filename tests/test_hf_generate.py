@@ -1,6 +1,5 @@
-"""nats-generate with a transformers model (hf_model=...): model.generate through the fixed-capacity cache by
-default (StaticPolicyCache), PolicyCache for policies without a fixed-capacity form; NAtS from a scorer file; the
-text equals greedy decoding through the same cache by hand."""
+"""nats-generate with a transformers model (hf_model=...): every decodable policy through the engine's transformers
+cache (StaticPolicyCache); NAtS from a scorer file; the text equals greedy decoding through the same cache by hand."""
 
 from __future__ import annotations
 
@@ -47,9 +46,9 @@ def test_policies(tiny, tmp_path, policy, extra, cache):
     assert (s["kept_max"] == s["processed"]) == (policy == "full")
 
 
-def test_nats_scorers_equal_policy_cache_by_hand(tiny, tmp_path):
+def test_nats_scorers_equal_growing_cache_by_hand(tiny, tmp_path):
     report = generate(cfg(tiny, tmp_path, "policy=nats", f"scorers={tiny}/scorers.pt", "window=4"))
-    from nats.hf import PolicyCache, load_nats_state_dict
+    from nats.hf import StaticPolicyCache, load_nats_state_dict
     from nats.hf.compat import cache_kwargs
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny)
@@ -58,7 +57,7 @@ def test_nats_scorers_equal_policy_cache_by_hand(tiny, tmp_path):
     load_nats_state_dict(model, torch.load(tiny / "scorers.pt"))
     model.eval()
     ids = tok("Once upon a time there was", return_tensors="pt").input_ids
-    cache = PolicyCache(model, "nats", max_len=ids.shape[1] + 6, backend="torch")
+    cache = StaticPolicyCache(model, "nats", max_new_tokens=None, max_len=ids.shape[1] + 6, backend="torch")
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
                              do_sample=False, **cache_kwargs(model, cache))  # fmt: skip

@@ -1,5 +1,6 @@
 """`nats.hf.limits`: what a generate call may ask of a model and a cache, refused in one line before any work. A
-second generate call through the same cache (`StaticPolicyCache`, `PolicyCache`) once continued the first call's
+second generate call through the same cache (`StaticPolicyCache`, made for a number of new tokens or not) once
+continued the first call's
 sequence and gave other tokens (through `StaticPolicyCache` decoding the new prompt one token at a time: 333 s at
 Llama-3.1-8B's shape and 32k where a new cache took 2 s); more new tokens than a `StaticPolicyCache` was made for
 and a prompt + new tokens past ``max_position_embeddings`` ran silently. A new cache per call still gives the same
@@ -15,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from test_hf_nats import ids, tiny_model  # noqa: E402
 from test_hf_static_cache import greedy, nats_model  # noqa: E402
 
-from nats.hf import PolicyCache, StaticPolicyCache, use_policy_caches  # noqa: E402
+from nats.hf import StaticPolicyCache, use_policy_caches  # noqa: E402
 from nats.hf.compat import cache_kwargs  # noqa: E402
 from nats.hf.limits import context_length  # noqa: E402
 from nats.hf.loop import generate  # noqa: E402
@@ -67,16 +68,23 @@ def test_a_second_prompt_through_a_static_cache_is_refused_before_the_cache_chan
 
 
 @pytest.mark.parametrize("policy", ["full", "nats"])
-def test_a_second_generate_through_a_policy_cache_is_refused_and_reset_frees_it(policy):
+def test_a_second_generate_through_a_growing_cache_is_refused_before_it_changes(policy):
+    """Made for an unknown number of new tokens (eager steps), the cache refuses a second prompt as the fixed one
+    does, before it counts the prompt's tokens; it cannot be reset (a new cache gives the first call's tokens)."""
     model = model_for(policy)
     prompt = ids(n=24, b=1, seed=3)
-    cache = PolicyCache(model, policy, backend="torch")  # max_len: the context (a second call fits in it)
+    cache = StaticPolicyCache(model, policy, max_new_tokens=None, backend="torch")  # max_len: the context
     first = greedy(model, prompt, cache, n=NEW)
-    with pytest.raises(ValueError, match=REUSED.format("PolicyCache")) as err:
+    held = (int(cache.get_seq_length()), cache.seen)
+    assert held == (24 + NEW - 1,) * 2
+    with pytest.raises(ValueError, match=REUSED.format("StaticPolicyCache")) as err:
         greedy(model, prompt, cache, n=NEW)
-    assert "nats.hf.PolicyCache(...)" in one_line(err)
-    cache.reset()
-    assert torch.equal(greedy(model, prompt, cache, n=NEW), first)
+    assert "nats.hf.StaticPolicyCache(...)" in one_line(err)
+    assert (int(cache.get_seq_length()), cache.seen) == held
+    with pytest.raises(NotImplementedError, match="make a new cache per generate call"):
+        cache.reset()
+    again = StaticPolicyCache(model, policy, max_new_tokens=None, backend="torch")
+    assert torch.equal(greedy(model, prompt, again, n=NEW), first)
 
 
 def test_the_loop_refuses_a_used_cache_whatever_its_prompt():
@@ -99,15 +107,16 @@ def test_more_new_tokens_than_the_cache_was_made_for_are_refused():
     assert out.shape == (1, 24 + NEW - 2)
 
 
-@pytest.mark.parametrize("path", ["loop", "model.generate", "PolicyCache"])
+@pytest.mark.parametrize("path", ["loop", "model.generate", "max_len"])
 def test_a_prompt_and_new_tokens_past_the_models_context_are_refused(path):
     model = model_for("full")
     assert model.config.max_position_embeddings == 256
     prompt = ids(n=250, b=1)
     context = r"exceeds the model's context of 256 positions \(config\.max_position_embeddings\)"
-    if path == "PolicyCache":
-        with pytest.raises(ValueError, match=rf"^PolicyCache: max_len=257 \(prompt \+ new tokens\) {context}"):
-            PolicyCache(model, "full", max_len=257)
+    if path == "max_len":  # a cache made for an unknown number of new tokens: its max_len, when made
+        with pytest.raises(ValueError, match=rf"^StaticPolicyCache: max_len=257 \(prompt \+ new tokens\) {context}"):
+            StaticPolicyCache(model, "full", max_new_tokens=None, max_len=257)
+        assert StaticPolicyCache(model, "full", max_new_tokens=None, max_len=256).max_len == 256
         return
     cache = StaticPolicyCache(model, "full", max_new_tokens=NEW + 1)
     who = "nats.hf.loop.generate" if path == "loop" else "StaticPolicyCache"

@@ -31,6 +31,20 @@ def test_equals_model_generate(policy, kw):
     assert torch.equal(got, ref)
 
 
+def test_growing_cache_decodes_eagerly_and_refuses_the_compiled_step():
+    """A cache made without max_new_tokens grows its pools between eager steps: the loop decodes it eagerly (the
+    tokens of a planned cache, past its first growth) and refuses to compile its step, in one line."""
+    model = model_for("nats")
+    prompt = ids(n=40, b=2, seed=3)
+    new = 30  # past the 16 free slots a row gets without a plan
+    ref = generate(model, prompt, StaticPolicyCache(model, "nats", max_new_tokens=new), new, compile=False)
+    cache = StaticPolicyCache(model, "nats", max_len=prompt.shape[1] + new)
+    assert torch.equal(generate(model, prompt, cache, new), ref)
+    assert cache.reallocations() > 0
+    with pytest.raises(ValueError, match="without max_new_tokens .* make it with max_new_tokens=N"):
+        generate(model, prompt, StaticPolicyCache(model, "nats", max_len=80), 8, compile=True)
+
+
 @pytest.mark.parametrize("policy", ["nats", "full"])
 def test_left_padded_batch_equals_model_generate(policy):
     model = model_for(policy)

@@ -1,5 +1,6 @@
 """nats.hf.StaticPolicyCache: fixed-capacity buffers that ``generate`` compiles (one graph, no recompiles), whose
-decoding equals the eager path, the older PolicyCache and (NAtS) the parallel forward; left-padded batches equal
+decoding equals the eager path, the same cache made for an unknown number of new tokens (``max_new_tokens=None``:
+eager, growing steps) and (NAtS) the parallel forward; left-padded batches equal
 each prompt alone; misuse is refused with a message. The GPU test runs the Triton kernels and CUDA graphs."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from test_hf_nats import ids, tiny_model  # noqa: E402
 
 import nats_kernels  # noqa: E402
-from nats.hf import PolicyCache, StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
+from nats.hf import StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
 from nats.hf.compat import cache_kwargs  # noqa: E402
 
 PROMPT, NEW = 40, 12
@@ -42,12 +43,13 @@ def nats_model(arch="llama"):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_nats_equals_policy_cache_and_parallel_forward(arch):
+def test_nats_equals_growing_cache_and_parallel_forward(arch):
     model = nats_model(arch)
     prompt = ids(n=PROMPT, b=2)
     cache = StaticPolicyCache(model, "nats", max_new_tokens=NEW, max_len=PROMPT + NEW)
     out = greedy(model, prompt, cache)
-    ref = greedy(model, prompt, PolicyCache(model, "nats", max_len=PROMPT + NEW, backend="torch"))
+    growing = StaticPolicyCache(model, "nats", max_new_tokens=None, max_len=PROMPT + NEW, backend="torch")
+    ref = greedy(model, prompt, growing)
     assert torch.equal(out, ref)
     with torch.no_grad():
         full = model(out).logits
@@ -63,10 +65,11 @@ def test_nats_equals_policy_cache_and_parallel_forward(arch):
     [("full", {}), ("streaming_llm", {"budget": 16}), ("snapkv", {"budget": 20, "window": 4}),
      ("pyramidkv", {"budget": 20, "window": 4})],
 )  # fmt: skip
-def test_baselines_equal_policy_cache(policy, kw):
+def test_baselines_equal_growing_cache(policy, kw):
     model = use_policy_caches(tiny_model("llama"))
     prompt = ids(n=PROMPT, b=2)
-    ref = greedy(model, prompt, PolicyCache(model, policy, max_len=PROMPT + NEW, backend="torch", **kw))
+    growing = StaticPolicyCache(model, policy, max_new_tokens=None, max_len=PROMPT + NEW, backend="torch", **kw)
+    ref = greedy(model, prompt, growing)
     cache = StaticPolicyCache(model, policy, max_new_tokens=NEW, max_len=PROMPT + NEW, **kw)
     assert torch.equal(greedy(model, prompt, cache), ref)
     if policy == "streaming_llm":

@@ -108,20 +108,32 @@ def test_compression_ratio_keeps_the_budget():
             assert compute_n_kept(n, K.compression_ratio(b, n)) == b
 
 
-def project_layer0_positions(model, prompt, policy, **options) -> list[set[int]]:
-    """The prompt positions the project's policy keeps at layer 0 after the prefill (PolicyCache)."""
-    from nats.hf import PolicyCache
+def project_cache(model, prompt, policy, **options):
+    """The project's cache of `policy` after the prompt's prefill (`nats.hf.StaticPolicyCache`, no new tokens
+    planned)."""
+    from nats.hf import StaticPolicyCache
+    from nats.hf.compat import cache_kwargs
 
-    cache = PolicyCache(model, policy, max_len=N + 4, budget=B, backend="torch", **options)
+    cache = StaticPolicyCache(model, policy, max_new_tokens=None, max_len=N + 4, budget=B, backend="torch", **options)
     with torch.no_grad():
-        model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
-    pol = cache.layers[0].policy
-    if policy == "snapkv":
-        pos = pol.visible_positions().view(-1, pol.visible_positions().shape[-1])
-        return [{int(p) for p in row if p >= 0} for row in pos]
-    # streaming_llm: a slot cache of the sinks and a ring of the last B - sinks; which positions are held
+        model(input_ids=torch.tensor([prompt]), use_cache=True, **cache_kwargs(model, cache))
+    return cache
+
+
+def held_keys(layer) -> torch.Tensor:
+    """The keys an engine layer (`nats.cache.engine.EngineLayer`) of one sequence holds now, ``[1, Hkv, n, D]``
+    (each KV head's segment of the pool; every row holds the same number here, the budget)."""
+    start, length = layer.start.tolist(), layer.length.tolist()
+    assert len(set(length)) == 1, length
+    return torch.stack([layer.k_pool[s : s + n] for s, n in zip(start, length)])[None]
+
+
+def project_layer0_positions(model, prompt, policy, **options) -> list[set[int]]:
+    """The prompt positions the project's policy keeps at layer 0 after the prefill (layer 0's keys: the same in
+    every prefill, so a held key names its position)."""
+    cache = project_cache(model, prompt, policy, **options)
     full = K.Prefill(model, prompt).kv[0][0]
-    return positions(pol.k[:, :, : int(pol.length.max())], full)
+    return positions(held_keys(cache.layers[0]), full)
 
 
 def test_streaming_llm_keeps_the_same_tokens(model, prompt):
@@ -135,18 +147,14 @@ def test_streaming_llm_keeps_the_same_tokens(model, prompt):
 def test_streaming_llm_exact_prefill_keeps_the_same_keys_in_every_layer(model, prompt):
     """With ``exact_prefill`` the project's StreamingLLM is kvpress' press: the same keys and values in every
     layer after the prefill (the default masked prefill changes the keys of the layers above the first)."""
-    from nats.hf import PolicyCache
-
     press = K.make_press("streaming_llm", B, N, n_sink=4)
     theirs = K.Prefill(model, prompt).compressed(press)
-    cache = PolicyCache(model, "streaming_llm", max_len=N + 4, budget=B, backend="torch", sinks=4, exact_prefill=True)
-    with torch.no_grad():
-        model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    cache = project_cache(model, prompt, "streaming_llm", sinks=4, exact_prefill=True)
     expected = [set(range(4)) | set(range(N - (B - 4), N))] * model.config.num_key_value_heads
     prefill = K.Prefill(model, prompt)
     for i, (layer, ours) in enumerate(zip(theirs.layers, cache.layers)):
         full = prefill.kv[i][0]  # this layer's prompt keys (exact prefill in both: the same up to rounding)
-        assert positions(ours.policy.k, full, atol=1e-4) == positions(layer.keys, full) == expected
+        assert positions(held_keys(ours), full, atol=1e-4) == positions(layer.keys, full) == expected
 
 
 def test_snapkv_with_kvpress_settings_keeps_the_same_tokens(model, prompt):

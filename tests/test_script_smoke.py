@@ -38,6 +38,7 @@ PYTHON = [s for s in SHIPPED if s.endswith(".py")]
 # a shell script's dry-run arguments ({dest}: its output folder); default: the output folder alone
 SHELL_ARGS = {
     "experiments/gpu_finetune_smollm2.sh": ["train", "{dest}"],
+    "experiments/gpu_carry_over.sh": ["{dest}", "."],  # the earlier code: here, the checkout itself
     "experiments/hf_type_bias_sweep.sh": ["validation"],  # its folders come from DEST
 }
 # sourced by the others, not run on its own; or run for real by another test

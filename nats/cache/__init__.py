@@ -7,7 +7,6 @@ per-head segments of globals + live locals, planned for the decoded tokens), and
 approximation ``h2o_dense``. See docs/kv_cache.md.
 """
 
-from nats.cache.base import LayerCache, SlotCache
 from nats.cache.decode import (
     GraphDecoder,
     check_model,
@@ -17,14 +16,15 @@ from nats.cache.decode import (
     policy_logits,
     prefill,
 )
-from nats.cache.registry import available_caches, build_cache, get_cache_class, register_cache
+from nats.cache.engine import FixedRule
+from nats.cache.engine_cache import EngineCache
+from nats.cache.registry import available_caches, get_cache_class, register_cache
 
 __all__ = [
-    "LayerCache",
-    "SlotCache",
+    "FixedRule",
+    "EngineCache",
     "register_cache",
     "available_caches",
-    "build_cache",
     "get_cache_class",
     "make_caches",
     "prefill",

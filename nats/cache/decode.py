@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from nats.attention.registry import ATTENTIONS, decodable_attention
-from nats.cache.base import LayerCache
+from nats.cache.engine import FixedRule
+from nats.cache.engine_cache import EngineCache
 from nats.cache.registry import available_caches, get_cache_class
 
 __all__ = [
@@ -77,31 +78,27 @@ def eval_mode(model) -> Iterator[None]:
         model.train(was_training)
 
 
-def resolve_policy(policy: str | type[LayerCache]) -> type[LayerCache]:
+def resolve_policy(policy: str | type[FixedRule]) -> type[FixedRule]:
     """The policy class of a registered name (unknown names fail with the registered ones), or the class itself.
     Callers resolve a name once and pass the class on."""
-    if isinstance(policy, type) and issubclass(policy, LayerCache):
+    if isinstance(policy, type) and issubclass(policy, FixedRule):
         return policy
     return get_cache_class(policy)
 
 
-def policy_options(
-    policy: str | type[LayerCache], budget: int | None, check_len: int, n_layer: int, options: dict
-) -> dict:
-    """A policy's keyword arguments besides the shapes: its `options`, the budget of a budgeted policy (checked
-    against sequences of `check_len` tokens; the others take none) and ``n_layer`` for those that need it."""
+def check_policy_budget(policy: str | type[FixedRule], budget: int | None, check_len: int, options: dict) -> None:
+    """Check a policy's budget: a budgeted policy's against sequences of `check_len` tokens and its `options`; the
+    others take none."""
     cls = resolve_policy(policy)
     if cls.budgeted:
         cls.check_budget(budget, check_len, **options)
-        options = {**options, "budget": int(budget)}
     elif budget is not None:
         raise ValueError(f"cache policy {cls.name!r} takes no budget (got budget={budget})")
-    return {**options, "n_layer": n_layer} if cls.needs_n_layer else options
 
 
 def make_caches(
     model,
-    policy: str | type[LayerCache],
+    policy: str | type[FixedRule],
     batch: int,
     max_len: int,
     *,
@@ -113,16 +110,17 @@ def make_caches(
     budget_check_len: int | None = None,
     reserve: int | None = None,
     **options: Any,
-) -> list[LayerCache]:
-    """One cache of policy `policy` (a name or a registered class) per layer of `model`, for `batch` sequences
-    of up to `max_len` tokens.
+) -> EngineCache:
+    """The KV cache of policy `policy` (a name or a registered class) over the layers of `model`, for `batch`
+    sequences of up to `max_len` tokens: an `nats.cache.engine_cache.EngineCache` (the engine every path decodes
+    through), whose item i is layer i as the model calls it (``model(idx, caches=cache)``).
 
     `budget` (budgeted policies only) is checked against `budget_check_len` (default `max_len`): B >= N or a
     budget too small for the policy (e.g. StreamingLLM's sinks) fails with a message naming the fix. `reserve`:
-    the number of tokens the caller will decode after the prefill (policies whose storage depends on it plan
-    for it: see `LayerCache`; None = unknown). Extra `options` go to the policy (e.g. ``sinks=4`` for
-    streaming_llm, ``recent=`` for h2o, ``window=`` / ``check_every=`` for nats).
-    """
+    the number of tokens the caller will decode after the prefill, planned per row on top of what the prompt keeps
+    (None = unknown: a layer's pool grows when a row may fill, `nats.cache.engine.EngineLayer.maintain`). Extra
+    `options` go to the policy's rule (e.g. ``sinks=4`` for streaming_llm, ``recent=`` for h2o, ``type_table=`` for
+    nats). ``batch`` and ``dtype`` are those of the prompt the cache is prefilled with."""
     check_model(model)
     cls = resolve_policy(policy)
     policy = cls.name
@@ -132,9 +130,14 @@ def make_caches(
             f"max_len={max_len} tokens exceed the model's block_size={c.block_size} (positions are kept, so the "
             f"RoPE/position tables end there): use shorter sequences"
         )
-    options = policy_options(cls, budget, budget_check_len or max_len, len(model.blocks), options)
-    if reserve is not None:
-        options = {**options, "reserve": int(reserve)}
+    if batch < 1 or max_len < 1:
+        raise ValueError(f"batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
+    if reserve is not None and (int(reserve) != reserve or reserve < 0):
+        raise ValueError(f"reserve (tokens decoded after the prefill) must be an integer >= 0, got {reserve!r}")
+    unknown = sorted(set(options) - set(cls.accepted_options(options)))
+    if unknown:
+        raise TypeError(f"cache policy {policy!r} does not accept the options {unknown}")
+    check_policy_budget(cls, budget, budget_check_len or max_len, options)
     if cls.requires_core is not None and any(b.attn.core.name != cls.requires_core for b in model.blocks):
         others = [n for n in available_caches() if get_cache_class(n).requires_core is None]
         raise ValueError(
@@ -144,32 +147,15 @@ def make_caches(
         )
     param = next(model.parameters())
     device = param.device if device is None else device
-    dtype = param.dtype if dtype is None else dtype
-    caches = []
-    for i, block in enumerate(model.blocks):
-        try:
-            caches.append(
-                cls(
-                    batch=batch,
-                    n_head=c.n_head,
-                    n_kv_head=c.n_kv_head,
-                    head_dim=c.head_dim,
-                    max_len=max_len,
-                    device=device,
-                    dtype=dtype,
-                    layer_idx=i,
-                    core=block.attn.core,
-                    backend=backend,
-                    track=track,
-                    **options,
-                )
-            )
-        except TypeError as err:
-            raise TypeError(f"cache policy {policy!r} does not accept the options {sorted(options)}: {err}") from err
-    return caches
+    cores = [b.attn.core if cls.requires_core is not None else None for b in model.blocks]
+    # NAtS' prefill writes its cache with the PyTorch reference: the kernels' bf16 writes are checked against it on
+    # the GPU only, and the quality tables are measured on this path
+    return EngineCache(policy, cores, reserve=reserve, budget=None if budget is None else int(budget), track=track,
+                       prefill_kernel="torch", backend=backend, device=device, decodable=False,
+                       who=f"cache policy {policy!r}", **options)  # fmt: skip
 
 
-def prefill(model, caches: list[LayerCache], idx: Tensor) -> Tensor:
+def prefill(model, caches: EngineCache, idx: Tensor) -> Tensor:
     """Process idx [B, N] from empty caches (``model(idx, caches=caches)`` in eval mode); returns logits
     [B, N, V]. Each layer's attention is its cache's `prefill` (a parallel masked attention for full,
     streaming_llm and nats; H2O's exact sequential rule run over the positions inside the layer)."""
@@ -177,7 +163,7 @@ def prefill(model, caches: list[LayerCache], idx: Tensor) -> Tensor:
         return model(idx, caches=caches).logits
 
 
-def decode_step(model, caches: list[LayerCache], token: Tensor, pos: int | Tensor) -> Tensor:
+def decode_step(model, caches: EngineCache, token: Tensor, pos: int | Tensor) -> Tensor:
     """One token per sequence (token [B], position `pos`, an int or a LongTensor [1] on the model's device)
     through all layers (``model(token[:, None], caches=caches, pos=pos)``); returns the logits [B, V]. With a
     device `pos` and graph-safe caches the step runs without host synchronisation (CUDA-graph capturable; the
@@ -185,67 +171,67 @@ def decode_step(model, caches: list[LayerCache], token: Tensor, pos: int | Tenso
     return model(token[:, None], caches=caches, pos=pos).logits[:, 0]
 
 
-def graph_capturable(caches: list[LayerCache]) -> bool:
-    """Whether a decode step through `caches` can be captured in a CUDA graph: CUDA, the Triton backend (whose
-    kernels read the lengths on the device) and graph-safe policies."""
-    return all(c.device.type == "cuda" and c.backend == "triton" and c.graph_safe for c in caches)
+def graph_capturable(cache: EngineCache) -> bool:
+    """Whether a decode step through `cache` can be captured in a CUDA graph: CUDA and the Triton backend (whose
+    kernels read the lengths on the device; `EngineCache.graph_safe`)."""
+    return cache.graph_safe()
 
 
 class GraphDecoder:
-    """Decode steps of `model` through `caches` as replays of one captured CUDA graph of `decode_step`.
+    """Decode steps of `model` through `cache` (an `EngineCache`) as replays of one captured CUDA graph of
+    `decode_step`.
 
     ``decoder(token [B], pos)`` returns the logits [B, V] (a static buffer, overwritten by the next call). The
     first call runs eagerly on a side stream (it compiles the kernels and initialises the libraries before any
-    capture); the second captures the step and replays it; later calls only replay. Before each step every
-    cache's ``maintain()`` runs on the host; if one reallocated its storage the step is captured again
-    (`captures` counts the captures: 1 when nothing was reallocated). A replay skips the caches' host code,
-    so their host counters are advanced by ``LayerCache.replayed()``. With ``compile`` (default) the step's dense
-    work around the caches is compiled (`nats.models.gpt.GPT.compiled_decode`): fewer, fused kernels in the
-    graph; ``inductor``: its inductor settings over the defaults (`nats.models.gpt.DECODE_INDUCTOR`)."""
+    capture); the second captures the step and replays it; later calls only replay. Before each step the cache's
+    ``maintain()`` runs on the host (growth, `nats.cache.engine.EngineLayer.maintain`); if a layer's pool was
+    reallocated the step is captured again (`captures` counts the captures: 1 when nothing was reallocated). A replay
+    skips the cache's host code, so its host counters are advanced by ``EngineCache.replayed()``. With ``compile``
+    (default) the step's dense work around the cache is compiled (`nats.models.gpt.GPT.compiled_decode`): fewer,
+    fused kernels in the graph; ``inductor``: its inductor settings over the defaults
+    (`nats.models.gpt.DECODE_INDUCTOR`)."""
 
-    def __init__(
-        self, model, caches: list[LayerCache], compile: bool = True, inductor: Mapping[str, Any] | None = None
-    ):
-        if not graph_capturable(caches):
+    def __init__(self, model, cache: EngineCache, compile: bool = True, inductor: Mapping[str, Any] | None = None):
+        if not graph_capturable(cache):
             raise ValueError(
-                "CUDA-graph decoding needs caches on a CUDA device with the Triton backend and a graph-safe policy "
-                f"(got {caches[0]!r}): decode eagerly (graph=False)"
+                "CUDA-graph decoding needs a cache on a CUDA device with the Triton backend (got device "
+                f"{cache.device}, backend {cache.backend!r}): decode eagerly (graph=False)"
             )
-        self.model, self.caches = model, caches
+        self.model, self.cache = model, cache
         self.compile = compile and hasattr(model, "compiled_decode")
         self.inductor = None if inductor is None else dict(inductor)
-        dev = caches[0].device
-        self.token = torch.zeros(caches[0].batch, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.token: Tensor | None = None
+        self.pos = torch.zeros(1, dtype=torch.long, device=cache.device)
         self.graph = None
         self.logits = None
         self.steps = 0
         self.captures = 0
-        for c in caches:
-            c.auto_maintain = False  # maintain() runs here, between replays
+        cache.auto_maintain = False  # maintain() runs here, between replays
 
     def _step(self) -> Tensor:
         if not self.compile:
-            return decode_step(self.model, self.caches, self.token, self.pos)
+            return decode_step(self.model, self.cache, self.token, self.pos)
         # compiled at the warm-up step, its kernels captured after it
         with self.model.compiled_decode(inductor=self.inductor):
-            return decode_step(self.model, self.caches, self.token, self.pos)
+            return decode_step(self.model, self.cache, self.token, self.pos)
 
     def _capture(self) -> None:
         self.graph = None  # free the previous graph's memory first
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.logits = self._step()  # the caches' host code runs here, once: this is the step's bookkeeping
+            self.logits = self._step()  # the cache's host code runs here, once: this is the step's bookkeeping
         self.graph = graph
         self.captures += 1
 
     def __call__(self, token: Tensor, pos: int | Tensor) -> Tensor:
+        if self.token is None:
+            self.token = torch.zeros_like(token)
         self.token.copy_(token)
         if isinstance(pos, int):
             self.pos.fill_(pos)
         else:
             self.pos.copy_(pos)
-        changed = [c.maintain() for c in self.caches]  # every cache (each keeps its own counters)
+        changed = self.cache.maintain()
         self.steps += 1
         if self.steps == 1:  # warm-up, eagerly on a side stream
             stream = torch.cuda.Stream()
@@ -254,11 +240,10 @@ class GraphDecoder:
                 logits = self._step()
             torch.cuda.current_stream().wait_stream(stream)
             return logits
-        if self.graph is None or any(changed):
+        if self.graph is None or changed:
             self._capture()
         else:
-            for c in self.caches:
-                c.replayed()
+            self.cache.replayed()
         self.graph.replay()
         return self.logits
 
@@ -269,7 +254,7 @@ def check_graph(graph: bool | str) -> None:
         raise ValueError(f"graph={graph!r} must be auto, true or false (how sequential methods decode)")
 
 
-def decoder(model, caches: list[LayerCache], graph: bool | str):
+def decoder(model, caches: EngineCache, graph: bool | str):
     """The decode step through `caches` and whether it replays a CUDA graph: a `GraphDecoder` where ``graph`` is
     True, or "auto" and the caches allow it (`graph_capturable`), else eager `decode_step`."""
     use_graph = graph_capturable(caches) if graph == "auto" else graph
@@ -279,7 +264,7 @@ def decoder(model, caches: list[LayerCache], graph: bool | str):
 def policy_logits(
     model,
     idx: Tensor,
-    policy: str | type[LayerCache] = "full",
+    policy: str | type[FixedRule] = "full",
     *,
     sequential: bool = False,
     prefill_len: int = 0,
@@ -292,8 +277,8 @@ def policy_logits(
     """Logits [B, N, V] of idx [B, N] under a cache policy, and the caches (for their measurements).
 
     sequential=False: the `prefill` of all N tokens. sequential=True: `prefill` of the first `prefill_len` tokens
-    (0 = none), then one `decode_step` per remaining token (the decode loop; the caches are not planned unless
-    ``reserve=`` is passed, so NAtS' periodic compaction runs as in an open-ended loop): as replays of a captured
+    (0 = the first token alone), then one `decode_step` per remaining token (the decode loop; the cache is not
+    planned unless ``reserve=`` is passed, so its pools grow as in an open-ended loop): as replays of a captured
     CUDA graph (`GraphDecoder`) where the caches allow it (``graph="auto"``, `graph_capturable`: CUDA, the Triton
     backend, a graph-safe policy; True insists), else eagerly. A dict `info` receives ``decode`` ("cuda_graph" or
     "eager") of a sequential run."""
@@ -312,8 +297,8 @@ def policy_logits(
         if info is not None:
             info["decode"] = "cuda_graph" if use_graph else "eager"
         out = []
-        if prefill_len:
-            out.append(prefill(model, caches, idx[:, :prefill_len]))
+        prefill_len = max(prefill_len, 1)  # the first token's step is its prefill (the same for every rule)
+        out.append(prefill(model, caches, idx[:, :prefill_len]))
         for i in range(prefill_len, N):
             logits = step(idx[:, i], i)  # a graph's logits are one buffer, overwritten by the next step
             out.append((logits.clone() if use_graph else logits)[:, None])
@@ -339,7 +324,7 @@ def generate(
     model,
     idx: Tensor,
     max_new_tokens: int,
-    policy: str | type[LayerCache] = "full",
+    policy: str | type[FixedRule] = "full",
     *,
     budget: int | None = None,
     temperature: float = 0.0,

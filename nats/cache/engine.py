@@ -16,9 +16,9 @@ read by the host without stalling the stream (`PoolLayout`) and rounded (`rounde
 are compiled. A decode step writes the new token by the policy's rule and attends over exactly what the row holds
 (`attend`: the split-K Triton kernel on CUDA, `pool_attention_op`).
 
-A policy runs here by declaring a :class:`FixedRule` class (the class attribute ``fixed_rule`` of its
-`nats.cache.base.LayerCache` subclass, in its own file): what it keeps of a prompt and how a step changes its rows.
-``LayerCache.rule(**options)`` makes the rule, bound to the policy's options; the engine then tells it only where it
+A policy is a :class:`FixedRule` subclass in its own file of `nats.cache.policies`, registered by name: what it keeps
+of a prompt and how a step changes its rows, and its flags. ``FixedRule.rule(**options)`` makes the rule, bound to
+the policy's options; the engine then tells it only where it
 runs, a :class:`RuleContext` per layer. :class:`AppendRule` is written here (keep the whole prompt, append every new
 token: ``full``); the appending rules that select from the prompt (``snapkv``, ``pyramidkv``, ``adakv``), the ring
 rule of ``streaming_llm``, H2O's and NAtS' typed eviction live in their policies' files. The engine over a model's
@@ -35,6 +35,7 @@ on the host the steps that cannot fill a row so that it looks at the device only
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -72,12 +73,13 @@ _ROUND = 1024  # pool sizes are rounded up to a multiple of this many slots (few
 
 
 GROW_STEPS = 16  # free slots per row at least after a growth (or a prompt planned without a reserve) ...
-GROW_SLACK = 1 / 32  # ... or this fraction of the row's tokens when that is more (NAtSCache's check_every and slack)
+GROW_SLACK = 1 / 32  # ... or this fraction of the row's tokens when that is more (few growths on long rows)
 
 
 def grown(length: Tensor) -> Tensor:
     """The capacities ``[R]`` a growth gives rows holding ``length`` ``[R]`` tokens: ``length + max(GROW_STEPS,
-    ceil(GROW_SLACK * length))`` (the NAtS LayerCache's compaction, `nats.cache.policies.nats.NAtSCache`)."""
+    ceil(GROW_SLACK * length))``: the room a growth leaves is a small share of what the rows hold, so growths are
+    rare and each copies O(kept tokens)."""
     extra = torch.ceil(length.to(torch.float64) * GROW_SLACK).to(torch.long).clamp(min=GROW_STEPS)
     return length + extra
 
@@ -170,7 +172,7 @@ def write_kv(kv_pool: Tensor, dest: Tensor, k: Tensor, v: Tensor) -> None:
 
 class SegmentStorage:
     """The storage of a segmented-pool layer, written once for every layer that holds one (`nats.hf.StaticPolicyCache`'s
-    layers and the NAtS `LayerCache` of the GPT path and `nats.hf.PolicyCache`).
+    layers, those of the GPT path's cache and of the evaluations).
 
     The buffers are packed into few tensors, the named ones being views of them: every tensor a compiled decode step
     reads from the cache is a graph input that dynamo guards before each replay, and the guard check is host time at
@@ -310,7 +312,7 @@ def attend(layer, qr: Tensor, ring: bool = False, even: bool = False, backend: s
 @dataclass(frozen=True)
 class RuleContext:
     """Where a rule runs (`FixedRule`): what the engine tells it besides the tensors. The policy's own options are
-    bound to the rule itself (``LayerCache.rule(**options)``)."""
+    bound to the rule itself (``FixedRule.rule(**options)``)."""
 
     layer_idx: int  # the decoder layer
     n_layer: int  # the model's decoder layers (PyramidKV's per-layer budgets)
@@ -355,10 +357,10 @@ class Plan:
 
 
 class FixedRule:
-    """How a policy runs in the fixed-capacity engine. Subclasses say what a prompt leaves (``prompt``, ``plan``)
-    and how a decode step changes a row (``step``), with device tensors only and fixed shapes (compiled, replayed
-    as a CUDA graph). A rule is made with its policy's options (``LayerCache.rule(**options)``: the options the
-    policy's constructor takes, as keywords; a rule keeps those it uses) and carries the policy's flags; ``ctx``, a
+    """A KV-cache policy: how it runs in the engine. Subclasses, one per file of `nats.cache.policies` (registered with
+    ``@register_cache``), say what a prompt leaves (``prompt``, ``plan``) and how a decode step changes a row
+    (``step``), with device tensors only and fixed shapes (compiled, replayed as a CUDA graph), and carry the policy's
+    flags. A rule is made with its options (`rule`: those its constructors take, as keywords); ``ctx``, a
     `RuleContext`, says where it runs.
 
     Per-step state of a rule lives in the layer's ``rows`` (counters 3-5), its ring, or extra buffers it adds in
@@ -369,15 +371,55 @@ class FixedRule:
     # a row's segment grows with the decoded tokens (appending rules and NAtS: a step adds at most one token per row);
     # False where the rule keeps its rows within a fixed size (the ring rule, H2O): `EngineLayer.maintain` never grows
     grows = False
-    budgeted = False  # the prompt's selection takes a budget (the policy's ``budgeted``)
-    even_rows = False  # every row of a layer holds as many keys (the policy's ``even_rows``; `attend`'s ``even``)
+    budgeted = False  # takes a token budget B (spec section 7)
+    decodable = True  # False: a prefill-only approximation (its step is refused)
+    requires_core: str | None = None  # the attention core a model must have (e.g. "nats"; None: any)
+    prefill_time = False  # exact prefill, then compresses the cache once (SnapKV & co.; not budget <= B after)
+    # every row of a layer holds the same number of keys (full, StreamingLLM, SnapKV's one budget per row): the decode
+    # attention splits each row alike; otherwise (NAtS, AdaKV, H2O) it streams the rows' keys end to end over one
+    # wave of programs in equal shares, so a row that holds more keys takes more programs
+    # (`nats_kernels.nats_attention.pool_decode`; `attend`'s ``even``)
+    even_rows = False
+
+    @classmethod
+    def check_budget(cls, budget: int | None, n: int, **options: Any) -> None:
+        """Raise a clear ValueError unless `budget` suits a sequence of `n` tokens and the policy's `options`
+        (budgeted policies; a policy adds its own checks)."""
+        if not cls.budgeted:
+            return
+        if budget is None:
+            raise ValueError(f"cache policy {cls.name!r} needs a token budget (budget=B with 1 <= B < N)")
+        if int(budget) != budget or budget < 1:
+            raise ValueError(f"cache policy {cls.name!r}: the budget must be a positive integer, got {budget!r}")
+        if budget >= n:
+            raise ValueError(
+                f"cache policy {cls.name!r}: budget B={budget} >= N={n} tokens keeps everything (that is `full`); "
+                f"use a budget below N, e.g. N/2 = {n // 2}"
+            )
+
+    @classmethod
+    def accepted_options(cls, options: dict) -> dict:
+        """The entries of `options` that the policy's constructors take."""
+        names: set[str] = set()
+        for klass in cls.__mro__:
+            if klass is FixedRule or "__init__" not in vars(klass):
+                continue
+            params = inspect.signature(klass.__init__).parameters.values()
+            names.update(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        return {key: val for key, val in options.items() if key in names}
+
+    @classmethod
+    def rule(cls, **options: Any) -> FixedRule:
+        """The rule made with those of `options` its constructors take (`accepted_options`; the rest are ignored),
+        its ``check_budget`` bound to them: the rule checks the budget at the prompt."""
+        opts = cls.accepted_options(options)
+        rule = cls(**opts)
+        rule.options = opts
+        rule.check_budget = functools.partial(cls.check_budget, **opts)
+        return rule
 
     def __init__(self, **unused: Any):
-        """``unused``: the policy's options the rule does not read (those of its `LayerCache` only)."""
-
-    def check_budget(self, budget: int, n: int) -> None:
-        """Raise a ValueError unless the budget suits the rule's options and a sequence of n tokens: the policy's own
-        check (``LayerCache.rule`` binds it; none here)."""
+        """``unused``: the options of the subclasses' constructors that this one does not read."""
 
     # ------------------------------------------------------------------ prompt
     def direct(self, ctx: RuleContext, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor) -> Plan | None:
@@ -414,7 +456,8 @@ class FixedRule:
     def step(self, ctx: RuleContext, layer, core, qr: Tensor, kr: Tensor, vr: Tensor, pos: Tensor,
              hidden: Tensor) -> Tensor:  # fmt: skip
         """Admit the new token of every row (``kr``, ``vr`` ``[R, D]``, position ``pos`` ``[1]``), attend
-        (``qr`` ``[R, G, D]``) and return ``(y [R, G, D], size [R])``: the keys each row's query read."""
+        (``qr`` ``[R, G, D]``) and return ``(y [R, G, D], size [R])``: the keys each row's query read (read only
+        where the context tracks: a rule may return None otherwise)."""
         raise NotImplementedError
 
     def kept(self, layer) -> Tensor:
@@ -527,7 +570,10 @@ class EngineLayer(SegmentStorage):
         else:
             state = rule.prompt(ctx, self.core, q, k, v, hidden, budget)
             rows = torch.full((B * Hkv,), N, dtype=torch.long, device=k.device)
-            plan = rule.plan(ctx, self.core, state, k, v, None if budget is None else rows.clamp(max=budget), rows)
+            # each row's budget whole, as `EngineCache` plans it: the ring rule's capacity is the budget even where
+            # the prompt is shorter
+            plan = rule.plan(ctx, self.core, state, k, v, None if budget is None else torch.full_like(rows, budget),
+                             rows)  # fmt: skip
             y = state.y
             if plan.sizes is None and state.sizes is not None:
                 plan.sizes = state.sizes.reshape(B * Hkv, N)
@@ -587,7 +633,7 @@ class EngineLayer(SegmentStorage):
 
     def fractions(self) -> dict[str, Tensor]:
         """Area and peak fractions (spec section 6) over each row's real tokens so far, float64 ``[R]`` each:
-        ``sum_i c_i / sum_i (i + 1)`` and ``max_i c_i / n`` (`nats.cache.base.LayerCache.fractions`' formula)."""
+        ``sum_i c_i / sum_i (i + 1)`` and ``max_i c_i / n`` (spec section 6)."""
         if self.area is None:
             raise RuntimeError("the layer does not track its cache sizes (its context has track=False)")
         n = self.seen().double()
@@ -620,8 +666,9 @@ class EngineLayer(SegmentStorage):
         return int(self.kept().sum()) * 2 * self.kv_pool.shape[-1] * self.kv_pool.element_size()
 
 
-def fixed_policies() -> tuple[str, ...]:
-    """The registered policies that declare a fixed-capacity rule (run by `nats.hf.StaticPolicyCache`)."""
+def fixed_policies(decodable: bool = True) -> tuple[str, ...]:
+    """The registered policies that declare a fixed-capacity rule (run by `nats.hf.StaticPolicyCache`); with
+    ``decodable=False`` also the prefill-only approximations (`nats-eval`'s parallel evaluation)."""
     from nats.cache.registry import available_caches, get_cache_class  # noqa: PLC0415  (the registry imports policies)
 
-    return tuple(n for n in available_caches() if get_cache_class(n).fixed_rule is not None)
+    return tuple(n for n in available_caches() if get_cache_class(n).decodable or not decodable)

@@ -27,16 +27,18 @@ import torch
 from torch import Tensor
 
 from nats.cache import engine
+from nats.cache.attention import resolve_backend
 from nats.cache.budget import check_budget_value, row_budgets
 from nats.cache.engine import EngineLayer, PoolLayout, PromptState, RuleContext
 from nats.cache.registry import get_cache_class
 
-__all__ = ["EngineCache", "fixed_policy"]
+__all__ = ["EngineCache", "LayerPort", "fixed_policy"]
 
 
-def fixed_policy(policy: str, who: str):
-    """The registered class of ``policy`` if it declares a fixed-capacity rule, else a ValueError naming ``who``."""
-    fixed = engine.fixed_policies()
+def fixed_policy(policy: str, who: str, decodable: bool = True):
+    """The registered class of ``policy`` if it declares a fixed-capacity rule (and decodes, with ``decodable``), else
+    a ValueError naming ``who``."""
+    fixed = engine.fixed_policies(decodable)
     if policy not in fixed:
         raise ValueError(
             f"{who}: policy {policy!r} has no fixed-capacity form; choose one of {', '.join(fixed)}"
@@ -60,7 +62,7 @@ class EngineCache:
         backend: the decode attention's kernels: ``"auto"``, ``"torch"`` or ``"triton"`` (`RuleContext.backend`).
         row_slots: each layer's pool takes at least rows x ``row_slots`` slots (rows: sequences x KV heads).
         who: the name errors start with.
-        **options: the policy's options, bound to its rule (``LayerCache.rule``).
+        **options: the policy's options, bound to its rule (``FixedRule.rule``).
     """
 
     def __init__(
@@ -74,16 +76,20 @@ class EngineCache:
         prefill_kernel: str = "auto",
         backend: str = "auto",
         row_slots: int | None = None,
+        device: Any = None,
         who: str = "EngineCache",
+        decodable: bool = True,
         **options: Any,
     ):
-        self.policy, self.policy_cls = policy, fixed_policy(policy, who)
+        self.policy, self.policy_cls = policy, fixed_policy(policy, who, decodable)
         self.rule = self.policy_cls.rule(**options)  # the policy's options bound to its rule
         self.cores, self.n_layer = list(cores), len(cores)
         if self.policy_cls.requires_core == "nats" and any(c is None for c in self.cores):
             raise ValueError(f"{who}: policy {policy!r} needs NAtS scorers: call nats.hf.attach_nats(model)")
         if self.policy_cls.budgeted and budget is None:
             raise ValueError(f"{who}: policy {policy!r} needs a budget (tokens, or a fraction in (0, 1))")
+        if budget is not None and not self.policy_cls.budgeted:  # it would be ignored: the policy keeps its own
+            raise ValueError(f"{who}: policy {policy!r} takes no budget (got budget={budget})")
         try:
             check_budget_value(budget, "each row's prompt")
         except ValueError as err:
@@ -96,6 +102,10 @@ class EngineCache:
         if row_slots is not None and (int(row_slots) != row_slots or row_slots < 1):
             raise ValueError(f"{who}: row_slots must be a positive integer, got {row_slots!r}")
         self.row_slots = row_slots
+        self.device = None if device is None else torch.device(device)  # where the layers will be (known or not)
+        # an eager caller's growth: each decode step runs the layer's `EngineLayer.maintain` first; a caller that
+        # replays the step as a CUDA graph calls `maintain` itself before each replay (nats.cache.decode.GraphDecoder)
+        self.auto_maintain = reserve is None
         self.prompt_lengths: Tensor | None = None  # real tokens per sequence, set by the prefill
         self._real_rows: Tensor | None = None  # the same per row (sequence x KV head)
         self._unallocated: list[tuple] = []  # prefilled layers whose pools are allocated at the next layer
@@ -121,20 +131,69 @@ class EngineCache:
 
     # ------------------------------------------------------------------ driven directly
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None = None,
-               pads: Tensor | None = None) -> Tensor:  # fmt: skip
+               pads: Tensor | None = None, pos: Tensor | None = None) -> Tensor:  # fmt: skip
         """The layer's attention output ``[B, Hq, N, D]`` for its new queries (q ``[B, Hq, N, D]``, k, v ``[B, Hkv,
         N, D]``, ``hidden`` ``[B, N, C]``: NAtS' scorer input): the prompt at the layer's first call (``pads`` ``[B]``:
-        each sequence's left padding, read at the first layer; None: none), then one token per row and call, at the
-        position counted on the host (``layer.t``). The capacity is fixed at the prefill: past the reserve the rule's
-        overflow binds (`overflowed`)."""
+        each sequence's left padding, read at the first layer; None: none), then decode steps: each of the N tokens
+        in turn (teacher forcing), at ``pos`` (a device LongTensor ``[1]``, one token: a step without host
+        synchronisation) or at the position counted on the host (``layer.t``). With ``auto_maintain`` (a cache made
+        without a reserve) each step first grows the layer's pool where a row may fill (`EngineLayer.maintain`);
+        else the capacity is fixed at the prefill and past the reserve the rule's overflow binds (`overflowed`)."""
         layer = self.layers[layer_idx]
         if not layer.ready:
             layer.batch_size, layer.n_kv_head = k.shape[:2]
             layer.t = q.shape[2]
             return self._prefill(layer, q, k, v, hidden, pads)
-        y = self._decode(layer, q, k, v, hidden, torch.full((1,), layer.t, dtype=torch.long, device=q.device))
-        layer.t += 1
-        return y
+        ys = []
+        for i in range(q.shape[2]):
+            if self.auto_maintain:
+                layer.maintain()
+            p = pos if pos is not None else torch.full((1,), layer.t, dtype=torch.long, device=q.device)
+            x = None if hidden is None else hidden[:, i : i + 1]
+            s = slice(i, i + 1)
+            ys.append(self._decode(layer, q[:, :, s], k[:, :, s], v[:, :, s], x, p))
+            layer.t += 1
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
+
+    def __len__(self) -> int:
+        return self.n_layer
+
+    def __getitem__(self, layer_idx: int) -> LayerPort:
+        """Layer ``layer_idx`` as a model's attention layer calls it (`LayerPort`: ``prefill`` and ``step``)."""
+        if not 0 <= layer_idx < self.n_layer:
+            raise IndexError(f"{self.who}: layer {layer_idx} of {self.n_layer}")
+        return LayerPort(self, layer_idx)
+
+    def maintain(self) -> bool:
+        """Every layer's upkeep before a decode step that the caller runs itself (a CUDA-graph replay): True when a
+        layer's pool was reallocated (the graph must be captured again; `EngineLayer.maintain`)."""
+        return any([layer.maintain() for layer in self.layers])  # every layer (each keeps its own counters)
+
+    def replayed(self) -> None:
+        """The host counters of a decode step that ran as a CUDA-graph replay (the graph holds only its device
+        work)."""
+        for layer in self.layers:
+            layer.t += 1
+
+    @property
+    def t(self) -> int:
+        """Tokens per row so far, padding included (0 before the prefill)."""
+        layer = self.layers[0]
+        return layer.t if layer.ready else 0
+
+    def graph_safe(self) -> bool:
+        """Whether a decode step through this cache can be captured in a CUDA graph: its layers on a CUDA device (the
+        ``device`` it was made for) and the Triton decode kernels (which read the lengths on the device)."""
+        dev = self.device
+        return dev is not None and dev.type == "cuda" and resolve_backend(self.backend, dev) == "triton"
+
+    def reallocations(self) -> int:
+        """The layers' pool growths so far (`EngineLayer.grow`)."""
+        return sum(layer.reallocations for layer in self.layers)
+
+    def peak_nbytes(self) -> int:
+        """The most bytes the layers' buffers took (after the prefill or a growth)."""
+        return sum(layer.peak_nbytes for layer in self.layers if layer.ready)
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, layer, q, k, v, hidden, pads) -> Tensor:
@@ -215,6 +274,8 @@ class EngineCache:
         layer.ready = True
         layer.real = self._real_rows
         layer.prompt_width = N
+        layer.free_steps = layer.context.room if self.rule.grows else None
+        layer.peak_nbytes = layer.nbytes()
         self.installed(layer)
 
     # ------------------------------------------------------------------ decode (compiled by an adapter)
@@ -247,6 +308,11 @@ class EngineCache:
         per = [(layer, layer.fractions()) for layer in self.layers]
         return {key: self._per_layer((layer, f[key]) for layer, f in per) for key in ("area", "peak")}
 
+    def counts_types(self) -> bool:
+        """Whether the rule counts token types while tracking (NAtS; `type_fractions`)."""
+        layer = self.layers[0]
+        return self.track and layer.ready and getattr(layer, "type_counts", None) is not None
+
     def type_fractions(self) -> Tensor:
         """NAtS: fractions of global, local and sliding tokens so far (the prompt's real tokens and the decoded
         ones), float64 ``[n_layer, B, Hkv, 3]``; counted while tracking."""
@@ -271,3 +337,21 @@ class EngineCache:
         or local token of a full segment as a sliding one, the appending rules stopped admitting)."""
         layer = self.layers[0]
         return layer.ready and self.reserve is not None and layer.t - layer.prompt_width > self.reserve
+
+
+class LayerPort:
+    """One layer of an `EngineCache` as a model's attention layer calls it (the GPT model of `nats.models.gpt`):
+    ``prefill`` of the prompt from an empty layer, ``step`` of one token at a device position."""
+
+    __slots__ = ("cache", "layer_idx")
+
+    def __init__(self, cache: EngineCache, layer_idx: int):
+        self.cache, self.layer_idx = cache, layer_idx
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor | None = None) -> Tensor:
+        if self.cache.layers[self.layer_idx].ready:
+            raise RuntimeError(f"{self.cache.who}: prefill() starts from an empty cache (make a new one per prompt)")
+        return self.cache.attend(self.layer_idx, q, k, v, x)
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor | None, pos: Tensor) -> Tensor:
+        return self.cache.attend(self.layer_idx, q, k, v, x, pos=pos)

@@ -6,7 +6,7 @@ scorer weights loaded when ``scorers`` is given (else `use_policy_caches`), answ
 `nats.data.longctx` (built with the model's tokenizer, from an evaluation seed and PG-19 split). Every method of
 ``methods`` (an entry of ``policies``, conf/cache/*.yaml) runs once, a budgeted one at every fraction of
 ``budgets`` (B = round(fraction x the example's prompt length)): greedy ``model.generate`` with batch 1 and a
-fresh `nats.hf.PolicyCache` per example, so NAtS and the baselines share one decode path.
+fresh `nats.hf.StaticPolicyCache` per example, so NAtS and the baselines share one decode path.
 
 Scoring (per example a score in [0, 1]; RULER's ``string_match_all`` for the synthetic tasks):
 
@@ -21,7 +21,7 @@ Scoring (per example a score in [0, 1]; RULER's ``string_match_all`` for the syn
   of them right; ``nll``: their mean negative log-likelihood (the table shows its perplexity).
 
 Measured per example (means over layers and KV heads, and per layer and KV head): ``area`` and ``peak`` (the
-cache's KV area and peak fractions over prompt and decoding, ``PolicyCache.fractions()``, spec section 6) and
+cache's KV area and peak fractions over prompt and decoding, ``StaticPolicyCache.fractions()``, spec section 6) and
 ``kv_fraction``, the tokens held at the end over the tokens the cache has seen (prompt + fed-back new tokens: 1
 for ``full``, about the budget fraction for StreamingLLM); for NAtS also the fractions of global / local / sliding
 tokens.
@@ -216,7 +216,7 @@ def continue_one(model: Any, prompt: list[int], reference: list[int], cache: Any
 
 def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, Any], cfg: DictConfig) -> dict:
     """Answer one example with `run`'s method and budget; its score and KV measurements (a row)."""
-    from nats.hf import PolicyCache
+    from nats.hf import StaticPolicyCache
 
     if "press" in run:  # kvpress: its press on a transformers DynamicCache (nats.finetune.kvpress_methods)
         from nats.finetune.kvpress_methods import evaluate_one as evaluate_press  # noqa: PLC0415
@@ -227,9 +227,10 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
     n_new = new_tokens(example, int(cfg.answer_margin), k)
     b = budget_tokens(run["budget"], len(prompt))
     extra = {} if b is None else {"budget": b}
-    cache = PolicyCache(
-        model, run["policy"], max_len=len(prompt) + n_new, backend=cfg.backend, **extra, **run["options"]
-    )
+    # the engine's cache with growth (the number of new tokens is not known: decoding stops at the end token), its
+    # NAtS prefill by the PyTorch reference (the quality tables are measured on it)
+    cache = StaticPolicyCache(model, run["policy"], max_len=len(prompt) + n_new, backend=cfg.backend,
+                              prefill_kernel="torch", **extra, **run["options"])  # fmt: skip
     t0 = time.time()
     nll = None
     if example.task == "pg19_continuation":
@@ -240,12 +241,11 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
     text = tokenizer.decode(generated, skip_special_tokens=True)
     fr = cache.fractions()
     area, peak = fr["area"][:, 0], fr["peak"][:, 0]  # [n_layer, Hkv]
-    seen = cache.get_seq_length()
+    seen = int(cache.get_seq_length())
     kept = cache.kept()[:, 0].double()
     per_head = {"area": _round(area), "peak": _round(peak), "kv_fraction": _round(kept / seen)}
-    policies = [layer.policy for layer in cache.layers]
-    if hasattr(policies[0], "type_fractions"):  # NAtS: global / local / sliding
-        per_head["type_fractions"] = _round(torch.stack([p.type_fractions()[0] for p in policies]))
+    if cache.counts_types():  # NAtS: global / local / sliding
+        per_head["type_fractions"] = _round(cache.type_fractions()[:, 0])
     kv = {"area": area.mean(), "peak": peak.mean(), "kv_fraction": (kept / seen).mean()}
     return result_row(run, example, budget_tokens=b, generated=generated, text=text, k=k, nll=nll, kv=kv,
                       kept=kept.mean(), seen=seen, seconds=seconds, per_head=per_head)  # fmt: skip

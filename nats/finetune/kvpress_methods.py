@@ -3,7 +3,7 @@
 kvpress (PyPI ``kvpress``, Apache-2.0) is the community's library of KV-cache compression "presses". Here it judges
 the project's own baselines: a method whose config names a press (``conf/kvpress/<name>.yaml``, composed into
 ``policies.kvpress_<name>`` by conf/eval_hf.yaml) answers the same examples, with the same prompts, scoring and
-budgets as the project's `PolicyCache` methods::
+budgets as the project's `StaticPolicyCache` methods::
 
     nats-eval-hf 'methods=[full,snapkv,streaming_llm,kvpress_snapkv,kvpress_streaming_llm,kvpress_expected_attention]' \
         'budgets=[0.25]' data.num_examples=16 device=cpu

@@ -13,7 +13,7 @@ Needs the ``hf`` extra (``pip install nats-attention[hf]``: transformers)::
 from nats.hf import attention as _attention
 from nats.hf.attention import ATTN_IMPLEMENTATION, nats_attention_forward
 from nats.hf.buffers import CacheBuffers
-from nats.hf.cache import PolicyCache, use_policy_caches
+from nats.hf.cache import use_policy_caches
 from nats.hf.fused import fuse_projections, unfuse_projections
 from nats.hf.hooks import SUPPORTED_MODEL_TYPES
 from nats.hf.scorers import (
@@ -35,7 +35,6 @@ __all__ = [
     "CacheBuffers",
     "SUPPORTED_MODEL_TYPES",
     "HFNAtSScorer",
-    "PolicyCache",
     "StaticPolicyCache",
     "attach_nats",
     "detach_nats",

@@ -11,9 +11,9 @@ attention module (the scorer reads the block's normalised input, NATS_SPEC.md se
   global), attention by `nats.functional.nats_attention` (Triton on CUDA, the PyTorch reference elsewhere), and the
   differentiable density (spec section 4) and KV statistics recorded on the core (``last_density``,
   ``last_stats``).
-* Decode with a `nats.hf.cache.PolicyCache` (``model.generate(..., past_key_values=PolicyCache(model, "nats"))``):
-  the cache's policy does the attention, prefill and decode steps, over only the keys it keeps (the evicting NAtS
-  cache of spec section 5, or a baseline policy).
+* Decode with a `nats.hf.StaticPolicyCache` (``model.generate(..., past_key_values=StaticPolicyCache(model,
+  "nats"))``): the cache's policy does the attention, prefill and decode steps, over only the keys it keeps (the
+  evicting NAtS cache of spec section 5, or a baseline policy).
 * Decode with an ordinary transformers cache (``N < Nk``, e.g. ``DynamicCache``, the default of ``generate``):
   exact but not evicting: the core keeps the hard types of the past tokens (``past_types``, set by the prefill in
   eval mode) and the new queries attend over the NAtS mask rows of the full sequence (dense masked softmax).
@@ -32,17 +32,8 @@ from nats import ops
 ATTN_IMPLEMENTATION = "nats"
 
 
-_POLICY_CACHE_PADDING = (
-    "PolicyCache holds one unpadded sequence per row. For a left-padded batch use nats.hf.StaticPolicyCache, "
-    "which takes one: model.generate(ids, attention_mask=mask, max_new_tokens=n, "
-    "past_key_values=StaticPolicyCache(model, policy, max_new_tokens=n)) (cache= from transformers 5.24 on); "
-    "or generate each sequence alone"
-)
-
-
-def _check_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, what: str = "") -> None:
-    """NAtS is causal over one unpadded sequence per row: refuse masks that are anything else (padding).
-    ``what``: the fix to name instead of the default (PolicyCache: StaticPolicyCache takes left-padded batches)."""
+def _check_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int) -> None:
+    """NAtS is causal over one unpadded sequence per row: refuse masks that are anything else (padding)."""
     if attention_mask is None:
         return
     m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
@@ -51,7 +42,8 @@ def _check_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, wha
     if not torch.equal(m, causal.expand_as(m)):
         raise NotImplementedError(
             "nats attention (transformers): the attention mask is not plain causal (padded or packed batches); "
-            + (what or "NAtS runs over unpadded sequences only: pass sequences of equal length without padding")
+            "NAtS runs over unpadded sequences only here: pass sequences of equal length without padding, or decode "
+            "a left-padded batch through nats.hf.StaticPolicyCache"
         )
 
 
@@ -85,11 +77,10 @@ def nats_attention_forward(
             "attn_implementation='nats' by hand"
         )
     module._nats_hidden = module._nats_cache = None  # used once; do not keep the activations alive
-    from nats.hf.cache import PolicyCache  # noqa: PLC0415
     from nats.hf.static_cache import StaticPolicyCache  # noqa: PLC0415
 
-    policy_cache = isinstance(cache, (PolicyCache, StaticPolicyCache))
-    if core is None and not policy_cache:  # use_policy_caches on a model without scorers, no PolicyCache: plain
+    policy_cache = isinstance(cache, StaticPolicyCache)
+    if core is None and not policy_cache:  # use_policy_caches on a model without scorers, no policy cache: plain
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
@@ -99,12 +90,8 @@ def nats_attention_forward(
         query, key = query.to(value.dtype), key.to(value.dtype)
     B, Hq, N, D = query.shape
     query = rescaled(query, scaling, getattr(module, "head_dim", None) or D)
-    if isinstance(cache, StaticPolicyCache):  # fixed buffers; a compiled decode step (left padding allowed)
+    if policy_cache:  # the cache's policy attends over what it keeps (spec section 5; left padding allowed)
         y = cache.attend(module.layer_idx, query, hidden, attention_mask if N > 1 else None)
-        return y.transpose(1, 2).contiguous(), None
-    if policy_cache:  # the cache's policy attends over what it keeps (spec section 5)
-        _check_mask(attention_mask, N, cache.layers[module.layer_idx].seen, _POLICY_CACHE_PADDING)
-        y = cache.attend(module.layer_idx, query, hidden)
         return y.transpose(1, 2).contiguous(), None
     Nk = key.shape[-2]
     sliding = kwargs.get("sliding_window")

@@ -7,8 +7,7 @@ each layer's q/k/v and gate/up projections fused (`nats.hf.fused`).
     nats-generate hf_model=smollm2_135m scorers=<run>/scorers.pt policy=nats prompt_file=book.txt
     nats-generate hf_model=smollm2_135m policy=streaming_llm budget=0.25 temperature=0.7 top_k=50 num_samples=4
 
-Every decodable policy has a fixed-capacity rule (`nats.cache.engine`); `nats.hf.PolicyCache` (through
-``model.generate``) is the fallback for one that would not.
+Every decodable policy is a rule of the one cache engine (`nats.cache.engine`), so every one runs here.
 The report has the keys of the GPT kind's (`nats.generate`, whose `summary` reads them; ``tokens`` are the new
 tokens' ids here, in the model tokenizer's vocabulary) and the cache's class and NAtS window besides.
 The settings are checked before the model loads (`check_inputs`: the policy, its budget, the scorer file), so that a
@@ -26,7 +25,6 @@ import torch
 from omegaconf import DictConfig
 
 from nats.cache.budget import check_budget_value, resolve_budget
-from nats.cache.engine import fixed_policies
 from nats.cache.registry import available_caches, get_cache_class
 
 
@@ -72,8 +70,7 @@ def check_inputs(cfg: DictConfig) -> None:
 
 def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """Check the settings (`check_inputs`), load the model, decode ``prompt_text``: the report (nothing written)."""
-    from nats.hf import PolicyCache, StaticPolicyCache
-    from nats.hf.compat import generate_through
+    from nats.hf import StaticPolicyCache
     from nats.hf.fused import fuse_projections
     from nats.hf.limits import check_context, context_length
     from nats.hf.loop import generate as loop
@@ -93,28 +90,20 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     budget = cfg.get("budget")  # tokens, or a fraction of prompt + new tokens (as for the GPT kind)
     n_budget = resolve_budget(budget, P + new, of=f"the {P + new} prompt + new tokens")
     options = dict(cfg.get("cache_options") or {})
-    fast = policy in fixed_policies()
-    if fast:
-        cache = StaticPolicyCache(model, policy, max_new_tokens=max(new, 1), budget=n_budget, **options)
-    else:
-        cache = PolicyCache(model, policy, max_len=P + new, budget=n_budget, **options)
+    cache = StaticPolicyCache(model, policy, max_new_tokens=max(new, 1), budget=n_budget, **options)
     temperature = float(cfg.get("temperature", 0.0))
     top_k = None if cfg.get("top_k") is None else int(cfg.top_k)
     seed = int(cfg.get("seed", 0))
-    sample = {"do_sample": True, "temperature": temperature, "top_k": top_k} if temperature > 0 else {}
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    if fast:  # the loop without a host synchronisation per token (nats.hf.loop), one q/k/v and one gate/up product
-        try:
-            fuse_projections(model)
-        except ValueError as e:  # e.g. quantized projections: decoded with the model's own products
-            print(f"nats-generate: {e}", flush=True)
-        gen = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
-        out = loop(model, ids, cache, new, temperature=temperature, top_k=top_k, generator=gen)
-        decode = "cuda_graph" if device.type == "cuda" else "eager"  # the loop's compiled step replays CUDA graphs
-    else:
-        out = generate_through(model, ids, cache, new, exact_length=True, **sample)
-        decode = "model.generate"
+    # the loop without a host synchronisation per token (nats.hf.loop), one q/k/v and one gate/up product
+    try:
+        fuse_projections(model)
+    except ValueError as e:  # e.g. quantized projections: decoded with the model's own products
+        print(f"nats-generate: {e}", flush=True)
+    gen = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
+    out = loop(model, ids, cache, new, temperature=temperature, top_k=top_k, generator=gen)
+    decode = "cuda_graph" if device.type == "cuda" else "eager"  # the loop's compiled step replays CUDA graphs
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -124,12 +113,8 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
     layers, kv_heads = kept.shape[0], kept.shape[-1]
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     per_token = 2 * head_dim * torch.empty((), dtype=dtype).element_size()
-    if fast:
-        allocated = cache.kv_nbytes()
-        frac = cache.fractions() if cache.track else None
-    else:
-        allocated = cache.nbytes()
-        frac = cache.fractions()
+    allocated = cache.kv_nbytes()
+    frac = cache.fractions() if cache.track else None
     stats = {
         "sequences": samples,
         "kept": float(kept.mean()),

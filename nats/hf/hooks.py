@@ -4,7 +4,7 @@ The pieces that `nats.hf.scorers` (the scorers), `nats.hf.cache` (the policy cac
 attention function) share: the supported architectures, the name of the scorer submodule, the decoder layers of a
 model, and the forward pre-hooks that stash each attention module's input hidden states and cache for the attention
 function (`attach_hooks`). This module imports none of the three, so the attention function may import the cache
-(it dispatches to a `PolicyCache`) without an import cycle; the package (``nats/hf/__init__.py``) registers the
+(it dispatches to a `StaticPolicyCache`) without an import cycle; the package (``nats/hf/__init__.py``) registers the
 attention function in transformers' registry when it is imported, before any model can be routed to it.
 """
 
@@ -43,7 +43,7 @@ def routed_cores(model: nn.Module, who: str) -> list:
 
 def _stash_hidden(module: nn.Module, args, kwargs):
     """Forward pre-hook of an attention module: its input hidden states (the scorer's input) and the cache it is
-    given (a `nats.hf.cache.PolicyCache` runs its policy in the attention function)."""
+    given (a `nats.hf.StaticPolicyCache` runs its policy in the attention function)."""
     module._nats_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     module._nats_cache = cache_from_kwargs(kwargs)
 

@@ -11,9 +11,9 @@ the positions the model was trained for, and a cache that serves one call.
   `nats.hf.StaticPolicyCache`, decoded the new prompt one token at a time).
 
 Who checks: `nats.hf.loop.generate` (all three, before its prefill: `nats.hf.loop.check_request`), ``nats-generate``
-(`nats.hf.generate`: the context, before it makes a cache), `nats.hf.StaticPolicyCache` (the context at its prefill
-and a second prompt at its update, which ``model.generate`` reaches too) and `nats.hf.PolicyCache` (the context of
-its ``max_len`` when made, a second prompt at its update).
+(`nats.hf.generate`: the context, before it makes a cache) and `nats.hf.StaticPolicyCache` (the context at its
+prefill, or of its ``max_len`` when made without ``max_new_tokens``, and a second prompt at its update, which
+``model.generate`` reaches too).
 """
 
 from __future__ import annotations

@@ -111,17 +111,23 @@ def generate(
     """``ids`` ``[B, P]`` (left-padded where ``attention_mask`` has zeros) and up to ``max_new_tokens`` tokens after
     them, ``[B, P + n]``: greedy (``temperature`` 0) or sampled. With ``eos_token_id``, a row's tokens after its end
     token are ``pad_token_id`` and decoding stops once every row has ended (checked every ``check_every`` tokens,
-    the only host reads before the end). ``compile``: the step compiled with CUDA graphs (default: on CUDA; a
-    backend's name: compiled by it, without CUDA graphs). ``on_prefill``: called once, after the prompt's forward and
-    the first token's choice are queued and before the first decode step is (a benchmark synchronises there and
-    times the decode steps alone). ``inductor``: inductor settings of the compiled step over `STEP_INDUCTOR`'s
-    (`decode_step`; default: those alone)."""
+    the only host reads before the end). ``compile``: the step compiled with CUDA graphs (default: on CUDA with a
+    cache planned for its tokens; a backend's name: compiled by it, without CUDA graphs). ``on_prefill``: called
+    once, after the prompt's forward and the first token's choice are queued and before the first decode step is (a
+    benchmark synchronises there and times the decode steps alone). ``inductor``: inductor settings of the compiled
+    step over `STEP_INDUCTOR`'s (`decode_step`; default: those alone)."""
     if max_new_tokens < 1:
         return ids
     B, P = ids.shape
     check_request(model, P, cache, max_new_tokens)
     device = ids.device
-    compile = device.type == "cuda" if compile is None else compile
+    grows = bool(getattr(cache, "auto_maintain", False))  # made without max_new_tokens: eager steps, growth
+    if grows and compile:
+        raise ValueError(
+            "nats.hf.loop.generate: a cache made without max_new_tokens grows its pools between eager steps and "
+            "cannot run the compiled step: make it with max_new_tokens=N (or pass compile=False)"
+        )
+    compile = device.type == "cuda" and not grows if compile is None else compile
     if attention_mask is not None and bool((attention_mask == 1).all()):
         attention_mask = None
     position = None if attention_mask is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

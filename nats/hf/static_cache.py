@@ -35,6 +35,8 @@ without a fixed-capacity rule (an evaluation-only approximation such as ``h2o_de
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,14 +82,23 @@ class StaticPolicyLayer(FixedRowsLayer, EngineLayer):
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        owner, n = self.owner, key_states.shape[-2]
         if not self.is_initialized:  # the prompt: within the model's context with the new tokens planned
-            if self.layer_idx == 0:
-                owner = self.owner
-                check_context(owner.context, key_states.shape[-2], owner.max_new_tokens, "StaticPolicyCache",
+            if self.layer_idx == 0 and owner.max_new_tokens is not None:
+                check_context(owner.context, n, owner.max_new_tokens, "StaticPolicyCache",
                               "the max_new_tokens it was made for")  # fmt: skip
             self.lazy_initialization(key_states, value_states)
-        elif key_states.shape[-2] > 1:  # a new prompt (a decode step is one token: the compiled step has no check)
-            raise ValueError(reuse_message(self.owner, int(self.cumulative_length), "StaticPolicyCache"))
+        elif n > 1 and not owner.continuation:  # a new prompt (a decode step is one token: the compiled step has no
+            raise ValueError(reuse_message(owner, int(self.cumulative_length), "StaticPolicyCache"))  # check)
+        # unknown lengths: the tokens so far, counted on the host (`auto_maintain`, a bool, is max_new_tokens is None:
+        # the compiled step reads the flag, the same for every cache, not max_new_tokens, whose value it would guard)
+        if self.layer_idx == 0 and owner.auto_maintain:
+            owner.seen += n
+            if owner.seen > owner.max_len:
+                raise ValueError(
+                    f"StaticPolicyCache: {owner.seen} tokens exceed its max_len={owner.max_len}; make the cache with a "
+                    f"larger max_len (prompt + new tokens)"
+                )
         self.pending = (key_states, value_states)
         if self.layer_idx == 0:  # the shared counter: the later layers of the same forward see it advanced
             self.cumulative_length.add_(key_states.shape[-2])
@@ -161,11 +172,12 @@ class StaticPolicyCache(EngineCache, Cache):
         model: nn.Module,
         policy: str = "nats",
         *,
-        max_new_tokens: int,
+        max_new_tokens: int | None = None,
         budget: int | float | None = None,
         max_len: int | None = None,
         track: bool = True,
         prefill_kernel: str = "auto",
+        backend: str = "auto",
         row_slots: int | None = None,
         buffers: CacheBuffers | None = None,
         **options: Any,
@@ -173,21 +185,43 @@ class StaticPolicyCache(EngineCache, Cache):
         from nats.hf.hooks import routed_cores  # noqa: PLC0415
 
         fixed_policy(policy, "StaticPolicyCache")
-        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-            raise ValueError(f"StaticPolicyCache: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if max_new_tokens is not None and (int(max_new_tokens) != max_new_tokens or max_new_tokens < 1):
+            raise ValueError(
+                "StaticPolicyCache: max_new_tokens must be a positive integer or None (unknown), got "
+                f"{max_new_tokens!r}"
+            )
         config = model.config
         cores = routed_cores(model, "StaticPolicyCache")
-        self.max_new_tokens = int(max_new_tokens)
+        self.max_new_tokens = None if max_new_tokens is None else int(max_new_tokens)
         self.buffers = buffers
         self.n_head = config.num_attention_heads
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         self.context = context_length(config)  # prompt + max_new_tokens at most (nats.hf.limits)
+        self.continuation = False  # inside `continuing`: forwards of several tokens extend the sequence
+        self.seen = 0  # tokens so far, counted on the host where the number of new tokens is unknown
         EngineCache.__init__(self, policy, cores, reserve=self.max_new_tokens, budget=budget, track=track,
-                             prefill_kernel=prefill_kernel, row_slots=row_slots, who="StaticPolicyCache",
-                             **options)  # fmt: skip
+                             prefill_kernel=prefill_kernel, backend=backend, row_slots=row_slots,
+                             who="StaticPolicyCache", **options)  # fmt: skip
         if self.max_len < 1:
             raise ValueError("StaticPolicyCache: pass max_len (the model config has no max_position_embeddings)")
+        if max_new_tokens is None:
+            if max_len:  # the prompt + new tokens it is made for, within the model's context
+                check_context(self.context, 0, self.max_len, "StaticPolicyCache",
+                              what=f"max_len={self.max_len} (prompt + new tokens)")  # fmt: skip
+            for layer in self.layers:  # eager steps, each after its layer's growth check (EngineLayer.maintain)
+                layer.is_compileable = False
         Cache.__init__(self, layers=self.layers)
+
+    @contextlib.contextmanager
+    def continuing(self) -> Iterator[StaticPolicyCache]:
+        """Inside, forwards of several tokens feed the tokens that follow the sequence the cache holds (teacher
+        forcing: the model's positions follow ``get_seq_length``; each token one decode step); outside, such a forward
+        through a cache that holds tokens is refused as the prompt of a second ``generate`` call."""
+        self.continuation = True
+        try:
+            yield self
+        finally:
+            self.continuation = False
 
     def new_layer(self, layer_idx: int) -> StaticPolicyLayer:
         return StaticPolicyLayer(self, layer_idx)
@@ -204,12 +238,21 @@ class StaticPolicyCache(EngineCache, Cache):
         layer = self.layers[layer_idx]
         k, v = layer.pending
         layer.pending = None
+        B, _, N, _ = query.shape
         if not layer.ready:  # the padding from transformers' mask, read at the first layer
-            B, _, N, _ = query.shape
             pads = None if self.prompt_lengths is not None else _left_padding(attention_mask, B, N, query.device)
             return self._prefill(layer, query, k, v, hidden, pads)
-        pos = (layer.cumulative_length - 1).reshape(1)  # the new token's position (padding included)
-        return self._decode(layer, query, k, v, hidden, pos)
+        if N == 1 and not self.auto_maintain:  # the compiled fixed-capacity step
+            pos = (layer.cumulative_length - 1).reshape(1)  # the new token's position (padding included)
+            return self._decode(layer, query, k, v, hidden, pos)
+        ys = []  # eager steps: unknown lengths (growth first) or the tokens of a continuation, one at a time
+        for i in range(N):
+            if self.auto_maintain:
+                layer.maintain()
+            pos = (layer.cumulative_length - (N - i)).reshape(1)
+            s = slice(i, i + 1)
+            ys.append(self._decode(layer, query[:, :, s], k[:, :, s], v[:, :, s], hidden[:, s], pos))
+        return ys[0] if N == 1 else torch.cat(ys, dim=2)
 
 
 def _left_padding(attention_mask: Tensor | None, B: int, N: int, device) -> Tensor:

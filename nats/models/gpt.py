@@ -223,8 +223,8 @@ class Attention(nn.Module):
     def forward(self, x, rope, positions, cache=None):
         """x [B, N, C] -> ([B, N, C], the core's AttentionOutput: y, aux_loss, stats).
 
-        With a layer KV cache (`nats.cache.base.LayerCache`) the cache's ``prefill`` of a prompt (from an empty
-        cache) replaces the core; the second value is then None. (A decode step, one token through the cache's
+        With a layer of a KV cache (`nats.cache.engine_cache.LayerPort`) the cache's ``prefill`` of a prompt (from an
+        empty layer) replaces the core; the second value is then None. (A decode step, one token through the cache's
         ``step``, is `Block.forward`'s: `before_cache`, the cache, `after_cache`.)"""
         q, k, v = self.project(x, rope, positions)
         if cache is None:
@@ -342,7 +342,7 @@ class GPT(nn.Module):
     ) -> GPTOutput:
         """idx [B, N] int64 -> logits [B, N, V]; with targets [B, N] also loss = mean CE over targets != -100.
 
-        Decoding through KV caches (one `nats.cache.base.LayerCache` per layer, `nats.cache.decode.make_caches`):
+        Decoding through a KV cache (`nats.cache.decode.make_caches`: an `EngineCache`, item i being layer i's):
         with ``caches`` and no ``pos`` the prompt idx [B, N] is prefilled into empty caches; with ``pos`` (the
         token's position: an int, or a LongTensor [1] on the model's device for a step without host
         synchronisation) idx [B, 1] is one decode step. Each layer's cache then replaces its attention core

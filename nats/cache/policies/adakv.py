@@ -20,7 +20,7 @@ import math
 from torch import Tensor
 
 from nats.cache.engine import RuleContext
-from nats.cache.policies.snapkv import SnapKVCache, SnapKVRule, snapkv_keep, top_mask
+from nats.cache.policies.snapkv import SnapKVRule, snapkv_keep, top_mask
 from nats.cache.registry import register_cache
 
 
@@ -43,6 +43,7 @@ def ada_keep(q: Tensor, k: Tensor, budget: int, window: int = 32, kernel: int = 
     return snapkv_keep(q, k, budget, window, kernel, pooling, lambda votes, n: ada_prefix(votes, budget, window, alpha))
 
 
+@register_cache("adakv")
 class AdaKVRule(SnapKVRule):
     """Ada-SnapKV in the fixed-capacity engine: `SnapKVRule` with the heads' shares (`ada_keep`)."""
 
@@ -53,20 +54,6 @@ class AdaKVRule(SnapKVRule):
         super().__init__(**options)
         self.alpha = alpha
 
-    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
-        return ada_keep(q, k, budget, int(self.window), int(self.kernel), self.pooling, float(self.alpha))
-
-
-@register_cache("adakv")
-class AdaKVCache(SnapKVCache):
-    fixed_rule = AdaKVRule
-    even_rows = False  # each head takes its own share of the budget
-
-    def __init__(self, *, budget: int, alpha: float = 0.2, **kwargs):
-        type(self).check_budget(budget, 10**18, alpha=alpha, **kwargs)
-        super().__init__(budget=budget, **kwargs)
-        self.alpha = float(alpha)
-
     @classmethod
     def check_budget(cls, budget, n, alpha: float = 0.2, **options):
         super().check_budget(budget, n, **options)
@@ -75,5 +62,5 @@ class AdaKVCache(SnapKVCache):
                 f"adakv: alpha (the share of B - window each head keeps first) must be in [0, 1], got {alpha!r}"
             )
 
-    def keep_mask(self, q, k):
-        return ada_keep(q, k, self.budget, self.window, self.kernel, self.pooling, self.alpha)
+    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
+        return ada_keep(q, k, budget, int(self.window), int(self.kernel), self.pooling, float(self.alpha))

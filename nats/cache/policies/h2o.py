@@ -24,7 +24,6 @@ import math
 import torch
 
 from nats.cache.attention import masked_attention
-from nats.cache.base import LayerCache
 from nats.cache.engine import FixedRule, Plan, PromptState, write_kv
 from nats.cache.registry import register_cache
 
@@ -94,6 +93,7 @@ def h2o_prefill(q, k, v, state, budget: int, recent: int, record=None):
     return torch.cat(ys, dim=2)
 
 
+@register_cache("h2o")
 class H2ORule(FixedRule):
     """H2O in the fixed-capacity engine (`nats.cache.engine`): a segment of B slots per row (B: the budget, one for
     all rows), the slots' positions and scores beside it; the prompt runs H2O's exact sequential rule
@@ -105,6 +105,15 @@ class H2ORule(FixedRule):
 
     def __init__(self, *, recent: int | None = None, **unused):
         self.recent = recent  # as given: checked with the budget (check_budget)
+
+    @classmethod
+    def check_budget(cls, budget, n, recent: int | None = None, **options):
+        super().check_budget(budget, n)
+        if budget < 2:
+            raise ValueError(f"h2o: budget B={budget} is too small: B must be >= 2 (B/2 recent + B/2 heavy hitters)")
+        r = budget // 2 if recent is None else recent
+        if not 1 <= r <= budget:
+            raise ValueError(f"h2o: recent must be in [1, B={budget}], got {r}")
 
     def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
         b_, Hq, n, D = q.shape
@@ -150,51 +159,3 @@ class H2ORule(FixedRule):
                            layer.h2o_zero, write=lambda flat, k, v: write_kv(layer.kv_pool, flat, k, v))  # fmt: skip
         layer.length.copy_(held)
         return y, held
-
-
-@register_cache("h2o")
-class H2OCache(LayerCache):
-    budgeted = True
-    fixed_rule = H2ORule
-
-    def __init__(self, *, budget: int, recent: int | None = None, **kwargs):
-        super().__init__(budget=budget, **kwargs)
-        type(self).check_budget(budget, 10**18, recent=recent)
-        self.recent = budget // 2 if recent is None else int(recent)
-        self.k, self.v, self.slot_pos, self.score, self._zero = h2o_buffers(self.rows, budget, self.head_dim,
-                                                                            self.device, self.dtype)  # fmt: skip
-
-    @classmethod
-    def check_budget(cls, budget, n, recent: int | None = None, **options):
-        super().check_budget(budget, n)
-        if budget < 2:
-            raise ValueError(f"h2o: budget B={budget} is too small: B must be >= 2 (B/2 recent + B/2 heavy hitters)")
-        r = budget // 2 if recent is None else recent
-        if not 1 <= r <= budget:
-            raise ValueError(f"h2o: recent must be in [1, B={budget}], got {r}")
-
-    def _prefill(self, q, k, v, x):
-        state = (self.k, self.v, self.slot_pos, self.score, self._zero)
-        y = h2o_prefill(q, k, v, state, self.budget, self.recent, record=self._record)
-        self.t += q.shape[2]
-        return y
-
-    def step(self, q, k, v, x, pos):
-        y, held = h2o_step(self.k, self.v, self.slot_pos, self.score, self._kv_rows(k), self._kv_rows(v),
-                           self._q_rows(q), pos, self.budget, self.recent, self._zero)  # fmt: skip
-        self._record(held)
-        self.t += 1
-        return self._out(y)
-
-    def visible_positions(self) -> torch.Tensor:
-        """Positions held per row (-1 for empty slots), [R, B] (for tests and analysis)."""
-        return self.slot_pos.clone()
-
-    def kept(self):
-        return (self.slot_pos >= 0).sum(1).view(self.batch, self.n_kv_head)
-
-    def tensors(self):
-        return [self.k, self.v, self.slot_pos, self.score]
-
-    def kv_tensors(self):
-        return [self.k, self.v]

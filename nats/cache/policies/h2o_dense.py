@@ -13,8 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nats.cache.base import LayerCache
-from nats.cache.policies.h2o import H2OCache
+from nats.cache.engine import FixedRule, Plan, PromptState, plan_rows, pool_fill
+from nats.cache.policies.h2o import H2ORule
 from nats.cache.registry import register_cache
 
 
@@ -43,41 +43,34 @@ def h2o_dense_mask(q: torch.Tensor, k: torch.Tensor, budget: int, recent: int) -
 
 
 @register_cache("h2o_dense")
-class H2ODenseApproxCache(LayerCache):
-    """Parallel dense-softmax H2O *approximation* (evaluation only, labelled as such)."""
+class H2ODenseRule(FixedRule):
+    """The approximation in the engine (`nats.cache.engine`), prefill only: the masked forward, then what the last
+    query kept (its row's segment, for `kept` and the bytes); a decode step is refused."""
 
+    name = "h2o_dense"
     budgeted = True
     decodable = False
-    graph_safe = False
 
-    def __init__(self, *, budget: int, recent: int | None = None, **kwargs):
-        super().__init__(budget=budget, **kwargs)
-        H2OCache.check_budget(budget, 10**18, recent=recent)
-        self.recent = budget // 2 if recent is None else int(recent)
-        self._kept = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+    def __init__(self, *, recent: int | None = None, **unused):
+        self.recent = recent
 
-    check_budget = H2OCache.check_budget
+    @classmethod
+    def check_budget(cls, budget, n, recent: int | None = None, **options):
+        H2ORule.check_budget(budget, n, recent=recent)  # H2O's budget and recent tokens
 
-    def _prefill(self, q, k, v, x):
-        N = q.shape[2]
-        mask = h2o_dense_mask(q, k, self.budget, self.recent)  # [B, Hkv, N, N]
-        G = self.group
+    def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
+        self.check_budget(budget, 10**18)
+        recent = budget // 2 if self.recent is None else int(self.recent)
+        Hkv = k.shape[1]
+        G = q.shape[1] // Hkv
+        mask = h2o_dense_mask(q, k, budget, recent)  # [b, Hkv, N, N]
         m = mask.repeat_interleave(G, dim=1) if G > 1 else mask
         y = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=m)
-        sizes = mask.sum(-1).reshape(self.rows, N)
-        self._record_many(sizes)
-        self._kept.copy_(sizes[:, -1])
-        self.t = N
-        return y
+        return PromptState(y, keep=mask[..., -1, :].contiguous(), sizes=mask.sum(-1) if ctx.track else None)
 
-    def step(self, q, k, v, x, pos):
+    def plan(self, ctx, core, state, k, v, budgets, real):
+        keep, rank, rows, end = plan_rows(state.keep, state.keep.sum(-1).reshape(-1))
+        return Plan(rows, end, lambda size: pool_fill(keep, rank, rows, k, v, size))
+
+    def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
         raise NotImplementedError("h2o_dense is a parallel evaluation approximation; decode with `h2o`")
-
-    def kept(self):
-        return self._kept.view(self.batch, self.n_kv_head)
-
-    def tensors(self):
-        return [self._kept]
-
-    def kv_tensors(self):
-        return []

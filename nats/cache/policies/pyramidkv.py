@@ -13,9 +13,9 @@ instead, so its mean can exceed b a little). So the layers' mean cache after the
 layers keep more than B and the higher ones fewer. N <= B keeps everything in every layer; unlike the original,
 a prompt below 2 (B - w) is not sent back to plain SnapKV (as in kvpress). One layer: SnapKV.
 
-The policy needs the number of layers: ``n_layer`` (`make_caches` passes it to policies with ``needs_n_layer``; the
-fixed-capacity engine's `nats.cache.engine.RuleContext` gives it to `PyramidKVRule`). The selection is a function,
-`pyramid_keep`, which both call. Storage, decoding (appends, no eviction) and budget accounting: as `snapkv`.
+The policy needs the number of layers: the engine's `nats.cache.engine.RuleContext` gives it to `PyramidKVRule`.
+The selection is a function, `pyramid_keep`. Storage, decoding (appends, no eviction) and budget accounting: as
+`snapkv`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 from torch import Tensor
 
 from nats.cache.engine import RuleContext
-from nats.cache.policies.snapkv import SnapKVCache, SnapKVRule, snapkv_keep, top_mask
+from nats.cache.policies.snapkv import SnapKVRule, snapkv_keep, top_mask
 from nats.cache.registry import register_cache
 
 
@@ -70,6 +70,7 @@ def pyramid_keep(q: Tensor, k: Tensor, budget: int, layer_idx: int, n_layer: int
     return snapkv_keep(q, k, budget, window, kernel, pooling, prefix)
 
 
+@register_cache("pyramidkv")
 class PyramidKVRule(SnapKVRule):
     """PyramidKV in the fixed-capacity engine: `SnapKVRule` with the layer's budget (`pyramid_keep`; the layers from
     the `RuleContext`)."""
@@ -80,37 +81,12 @@ class PyramidKVRule(SnapKVRule):
         super().__init__(**options)
         self.beta = beta
 
-    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
-        return pyramid_keep(q, k, budget, ctx.layer_idx, ctx.n_layer, int(self.window), int(self.kernel), self.pooling,
-                            float(self.beta))  # fmt: skip
-
-
-@register_cache("pyramidkv")
-class PyramidKVCache(SnapKVCache):
-    fixed_rule = PyramidKVRule
-    needs_n_layer = True  # make_caches passes n_layer=len(model.blocks)
-
-    def __init__(self, *, budget: int, n_layer: int | None = None, beta: float = 20, **kwargs):
-        type(self).check_budget(budget, 10**18, beta=beta, **kwargs)
-        if n_layer is None or int(n_layer) != n_layer or n_layer < 1:
-            raise ValueError(
-                f"pyramidkv needs n_layer, the model's number of layers (a positive integer), got {n_layer!r}"
-            )
-        super().__init__(budget=budget, **kwargs)
-        if not 0 <= self.layer_idx < n_layer:
-            raise ValueError(f"pyramidkv: layer_idx={self.layer_idx} outside the {n_layer} layers")
-        self.n_layer, self.beta = int(n_layer), float(beta)
-
     @classmethod
     def check_budget(cls, budget, n, beta: float = 20, **options):
         super().check_budget(budget, n, **options)
         if not beta >= 1:
             raise ValueError(f"pyramidkv: beta must be >= 1 (the pyramid's min = (B - window) / beta), got {beta!r}")
 
-    def layer_budgets(self, n: int) -> list[int]:
-        """The cache size of every layer after a prefill of n tokens (window included; `pyramid_sizes`)."""
-        return pyramid_sizes(n, self.budget, self.window, self.n_layer, self.beta)
-
-    def keep_mask(self, q, k):
-        return pyramid_keep(q, k, self.budget, self.layer_idx, self.n_layer, self.window, self.kernel, self.pooling,
-                            self.beta)  # fmt: skip
+    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
+        return pyramid_keep(q, k, budget, ctx.layer_idx, ctx.n_layer, int(self.window), int(self.kernel), self.pooling,
+                            float(self.beta))  # fmt: skip

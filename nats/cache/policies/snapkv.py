@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nats.cache.attention import compute_dtype
-from nats.cache.base import LayerCache
 from nats.cache.engine import AppendRule, RuleContext
 from nats.cache.registry import register_cache
 
@@ -98,39 +97,18 @@ def snapkv_keep(q: Tensor, k: Tensor, budget: int, window: int = 32, kernel: int
     return torch.cat([chosen, torch.ones(B, Hkv, window, dtype=torch.bool, device=q.device)], dim=-1)
 
 
+@register_cache("snapkv")
 class SnapKVRule(AppendRule):
     """SnapKV in the fixed-capacity engine (`nats.cache.engine`): `AppendRule` keeping `snapkv_keep`'s selection of
     a prompt longer than the budget."""
 
     name = "snapkv"
     budgeted = True
-    even_rows = True
+    even_rows = True  # one budget for every row of a layer (PyramidKV's differ by layer only)
+    prefill_time = True  # compresses once after an exact prefill; decoding appends without evicting
 
     def __init__(self, *, window: int = 32, kernel: int = 7, pooling: str = "max", **unused):
         self.window, self.kernel, self.pooling = window, kernel, pooling  # as given (checked with the budget)
-
-    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
-        return snapkv_keep(q, k, budget, int(self.window), int(self.kernel), self.pooling)
-
-
-@register_cache("snapkv")
-class SnapKVCache(LayerCache):
-    fixed_rule = SnapKVRule  # the fixed-capacity engine: keep the selection, append new tokens
-    even_rows = True  # one budget for every row of a layer (PyramidKV's differ by layer only)
-    budgeted = True
-    prefill_time = True  # compresses once after an exact prefill; decoding appends without evicting
-
-    def __init__(self, *, budget: int, window: int = 32, kernel: int = 7, pooling: str = "max", **kwargs):
-        super().__init__(budget=budget, **kwargs)
-        type(self).check_budget(budget, 10**18, window=window, kernel=kernel, pooling=pooling)
-        self.window, self.kernel, self.pooling = int(window), int(kernel), pooling
-        self.k = self.v = self.slot_pos = None  # allocated by the prefill (or the first step)
-        self.start = torch.zeros(self.rows, device=self.device, dtype=torch.long)
-        self.length = torch.zeros(self.rows, device=self.device, dtype=torch.long)
-        self._row = torch.arange(self.rows, device=self.device)
-        self.capacity = 0
-        self._width = 0  # host-side bound of the lengths (the torch backend's padded width)
-        self.prompt_len = 0
 
     @classmethod
     def check_budget(cls, budget, n, window: int = 32, kernel: int = 7, pooling: str = "max", **options):
@@ -148,77 +126,5 @@ class SnapKVCache(LayerCache):
         if pooling not in POOLINGS:
             raise ValueError(f"{name}: pooling must be one of {POOLINGS}, got {pooling!r}")
 
-    # ------------------------------------------------------------------ selection
-    def keep_mask(self, q: Tensor, k: Tensor) -> Tensor:
-        """The prompt tokens the cache keeps after a prefill of q/k, bool ``[B, Hkv, N]`` (`snapkv_keep`)."""
-        return snapkv_keep(q, k, self.budget, self.window, self.kernel, self.pooling)
-
-    # ------------------------------------------------------------------ the protocol
-    def _allocate(self, kept: int, prompt: int) -> None:
-        self.capacity = cap = kept + (self.max_len - prompt if self.reserve is None else self.reserve)
-        self.k = torch.zeros(self.rows, cap, self.head_dim, device=self.device, dtype=self.dtype)
-        self.v = torch.zeros_like(self.k)
-        self.slot_pos = torch.full((self.rows, cap), -1, device=self.device, dtype=torch.long)
-        self.start = self._row * cap
-        self._width = kept
-        self.prompt_len = prompt
-
-    def _prefill(self, q, k, v, x):
-        B, Hq, N, D = q.shape
-        if N > self.max_len:
-            raise ValueError(f"{self.name}: a prompt of {N} tokens exceeds max_len={self.max_len}")
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != k.shape[1])
-        keep = self.keep_mask(q, k).reshape(self.rows, N)
-        counts = keep.sum(-1)
-        kept = int(counts.max())
-        pos = (~keep).to(torch.int8).sort(dim=-1, stable=True).indices[:, :kept]  # kept positions first, in order
-        valid = torch.arange(kept, device=q.device)[None, :] < counts[:, None]
-        self._allocate(kept, N)
-        self.k[:, :kept] = k.reshape(self.rows, N, D).gather(1, pos[..., None].expand(-1, -1, D))
-        self.v[:, :kept] = v.reshape(self.rows, N, D).gather(1, pos[..., None].expand(-1, -1, D))
-        self.slot_pos[:, :kept] = torch.where(valid, pos, -1)
-        self.length.copy_(counts)
-        self._record_many(torch.arange(1, N + 1, device=self.device).expand(self.rows, N))
-        self.t = N
-        return y
-
-    def step(self, q, k, v, x, pos):
-        if self.k is None:  # never prefilled: an empty prompt, nothing to compress
-            self._allocate(0, 0)
-        self._check_room()
-        slot = self.length.clone()
-        self.k[self._row, slot] = self._kv_rows(k)
-        self.v[self._row, slot] = self._kv_rows(v)
-        self.slot_pos[self._row, slot] = pos.expand(self.rows)
-        self.length += 1
-        self._record(self.length)
-        self.t += 1
-        self._width += 1
-        return self._attend_slots(q, self.k, self.v, self._width)
-
-    def _check_room(self) -> None:
-        """Refuse a step beyond max_len or beyond the decode slots planned at the prefill (host counters only)."""
-        if self.t >= self.max_len:
-            raise RuntimeError(f"{self.name}: more than max_len={self.max_len} tokens (prompt + decode steps)")
-        if self._width >= self.capacity:
-            raise RuntimeError(
-                f"{self.name}: more decode steps than the reserve={self.reserve} tokens planned at the prefill"
-            )
-
-    def replayed(self) -> None:
-        self._check_room()  # before the replay: a graph cannot check its own writes
-        super().replayed()
-        self._width += 1
-
-    def visible_positions(self) -> Tensor:
-        """Positions held per row (-1 for empty slots), ``[B * Hkv, cap]`` (for tests and analysis)."""
-        return self.slot_pos.clone()
-
-    def kept(self):
-        return self.length.view(self.batch, self.n_kv_head).clone()
-
-    def tensors(self):
-        return [t for t in (self.k, self.v, self.slot_pos, self.start, self.length) if t is not None]
-
-    def kv_tensors(self):
-        return [t for t in (self.k, self.v) if t is not None]
+    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
+        return snapkv_keep(q, k, budget, int(self.window), int(self.kernel), self.pooling)

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nats.cache.base import SlotCache
 from nats.cache.engine import AppendRule, Plan, PromptState, attend, plan_rows, pool_fill, write_kv
 from nats.cache.registry import register_cache
 
@@ -41,6 +40,7 @@ def prompt_keep(n: int, budget: int, sinks: int, device=None) -> Tensor:
     return (pos < sinks) | (pos > n - 1 - (budget - sinks))
 
 
+@register_cache("streaming_llm")
 class RingRule(AppendRule):
     """The fixed-capacity form (`nats.cache.engine`): a segment of ``budget`` slots per row, the sinks first, then a
     ring overwritten oldest first; the row's ``count`` (counter 5: the tokens written, counted from the kept length
@@ -48,12 +48,24 @@ class RingRule(AppendRule):
     attention is the StreamingLLM mask (exact: decoding continues the masked forward), or with ``exact_prefill`` the
     causal attention over the whole prompt (kvpress' press; the same keys kept, the prompt's sizes unclamped)."""
 
-    name = "ring"
+    name = "streaming_llm"
     budgeted = True
     grows = False  # a row holds its budget at most
 
     def __init__(self, *, sinks: int = 4, exact_prefill: bool = False, **unused):
         self.sinks, self.exact_prefill = sinks, bool(exact_prefill)
+
+    @classmethod
+    def check_budget(cls, budget, n, sinks: int = 4, exact_prefill: bool = False, **options):
+        super().check_budget(budget, n)
+        if sinks < 0:
+            raise ValueError(f"streaming_llm: sinks must be >= 0, got {sinks}")
+        if budget <= sinks:
+            raise ValueError(
+                f"streaming_llm: budget B={budget} is too small for {sinks} attention sinks (B - sinks recent "
+                f"tokens must be >= 1): use a budget >= {sinks + 1} or fewer sinks (sinks=...; in nats-eval "
+                f"policies.streaming_llm.options.sinks=...)"
+            )
 
     def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
         sinks = int(self.sinks)
@@ -88,52 +100,3 @@ class RingRule(AppendRule):
         layer.length.copy_(torch.minimum(layer.count, layer.cap))
         write_kv(layer.kv_pool, dest, kr, vr)
         return attend(layer, qr, even=self.even_rows, backend=ctx.backend), layer.length
-
-
-@register_cache("streaming_llm")
-class StreamingLLMCache(SlotCache):
-    budgeted = True
-    fixed_rule = RingRule
-
-    def __init__(self, *, budget: int, sinks: int = 4, exact_prefill: bool = False, **kwargs):
-        type(self).check_budget(budget, 10**18, sinks=sinks)
-        super().__init__(capacity=budget, budget=budget, **kwargs)
-        self.sinks = int(sinks)
-        self.ring = budget - self.sinks
-        self.exact_prefill = bool(exact_prefill)
-
-    @classmethod
-    def check_budget(cls, budget, n, sinks: int = 4, exact_prefill: bool = False, **options):
-        super().check_budget(budget, n)
-        if sinks < 0:
-            raise ValueError(f"streaming_llm: sinks must be >= 0, got {sinks}")
-        if budget <= sinks:
-            raise ValueError(
-                f"streaming_llm: budget B={budget} is too small for {sinks} attention sinks (B - sinks recent "
-                f"tokens must be >= 1): use a budget >= {sinks + 1} or fewer sinks (sinks=...; in nats-eval "
-                f"policies.streaming_llm.options.sinks=...)"
-            )
-
-    def _slot(self, pos):
-        return ring_slot(pos, self.sinks, self.budget)
-
-    def _prefill(self, q, k, v, x):
-        N = q.shape[2]
-        if self.exact_prefill:  # kvpress' StreamingLLMPress: exact prompt attention, then the same keys kept
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        else:
-            mask = streaming_mask(N, self.budget, self.sinks, device=q.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-        pos = torch.arange(N, device=q.device)[prompt_keep(N, self.budget, self.sinks, q.device)]
-        slots = self._slot(pos)
-        self.k.index_copy_(2, slots, k[:, :, pos])
-        self.v.index_copy_(2, slots, v[:, :, pos])
-        self.length.fill_(min(N, self.budget))
-        sizes = torch.arange(1, N + 1, device=self.device)
-        sizes = sizes if self.exact_prefill else sizes.clamp(max=self.budget)
-        self._record_many(sizes.expand(self.rows, N))
-        self.t = N
-        return y
-
-    def step(self, q, k, v, x, pos):
-        return self._store_and_attend(q, k, v, self._slot(pos), (pos + 1).clamp(max=self.budget))
