@@ -128,7 +128,7 @@ def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, An
             for spec in cfg.budgets:
                 b = resolve_budget(spec, n)
                 try:
-                    cls.check_budget(b, n, **options)
+                    cls.rule(**options).check_budget(b, n)
                 except ValueError as err:
                     # a fraction that rounds to a budget this policy cannot use (e.g. N/32 = 4 tokens for 4
                     # StreamingLLM sinks at N = 128) is skipped with a note; a token count is an error

@@ -195,7 +195,7 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
         )
     options = _policy_options(cfg, policy)
     if cls.budgeted:  # before the (slow) model load; a budget >= the length keeps everything, as in generate
-        cls.check_budget(budget, max(total, (budget or 0) + 1), **options)
+        cls.rule(**options).check_budget(budget, max(total, (budget or 0) + 1))
 
     model = load(cfg)
     if model.config.n_out is None and model.config.vocab_size < enc.n_vocab:

@@ -91,7 +91,7 @@ def check_policy_budget(policy: str | type[FixedRule], budget: int | None, check
     others take none."""
     cls = resolve_policy(policy)
     if cls.budgeted:
-        cls.check_budget(budget, check_len, **options)
+        cls.rule(**options).check_budget(budget, check_len)
     elif budget is not None:
         raise ValueError(f"cache policy {cls.name!r} takes no budget (got budget={budget})")
 

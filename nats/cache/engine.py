@@ -381,19 +381,18 @@ class FixedRule:
     # (`nats_kernels.nats_attention.pool_decode`; `attend`'s ``even``)
     even_rows = False
 
-    @classmethod
-    def check_budget(cls, budget: int | None, n: int, **options: Any) -> None:
-        """Raise a clear ValueError unless `budget` suits a sequence of `n` tokens and the policy's `options`
-        (budgeted policies; a policy adds its own checks)."""
-        if not cls.budgeted:
+    def check_budget(self, budget: int | None, n: int) -> None:
+        """Raise a clear ValueError unless `budget` suits a sequence of `n` tokens and the rule's options (budgeted
+        policies; a policy adds the checks its options need; the options alone are checked when the rule is made)."""
+        if not self.budgeted:
             return
         if budget is None:
-            raise ValueError(f"cache policy {cls.name!r} needs a token budget (budget=B with 1 <= B < N)")
+            raise ValueError(f"cache policy {self.name!r} needs a token budget (budget=B with 1 <= B < N)")
         if int(budget) != budget or budget < 1:
-            raise ValueError(f"cache policy {cls.name!r}: the budget must be a positive integer, got {budget!r}")
+            raise ValueError(f"cache policy {self.name!r}: the budget must be a positive integer, got {budget!r}")
         if budget >= n:
             raise ValueError(
-                f"cache policy {cls.name!r}: budget B={budget} >= N={n} tokens keeps everything (that is `full`); "
+                f"cache policy {self.name!r}: budget B={budget} >= N={n} tokens keeps everything (that is `full`); "
                 f"use a budget below N, e.g. N/2 = {n // 2}"
             )
 
@@ -410,12 +409,11 @@ class FixedRule:
 
     @classmethod
     def rule(cls, **options: Any) -> FixedRule:
-        """The rule made with those of `options` its constructors take (`accepted_options`; the rest are ignored),
-        its ``check_budget`` bound to them: the rule checks the budget at the prompt."""
+        """The rule made with those of `options` its constructors take (`accepted_options`; the rest are ignored);
+        a bad option fails here, in one line. ``rule.options``: the options it was made with."""
         opts = cls.accepted_options(options)
         rule = cls(**opts)
         rule.options = opts
-        rule.check_budget = functools.partial(cls.check_budget, **opts)
         return rule
 
     def __init__(self, **unused: Any):

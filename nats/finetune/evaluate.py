@@ -163,15 +163,15 @@ def check_budgets(runs: list[dict[str, Any]], examples: list[LongContextExample]
         if "press" in run:
             from nats.finetune.kvpress_methods import check_budget as check  # noqa: PLC0415
 
-            def check(b, n, _check=check, _press=run["press"], **options):
-                _check(_press, b, n, **options)
+            def check(b, n, _check=check, _press=run["press"], _options=run["options"]):
+                _check(_press, b, n, **_options)
         else:
-            check = get_cache_class(run["policy"]).check_budget
+            check = get_cache_class(run["policy"]).rule(**run["options"]).check_budget
         for ex in examples:
             n = len(ex.prompt_ids)
             b = budget_tokens(run["budget"], n)
             try:
-                check(b, n, **run["options"])
+                check(b, n)
             except ValueError as err:
                 raise ValueError(
                     f"{run['method']} at budget {run['budget']} of the {n}-token prompt of {ex.task} example "

@@ -52,15 +52,11 @@ class AdaKVRule(SnapKVRule):
 
     def __init__(self, *, alpha: float = 0.2, **options):
         super().__init__(**options)
-        self.alpha = alpha
-
-    @classmethod
-    def check_budget(cls, budget, n, alpha: float = 0.2, **options):
-        super().check_budget(budget, n, **options)
         if not 0 <= alpha <= 1:
             raise ValueError(
                 f"adakv: alpha (the share of B - window each head keeps first) must be in [0, 1], got {alpha!r}"
             )
+        self.alpha = float(alpha)
 
     def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
-        return ada_keep(q, k, budget, int(self.window), int(self.kernel), self.pooling, float(self.alpha))
+        return ada_keep(q, k, budget, self.window, self.kernel, self.pooling, self.alpha)

@@ -106,12 +106,11 @@ class H2ORule(FixedRule):
     def __init__(self, *, recent: int | None = None, **unused):
         self.recent = recent  # as given: checked with the budget (check_budget)
 
-    @classmethod
-    def check_budget(cls, budget, n, recent: int | None = None, **options):
+    def check_budget(self, budget, n):
         super().check_budget(budget, n)
         if budget < 2:
             raise ValueError(f"h2o: budget B={budget} is too small: B must be >= 2 (B/2 recent + B/2 heavy hitters)")
-        r = budget // 2 if recent is None else recent
+        r = budget // 2 if self.recent is None else self.recent
         if not 1 <= r <= budget:
             raise ValueError(f"h2o: recent must be in [1, B={budget}], got {r}")
 

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nats.cache.engine import FixedRule, Plan, PromptState, plan_rows, pool_fill
+from nats.cache.engine import Plan, PromptState, plan_rows, pool_fill
 from nats.cache.policies.h2o import H2ORule
 from nats.cache.registry import register_cache
 
@@ -43,20 +43,12 @@ def h2o_dense_mask(q: torch.Tensor, k: torch.Tensor, budget: int, recent: int) -
 
 
 @register_cache("h2o_dense")
-class H2ODenseRule(FixedRule):
+class H2ODenseRule(H2ORule):
     """The approximation in the engine (`nats.cache.engine`), prefill only: the masked forward, then what the last
-    query kept (its row's segment, for `kept` and the bytes); a decode step is refused."""
+    query kept (its row's segment, for `kept` and the bytes); a decode step is refused. H2O's options and budget
+    check."""
 
-    name = "h2o_dense"
-    budgeted = True
     decodable = False
-
-    def __init__(self, *, recent: int | None = None, **unused):
-        self.recent = recent
-
-    @classmethod
-    def check_budget(cls, budget, n, recent: int | None = None, **options):
-        H2ORule.check_budget(budget, n, recent=recent)  # H2O's budget and recent tokens
 
     def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
         self.check_budget(budget, 10**18)
@@ -71,6 +63,12 @@ class H2ODenseRule(FixedRule):
     def plan(self, ctx, core, state, k, v, budgets, real):
         keep, rank, rows, end = plan_rows(state.keep, state.keep.sum(-1).reshape(-1))
         return Plan(rows, end, lambda size: pool_fill(keep, rank, rows, k, v, size))
+
+    def setup(self, ctx, layer):
+        pass  # H2O's slots and scores are not kept: nothing decodes from here
+
+    def buffers(self, layer):
+        return []
 
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
         raise NotImplementedError("h2o_dense is a parallel evaluation approximation; decode with `h2o`")

@@ -141,22 +141,9 @@ def scorer_types(x: Tensor, w_s: Tensor, bias: Tensor, pos: Tensor) -> Tensor:
 # are tested against. It mutates the cache's buffers in place (``mutates_args``), so they keep their addresses across
 # replays.
 @torch.library.custom_op("nats::nats_decode", mutates_args=("rows", "ring_kv", "ring_valid", "kv_pool"))
-def nats_decode(
-    q: Tensor,
-    x: Tensor,
-    w_s: Tensor,
-    bias: Tensor,
-    pos: Tensor,
-    rows: Tensor,
-    k_new: Tensor,
-    v_new: Tensor,
-    ring_kv: Tensor,
-    ring_valid: Tensor,
-    kv_pool: Tensor,
-    backend: str = "auto",
-    types: Tensor | None = None,
-    types_from: int = 0,
-) -> Tensor:
+def nats_decode(q: Tensor, x: Tensor, w_s: Tensor, bias: Tensor, pos: Tensor, rows: Tensor, k_new: Tensor,
+                v_new: Tensor, ring_kv: Tensor, ring_valid: Tensor, kv_pool: Tensor, backend: str = "auto",
+                types: Tensor | None = None, types_from: int = 0) -> Tensor:  # fmt: skip
     """Query ``pos`` (``q`` ``[R, G, D]``) over each row's segment, its valid ring slots and the new token itself,
     then the new token's type from the scorer (``x [B, C] . w_s[3 Hkv, C]``, rounded to x's dtype as the Linear's
     output, ``+ bias``; argmax; a full segment keeps a global or local token as sliding) and its admission: ring

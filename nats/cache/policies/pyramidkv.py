@@ -79,14 +79,10 @@ class PyramidKVRule(SnapKVRule):
 
     def __init__(self, *, beta: float = 20, **options):
         super().__init__(**options)
-        self.beta = beta
-
-    @classmethod
-    def check_budget(cls, budget, n, beta: float = 20, **options):
-        super().check_budget(budget, n, **options)
         if not beta >= 1:
             raise ValueError(f"pyramidkv: beta must be >= 1 (the pyramid's min = (B - window) / beta), got {beta!r}")
+        self.beta = float(beta)
 
     def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
-        return pyramid_keep(q, k, budget, ctx.layer_idx, ctx.n_layer, int(self.window), int(self.kernel), self.pooling,
-                            float(self.beta))  # fmt: skip
+        return pyramid_keep(q, k, budget, ctx.layer_idx, ctx.n_layer, self.window, self.kernel, self.pooling,
+                            self.beta)  # fmt: skip

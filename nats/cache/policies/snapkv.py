@@ -108,23 +108,23 @@ class SnapKVRule(AppendRule):
     prefill_time = True  # compresses once after an exact prefill; decoding appends without evicting
 
     def __init__(self, *, window: int = 32, kernel: int = 7, pooling: str = "max", **unused):
-        self.window, self.kernel, self.pooling = window, kernel, pooling  # as given (checked with the budget)
-
-    @classmethod
-    def check_budget(cls, budget, n, window: int = 32, kernel: int = 7, pooling: str = "max", **options):
-        super().check_budget(budget, n)
-        name = cls.name
+        name = self.name
         if int(window) != window or window < 1:
             raise ValueError(f"{name}: window must be a positive integer (observation window), got {window!r}")
+        if int(kernel) != kernel or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"{name}: kernel must be an odd positive integer (pooling width), got {kernel!r}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"{name}: pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.window, self.kernel, self.pooling = int(window), int(kernel), pooling
+
+    def check_budget(self, budget, n):
+        super().check_budget(budget, n)
+        name, window = self.name, self.window
         if window >= budget:
             raise ValueError(
                 f"{name}: window={window} must be below the budget B={budget} (the cache keeps B - window prefix "
                 f"keys and the window): use a budget > {window} or a smaller window ({name} option window=...)"
             )
-        if int(kernel) != kernel or kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"{name}: kernel must be an odd positive integer (pooling width), got {kernel!r}")
-        if pooling not in POOLINGS:
-            raise ValueError(f"{name}: pooling must be one of {POOLINGS}, got {pooling!r}")
 
     def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
-        return snapkv_keep(q, k, budget, int(self.window), int(self.kernel), self.pooling)
+        return snapkv_keep(q, k, budget, self.window, self.kernel, self.pooling)

@@ -53,13 +53,13 @@ class RingRule(AppendRule):
     grows = False  # a row holds its budget at most
 
     def __init__(self, *, sinks: int = 4, exact_prefill: bool = False, **unused):
-        self.sinks, self.exact_prefill = sinks, bool(exact_prefill)
+        if int(sinks) != sinks or sinks < 0:
+            raise ValueError(f"streaming_llm: sinks must be an integer >= 0, got {sinks!r}")
+        self.sinks, self.exact_prefill = int(sinks), bool(exact_prefill)
 
-    @classmethod
-    def check_budget(cls, budget, n, sinks: int = 4, exact_prefill: bool = False, **options):
+    def check_budget(self, budget, n):
         super().check_budget(budget, n)
-        if sinks < 0:
-            raise ValueError(f"streaming_llm: sinks must be >= 0, got {sinks}")
+        sinks = self.sinks
         if budget <= sinks:
             raise ValueError(
                 f"streaming_llm: budget B={budget} is too small for {sinks} attention sinks (B - sinks recent "
