@@ -5,7 +5,8 @@ numbers (a refactor) is shown by them.
     python experiments/carry_over.py --base DIR --out OUT hf [-- nats-eval-hf overrides]
 
 ``--base DIR``: a checkout of the earlier code (its ``nats/``, ``kernels/`` and ``conf/``, e.g. ``git worktree add DIR
-<commit>`` or ``git archive <commit> nats kernels conf | tar -x -C DIR``); the current code is this repository. Each
+<commit>`` or ``git archive <commit> nats kernels conf | tar -x -C DIR``); ``--head DIR``: the later code (default:
+this repository; a snapshot keeps a long run apart from edits made meanwhile). Each
 evaluation runs once per version in a process of its own (``python -m nats.eval`` / ``python -m nats.eval_hf``, the
 version's packages first on ``PYTHONPATH``), into ``OUT/<label>_{base,head}``; then ``OUT/carry_over_<section>.md``
 gets one table with both versions' numbers per method and budget and their difference, and is printed. ``gpt``:
@@ -90,14 +91,16 @@ def main(argv: list[str] | None = None) -> None:
         argv, extra = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", type=Path, required=True, help="a checkout of the earlier code (nats/, kernels/, conf/)")
+    p.add_argument("--head", type=Path, default=ROOT, help="the later code (default: this checkout)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("section", choices=("gpt", "hf"))
     p.add_argument("ckpts", nargs="*", type=Path, help="gpt: nats-train checkpoints")
     args = p.parse_args(argv)
-    base, out = args.base.resolve(), args.out.resolve()
-    for part in ("nats", "kernels", "conf"):
-        if not (base / part).is_dir():
-            raise SystemExit(f"--base {base} has no {part}/: pass a checkout of the earlier code")
+    base, head, out = args.base.resolve(), args.head.resolve(), args.out.resolve()
+    for flag, tree in (("--base", base), ("--head", head)):
+        for part in ("nats", "kernels", "conf"):
+            if not (tree / part).is_dir():
+                raise SystemExit(f"{flag} {tree} has no {part}/: pass a checkout of the code")
     out.mkdir(parents=True, exist_ok=True)
     report = [f"# The same evaluation through two versions of the code ({args.section})", ""]
     runs = [(c.parent.parent.name or "ckpt", ["ckpt_path=" + str(c.resolve())]) for c in args.ckpts]
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     keys = ["ppl", "area", "peak"] if args.section == "gpt" else ["mean_accuracy", "area", "peak", "kv_fraction"]
     for label, own in runs:
         seconds = []
-        for name, tree in (("base", base), ("head", ROOT)):
+        for name, tree in (("base", base), ("head", head)):
             seconds.append(run_version(tree, module, own + extra, out / f"{label}_{name}"))
         report.append(table(label, keys, rows_of(out / f"{label}_base"), rows_of(out / f"{label}_head"),
                             tuple(seconds)))  # fmt: skip
