@@ -15,10 +15,11 @@ from nats.attention.registry import AttentionDims
 from nats.cache import available_caches, generate, get_cache_class, make_caches, policy_logits
 from nats.cache.attention import torch_pool_attention
 from nats.cache.decode import prefill
-from nats.cache.engine import EngineLayer, RuleContext
+from nats.cache.engine import EngineLayer
 from nats.cache.policies.h2o_dense import h2o_dense_mask
 from nats.cache.policies.nats import TypeTable, scorer_types
 from nats.cache.policies.streaming_llm import streaming_mask
+from nats.cache.rule import RuleContext
 from nats.models.gpt import GPT, GPTConfig
 
 V = 61

@@ -13,8 +13,9 @@ from test_cache import masked_forward
 
 from nats.cache import get_cache_class, make_caches, policy_logits
 from nats.cache.decode import eval_mode, prefill
-from nats.cache.engine import EngineLayer, RuleContext, rounded
+from nats.cache.engine import EngineLayer, rounded
 from nats.cache.policies.pyramidkv import pyramid_budgets, pyramid_sizes
+from nats.cache.rule import RuleContext
 from nats.models.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

@@ -31,7 +31,7 @@ from test_hf_nats import ids, tiny_model  # noqa: E402
 from nats.cache import available_caches, get_cache_class  # noqa: E402
 from nats.cache.decode import generate as gpt_generate  # noqa: E402
 from nats.cache.decode import policy_logits  # noqa: E402
-from nats.cache.engine import FixedRule, fixed_policies  # noqa: E402
+from nats.cache.rule import FixedRule, fixed_policies  # noqa: E402
 from nats.hf import StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
 from nats.hf.compat import cache_kwargs  # noqa: E402
 from nats.hf.loop import generate as loop_generate  # noqa: E402

@@ -28,10 +28,11 @@ from nats.cache.decode import (
     prefill,
     resolve_policy,
 )
-from nats.cache.engine import GROW_STEPS, EngineLayer, RuleContext
+from nats.cache.engine import GROW_STEPS, EngineLayer
 from nats.cache.policies.nats import NAtSRule, TypeTable, kept_after_prompt
 from nats.cache.policies.snapkv import SnapKVRule
 from nats.cache.registry import CACHE_POLICIES
+from nats.cache.rule import RuleContext
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

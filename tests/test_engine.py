@@ -15,10 +15,11 @@ import nats_kernels
 from nats import functional as NF
 from nats.attention.nats import NAtSAttention
 from nats.attention.registry import AttentionDims
-from nats.cache.engine import GROW_STEPS, EngineLayer, RuleContext
+from nats.cache.engine import GROW_STEPS, EngineLayer
 from nats.cache.policies.nats import kept_after_prompt
 from nats.cache.policies.streaming_llm import streaming_mask
 from nats.cache.registry import get_cache_class
+from nats.cache.rule import RuleContext
 
 B, HQ, HKV, D, C = 2, 4, 2, 16, 16  # D: a head dim the Triton kernels take (the GPU test)
 R, G = B * HKV, HQ // HKV

@@ -16,9 +16,9 @@ from nats.cache.decode import (
     policy_logits,
     prefill,
 )
-from nats.cache.engine import FixedRule
 from nats.cache.engine_cache import EngineCache
 from nats.cache.registry import available_caches, get_cache_class, register_cache
+from nats.cache.rule import FixedRule
 
 __all__ = [
     "FixedRule",

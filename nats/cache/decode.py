@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from nats.attention.registry import ATTENTIONS, decodable_attention
-from nats.cache.engine import FixedRule
 from nats.cache.engine_cache import EngineCache
 from nats.cache.registry import available_caches, get_cache_class
+from nats.cache.rule import FixedRule
 
 __all__ = [
     "check_model",

@@ -29,8 +29,9 @@ from torch import Tensor
 from nats.cache import engine
 from nats.cache.attention import resolve_backend
 from nats.cache.budget import check_budget_value, row_budgets
-from nats.cache.engine import EngineLayer, PoolLayout, PromptState, RuleContext
+from nats.cache.engine import EngineLayer, PoolLayout
 from nats.cache.registry import get_cache_class
+from nats.cache.rule import PromptState, RuleContext, fixed_policies
 
 __all__ = ["EngineCache", "LayerPort", "fixed_policy"]
 
@@ -38,7 +39,7 @@ __all__ = ["EngineCache", "LayerPort", "fixed_policy"]
 def fixed_policy(policy: str, who: str, decodable: bool = True):
     """The registered class of ``policy`` if it declares a fixed-capacity rule (and decodes, with ``decodable``), else
     a ValueError naming ``who``."""
-    fixed = engine.fixed_policies(decodable)
+    fixed = fixed_policies(decodable)
     if policy not in fixed:
         raise ValueError(
             f"{who}: policy {policy!r} has no fixed-capacity form; choose one of {', '.join(fixed)}"
@@ -51,7 +52,7 @@ class EngineCache:
     """The engine over ``n_layer`` decoder layers (module docstring).
 
     Args:
-        policy: a registered policy with a fixed-capacity rule (`nats.cache.engine.fixed_policies`).
+        policy: a registered policy with a fixed-capacity rule (`nats.cache.rule.fixed_policies`).
         cores: each layer's attention core (NAtS' scorer; None where it has none), ``n_layer`` of them.
         reserve: tokens to decode after the prompt, planned per row on top of what the prompt leaves (None: unknown,
             `GROW_STEPS` free slots; `RuleContext.reserve`).

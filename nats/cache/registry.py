@@ -1,7 +1,7 @@
 """One registry for KV-cache policies: adding a policy is adding one file to nats/cache/policies/ with
 `@register_cache` (and its conf/cache/<name>.yaml).
 
-A *policy* is a subclass of :class:`nats.cache.engine.FixedRule`: what the cache of one attention layer keeps of a
+A *policy* is a subclass of :class:`nats.cache.rule.FixedRule`: what the cache of one attention layer keeps of a
 prompt and how a decode step changes it, per sequence and KV head, with the policy's flags (``budgeted``,
 ``decodable``, ``requires_core``, ...). The engine runs it on every path (`nats.cache.engine_cache.EngineCache`;
 `nats.cache.decode.make_caches` for the GPT model, `nats.hf.StaticPolicyCache` for transformers). Unknown names

@@ -19,9 +19,9 @@ import math
 
 from torch import Tensor
 
-from nats.cache.engine import RuleContext
 from nats.cache.policies.snapkv import SnapKVRule, snapkv_keep, top_mask
 from nats.cache.registry import register_cache
+from nats.cache.rule import RuleContext
 
 
 def ada_prefix(votes: Tensor, budget: int, window: int, alpha: float = 0.2) -> Tensor:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from nats.cache.engine import AppendRule
 from nats.cache.registry import register_cache
+from nats.cache.rule import AppendRule
 
 
 @register_cache("full")

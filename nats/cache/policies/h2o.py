@@ -24,8 +24,9 @@ import math
 import torch
 
 from nats.cache.attention import masked_attention
-from nats.cache.engine import FixedRule, Plan, PromptState, write_kv
+from nats.cache.engine import write_kv
 from nats.cache.registry import register_cache
+from nats.cache.rule import FixedRule, Plan, PromptState
 
 _BIG = torch.iinfo(torch.long).max
 

@@ -13,9 +13,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nats.cache.engine import Plan, PromptState, plan_rows, pool_fill
+from nats.cache.engine import plan_rows, pool_fill
 from nats.cache.policies.h2o import H2ORule
 from nats.cache.registry import register_cache
+from nats.cache.rule import Plan, PromptState
 
 
 def h2o_dense_mask(q: torch.Tensor, k: torch.Tensor, budget: int, recent: int) -> torch.Tensor:

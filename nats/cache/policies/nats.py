@@ -35,8 +35,9 @@ from torch import Tensor
 
 from nats import functional as NF
 from nats.cache.attention import pool_attention, resolve_backend
-from nats.cache.engine import FixedRule, Plan, PromptState, RuleContext, plan_rows, pool_fill
+from nats.cache.engine import plan_rows, pool_fill
 from nats.cache.registry import register_cache
+from nats.cache.rule import FixedRule, Plan, PromptState, RuleContext
 
 GLOBAL, LOCAL, SLIDING = NF.TOKEN_GLOBAL, NF.TOKEN_LOCAL, NF.TOKEN_SLIDING
 

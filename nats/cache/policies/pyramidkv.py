@@ -13,7 +13,7 @@ instead, so its mean can exceed b a little). So the layers' mean cache after the
 layers keep more than B and the higher ones fewer. N <= B keeps everything in every layer; unlike the original,
 a prompt below 2 (B - w) is not sent back to plain SnapKV (as in kvpress). One layer: SnapKV.
 
-The policy needs the number of layers: the engine's `nats.cache.engine.RuleContext` gives it to `PyramidKVRule`.
+The policy needs the number of layers: the engine's `nats.cache.rule.RuleContext` gives it to `PyramidKVRule`.
 The selection is a function, `pyramid_keep`. Storage, decoding (appends, no eviction) and budget accounting: as
 `snapkv`.
 """
@@ -24,9 +24,9 @@ import math
 
 from torch import Tensor
 
-from nats.cache.engine import RuleContext
 from nats.cache.policies.snapkv import SnapKVRule, snapkv_keep, top_mask
 from nats.cache.registry import register_cache
+from nats.cache.rule import RuleContext
 
 
 def pyramid_budgets(base: int, prefix: int, n_layer: int, beta: float = 20) -> list[int]:

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nats.cache.attention import compute_dtype
-from nats.cache.engine import AppendRule, RuleContext
 from nats.cache.registry import register_cache
+from nats.cache.rule import AppendRule, RuleContext
 
 POOLINGS = ("max", "avg")
 

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nats.cache.engine import AppendRule, Plan, PromptState, attend, plan_rows, pool_fill, write_kv
+from nats.cache.engine import attend, plan_rows, pool_fill, write_kv
 from nats.cache.registry import register_cache
+from nats.cache.rule import AppendRule, Plan, PromptState
 
 
 def streaming_mask(n: int, budget: int, sinks: int = 4, device=None) -> torch.Tensor:

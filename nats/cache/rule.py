@@ -1,0 +1,222 @@
+"""What a KV-cache policy declares to run in the engine (`nats.cache.engine`): its rule (:class:`FixedRule`: what it
+keeps of a prompt, how a decode step admits and evicts, its flags and its budget check), where the engine runs it (a
+:class:`RuleContext` per layer), and what its prompt hands to the engine (:class:`PromptState`, :class:`Plan`).
+:class:`AppendRule` is written here (keep the whole prompt, append every new token: ``full``, and the base of the
+selecting policies); every other policy's rule lives in its own file of `nats.cache.policies`, registered by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nats.cache.engine import GROW_STEPS, attend, plan_rows, pool_fill, write_kv
+
+__all__ = ["RuleContext", "PromptState", "Plan", "FixedRule", "AppendRule", "fixed_policies"]
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """Where a rule runs (`FixedRule`): what the engine tells it besides the tensors. The policy's own options are
+    bound to the rule itself (``FixedRule.rule(**options)``)."""
+
+    layer_idx: int  # the decoder layer
+    n_layer: int  # the model's decoder layers (PyramidKV's per-layer budgets)
+    # tokens to decode after the prompt: planned per row on top of what the prompt leaves; None: unknown (the rows
+    # get `GROW_STEPS` free slots and an eager caller grows the pool when they run out, `EngineLayer.maintain`)
+    reserve: int | None
+    track: bool  # record the cache sizes c_i of the queries (spec section 6; NAtS: and count the types)
+    prefill_kernel: str = "auto"  # how NAtS' prompt writes the cache: "auto", "torch" or "triton"
+    backend: str = "auto"  # the decode attention's kernels (both custom ops): "torch", "triton" or "auto"
+
+    @property
+    def room(self) -> int:
+        """Free slots planned per row after the prompt: the reserve, or `GROW_STEPS` where it is unknown."""
+        return GROW_STEPS if self.reserve is None else self.reserve
+
+
+@dataclass
+class PromptState:
+    """What a rule's `FixedRule.prompt` returns for unpadded rows: the attention output ``y`` ``[b, Hq, n, D]``, and
+    either the keep mask ``[b, Hkv, n]`` or (NAtS) the integer types ``[b, Hkv, n]``; ``sizes``: the cache sizes c_i
+    of the prompt's queries (spec section 6) ``[b, Hkv, n]`` where tracked and known here."""
+
+    y: Tensor
+    keep: Tensor | None = None
+    types: Tensor | None = None
+    sizes: Tensor | None = None
+    extra: dict | None = None  # a rule's own state per row (tensors whose first axis is the rows [b * Hkv])
+
+
+@dataclass
+class Plan:
+    """A layer's planned storage: its rows' bookkeeping ``[6, R]``, the pool's size on the device ``end`` ``[1]``,
+    ``fill(size)`` making the pool, the ring (``(ring_kv, ring_valid, W)``) where the rule has one, and the prompt's
+    cache sizes ``[R, N]`` where tracked."""
+
+    rows: Tensor
+    end: Tensor
+    fill: Any
+    ring: tuple | None = None
+    sizes: Tensor | None = None
+    extra: dict | None = None  # the rule's own buffers, set on the layer under these names (see FixedRule.buffers)
+
+
+class FixedRule:
+    """A KV-cache policy: how it runs in the engine. Subclasses, one per file of `nats.cache.policies` (registered with
+    ``@register_cache``), say what a prompt leaves (``prompt``, ``plan``) and how a decode step changes a row
+    (``step``), with device tensors only and fixed shapes (compiled, replayed as a CUDA graph), and carry the policy's
+    flags. A rule is made with its options (`rule`: those its constructors take, as keywords); ``ctx``, a
+    `RuleContext`, says where it runs.
+
+    Per-step state of a rule lives in the layer's ``rows`` (counters 3-5), its ring, or extra buffers it adds in
+    ``setup`` (returned by ``buffers`` so that the adapter marks them static and counts them)."""
+
+    name = "?"
+    ring = False  # W ring slots per row besides the segment (NAtS)
+    # a row's segment grows with the decoded tokens (appending rules and NAtS: a step adds at most one token per row);
+    # False where the rule keeps its rows within a fixed size (the ring rule, H2O): `EngineLayer.maintain` never grows
+    grows = False
+    budgeted = False  # takes a token budget B (spec section 7)
+    decodable = True  # False: a prefill-only approximation (its step is refused)
+    requires_core: str | None = None  # the attention core a model must have (e.g. "nats"; None: any)
+    prefill_time = False  # exact prefill, then compresses the cache once (SnapKV & co.; not budget <= B after)
+    # every row of a layer holds the same number of keys (full, StreamingLLM, SnapKV's one budget per row): the decode
+    # attention splits each row alike; otherwise (NAtS, AdaKV, H2O) it streams the rows' keys end to end over one
+    # wave of programs in equal shares, so a row that holds more keys takes more programs
+    # (`nats_kernels.nats_attention.pool_decode`; `attend`'s ``even``)
+    even_rows = False
+
+    def check_budget(self, budget: int | None, n: int) -> None:
+        """Raise a clear ValueError unless `budget` suits a sequence of `n` tokens and the rule's options (budgeted
+        policies; a policy adds the checks its options need; the options alone are checked when the rule is made)."""
+        if not self.budgeted:
+            return
+        if budget is None:
+            raise ValueError(f"cache policy {self.name!r} needs a token budget (budget=B with 1 <= B < N)")
+        if int(budget) != budget or budget < 1:
+            raise ValueError(f"cache policy {self.name!r}: the budget must be a positive integer, got {budget!r}")
+        if budget >= n:
+            raise ValueError(
+                f"cache policy {self.name!r}: budget B={budget} >= N={n} tokens keeps everything (that is `full`); "
+                f"use a budget below N, e.g. N/2 = {n // 2}"
+            )
+
+    @classmethod
+    def accepted_options(cls, options: dict) -> dict:
+        """The entries of `options` that the policy's constructors take."""
+        names: set[str] = set()
+        for klass in cls.__mro__:
+            if klass is FixedRule or "__init__" not in vars(klass):
+                continue
+            params = inspect.signature(klass.__init__).parameters.values()
+            names.update(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        return {key: val for key, val in options.items() if key in names}
+
+    @classmethod
+    def rule(cls, **options: Any) -> FixedRule:
+        """The rule made with those of `options` its constructors take (`accepted_options`; the rest are ignored);
+        a bad option fails here, in one line. ``rule.options``: the options it was made with."""
+        opts = cls.accepted_options(options)
+        rule = cls(**opts)
+        rule.options = opts
+        return rule
+
+    def __init__(self, **unused: Any):
+        """``unused``: the options of the subclasses' constructors that this one does not read."""
+
+    # ------------------------------------------------------------------ prompt
+    def direct(self, ctx: RuleContext, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor) -> Plan | None:
+        """A fused prefill of an unpadded layer that plans the storage itself (returns the output and the plan), or
+        None (the default): then `prompt` and `plan` run."""
+        return None
+
+    def prompt(self, ctx: RuleContext, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, budget: int | None,
+               offset: int = 0):  # fmt: skip
+        """The attention output of unpadded rows and what they keep (a `PromptState`); ``budget``: the rows'
+        largest budget in tokens (budgeted policies); ``offset``: the position of the rows' first token as the decode
+        steps count it (their left padding)."""
+        raise NotImplementedError
+
+    def plan(self, ctx: RuleContext, core, state: PromptState, k: Tensor, v: Tensor, budgets: Tensor | None,
+             real: Tensor) -> Plan:  # fmt: skip
+        """The rows' segments and the pool's fill from the prompt's state (all rows; padding excluded from
+        ``keep``), ``budgets`` ``[R]`` (budgeted policies), ``real`` ``[R]`` the rows' real prompt tokens."""
+        raise NotImplementedError
+
+    def setup(self, ctx: RuleContext, layer) -> None:
+        """After the layer's buffers are allocated (e.g. copy options into the layer)."""
+
+    def buffers(self, layer) -> list[Tensor]:
+        """Extra device buffers of the rule (marked static, counted by ``tensors``)."""
+        return []
+
+    def dynamic_dims(self, layer) -> list[tuple[Tensor, tuple[int, ...]]]:
+        """The rule's buffers with the dimensions that change from one generation to the next (default: all of
+        them): a decode loop marks them dynamic before its first compile (`nats.hf.loop`)."""
+        return [(t, tuple(range(t.dim()))) for t in self.buffers(layer)]
+
+    # ------------------------------------------------------------------ decode
+    def step(self, ctx: RuleContext, layer, core, qr: Tensor, kr: Tensor, vr: Tensor, pos: Tensor,
+             hidden: Tensor) -> Tensor:  # fmt: skip
+        """Admit the new token of every row (``kr``, ``vr`` ``[R, D]``, position ``pos`` ``[1]``), attend
+        (``qr`` ``[R, G, D]``) and return ``(y [R, G, D], size [R])``: the keys each row's query read (read only
+        where the context tracks: a rule may return None otherwise)."""
+        raise NotImplementedError
+
+    def kept(self, layer) -> Tensor:
+        """Tokens each row holds now ``[R]``."""
+        return layer.length
+
+
+class AppendRule(FixedRule):
+    """Keep what the rule selects of the prompt (`select`, in budgeted rules: SnapKV's family; everything here,
+    ``full``), then append every new token. A full segment stops admitting: the row's new tokens are attended to in
+    their own step only (see Overflow in `nats.hf.StaticPolicyCache`; an eager caller grows the segment before it
+    fills instead, `EngineLayer.maintain`)."""
+
+    name = "append"
+    even_rows = True
+    grows = True
+
+    def select(self, ctx: RuleContext, q: Tensor, k: Tensor, budget: int) -> Tensor:
+        """The prompt tokens each row keeps, bool ``[b, Hkv, n]``, of a prompt of n > ``budget`` tokens (q ``[b, Hq,
+        n, D]``, k ``[b, Hkv, n, D]``; budgeted rules; the budget and options checked already)."""
+        raise NotImplementedError
+
+    def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
+        b_, Hq, n = q.shape[0], q.shape[1], q.shape[2]
+        Hkv = k.shape[1]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
+        sizes = torch.arange(1, n + 1, device=q.device).expand(b_, Hkv, n) if ctx.track else None
+        if not self.budgeted or budget is None or budget >= n:
+            return PromptState(y, torch.ones(b_, Hkv, n, dtype=torch.bool, device=q.device), sizes=sizes)
+        self.check_budget(budget, 10**18)
+        return PromptState(y, self.select(ctx, q, k, budget), sizes=sizes)  # the prefill reads every prompt key
+
+    def plan(self, ctx, core, state, k, v, budgets, real):
+        R = state.keep.shape[0] * state.keep.shape[1]
+        cap = state.keep.sum(-1).view(R) + ctx.room
+        keep, rank, rows, end = plan_rows(state.keep, cap)
+        return Plan(rows, end, lambda size: pool_fill(keep, rank, rows, k, v, size))
+
+    def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
+        scratch = layer.k_pool.shape[0] - 1
+        full = layer.length >= layer.cap
+        dest = torch.where(full, torch.full_like(layer.start, scratch), layer.start + layer.length)
+        layer.length.add_((~full).to(layer.length.dtype))
+        write_kv(layer.kv_pool, dest, kr, vr)
+        return attend(layer, qr, even=self.even_rows, backend=ctx.backend), layer.length
+
+
+def fixed_policies(decodable: bool = True) -> tuple[str, ...]:
+    """The registered policies that declare a fixed-capacity rule (run by `nats.hf.StaticPolicyCache`); with
+    ``decodable=False`` also the prefill-only approximations (`nats-eval`'s parallel evaluation)."""
+    from nats.cache.registry import available_caches, get_cache_class  # noqa: PLC0415  (the registry imports policies)
+
+    return tuple(n for n in available_caches() if get_cache_class(n).decodable or not decodable)
