@@ -40,15 +40,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
 from nats.attention.registry import decodable_attention
-from nats.cache.budget import resolve_budget as _resolve_budget
+from nats.cache.budget import resolve_budget
 from nats.cache.decode import check_graph, policy_logits
 from nats.cache.registry import get_cache_class
-from nats.data.datamodule import check_eval_windows
+from nats.data.windows import check_eval_windows
 from nats.functional import budget_fractions
 from nats.hub import load_checkpoint
 from nats.models.gpt import GPT, GPTConfig
-from nats.utils import CONF_DIR, resolve_device
 from nats.utils import markdown_table as table
+from nats.utils import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +78,6 @@ def check_decodable(config: GPTConfig, name: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 # plan: methods x budgets, all checked before anything runs
 # ----------------------------------------------------------------------------------------------------
-def resolve_budget(b: Any, n: int) -> int:
-    """A float in (0, 1) is a fraction of the window's N tokens (rounded, at least 1); an integer >= 1 a number of
-    tokens (`nats.cache.budget`)."""
-    return _resolve_budget(b, n, of=f"the window's N={n} tokens")
-
-
 def configured_methods(cfg: DictConfig) -> Iterator[tuple[str, Any, type, dict[str, Any]]]:
     """``(method, its entry of policies, the policy's cache class, its options)`` for each method of
     ``cfg.methods``, once each, in order: the lookup that both run planners share (`plan_runs` here and
@@ -126,7 +120,7 @@ def plan_runs(cfg: DictConfig, n: int, is_nats: bool) -> tuple[list[dict[str, An
                 raise ValueError(f"{method} needs budgets: set budgets=[0.5,0.25,...] (fractions of N or token counts)")
             budgets = []
             for spec in cfg.budgets:
-                b = resolve_budget(spec, n)
+                b = resolve_budget(spec, n, of=f"the window's N={n} tokens")  # a fraction of N, or tokens
                 try:
                     cls.rule(**options).check_budget(b, n)
                 except ValueError as err:
@@ -475,14 +469,15 @@ def compose_eval(
     """conf/eval.yaml as `nats-eval` composes it, with `settings` (its keys: split, methods, budgets, ...) merged
     in, `data` (a resolved data config, e.g. a training run's) in place of its data group, and the checkpoint and
     output folder set. Works inside a running Hydra app (nats-train) and outside one."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
+
+    from nats.cli import compose as compose_outside
 
     if GlobalHydra.instance().is_initialized():  # inside nats-train: its config search path is conf/
         cfg = compose(config_name="eval")
     else:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="eval")
+        cfg = compose_outside([], "eval")
     unknown = sorted(set(settings or {}) - set(cfg) - {"data"})
     if unknown:
         raise ValueError(f"unknown nats-eval settings {unknown}: use keys of conf/eval.yaml ({', '.join(cfg)})")
