@@ -5,7 +5,7 @@ fixed-capacity cache engine (`nats.cache.engine`).
 ``model.generate(ids, attention_mask=mask, max_new_tokens=n, cache=StaticPolicyCache(model, "nats",
 max_new_tokens=n))`` (``past_key_values=`` before transformers 5.24; `nats.hf.compat.cache_kwargs` picks the name).
 
-Every registered policy that declares a fixed-capacity rule runs here (`nats.cache.engine.fixed_policies`: ``full``,
+Every registered policy that declares a fixed-capacity rule runs here (`nats.cache.rule.fixed_policies`: ``full``,
 ``nats``, ``streaming_llm``, ``h2o``, ``snapkv``, ``pyramidkv``, ``adakv``); the rule, in the policy's own file, says
 what the policy keeps of a prompt and how a decode step changes a row. This class only wires transformers to the engine:
 
@@ -144,7 +144,7 @@ class StaticPolicyCache(EngineCache, Cache):
     Args:
         model: a supported transformers model with NAtS attached (`nats.hf.attach_nats`) for ``"nats"``, or
             `nats.hf.use_policy_caches(model)` called for the baselines.
-        policy: a registered policy with a fixed-capacity rule (`nats.cache.engine.fixed_policies`).
+        policy: a registered policy with a fixed-capacity rule (`nats.cache.rule.fixed_policies`).
         max_new_tokens: the most tokens ``generate`` will add (the capacity planned per row on top of what the
             prompt leaves; pass the same number to ``generate``: `nats.hf.loop.generate` refuses more). The prompt
             + max_new_tokens must lie within the model's context (`nats.hf.limits.context_length`).
