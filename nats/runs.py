@@ -517,7 +517,7 @@ def report_failure(
         import traceback
 
         traceback.print_exception(type(err), err, err.__traceback__)
-    from nats.data.datamodule import TokenCacheError
+    from nats.data.token_file import TokenCacheError
 
     message = one_line(err)
     mistake = isinstance(err, (*USER_ERRORS, CheckpointError, TokenCacheError))

@@ -21,6 +21,9 @@ import torch
 from helpers import interrupt_text_dir_prepare
 from nats.data import datamodule as D
 from nats.data import sources as S
+from nats.data import token_cache as TC
+from nats.data import token_file as TF
+from nats.data import windows as W
 from nats.data.tokenizer import EOT, get_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,29 +122,29 @@ def test_gutenberg_bad_sdist_path(tmp_path):
 def test_bin_round_trip(tmp_path):
     path = tmp_path / "x.bin"
     chunks = [np.array([1, 2, 3]), np.array([], dtype=np.int64), np.array([50255, EOT])]
-    assert D.write_token_bin(path, chunks) == 5
-    header = D.read_bin_header(path, "gpt2")
+    assert TF.write_token_bin(path, chunks) == 5
+    header = TF.read_bin_header(path, "gpt2")
     assert (header.version, header.num_tokens, header.vocab_size, header.tokenizer) == (1, 5, 50257, "gpt2")
     assert header.dtype == np.uint16
-    assert path.stat().st_size == D.HEADER_SIZE + 5 * 2
-    assert path.read_bytes()[:8] == D.MAGIC
-    np.testing.assert_array_equal(D.open_token_bin(path), [1, 2, 3, 50255, EOT])
+    assert path.stat().st_size == TF.HEADER_SIZE + 5 * 2
+    assert path.read_bytes()[:8] == TF.MAGIC
+    np.testing.assert_array_equal(TF.open_token_bin(path), [1, 2, 3, 50255, EOT])
     with pytest.raises(ValueError, match="outside"):
-        D.write_token_bin(tmp_path / "y.bin", [np.array([70000])])
+        TF.write_token_bin(tmp_path / "y.bin", [np.array([70000])])
 
 
 def test_bin_errors(tmp_path):
     path = tmp_path / "train.bin"
-    D.write_token_bin(path, [np.arange(100)])
-    with pytest.raises(D.TokenCacheError, match="tokenised with 'gpt2'.*delete it and rerun `nats-prepare`"):
-        D.read_bin_header(path, "other")
+    TF.write_token_bin(path, [np.arange(100)])
+    with pytest.raises(TF.TokenCacheError, match="tokenised with 'gpt2'.*delete it and rerun `nats-prepare`"):
+        TF.read_bin_header(path, "other")
     with open(path, "r+b") as f:
-        f.truncate(D.HEADER_SIZE + 150)
-    with pytest.raises(D.TokenCacheError, match=r"train\.bin is truncated.*delete it and rerun `nats-prepare`"):
-        D.open_token_bin(path)
+        f.truncate(TF.HEADER_SIZE + 150)
+    with pytest.raises(TF.TokenCacheError, match=r"train\.bin is truncated.*delete it and rerun `nats-prepare`"):
+        TF.open_token_bin(path)
     path.write_bytes(b"\x00" * 300)
-    with pytest.raises(D.TokenCacheError, match=r"train\.bin is not a nats token file.*delete it"):
-        D.open_token_bin(path)
+    with pytest.raises(TF.TokenCacheError, match=r"train\.bin is not a nats token file.*delete it"):
+        TF.open_token_bin(path)
 
 
 def test_bin_write_is_atomic(tmp_path):
@@ -151,13 +154,13 @@ def test_bin_write_is_atomic(tmp_path):
 
     path = tmp_path / "train.bin"
     with pytest.raises(KeyboardInterrupt):
-        D.write_token_bin(path, interrupted())
+        TF.write_token_bin(path, interrupted())
     assert list(tmp_path.iterdir()) == []  # neither the final file nor a temporary one
-    D.write_token_bin(path, [np.arange(7)])
+    TF.write_token_bin(path, [np.arange(7)])
     with pytest.raises(KeyboardInterrupt):
-        D.write_token_bin(path, interrupted())
+        TF.write_token_bin(path, interrupted())
     assert [p.name for p in tmp_path.iterdir()] == ["train.bin"]  # the old complete file is untouched
-    assert D.read_bin_header(path).num_tokens == 7
+    assert TF.read_bin_header(path).num_tokens == 7
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -204,13 +207,13 @@ def test_cache_key_is_the_config_and_the_fingerprint_the_content(tmp_path):
     data; the content fingerprint (listing) lives in meta.json and changes with the books."""
     root = write_books(tmp_path / "corpus")
     src = S.get_source("text_dir", tmp_path, path=root)
-    before, fp = D.cache_folder(tmp_path, src), src.fingerprint()
-    assert before == D.cache_folder(tmp_path, S.get_source("text_dir", tmp_path, path=root))
-    assert before != D.cache_folder(tmp_path, S.get_source("pg19", tmp_path, path=root))
-    assert D.cache_folder(tmp_path, src, name="my-corpus").name == "my-corpus-" + before.name.split("-", 1)[1]
+    before, fp = TC.cache_folder(tmp_path, src), src.fingerprint()
+    assert before == TC.cache_folder(tmp_path, S.get_source("text_dir", tmp_path, path=root))
+    assert before != TC.cache_folder(tmp_path, S.get_source("pg19", tmp_path, path=root))
+    assert TC.cache_folder(tmp_path, src, name="my-corpus").name == "my-corpus-" + before.name.split("-", 1)[1]
     (root / "train" / "c.txt").write_text("a new book")
     again = S.get_source("text_dir", tmp_path, path=root)
-    assert D.cache_folder(tmp_path, again) == before and again.fingerprint() != fp
+    assert TC.cache_folder(tmp_path, again) == before and again.fingerprint() != fp
     # the same books elsewhere: same fingerprint (the location is not content)
     other = write_books(tmp_path / "elsewhere" / "corpus")
     (other / "train" / "c.txt").write_text("a new book")
@@ -265,7 +268,7 @@ def test_split_shorter_than_a_window(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 def test_train_windows_are_a_function_of_seed_and_s(gutenberg):
     file = gutenberg._file("train")
-    a, b = D.TrainWindows(file, 256, seed=7, length=10), D.TrainWindows(file, 256, seed=7, length=10)
+    a, b = W.TrainWindows(file, 256, seed=7, length=10), W.TrainWindows(file, 256, seed=7, length=10)
     for s in [0, 1, 12345, 10**12]:
         xa, ya = a[s]
         xb, yb = b[s]
@@ -276,17 +279,17 @@ def test_train_windows_are_a_function_of_seed_and_s(gutenberg):
         np.testing.assert_array_equal(xa.numpy(), file.tokens[i : i + 256])
     offsets = [a.offset(s) for s in range(200)]
     assert len(set(offsets)) > 190 and max(offsets) <= file.num_tokens - 257
-    assert offsets != [D.TrainWindows(file, 256, seed=8, length=10).offset(s) for s in range(200)]
+    assert offsets != [W.TrainWindows(file, 256, seed=8, length=10).offset(s) for s in range(200)]
 
 
 def test_resumable_sampler_ranks_and_start():
     world, n = 3, 8
-    per_rank = [list(D.ResumableSampler(n, r, world)) for r in range(world)]
+    per_rank = [list(W.ResumableSampler(n, r, world)) for r in range(world)]
     flat = sorted(s for r in per_rank for s in r)
     assert flat == list(range(n * world))  # disjoint, covering
     # resuming at start=k*world reproduces the tail of the uninterrupted stream on every rank
     for r in range(world):
-        tail = list(D.ResumableSampler(n, r, world, start=lambda: 5 * world))[: n - 5]
+        tail = list(W.ResumableSampler(n, r, world, start=lambda: 5 * world))[: n - 5]
         assert tail == per_rank[r][5:]
 
 
@@ -323,7 +326,7 @@ def test_eval_windows_cover_without_overlap(gutenberg):
     x0, y0 = ds[1]
     assert x0[0] == toks[n] and y0[-1] == toks[2 * n]
     # two ranks: disjoint, same length, together the first windows
-    idx = [list(D.StridedSampler(len(ds), r, 2)) for r in range(2)]
+    idx = [list(W.StridedSampler(len(ds), r, 2)) for r in range(2)]
     assert len(idx[0]) == len(idx[1]) and sorted(idx[0] + idx[1]) == list(range(len(ds) - len(ds) % 2))
     loader = dm.val_dataloader()
     x, y = next(iter(loader))
@@ -421,7 +424,7 @@ def test_lightning_resume_is_exact(tmp_path, gutenberg):
 
 def _batches_in_a_worker_process(num_workers: int):
     """Sum of a DataLoader's batches with `num_workers` workers, and the context chosen, inside a joblib job."""
-    from nats.data.datamodule import worker_context
+    from nats.data.windows import worker_context
 
     ctx = worker_context(num_workers)
     dl = torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=num_workers, multiprocessing_context=ctx)
@@ -433,7 +436,7 @@ def test_dataloader_workers_start_inside_a_joblib_launcher_job():
     DataLoader's worker processes ("'Process' object has no attribute 'env'"); the loaders then take the platform's
     own start method. Outside such a job nothing changes."""
     joblib = pytest.importorskip("joblib")
-    from nats.data.datamodule import worker_context
+    from nats.data.windows import worker_context
 
     got = joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(_batches_in_a_worker_process)(n) for n in (0, 1))
     assert got[0] == (None, 28)
@@ -446,8 +449,9 @@ def test_every_loader_takes_the_shared_worker_options(monkeypatch):
     (the process' start method is loky's) each of them starts its workers with the platform's own method."""
     import multiprocessing as mp
 
-    from nats.data.datamodule import TokenDataModule, worker_options
+    from nats.data.datamodule import TokenDataModule
     from nats.data.tasks import Match2DataModule
+    from nats.data.windows import worker_options
     from nats.finetune.datamodule import LongContextDataModule
 
     own = mp.get_all_start_methods()[0]

@@ -25,6 +25,8 @@ from conftest import REPO, compose
 from helpers import interrupt_text_dir_prepare
 from nats.data import datamodule as D
 from nats.data import sources as S
+from nats.data import token_cache as TC
+from nats.data import token_file as TF
 from nats.data.sources import text_dir as TD
 
 BOOKS = {
@@ -211,7 +213,7 @@ def test_cache_alone_trains_without_the_raw_data(tmp_path, caplog):
     shutil.copytree(dm.cache_path, node / dm.cache_path.name)
     shutil.rmtree(tmp_path / "raw")
     again = make(root, node)
-    with caplog.at_level(logging.INFO, logger="nats.data.datamodule"):
+    with caplog.at_level(logging.INFO, logger="nats.data.token_cache"):
         again.prepare_data()
     assert f"using the token cache {node / dm.cache_path.name}" in caplog.text and "not present here" in caplog.text
     again.setup()
@@ -258,9 +260,9 @@ def test_cache_checked_against_the_raw_data(tmp_path):
     # a book more: the key (folder name) is the same, the content is not -> a clear error, nothing rewritten
     (root / "train" / "new.txt").write_text("a new book")
     mismatch = rf"{dm.cache_path} was tokenised from other data.*Delete {dm.cache_path} and rerun `nats-prepare`"
-    with pytest.raises(D.TokenCacheError, match=mismatch):
+    with pytest.raises(TF.TokenCacheError, match=mismatch):
         make(root, tmp_path / "data").prepare_data()
-    with pytest.raises(D.TokenCacheError, match="tokenised from other data"):  # via cache_path too
+    with pytest.raises(TF.TokenCacheError, match="tokenised from other data"):  # via cache_path too
         D.TokenDataModule("pg19", str(tmp_path), path=str(root), cache_path=str(dm.cache_path)).prepare_data()
     assert [p.stat().st_mtime_ns for p in dm.cache_path.iterdir()] == mtimes
     # deleting the cache and preparing again (the fix the message gives) works
@@ -268,7 +270,7 @@ def test_cache_checked_against_the_raw_data(tmp_path):
     make(root, tmp_path / "data").prepare_data()
     assert "new.txt" in json.loads((dm.cache_path / "meta.json").read_text())["documents"]["train"]
     # a cache of another source
-    with pytest.raises(D.TokenCacheError, match="cache of source 'pg19'.*reads source 'text_dir'"):
+    with pytest.raises(TF.TokenCacheError, match="cache of source 'pg19'.*reads source 'text_dir'"):
         D.TokenDataModule("text_dir", str(tmp_path), cache_path=str(dm.cache_path)).prepare_data()
 
 
@@ -346,10 +348,11 @@ def test_real_subset_validation_tokens(tmp_path):
     in data/ when there is one."""
     src = S.get_source("pg19", tmp_path, path=SUBSET)
     names: list[str] = []
-    n = D.write_token_bin(tmp_path / "validation.bin",
-                          D._tokenize(src.documents("validation"), "gpt2", names, D.tqdm(disable=True)))  # fmt: skip
+    n = TF.write_token_bin(tmp_path / "validation.bin",
+                          TC._tokenize(src.documents("validation"), "gpt2", names, TC.tqdm(disable=True)))  # fmt: skip
     assert len(names) == 50 and 3_000_000 < n < 5_000_000
-    cache = D.cache_folder(REPO / "data", src, "gpt2", "pg19-subset")
-    if D.is_complete_cache(cache):
-        assert np.array_equal(D.open_token_bin(tmp_path / "validation.bin"), D.open_token_bin(cache / "validation.bin"))
+    cache = TC.cache_folder(REPO / "data", src, "gpt2", "pg19-subset")
+    if TC.is_complete_cache(cache):
+        made, cached = TF.open_token_bin(tmp_path / "validation.bin"), TF.open_token_bin(cache / "validation.bin")
+        assert np.array_equal(made, cached)
         assert json.loads((cache / "meta.json").read_text())["documents"]["validation"] == names

@@ -16,6 +16,8 @@ import pytest
 
 from conftest import DATA_DIR, REPO, compose
 from nats.data import datamodule as D
+from nats.data import token_file as TF
+from nats.data import windows as W
 from nats.models.gpt import GPT, GPTConfig
 
 # one test process for the module (make test's --dist loadgroup), so that its module fixture (the probes, several
@@ -54,32 +56,32 @@ def test_every_documented_tau_schedule_form_is_the_working_one():
 # ----------------------------------------------------------------------------------------------------
 # token cache checks
 # ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("size", [0, 7, 8, D.HEADER_SIZE - 1])
+@pytest.mark.parametrize("size", [0, 7, 8, TF.HEADER_SIZE - 1])
 def test_truncated_header_says_truncated_not_bad_magic(tmp_path, size):
     path = tmp_path / "train.bin"
-    D.write_token_bin(path, [np.arange(100)])
+    TF.write_token_bin(path, [np.arange(100)])
     with open(path, "r+b") as f:
         f.truncate(size)
-    with pytest.raises(D.TokenCacheError) as err:
-        D.read_bin_header(path)
+    with pytest.raises(TF.TokenCacheError) as err:
+        TF.read_bin_header(path)
     msg = str(err.value)
     assert "magic" not in msg, msg
     assert str(path) in msg and "truncated" in msg
-    assert f"{size} bytes" in msg and f"{D.HEADER_SIZE}-byte header" in msg
+    assert f"{size} bytes" in msg and f"{TF.HEADER_SIZE}-byte header" in msg
     assert "delete it and rerun `nats-prepare`" in msg
 
 
 def test_foreign_file_still_says_bad_magic(tmp_path):
     path = tmp_path / "train.bin"
     path.write_bytes(b"\x01" * 300)
-    with pytest.raises(D.TokenCacheError, match=r"train\.bin is not a nats token file.*delete it"):
-        D.read_bin_header(path)
+    with pytest.raises(TF.TokenCacheError, match=r"train\.bin is not a nats token file.*delete it"):
+        TF.read_bin_header(path)
 
 
 def _corrupt_token(path: Path, index: int, value: int) -> None:
     """Overwrite token `index` of a .bin file in place (what a flipped bit on disk does)."""
     with open(path, "r+b") as f:
-        f.seek(D.HEADER_SIZE + 2 * index)
+        f.seek(TF.HEADER_SIZE + 2 * index)
         f.write(np.array([value], dtype="<u2").tobytes())
 
 
@@ -89,8 +91,8 @@ def _module_from(tmp_path: Path, block_size: int = 16) -> D.TokenDataModule:
     src.prepare_data()
     folder = tmp_path / "cache"
     for split in ("train", "validation", "test"):
-        tokens = np.asarray(D.open_token_bin(src.cache_path / f"{split}.bin"))[:2000]
-        D.write_token_bin(folder / f"{split}.bin", [tokens])
+        tokens = np.asarray(TF.open_token_bin(src.cache_path / f"{split}.bin"))[:2000]
+        TF.write_token_bin(folder / f"{split}.bin", [tokens])
     (folder / "meta.json").write_text((src.cache_path / "meta.json").read_text())
     return D.TokenDataModule(
         "gutenberg", str(DATA_DIR), block_size=block_size, micro_batch_size=2, cache_path=str(folder)
@@ -103,12 +105,12 @@ def test_token_id_outside_the_header_vocabulary_names_the_file(tmp_path):
     _corrupt_token(path, 5, 60000)  # >= 50257, the vocabulary in the header (< 50304, so the model would not mind)
     dm.setup()
     windows = dm.eval_dataset("validation")
-    with pytest.raises(D.TokenCacheError) as err:
+    with pytest.raises(TF.TokenCacheError) as err:
         windows[0]
     msg = str(err.value)
     assert str(path) in msg and "60000" in msg and "50257" in msg and "delete it and rerun `nats-prepare`" in msg
     windows[1]  # the other windows are fine
-    with pytest.raises(D.TokenCacheError, match=re.escape(str(path))):
+    with pytest.raises(TF.TokenCacheError, match=re.escape(str(path))):
         next(iter(dm.val_dataloader()))
 
 
@@ -117,11 +119,11 @@ def test_token_id_outside_the_vocabulary_in_training_and_unigram(tmp_path):
     path = dm.cache_path / "train.bin"
     _corrupt_token(path, 100, 65535)
     dm.setup()
-    train = D.TrainWindows(dm._file("train"), 16, seed=0, length=10)
+    train = W.TrainWindows(dm._file("train"), 16, seed=0, length=10)
     hit = next(s for s in range(10_000) if train.offset(s) <= 100 <= train.offset(s) + 16)
-    with pytest.raises(D.TokenCacheError, match=re.escape(str(path)) + ".*65535"):
+    with pytest.raises(TF.TokenCacheError, match=re.escape(str(path)) + ".*65535"):
         train[hit]
-    with pytest.raises(D.TokenCacheError, match=re.escape(str(path)) + ".*65535"):
+    with pytest.raises(TF.TokenCacheError, match=re.escape(str(path)) + ".*65535"):
         dm.unigram_perplexity()
 
 

@@ -4,8 +4,9 @@ See docs/data.md. The public entry point is :class:`TokenDataModule`; ``nats-pre
 ahead of training.
 """
 
-from nats.data.datamodule import TokenCacheError, TokenDataModule, open_token_bin, read_bin_header, write_token_bin
+from nats.data.datamodule import TokenDataModule
 from nats.data.sources import SOURCES, SPLITS, Document, TextSource, get_source, register_source
+from nats.data.token_file import TokenCacheError, open_token_bin, read_bin_header, write_token_bin
 from nats.data.tokenizer import EOT, VOCAB_SIZE, get_tokenizer
 
 __all__ = [

