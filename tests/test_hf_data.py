@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
+from pathlib import Path
 
 import pytest
 
 from nats.data.longctx import tasks as D
 from nats.data.tokenizer import get_tokenizer
 
+REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC = ["passkey", "niah", "variable_tracking"]
 
 
@@ -141,7 +144,7 @@ def test_cached_examples_need_no_pg19_copy(tok, pg19, tmp_path):
 def test_errors(tok):
     with pytest.raises(ValueError, match="unknown task"):
         D.build_examples(tok, tasks=["passkeys"])
-    with pytest.raises(ValueError, match="needs PG-19 books"):
+    with pytest.raises(ValueError, match="needs PG-19 books: set data.pg19_path"):
         D.build_examples(tok, tasks=["pg19_continuation"], num_examples=1, max_length=200)
     with pytest.raises(ValueError, match="min_length"):
         D.build_examples(tok, max_length=100, min_length=200)
@@ -159,15 +162,21 @@ def test_sentence_splitter_and_fingerprint(tok):
     assert D.tokenizer_fingerprint(tok) == D.tokenizer_fingerprint(D.TiktokenAdapter(get_tokenizer("gpt2")))
 
 
-def test_real_pg19_subset_if_present(tok):
-    if not D.DEFAULT_PG19_PATH.is_dir():
-        pytest.skip("no PG-19 subset at ../shared/data/pg19-subset")
+def test_real_pg19_subset_if_present(tok, monkeypatch):
+    """The PG-19 subset where the configs look for it (conf/eval_hf.yaml's data.pg19_path: $NATS_PG19_SUBSET, else
+    beside the project root), if it is there."""
+    from nats.cli import compose
+
+    monkeypatch.setenv("PROJECT_ROOT", os.environ.get("PROJECT_ROOT", str(REPO)))
+    path = Path(compose([], "eval_hf").data.pg19_path)
+    if not path.is_dir():
+        pytest.skip(f"no PG-19 subset at {path} (set NATS_PG19_SUBSET)")
     exs = D.build_examples(
         tok,
         tasks=["pg19_continuation"],
         num_examples=2,
         max_length=1024,
-        pg19_path=D.DEFAULT_PG19_PATH,
+        pg19_path=path,
         split="validation",
         max_books=2,
     )

