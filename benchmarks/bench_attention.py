@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nats_kernels import configure_triton
+
 ROWS: list[dict] = []
 T0 = time.time()
 
@@ -476,6 +478,7 @@ def bench_prefill(args, out, device_name):
 
 
 def main():
+    configure_triton()  # Triton's settings before any kernel: the interpreter without a GPU, the cache folder
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="experiments/results")
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip what remains after this many seconds")

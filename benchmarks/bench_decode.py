@@ -69,6 +69,7 @@ from nats.cache.engine_cache import EngineCache
 from nats.cache.policies.full import FullRule
 from nats.cache.policies.nats import TypeTable
 from nats.models.gpt import GPT, GPTConfig, decode_settings
+from nats_kernels import configure_triton
 
 PROFILE_STEPS = 16  # decode steps under the profiler after a row's timed ones (--profile)
 
@@ -419,6 +420,7 @@ def smoke_args(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    configure_triton()  # Triton's settings before any kernel: the interpreter without a GPU, the cache folder
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--batch", type=int, default=8)

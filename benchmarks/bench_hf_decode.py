@@ -71,7 +71,7 @@ from pathlib import Path
 
 import torch
 
-import nats_kernels  # noqa: F401  (without a GPU: Triton's interpreter, chosen before anything imports triton)
+from nats_kernels import configure_triton
 
 SMOLLM2 = dict(
     vocab_size=49152,
@@ -537,6 +537,7 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_triton()  # Triton's settings before any kernel: the interpreter without a GPU, the cache folder
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="logs/bench/hf_decode")
     ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: random weights)")

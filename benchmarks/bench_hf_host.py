@@ -34,8 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_hf_decode as hf  # noqa: E402  (benchmarks/bench_hf_decode.py: the model, calibration, caches)
 
+from nats_kernels import configure_triton
+
 
 def main(argv: list[str] | None = None) -> int:
+    configure_triton()  # Triton's settings before any kernel: the interpreter without a GPU, the cache folder
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="logs/bench/hf_host")
     ap.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda")

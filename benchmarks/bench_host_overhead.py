@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from nats_kernels import configure_triton
+
 
 def per_call_us(fn, calls: int) -> float:
     for _ in range(10):
@@ -32,6 +34,7 @@ def per_call_us(fn, calls: int) -> float:
 
 
 def main() -> None:
+    configure_triton()  # Triton's settings before any kernel: the interpreter without a GPU, the cache folder
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--batch", type=int, default=1)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from nats.models.gpt import GPT, GPTConfig
+from nats_kernels import configure_triton
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -190,6 +191,7 @@ def bench(
 
 
 def main() -> None:
+    configure_triton()  # Triton's settings before any kernel: the interpreter without a GPU, the cache folder
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attention", nargs="+", default=["dense"], help="attention core names")
     ap.add_argument("--nats-lambda", type=float, default=0.0)

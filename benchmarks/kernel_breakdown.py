@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nats_kernels import configure_triton
+
 # (global, local, sliding) probabilities, i.i.d. per token. "fig3": what fig3_nats (lambda 0.05, W 16) learns, the
 # train/frac_* of experiments/results/figure3/nats_l0.05_s1 from step 200 on (a global in almost every key block).
 MIXES = {
@@ -58,6 +60,7 @@ def kernel_times(fn, iters: int = 10, detail: dict | None = None) -> dict[str, f
 
 
 def main() -> None:
+    configure_triton()  # Triton's settings before any kernel: the interpreter without a GPU, the cache folder
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", type=int, nargs=4, default=[16, 12, 1024, 64], metavar=("B", "H", "N", "D"))
     ap.add_argument("--window", type=int, default=64)

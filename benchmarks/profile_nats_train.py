@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from nats_kernels import configure_triton
+
 
 class ProfileSteps(Callback):
     """torch.profiler over optimizer steps [start, stop) of a fit."""
@@ -162,6 +164,7 @@ def idle_table(events, n_steps: int, min_gap_us: float = 5.0, top: int = 25) -> 
 
 
 def main() -> None:
+    configure_triton()  # Triton's settings before any kernel: the interpreter without a GPU, the cache folder
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60, help="trainer.max_steps")
     ap.add_argument("--profile", type=int, nargs=2, default=[40, 50], metavar=("START", "STOP"))

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from nats_kernels import configure_triton
+
 
 def timed(fn, device) -> float:
     """Median seconds of ``fn()``: ``triton.testing.do_bench_cudagraph`` on a GPU, one call on the CPU."""
@@ -49,6 +51,7 @@ def kernel_resources(kernel) -> tuple[int | None, int | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_triton()  # Triton's settings before any kernel: the interpreter without a GPU, the cache folder
     from nats.cache import roofline
     from nats.cache.engine import pool_splits
     from nats_kernels.nats_attention.decode_reference import torch_pool_attention

@@ -337,9 +337,14 @@ if not OmegaConf.has_resolver("config_groups"):
 def guarded(program: str, cfg: DictConfig, job: Callable[[DictConfig], Any]) -> Any:
     """Run ``job(cfg)`` in the Hydra app of ``program``; any exception ends the process with one line on the
     console (:func:`nats.runs.report_failure`): a mistake before anything ran removes the run folder Hydra made
-    for it and the empty ``logs/<task>/runs/`` folders above it."""
+    for it and the empty ``logs/<task>/runs/`` folders above it. Triton's settings are made first
+    (:func:`nats_kernels.configure_triton`: the interpreter without a GPU, Triton's cache folder), in the process that
+    runs the job, before any kernel is defined or compiled: a job that runs elsewhere (a SLURM job of a multirun) gets
+    the settings of its own machine, not those of the machine that submitted it."""
     from nats.runs import quiet_libraries, report_failure, run_folder_is_new
+    from nats_kernels import configure_triton
 
+    configure_triton()
     quiet_libraries()
     if cfg.get("print_config"):
         print(OmegaConf.to_yaml(cfg, resolve=True))

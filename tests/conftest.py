@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU the Triton kernels run in the interpreter, which must be chosen before anything imports triton
-# (Lightning or torch.compile may import it before a kernel module gets the chance): the kernels package
-# chooses it (kernels/__init__.py), imported here before any test.
-import nats_kernels  # noqa: E402,F401
+# Triton's settings, made before any test (as the console scripts make them, nats.cli.guarded): without a GPU the
+# kernels run in Triton's interpreter, which must be chosen before any kernel is defined (TRITON_INTERPRET=1, read
+# when @triton.jit decorates a kernel); the test processes' subprocesses inherit it.
+import nats_kernels
+
+nats_kernels.configure_triton()
 
 REPO = Path(__file__).resolve().parents[1]
 # the Gutenberg cache that nats-train uses (prepared once, reused by later runs)

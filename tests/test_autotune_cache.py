@@ -120,9 +120,10 @@ def test_a_broken_file_means_tuning_again(fresh):
 
 
 def test_the_triton_cache_folder_is_kept_out_of_torch_compiles_temporary_one(tmp_path):
-    """Without TRITON_CACHE_DIR, importing the kernels on a GPU machine sets Triton's own default (torch.compile
-    would otherwise set a folder under /tmp); a TRITON_CACHE_DIR given wins; the interpreter leaves it alone."""
-    code = "import os, nats_kernels; print(os.environ.get('TRITON_CACHE_DIR'))"
+    """Without TRITON_CACHE_DIR, nats_kernels.configure_triton() on a GPU machine sets Triton's own default
+    (torch.compile would otherwise set a folder under /tmp); a TRITON_CACHE_DIR given wins; the interpreter leaves
+    it alone."""
+    code = "import os, nats_kernels; nats_kernels.configure_triton(); print(os.environ.get('TRITON_CACHE_DIR'))"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TRITON_HOME")}
     run = lambda **extra: subprocess.run(  # noqa: E731
         [sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True, check=True

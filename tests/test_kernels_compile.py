@@ -86,7 +86,7 @@ SCRIPT = textwrap.dedent(
 
 def test_the_fused_decode_kernels_compile_for_sm90():
     # the kernels' helpers imported from the package (plan.first_max) must be compiled too, not interpreted: an
-    # explicit TRITON_INTERPRET=0 keeps nats_kernels from choosing the interpreter on this GPU-less machine
+    # explicit TRITON_INTERPRET=0 replaces the interpreter the tests chose on this GPU-less machine (conftest.py)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,

@@ -11,6 +11,7 @@ failing direct call.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -280,6 +281,41 @@ def test_the_switch_is_read_from_the_environment():
         env = {**os.environ, "NATS_KERNELS_DIRECT_LAUNCH": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want
+
+
+# the settings nats_kernels.configure_triton() makes, removed so that the child starts without them (the tests'
+# own process has them: conftest.py)
+TRITON_SETTINGS = ("TRITON_INTERPRET", "TRITON_CACHE_DIR")
+ENV_DIFF = """
+import os, json
+before = dict(os.environ)
+{action}
+after = dict(os.environ)
+print(json.dumps({{k: [before.get(k), after.get(k)] for k in sorted(set(before) | set(after))
+                   if before.get(k) != after.get(k)}}))
+"""
+
+
+def _env_change(action: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in TRITON_SETTINGS}
+    code = ENV_DIFF.format(action=action)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_kernels_changes_no_environment_variable():
+    """Importing nats_kernels (and its op packages) leaves os.environ as it was: Triton's settings are made by the
+    explicit nats_kernels.configure_triton(), which the console scripts call (nats.cli.guarded)."""
+    assert _env_change("import nats_kernels, nats_kernels.nats_attention, nats_kernels.cross_entropy") == {}
+
+
+def test_configure_triton_makes_the_settings():
+    """configure_triton(): the interpreter without a CUDA GPU (else Triton's own cache folder); again, no change."""
+    change = _env_change("import nats_kernels; nats_kernels.configure_triton(); nats_kernels.configure_triton()")
+    if HAS_CUDA:
+        assert set(change) == {"TRITON_CACHE_DIR"}
+    else:
+        assert change == {"TRITON_INTERPRET": [None, "1"]}
 
 
 # ---- the real path, on a GPU ----

@@ -1,7 +1,7 @@
 """Import-time Triton setup shared by the kernels.
 
-``INTERPRET`` (Triton's CPU interpreter on or off) is chosen once, by the package (``kernels/__init__.py``),
-which Python imports before this module, so before any kernel is defined.
+``INTERPRET`` (Triton's CPU interpreter on or off) is the package's (``kernels/__init__.py``) when this module is
+first imported, so before any kernel is defined: ``nats_kernels.configure_triton()`` chooses it, and must come first.
 """
 
 import hashlib
@@ -80,8 +80,8 @@ TUNING_TIME = "about 1-7 min"
 
 def triton_cache_dir() -> str:
     """Triton's cache folder (compiled kernels and kept autotune choices): ``TRITON_CACHE_DIR``, by default
-    ``~/.triton/cache`` (``TRITON_HOME`` instead of ``~``); the kernels package sets the default explicitly so that
-    torch.compile does not move it to a temporary folder (``kernels/__init__.py``)."""
+    ``~/.triton/cache`` (``TRITON_HOME`` instead of ``~``); ``nats_kernels.configure_triton()`` sets the default
+    explicitly so that torch.compile does not move it to a temporary folder (``kernels/__init__.py``)."""
     from .. import triton_cache_dir as default  # noqa: PLC0415
 
     return os.environ.get("TRITON_CACHE_DIR") or default()
