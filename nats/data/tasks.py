@@ -23,6 +23,7 @@ plain tokens (the head must find a key whose *previous* token matches, which nee
 input), so the one-layer experiment (`experiment=anna_induction`) uses pair inputs; with plain tokens use two
 layers.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,7 +37,11 @@ from nats.data.datamodule import ResumableDataModule
 from nats.data.windows import ResumableDataLoader, worker_options
 
 __all__ = [
-    "match2", "match2_positive_rate", "khop_induction", "TaskDataModule", "Match2DataModule",
+    "match2",
+    "match2_positive_rate",
+    "khop_induction",
+    "TaskDataModule",
+    "Match2DataModule",
     "InductionHeadsDataModule",
 ]
 
@@ -64,8 +69,7 @@ def match2_positive_rate(seq_len: int = 32, modulus: int = 37) -> float:
     return p_zero_token + (1 - p_zero_token) * (1 - ((modulus - 1) / modulus) ** (seq_len - 1))
 
 
-def khop_induction(n: int, seq_len: int = 100, alphabet: int = 4, k: int = 1,
-                   rng: np.random.Generator | int = 0):
+def khop_induction(n: int, seq_len: int = 100, alphabet: int = 4, k: int = 1, rng: np.random.Generator | int = 0):
     """n k-hop induction-heads samples: (tokens [n, seq_len] int64 in [0, alphabet), y [n, seq_len] int64,
     -100 where find^k is undefined). The tokens are the plain sequence (see `pair_tokens`)."""
     if alphabet < 2 or k < 1:
@@ -153,8 +157,16 @@ class TaskDataModule(ResumableDataModule):
     the model: `model.vocab_size: ${data.vocab_size}`).
     """
 
-    def __init__(self, n_train: int = 10000, n_test: int = 256, micro_batch_size: int = 32, seed: int = 0,
-                 num_workers: int = 0, vocab_size: int | None = None, n_classes: int | None = None):
+    def __init__(
+        self,
+        n_train: int = 10000,
+        n_test: int = 256,
+        micro_batch_size: int = 32,
+        seed: int = 0,
+        num_workers: int = 0,
+        vocab_size: int | None = None,
+        n_classes: int | None = None,
+    ):
         super().__init__()
         if min(n_train, n_test, micro_batch_size) < 1:
             raise ValueError("n_train, n_test and micro_batch_size must be >= 1")
@@ -191,14 +203,22 @@ class TaskDataModule(ResumableDataModule):
         x, y = self.split("train")
         sampler = self.resumable_sampler()
         return ResumableDataLoader(
-            _TrainStream(len(x), self.seed, length=len(sampler) * sampler.world_size), batch_size=self.micro_batch_size,
-            sampler=sampler, collate_fn=_Gather(x, y), **worker_options(self.num_workers),
+            _TrainStream(len(x), self.seed, length=len(sampler) * sampler.world_size),
+            batch_size=self.micro_batch_size,
+            sampler=sampler,
+            collate_fn=_Gather(x, y),
+            **worker_options(self.num_workers),
         )
 
     def _eval_loader(self, name: str) -> DataLoader:
         x, y = self.split(name)
-        return DataLoader(_Indices(len(x)), batch_size=self.micro_batch_size, sampler=self.strided_sampler(len(x)),
-                          collate_fn=_Gather(x, y), **worker_options(self.num_workers))
+        return DataLoader(
+            _Indices(len(x)),
+            batch_size=self.micro_batch_size,
+            sampler=self.strided_sampler(len(x)),
+            collate_fn=_Gather(x, y),
+            **worker_options(self.num_workers),
+        )
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("validation")
@@ -233,8 +253,7 @@ class InductionHeadsDataModule(TaskDataModule):
     """k-hop induction heads (k = 1: the induction head) over `alphabet` tokens, length `seq_len` (N = 100);
     `pair_input` feeds (x_{i-1}, x_i) pairs as tokens. Classes: the `alphabet` tokens."""
 
-    def __init__(self, seq_len: int = 100, alphabet: int = 4, k: int = 1, pair_input: bool = True,
-                 **kwargs: Any):
+    def __init__(self, seq_len: int = 100, alphabet: int = 4, k: int = 1, pair_input: bool = True, **kwargs: Any):
         self.seq_len, self.alphabet, self.k, self.pair_input = int(seq_len), int(alphabet), int(k), bool(pair_input)
         super().__init__(**kwargs)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import tiktoken
@@ -68,7 +68,7 @@ def gpt2_data_files() -> tuple[Path, Path] | None:
     return vocab, encoder
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_tokenizer(name: str = "gpt2") -> tiktoken.Encoding:
     """The tokenizer called ``name`` as a :class:`tiktoken.Encoding` (cached: one instance per name).
 

@@ -79,7 +79,7 @@ class TextSource(ABC):
         complete token cache alone; the default ``True`` suits sources that download what they need."""
         return True
 
-    def prepare(self) -> None:
+    def prepare(self) -> None:  # noqa: B027 - optional: a source whose data needs no preparation keeps this
         """Download / validate the raw data; called once before :meth:`documents`. Fails early and clearly."""
 
     @abstractmethod
@@ -93,7 +93,9 @@ class TextSource(ABC):
 
 # every module of nats.data.sources but this one holds one source
 TEXT_SOURCES = Registry(
-    "data source", "nats.data.sources", skip={"base"},
+    "data source",
+    "nats.data.sources",
+    skip={"base"},
     hint="data.source=..., or add a file to nats/data/sources/ with @register_source",
 )
 SOURCES = TEXT_SOURCES.entries  # name -> TextSource subclass (filled as the source modules are imported)

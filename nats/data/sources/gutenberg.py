@@ -56,7 +56,7 @@ def strip_gutenberg_boilerplate(text: str) -> str:
     trimmed of surrounding blank space.
     """
     start = None
-    for start in _GUTENBERG_START.finditer(text):  # the last start marker ends the header
+    for start in _GUTENBERG_START.finditer(text):  # noqa: B007 - the loop keeps the last start marker: it ends the header
         pass
     if start is not None:
         text = text[start.end() :]
