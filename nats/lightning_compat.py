@@ -2,7 +2,7 @@
 
 Lightning gives no public way to do a few things the project needs: stop a fit at the end of an optimizer step
 rather than in the middle of an accumulated one (`InterruptCheckpoint`), time the throughput exactly at the steps
-whose logs are written (`nats.callbacks.ThroughputMonitor`, `nats.lit.logs_written_now`), stage statistics under
+whose logs are written (`nats.callbacks.TokenThroughput`, `nats.lit.logs_written_now`), stage statistics under
 the step number Lightning's logs carry (`nats.lit`), and save an interrupted run with the step count a resume
 expects. Each of those reads or writes an attribute whose name starts with ``_``; Lightning may rename or move it
 in any release. Here each one is reached through a small named function, and nowhere else in ``nats/``; where an
