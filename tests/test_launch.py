@@ -4,9 +4,10 @@ Triton's launcher.
 The direct path needs a GPU (under Triton's CPU interpreter every call takes Triton's launcher), so on the CPU the
 decision is tested with stand-ins for Triton's pieces: a launcher written like Triton's (``FakeJit.run`` calls the
 compiled kernel as ``JITFunction.run`` does), a compiled kernel whose binary launcher computes on CPU tensors, the
-driver and the knobs. The installed Triton is checked for real (its launcher's call and the CUDA launcher's
-signature), and the ``gpu`` tests run the real direct path against Triton's launcher, then force a mismatch and a
-failing direct call.
+driver and the knobs, and the Triton version (`_launch.TRITON_VERSION`): inside the tested range the launches go
+direct, outside it through Triton's launcher with one warning. The installed Triton is checked for real (its
+version in the range, the CUDA launcher's signature), and the ``gpu`` tests run the real direct path against
+Triton's launcher, then force a mismatch and a failing direct call.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Compiled:
 
 class FakeJit:
     """A ``@triton.jit`` function: ``fn[grid](*args, **constexprs)`` goes through `run`, written like Triton's
-    launcher (``JITFunction.run``), which the checks read."""
+    launcher (``JITFunction.run``) in the tested versions."""
 
     arg_names = ["X", "OUT", "n", "SCALE"]
 
@@ -86,19 +87,6 @@ class FakeJit:
         return kernel
 
 
-class OtherJit(FakeJit):
-    """A Triton whose launcher calls the compiled kernel differently (no launch metadata)."""
-
-    def run(self, *args, grid, **kwargs):
-        self.launches += 1
-        kernel = self.kernel
-        bound_args = dict(zip(self.arg_names, (*args, *(kwargs[n] for n in self.arg_names[len(args) :]))))
-        grid_0, grid_1, grid_2 = (*grid, 1, 1)[:3]
-        kernel.run(grid_0, grid_1, grid_2, 7, kernel.function, kernel.packed_metadata, None,
-                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())  # fmt: skip
-        return kernel
-
-
 class FakeAutotuner:
     """``@triton.autotune`` over a FakeJit: its chosen config sets SCALE."""
 
@@ -113,6 +101,7 @@ class FakeAutotuner:
 def fake_triton(monkeypatch):
     """_launch with the stand-ins for Triton's launcher, driver and knobs, outside the interpreter."""
     monkeypatch.setattr(_launch, "INTERPRET", False)
+    monkeypatch.setattr(_launch, "TRITON_VERSION", "3.6.0")  # a tested version, whatever is installed
     monkeypatch.setattr(_launch, "DIRECT", True)
     monkeypatch.setattr(_launch, "_knobs", knobs)
     monkeypatch.setattr(_launch, "_driver", driver)
@@ -137,14 +126,77 @@ def calls(bound, n_calls=4, n=5):
 
 
 def test_installed_triton_launches_as_bound_does():
-    """The installed Triton's launcher calls the compiled kernel in the order `Bound` uses, and its CUDA launcher
-    takes the grid, stream and function first (the class is read, not run: no GPU needed)."""
+    """The installed Triton is in the tested range, and its CUDA launcher takes the grid, stream and function first
+    (the class is read, not run: no GPU needed)."""
     if _launch._knobs is None:
         pytest.skip("Triton < 3.4: no direct launches")
+    assert _launch.TRITON_VERSION == _launch.triton.__version__
     _launch.triton_mismatch.cache_clear()
     assert _launch.triton_mismatch() is None
     nvidia = pytest.importorskip("triton.backends.nvidia.driver")
     assert _launch.launcher_mismatch(object.__new__(nvidia.CudaLauncher)) is None
+
+
+IN_RANGE = ["3.4.0", "3.5.1", "3.6.0", "3.9.0", "3.9.1+git0123abcd", "3.8.0rc1"]
+OUT_OF_RANGE = ["3.3.1", "3.10.0", "3.10.0+git0123abcd", "4.0.0", "2.3.1", "", "unknown"]
+
+
+def test_the_tested_range_is_3_4_to_3_9():
+    """The range the direct launch was written against (_launch's comment), and pyproject.toml's bound above it."""
+    assert _launch.TESTED_TRITON == ((3, 4), (3, 10))
+    assert _launch.triton_version("3.10.2+git1") == (3, 10) and _launch.triton_version("x3.6") is None
+
+
+@pytest.mark.parametrize("version", IN_RANGE + OUT_OF_RANGE)
+def test_version_mismatch_is_the_tested_range(version):
+    reason = _launch.version_mismatch(version)
+    if version in IN_RANGE:
+        assert reason is None
+    else:
+        assert reason is not None and ">=3.4,<3.10" in reason and version in reason
+
+
+@pytest.mark.parametrize("version", ["3.4.0", "3.6.0", "3.9.0"])
+def test_a_tested_version_launches_directly(fake_triton, monkeypatch, version, caplog):
+    monkeypatch.setattr(_launch, "TRITON_VERSION", version)
+    jit = FakeJit()
+    bound = _launch.Bound(jit, (3,), SCALE=2.0)
+    with caplog.at_level(logging.INFO, logger="nats_kernels"):
+        got, want = calls(bound)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert jit.launches == 1 and jit.kernel.run.calls == 4 and bound.direct and bound.reason is None
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("version", ["3.3.1", "3.10.0", "4.0.0", "unknown"])
+def test_an_untested_version_keeps_tritons_launcher(fake_triton, monkeypatch, version, caplog):
+    """Outside the tested range: every call through Triton's launcher, the same results, one warning naming the
+    version and the range however many launches and `Bound`s."""
+    monkeypatch.setattr(_launch, "TRITON_VERSION", version)
+    with caplog.at_level(logging.INFO, logger="nats_kernels"):
+        for _ in range(2):
+            jit = FakeJit()
+            bound = _launch.Bound(jit, (3,), SCALE=2.0)
+            got, want = calls(bound)
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+            assert jit.launches == 4 and jit.kernel.run.calls == 4 and not bound.direct
+            assert version in bound.reason and ">=3.4,<3.10" in bound.reason
+    assert len(caplog.records) == 1 and caplog.records[0].levelno == logging.WARNING
+    message = caplog.records[0].getMessage()
+    assert version in message and "launched through Triton's launcher" in message
+
+
+def test_a_triton_without_knobs_keeps_tritons_launcher(fake_triton, monkeypatch, caplog):
+    """A Triton reporting a tested version but without triton.knobs (its imports failed): Triton's launcher, said
+    once."""
+    monkeypatch.setattr(_launch, "_knobs", None)
+    jit = FakeJit()
+    bound = _launch.Bound(jit, (3,), SCALE=2.0)
+    with caplog.at_level(logging.INFO, logger="nats_kernels"):
+        got, want = calls(bound)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert jit.launches == 4 and not bound.direct and "triton.knobs" in bound.reason
+    assert len(caplog.records) == 1
 
 
 @pytest.mark.parametrize("launcher", [Launcher, OldLauncher])
@@ -207,17 +259,14 @@ MISMATCHES = {
     "launcher without the hooks": (lambda: FakeJit(Compiled(NoHooks())), "launcher takes"),
     "launcher's stream and function swapped": (lambda: FakeJit(Compiled(Swapped())), "launcher takes"),
     "kernel expecting more arguments": (lambda: FakeJit(Compiled(Launcher(), n_args=5)), "5 arguments, 4"),
-    "Triton's launcher calling differently": (lambda: OtherJit(), "no longer calls"),
 }
 
 
 @pytest.mark.parametrize("what", list(MISMATCHES))
-def test_a_mismatch_keeps_tritons_launcher(fake_triton, what, caplog, monkeypatch):
+def test_a_mismatch_keeps_tritons_launcher(fake_triton, what, caplog):
     """Anything that differs from what the direct call assumes: every call through Triton's launcher, the same
     results, the reason logged once however many launches and `Bound`s."""
     make, words = MISMATCHES[what]
-    if what.startswith("Triton's"):
-        monkeypatch.setattr(_launch, "_JITFunction", OtherJit)
     with caplog.at_level(logging.INFO, logger="nats_kernels"):
         for _ in range(2):
             jit = make()
