@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
-import functools
-import inspect
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,128 +9,10 @@ import lightning as L
 import torch
 from torch import nn
 
+from nats.clipping import clip_gradients, clip_mode, grad_param_groups
 from nats.lightning_compat import attached_trainer, batches_that_stepped, should_update_logs
 from nats.models.gpt import GPT, GPTConfig
-
-CLIP_MODES = ("global", "separate")
-# The keys of `optim` (conf/optim/*.yaml): the optimizer as a partial config, then the schedule and the clipping.
-OPTIM_KEYS = ("optimizer", "lr", "min_lr", "warmup_steps", "max_steps", "grad_clip", "clip_mode", "scorer_grad_clip")
-# Checkpoints saved before the `optimizer` node hold a flat `optim` with AdamW's arguments beside the schedule's;
-# such a dict (no `optimizer` key) still builds the AdamW it did, these keys' defaults included.
-LEGACY_OPTIMIZER_KEYS = {"weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
-
-
-def check_optim_keys(optim: Mapping[str, Any], valid: tuple[str, ...], listed: tuple[str, ...] | None = None) -> None:
-    """Unknown keys of `optim` are an error that names the closest valid key of each and lists ``listed`` (default:
-    ``valid``). Shared by every LightningModule's `optim` node (`optimizer_config`, `nats.finetune.lit`)."""
-    unknown = sorted(set(optim) - set(valid))
-    if unknown:
-        hints = [
-            f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, valid, n=1)) else k
-            for k in unknown
-        ]
-        raise ValueError(
-            f"unknown optim keys: {', '.join(hints)}; the valid keys: {', '.join(listed or valid)} "
-            "(the optimizer's own arguments go under optim.optimizer, e.g. optim.optimizer.weight_decay)"
-        )
-
-
-def optimizer_node(node: Any, lr: float) -> dict[str, Any]:
-    """`optim.optimizer` checked: a config with a ``_target_`` (a partial, built here once so that a mistyped class
-    or argument fails now, not when training starts) whose lr, if given, is ``optim.lr``, the schedule's peak.
-    Returns the node as a dict with ``lr`` set."""
-    if isinstance(node, functools.partial) or not isinstance(node, Mapping) or "_target_" not in node:
-        raise ValueError(
-            f"optim.optimizer must be a config with a _target_ (e.g. torch.optim.AdamW) and "
-            f"_partial_: true, got {node!r}; instantiate the LightningModule with _recursive_=False (as "
-            "conf/train.yaml's module node does), so that it receives the config and its checkpoints "
-            "hold plain data"
-        )
-    node = dict(node)
-    if node.setdefault("lr", lr) != lr:
-        raise ValueError(
-            f"optim.optimizer.lr={node['lr']} differs from optim.lr={lr}, the schedule's peak: "
-            "set optim.lr (conf/optim's optimizer.lr follows it)"
-        )
-    optimizer_partial(node)
-    return node
-
-
-def optimizer_config(optim: Mapping[str, Any]) -> dict[str, Any]:
-    """`optim` checked and in the current form: unknown keys are an error (naming the valid ones), a legacy flat
-    dict gets its AdamW `optimizer` node, and the optimizer's lr is the schedule's peak, `optim.lr`."""
-    optim = dict(optim)
-    check_optim_keys(optim, OPTIM_KEYS + tuple(LEGACY_OPTIMIZER_KEYS), listed=OPTIM_KEYS)
-    if "lr" not in optim:
-        raise ValueError("optim.lr (the peak learning rate of the schedule) is required")
-    legacy = {k: optim.pop(k) for k in LEGACY_OPTIMIZER_KEYS if k in optim}
-    node = optim.get("optimizer")
-    if node is None:  # a flat dict (an older checkpoint's hyper_parameters, or a hand-made one)
-        node = {
-            "_target_": "torch.optim.AdamW",
-            "_partial_": True,
-            "lr": optim["lr"],
-            **LEGACY_OPTIMIZER_KEYS,
-            **legacy,
-        }
-    elif legacy:
-        raise ValueError(
-            f"optim.{', optim.'.join(legacy)}: with an optim.optimizer node these are its arguments, "
-            f"optim.optimizer.{', optim.optimizer.'.join(legacy)}"
-        )
-    optim["optimizer"] = optimizer_node(node, optim["lr"])
-    return optim
-
-
-def optimizer_partial(node: Mapping[str, Any]) -> functools.partial:
-    """The optimizer class with its configured arguments (betas as a tuple): call it with the parameters."""
-    import hydra
-
-    try:
-        make = hydra.utils.instantiate(dict(node), _partial_=True, _convert_="all")
-    except Exception as err:  # noqa: BLE001 - an import error, an unknown class: one message
-        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"optim.optimizer ({node.get('_target_')}) cannot be built: {msg}") from err
-    signature = inspect.signature(make.func)
-    try:
-        signature.bind_partial(**make.keywords)
-    except TypeError as err:
-        options = ", ".join(n for n in signature.parameters if n != "params")
-        raise ValueError(f"optim.optimizer ({node.get('_target_')}): {err}; its arguments: {options}") from None
-    if isinstance(make.keywords.get("betas"), list):
-        make = functools.partial(make.func, *make.args, **{**make.keywords, "betas": tuple(make.keywords["betas"])})
-    return make
-
-
-def scorer_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of the attention cores' token-type scorers: those of every submodule held as an
-    attribute named ``scorer`` (NAtS: ``blocks.<l>.attn.core.scorer.weight``). Empty for models without scorers
-    (dense, ANNA, gated). A new core whose type scorer lives elsewhere must hold it as ``self.scorer``
-    (or extend this function) to be clipped and logged apart (docs/scorer_gradients.md)."""
-    seen: set[int] = set()
-    out: list[nn.Parameter] = []
-    for module in model.modules():
-        scorer = getattr(module, "scorer", None)
-        if isinstance(scorer, nn.Module):
-            for p in scorer.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-    return out
-
-
-def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """grads *= coef in place (one foreach launch when they share coef's device)."""
-    if all(g.device == coef.device for g in grads):
-        torch._foreach_mul_(grads, coef)
-    else:
-        for g in grads:
-            g.mul_(coef.to(g.device))
-
-
-def _clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_'s factor, on the device (no host sync): min(1, max_norm / (norm + 1e-6))."""
-    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+from nats.optim import configure_optimizers, optimizer_config
 
 
 def logs_written_now(trainer) -> bool:
@@ -168,16 +46,6 @@ def _compile_backend(compile: bool | str) -> str | None:
     return str(compile)
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Linear warm-up from 0 to `lr` over `warmup_steps`, then cosine decay to `min_lr` at `max_steps`."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if step >= max_steps:
-        return min_lr
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
-
-
 def _eval_forward(model: nn.Module):
     """`model`'s forward as a function of its own (its own code object, hence its own torch.compile cache)."""
 
@@ -194,9 +62,9 @@ class LitGPT(L.LightningModule):
     optimiser, schedule and clipping: `optimizer`, a partial config (`_target_: torch.optim.AdamW`, `_partial_:
     true`, lr, betas, eps, weight_decay; see `configure_optimizers`); lr (the schedule's peak), min_lr,
     warmup_steps, max_steps (None = the trainer's); grad_clip (None = off), clip_mode ("separate", the default,
-    or "global"), scorer_grad_clip (None = grad_clip; only with "separate"; see `on_before_optimizer_step`).
-    Other keys are an error. A flat `optim` without `optimizer` (older checkpoints) means AdamW with its
-    weight_decay, betas and eps beside lr (`LEGACY_OPTIMIZER_KEYS`).
+    or "global"), scorer_grad_clip (None = grad_clip; only with "separate"; see `nats.clipping.clip_gradients`).
+    Other keys are an error (`nats.optim.optimizer_config`); without `optimizer`, the default AdamW
+    (`nats.optim.DEFAULT_OPTIMIZER`).
     The training loss is cross-entropy plus the attention cores' auxiliary losses (NAtS' sparsity term).
     """
 
@@ -212,15 +80,8 @@ class LitGPT(L.LightningModule):
         self.save_hyperparameters()
         self.config = GPTConfig.from_dict(model)
         self.model = GPT(self.config)
-        self.optim_cfg = optimizer_config(optim)  # also accepts the flat dicts of older checkpoints
-        self.clip_mode = self.optim_cfg.get("clip_mode") or "separate"
-        if self.clip_mode not in CLIP_MODES:
-            raise ValueError(f"optim.clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
-        if self.optim_cfg.get("scorer_grad_clip") is not None and self.clip_mode != "separate":
-            raise ValueError(
-                "optim.scorer_grad_clip applies only with optim.clip_mode=separate "
-                f"(got clip_mode={self.clip_mode!r}); set it to null or use separate clipping"
-            )
+        self.optim_cfg = optimizer_config(optim)
+        self.clip_mode = clip_mode(self.optim_cfg)
         self._grad_groups: tuple[list[nn.Parameter], list[bool]] | None = None
         self._flops_cache: dict[tuple[int, ...], float] = {}
         # Compiled callables, not submodules: checkpoints keep the plain `model.*` keys. Training and evaluation
@@ -251,113 +112,36 @@ class LitGPT(L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
-        """The `optim.optimizer` partial called with two parameter groups: the weights of 2+ dims (with the
-        optimizer's weight_decay) and the rest (biases, norms, weight_decay 0); `fused=True` on CUDA when the
-        optimizer takes it and the config does not set it. Then the warm-up + cosine schedule (`lr_at`), per step."""
-        o = self.optim_cfg
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
-        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-        make = optimizer_partial(o["optimizer"])
-        kwargs = {}
-        if "fused" not in make.keywords and "fused" in inspect.signature(make.func).parameters:
-            fused = next(self.model.parameters()).is_cuda or (
-                (trainer := attached_trainer(self)) is not None and trainer.strategy.root_device.type == "cuda"
-            )
-            kwargs["fused"] = fused or None
-        optimizer = make(groups, **kwargs)
-        max_steps = o.get("max_steps") or self.trainer.max_steps
-        if max_steps is None or max_steps < 1:
-            raise ValueError("set trainer.max_steps (or optim.max_steps) to a positive number for the cosine schedule")
-        schedule = dict(
-            lr=o["lr"], min_lr=o.get("min_lr", o["lr"] / 10), warmup_steps=o.get("warmup_steps", 0), max_steps=max_steps
+        """`nats.optim.configure_optimizers`: the `optim.optimizer` partial over two parameter groups (decay on
+        weights of 2+ dims), fused on CUDA, and the warm-up + cosine schedule, per step."""
+        cuda = next(self.model.parameters()).is_cuda or (
+            (trainer := attached_trainer(self)) is not None and trainer.strategy.root_device.type == "cuda"
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, **schedule) / o["lr"])
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        max_steps = self.optim_cfg.get("max_steps") or self.trainer.max_steps  # the trainer's only when needed
+        return configure_optimizers(self.model, self.optim_cfg, cuda=cuda, max_steps=max_steps)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Gradient clipping (`optim.grad_clip`, every optimizer step) and the gradient-norm metrics (only on
-        steps that Lightning writes to the loggers). Done here rather than by the Trainer, whose clipping
-        refuses fused optimizers. Lightning calls this once per optimizer step, after gradient accumulation
-        and after DDP's all-reduce (every rank clips the same gradient the same way); under bf16-mixed there is
-        no loss scaler, and a 16-mixed scaler has unscaled by now, so the gradients are final.
-
-        `optim.clip_mode`:
-          * ``global``: one norm over all parameters, clipped to grad_clip (torch.nn.utils.clip_grad_norm_,
-            bit for bit);
-          * ``separate`` (default): the type scorers' parameters (`scorer_parameters`) and the backbone's
-            (everything else) are clipped as two groups, to scorer_grad_clip (None = grad_clip) and grad_clip,
-            so that a large scorer gradient cannot shrink the backbone's update. Without scorers (dense
-            attention) this is the one group of ``global``, bit for bit.
-
-        Logged (pre-clip norms): ``train/grad_norm`` (all parameters, as before), ``train/grad_norm_backbone``,
-        ``train/grad_norm_scorer`` (models with scorers only), and with clipping on the factor applied to each
-        group's gradient, ``train/grad_clip_coef_backbone`` / ``train/grad_clip_coef_scorer`` (1 = unclipped).
-        """
+        """Gradient clipping (`optim.grad_clip`, every optimizer step; `nats.clipping.clip_gradients`, after
+        `optim.clip_mode`) and the gradient-norm metrics (only on steps that Lightning writes to the loggers,
+        as ``train/<name>``). Done here rather than by the Trainer, whose clipping refuses fused optimizers.
+        Lightning calls this once per optimizer step, after gradient accumulation and after DDP's all-reduce
+        (every rank clips the same gradient the same way); under bf16-mixed there is no loss scaler, and a
+        16-mixed scaler has unscaled by now, so the gradients are final."""
         o = self.optim_cfg
-        clip = o.get("grad_clip")
-        log = self._grad_norms_logged_now()
-        if not clip and not log:
+        measure = self._grad_norms_logged_now()
+        if not o.get("grad_clip") and not measure:
             return
-        params, is_scorer = self._grad_param_groups()
-        grads, scorer_mask = [], []
-        for p, s in zip(params, is_scorer):
-            if p.grad is not None:
-                grads.append(p.grad)
-                scorer_mask.append(s)
-        if not grads:
-            return
-        g_s = [g for g, s in zip(grads, scorer_mask) if s]
-        g_b = [g for g, s in zip(grads, scorer_mask) if not s]
-        separate = self.clip_mode == "separate" and bool(g_s)  # without scorer gradients: one group
-        # one launch of per-tensor norms; a group's norm is the norm of its stacked per-tensor norms in
-        # self.parameters() order, which is what clip_grad_norm_ computes (one device and dtype)
-        norms = torch._foreach_norm(grads)
-        dev = norms[0].device
-        norms = [n.to(dev) for n in norms]
-
-        def stacked_norm(select: bool | None) -> torch.Tensor | None:
-            sel = [n for n, s in zip(norms, scorer_mask) if select is None or s == select]
-            return torch.linalg.vector_norm(torch.stack(sel)) if sel else None
-
-        total = stacked_norm(None) if log or not separate else None
-        n_s = n_b = None
-        if g_s and (log or separate):
-            n_s, n_b = stacked_norm(True), stacked_norm(False)
-        elif not g_s:
-            n_b = total
-        coef_s = coef_b = None
-        if clip:
-            if separate:
-                s_clip = o.get("scorer_grad_clip")
-                coef_s = _clip_coef(n_s, clip if s_clip is None else s_clip)
-                _scale_(g_s, coef_s)
-                if g_b:
-                    coef_b = _clip_coef(n_b, clip)
-                    _scale_(g_b, coef_b)
-            else:
-                coef_b = _clip_coef(total, clip)
-                coef_s = coef_b if g_s else None
-                _scale_(grads, coef_b)
-        if log:
-            for name, value in (
-                ("grad_norm", total),
-                ("grad_norm_backbone", n_b),
-                ("grad_norm_scorer", n_s),
-                ("grad_clip_coef_backbone", coef_b),
-                ("grad_clip_coef_scorer", coef_s),
-            ):
-                if value is not None:
-                    self.log(f"train/{name}", value)
-
-    def _grad_param_groups(self) -> tuple[list[nn.Parameter], list[bool]]:
-        """The trainable parameters in self.parameters() order and, for each, whether it belongs to a type
-        scorer (`scorer_parameters`); computed once."""
         if self._grad_groups is None:
-            ids = {id(p) for p in scorer_parameters(self.model)}
-            params = [p for p in self.parameters() if p.requires_grad]
-            self._grad_groups = (params, [id(p) in ids for p in params])
-        return self._grad_groups
+            self._grad_groups = grad_param_groups(self, self.model)
+        metrics = clip_gradients(
+            *self._grad_groups,
+            clip=o.get("grad_clip"),
+            scorer_clip=o.get("scorer_grad_clip"),
+            mode=self.clip_mode,
+            measure=measure,
+        )
+        for name, value in metrics.items():
+            self.log(f"train/{name}", value)
 
     def _grad_norms_logged_now(self) -> bool:
         """`logs_written_now` for this module's trainer."""

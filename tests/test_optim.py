@@ -1,6 +1,6 @@
 """The optimizer as a partial config (conf/optim/*.yaml's `optimizer` node, lightning-hydra-template style): LitGPT
-builds the AdamW the hand-built code did, still accepts the flat `optim` of older checkpoints, and rejects keys it
-does not know, naming the valid ones."""
+builds the AdamW the hand-built code did, names the place of the retired flat optimizer keys of older configs, and
+rejects keys it does not know, naming the valid ones."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import compose
-from nats.lit import OPTIM_KEYS, LitGPT
+from nats.lit import LitGPT
+from nats.optim import OPTIM_KEYS
 from nats.train import build
 
 MODEL = {"vocab_size": 61, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 16, "bias": True}
@@ -47,8 +48,8 @@ def test_composed_config_builds_the_adamw_of_before(tmp_path):
     assert adamw_groups(opt) == adamw_groups(ref)
 
 
-def test_flat_optim_of_older_checkpoints():
-    """optim={"lr": ...} (tests/test_eval.py's checkpoints) and the flat keys of before still build their AdamW."""
+def test_optim_without_optimizer_node_is_the_default_adamw():
+    """optim={"lr": ...} (tests/test_eval.py's checkpoints): nats.optim.DEFAULT_OPTIMIZER, conf/optim's AdamW."""
     old = LitGPT(model=MODEL, optim={"lr": 1e-3, "max_steps": 5})
     opt = old.configure_optimizers()["optimizer"]
     assert type(opt) is torch.optim.AdamW
@@ -56,20 +57,20 @@ def test_flat_optim_of_older_checkpoints():
         (1e-3, (0.9, 0.95), 1e-8, 0.1),
         (1e-3, (0.9, 0.95), 1e-8, 0.0),
     ]
-    flat = {
-        "lr": 0.01,
-        "min_lr": 1e-4,
-        "warmup_steps": 2,
-        "max_steps": 5,
-        "weight_decay": 0.0,
-        "betas": [0.9, 0.999],
-        "eps": 1e-6,
-        "grad_clip": 1.0,
-        "clip_mode": "separate",
-        "scorer_grad_clip": None,
-    }
-    opt = LitGPT(model=MODEL, optim=flat).configure_optimizers()["optimizer"]
-    assert [(g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == [((0.9, 0.999), 1e-6, 0.0)] * 2
+
+
+@pytest.mark.parametrize("optimizer", [None, {"_target_": "torch.optim.AdamW", "_partial_": True}])
+def test_retired_flat_optimizer_keys_are_one_error(optimizer):
+    """The optimizer arguments beside lr (the format before the optimizer node) are an error naming their place."""
+    flat = {"lr": 0.01, "max_steps": 5, "weight_decay": 0.0, "betas": [0.9, 0.999]}
+    if optimizer is not None:
+        flat["optimizer"] = optimizer
+    with pytest.raises(ValueError) as err:
+        LitGPT(model=MODEL, optim=flat)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("optim.weight_decay, optim.betas: retired keys of an older config format")
+    assert "they are now optim.optimizer.weight_decay, optim.optimizer.betas" in message
 
 
 def test_another_optimizer_class():

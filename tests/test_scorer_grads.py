@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import compose
-from nats.lit import scorer_parameters
+from nats.clipping import scorer_parameters
 from nats.train import build
 
 INFLATE = 1e6  # what the scorer's gradient is multiplied by: the 2e3 -> 1e6 growth seen on GPT-2-small

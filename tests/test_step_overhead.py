@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import nats.lit
+import nats.optim
 import nats.train
 from conftest import compose
 from nats.attention.nats import NAtSAttention
@@ -159,7 +160,7 @@ def test_training_metrics_logged_after_the_backward_with_the_steps_lr(tmp_path, 
     rows = logged_rows(tmp_path)
 
     def lr(step):
-        return nats.lit.lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, max_steps=6)
+        return nats.optim.lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, max_steps=6)
 
     for step in (1, 3, 5):
         assert rows[step]["lr"] == pytest.approx(lr(step), rel=1e-6), (step, rows[step]["lr"], lr(step))
