@@ -28,7 +28,6 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +57,6 @@ TORCH_NAME = "pytorch_model.bin"
 MODEL_TYPE = "nats-gpt"
 # config.json keys that are not GPTConfig fields
 _META_KEYS = ("model_type",)
-# training-only switches a newer GPTConfig may have dropped (they do not change the weights or the forward's
-# result); a saved or checkpointed config that has them at their off value still loads
-_TRAINING_ONLY = ("lse_cross_entropy", "fused_cross_entropy")
 _CKPT_HINT = "pass the .ckpt of a nats-train run, e.g. logs/train/runs/<date>/checkpoints/last.ckpt"
 
 
@@ -74,13 +70,8 @@ def _has_safetensors() -> bool:
 
 def config_from_dict(cfg: Mapping[str, Any], where: str = "config") -> GPTConfig:
     """A GPTConfig from a saved dict (config.json or a checkpoint's hyper_parameters['model']): the metadata keys
-    dropped, training-only switches that this GPTConfig no longer has dropped when off; anything else unknown
-    is an error naming `where`."""
-    known = {f.name for f in fields(GPTConfig)}
+    dropped; anything unknown or retired (`GPTConfig.from_dict`) is an error naming `where`."""
     values = {k: v for k, v in dict(cfg).items() if k not in _META_KEYS}
-    for key in _TRAINING_ONLY:
-        if key in values and key not in known and not values[key]:
-            del values[key]
     try:
         return GPTConfig.from_dict(values)
     except (TypeError, ValueError) as err:

@@ -163,8 +163,15 @@ def test_wrap_keeps_dtype_and_loads_to_device(tmp_path):
 
 def test_config_from_dict():
     base = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16).to_dict()
-    # a config saved before a training-only switch was dropped from GPTConfig still loads when it is off
-    assert config_from_dict({**base, "model_type": "nats-gpt", "lse_cross_entropy": False}).to_dict() == base
+    assert config_from_dict({**base, "model_type": "nats-gpt"}).to_dict() == base
+    # a retired key is one line naming it and its replacement, whatever its value
+    with pytest.raises(ValueError) as err:
+        config_from_dict({**base, "lse_cross_entropy": False}, "old.json")
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith(
+        "old.json: not a nats GPT config (retired model config keys: model.lse_cross_entropy (now "
+        "model.fused_cross_entropy); delete them"
+    )
     with pytest.raises(ValueError, match="where.json: not a nats GPT config.*unknown model config keys"):
         config_from_dict({**base, "n_layers": 3}, "where.json")
 

@@ -48,10 +48,15 @@ def test_rope_is_relative():
     assert torch.allclose(s[5, 2], s[25, 22], atol=1e-5) and torch.allclose(s[9, 9], s[0, 0], atol=1e-5)
 
 
-def test_retired_config_key_is_dropped():
-    """Model configs saved before lse_cross_entropy was retired (checkpoints' hyper_parameters) still load."""
-    a = GPTConfig.from_dict({"n_layer": 2, "lse_cross_entropy": True})
-    assert a == GPTConfig(n_layer=2) and "lse_cross_entropy" not in a.to_dict()
+def test_retired_config_key_is_one_error():
+    """A model config saved before lse_cross_entropy was retired is one line naming the key that replaced it."""
+    with pytest.raises(ValueError) as err:
+        GPTConfig.from_dict({"n_layer": 2, "lse_cross_entropy": True})
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith(
+        "retired model config keys: model.lse_cross_entropy (now model.fused_cross_entropy); delete them from the "
+        "config"
+    )
     with pytest.raises(ValueError, match="unknown model config keys"):
         GPTConfig.from_dict({"n_layr": 2})
 

@@ -30,10 +30,8 @@ from nats.utils import settings_key
 from nats_kernels.cross_entropy import linear_cross_entropy
 
 OUTPUT_GATES = ("none", "headwise", "elementwise")
-# Config keys that older versions had and this one ignores: lse_cross_entropy (a log-sum-exp-only cross-entropy
-# with the value and gradient of F.cross_entropy, made obsolete by fused_cross_entropy), so that the model
-# configs saved in older checkpoints still load.
-RETIRED_KEYS = ("lse_cross_entropy",)
+# Config keys of older versions, each with what replaced it: an error naming both (see `GPTConfig.from_dict`).
+RETIRED_KEYS = {"lse_cross_entropy": "fused_cross_entropy"}
 
 
 # ----------------------------------------------------------------------------------------------------- config
@@ -100,8 +98,15 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> GPTConfig:
         """The config of a dict (a Hydra `model` node, a checkpoint's hyper_parameters["model"]); unknown keys are
-        an error, `RETIRED_KEYS` are dropped."""
-        cfg = {k: v for k, v in cfg.items() if k not in RETIRED_KEYS}
+        an error, and so are `RETIRED_KEYS`, naming the key that replaced each."""
+        retired = [k for k in cfg if k in RETIRED_KEYS]
+        if retired:
+            raise ValueError(
+                "retired model config keys: "
+                + ", ".join(f"model.{k} (now model.{RETIRED_KEYS[k]})" for k in retired)
+                + "; delete them from the config (a checkpoint's hyper_parameters['model'], a saved config.json), "
+                "setting the new key if wanted"
+            )
         known = {f.name for f in fields(cls)}
         unknown = set(cfg) - known
         if unknown:
