@@ -156,14 +156,21 @@ def test_version_mismatch_is_the_tested_range(version):
         assert reason is not None and ">=3.4,<3.10" in reason and version in reason
 
 
+def launched(caplog) -> tuple[FakeJit, _launch.Bound]:
+    """A `Bound` of a fake kernel called four times (`calls`), its results those of the kernel itself; the log of
+    the ``nats_kernels`` logger in ``caplog``."""
+    jit = FakeJit()
+    with caplog.at_level(logging.INFO, logger="nats_kernels"):
+        bound = _launch.Bound(jit, (3,), SCALE=2.0)
+        got, want = calls(bound)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    return jit, bound
+
+
 @pytest.mark.parametrize("version", ["3.4.0", "3.6.0", "3.9.0"])
 def test_a_tested_version_launches_directly(fake_triton, monkeypatch, version, caplog):
     monkeypatch.setattr(_launch, "TRITON_VERSION", version)
-    jit = FakeJit()
-    bound = _launch.Bound(jit, (3,), SCALE=2.0)
-    with caplog.at_level(logging.INFO, logger="nats_kernels"):
-        got, want = calls(bound)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    jit, bound = launched(caplog)
     assert jit.launches == 1 and jit.kernel.run.calls == 4 and bound.direct and bound.reason is None
     assert not caplog.records
 
@@ -173,14 +180,10 @@ def test_an_untested_version_keeps_tritons_launcher(fake_triton, monkeypatch, ve
     """Outside the tested range: every call through Triton's launcher, the same results, one warning naming the
     version and the range however many launches and `Bound`s."""
     monkeypatch.setattr(_launch, "TRITON_VERSION", version)
-    with caplog.at_level(logging.INFO, logger="nats_kernels"):
-        for _ in range(2):
-            jit = FakeJit()
-            bound = _launch.Bound(jit, (3,), SCALE=2.0)
-            got, want = calls(bound)
-            assert all(torch.equal(g, w) for g, w in zip(got, want))
-            assert jit.launches == 4 and jit.kernel.run.calls == 4 and not bound.direct
-            assert version in bound.reason and ">=3.4,<3.10" in bound.reason
+    for _ in range(2):
+        jit, bound = launched(caplog)
+        assert jit.launches == 4 and jit.kernel.run.calls == 4 and not bound.direct
+        assert version in bound.reason and ">=3.4,<3.10" in bound.reason
     assert len(caplog.records) == 1 and caplog.records[0].levelno == logging.WARNING
     message = caplog.records[0].getMessage()
     assert version in message and "launched through Triton's launcher" in message
@@ -190,11 +193,7 @@ def test_a_triton_without_knobs_keeps_tritons_launcher(fake_triton, monkeypatch,
     """A Triton reporting a tested version but without triton.knobs (its imports failed): Triton's launcher, said
     once."""
     monkeypatch.setattr(_launch, "_knobs", None)
-    jit = FakeJit()
-    bound = _launch.Bound(jit, (3,), SCALE=2.0)
-    with caplog.at_level(logging.INFO, logger="nats_kernels"):
-        got, want = calls(bound)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    jit, bound = launched(caplog)
     assert jit.launches == 4 and not bound.direct and "triton.knobs" in bound.reason
     assert len(caplog.records) == 1
 
