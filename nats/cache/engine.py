@@ -337,11 +337,13 @@ class EngineLayer(SegmentStorage):
         """A layer driven directly (`prefill`, then `maintain` and `step` per token)."""
         self.rule, self.context, self.core = rule, context, core
 
-    def install(self, plan: Plan, pool: Tensor) -> None:
+    def install(self, plan: Plan, pool: Tensor, real: Tensor, width: int) -> None:
         """Take a planned layer's buffers: the pool ``[2, P, D]`` (``plan.fill``), the rows' bookkeeping, the ring and
         the rule's own buffers where it has them, the prompt's area and peak where tracked (all marked static); then
-        the rule's ``setup``."""
+        the rule's ``setup``. ``real`` ``[R]``: each row's real prompt tokens, ``width``: the prompt's tokens, padding
+        included; the free steps a growing rule has (its planned room) and the bytes taken are known from here."""
         self.kv_pool, self.seg = pool, plan.rows
+        self.real, self.prompt_width = real, width
         if self.context.track:
             self.area, self.peak = plan.sizes.sum(-1).double(), plan.sizes.amax(-1)
         if plan.ring is not None:
@@ -350,6 +352,8 @@ class EngineLayer(SegmentStorage):
             setattr(self, name, value)
         self.rule.setup(self.context, self)
         mark_static(*self.own_tensors())
+        self.free_steps = self.context.room if self.rule.grows else None
+        self.peak_nbytes = self.nbytes()
 
     # ------------------------------------------------------------------ driven directly (eager)
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None = None, budget: int | None = None):
@@ -371,10 +375,8 @@ class EngineLayer(SegmentStorage):
             y = state.y
             if plan.sizes is None and state.sizes is not None:
                 plan.sizes = state.sizes.reshape(B * Hkv, N)
-        self.install(plan, plan.fill(rounded(int(plan.end) + 1)))  # + the scratch slot
-        self.real, self.prompt_width, self.t = torch.full_like(self.length, N), N, N
-        self.free_steps = ctx.room if rule.grows else None
-        self.peak_nbytes = self.nbytes()
+        self.install(plan, plan.fill(rounded(int(plan.end) + 1)), torch.full_like(plan.rows[1], N), N)  # + scratch
+        self.t = N
         return y
 
     def step(self, qr: Tensor, kr: Tensor, vr: Tensor, hidden: Tensor | None = None) -> Tensor:

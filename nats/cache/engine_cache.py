@@ -145,16 +145,10 @@ class EngineCache:
             layer.batch_size, layer.n_kv_head = k.shape[:2]
             layer.t = q.shape[2]
             return self._prefill(layer, q, k, v, hidden, pads)
-        ys = []
-        for i in range(q.shape[2]):
-            if self.auto_maintain:
-                layer.maintain()
-            p = pos if pos is not None else torch.full((1,), layer.t, dtype=torch.long, device=q.device)
-            x = None if hidden is None else hidden[:, i : i + 1]
-            s = slice(i, i + 1)
-            ys.append(self._decode(layer, q[:, :, s], k[:, :, s], v[:, :, s], x, p))
-            layer.t += 1
-        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
+        first = pos if pos is not None else torch.full((1,), layer.t, dtype=torch.long, device=q.device)
+        y = self._steps(layer, q, k, v, hidden, first)
+        layer.t += q.shape[2]
+        return y
 
     def __len__(self) -> int:
         return self.n_layer
@@ -271,15 +265,24 @@ class EngineCache:
         need = layout.size() + 1  # + the scratch slot (the last one) where skipped writes go
         fixed = None if self.row_slots is None else layout.rows.shape[-1] * self.row_slots + 1  # by the batch alone
         size = fixed if fixed is not None and need <= fixed else engine.rounded(need)
-        layer.install(plan, layout.fill(size))
+        layer.install(plan, layout.fill(size), self._real_rows, N)
         layer.ready = True
-        layer.real = self._real_rows
-        layer.prompt_width = N
-        layer.free_steps = layer.context.room if self.rule.grows else None
-        layer.peak_nbytes = layer.nbytes()
         self.installed(layer)
 
     # ------------------------------------------------------------------ decode (compiled by an adapter)
+    def _steps(self, layer, q, k, v, hidden, first: Tensor) -> Tensor:
+        """Decode steps of the layer's N new tokens in turn (teacher forcing), at positions ``first`` ``[1]``,
+        ``first + 1``, ..., each after the layer's growth check where the cache grows (``auto_maintain``,
+        `EngineLayer.maintain`). Returns the outputs ``[B, Hq, N, D]``."""
+        ys = []
+        for i in range(q.shape[2]):
+            if self.auto_maintain:
+                layer.maintain()
+            s = slice(i, i + 1)
+            x = None if hidden is None else hidden[:, s]
+            ys.append(self._decode(layer, q[:, :, s], k[:, :, s], v[:, :, s], x, first if i == 0 else first + i))
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
+
     def _decode(self, layer, q, k, v, hidden, pos) -> Tensor:
         """One decode step of every row of the layer: the new token (q ``[B, Hq, 1, D]``, k, v ``[B, Hkv, 1, D]``)
         at position ``pos`` ``[1]`` (padding included); device tensors only, no host synchronisation."""

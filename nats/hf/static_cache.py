@@ -245,14 +245,8 @@ class StaticPolicyCache(EngineCache, Cache):
         if N == 1 and not self.auto_maintain:  # the compiled fixed-capacity step
             pos = (layer.cumulative_length - 1).reshape(1)  # the new token's position (padding included)
             return self._decode(layer, query, k, v, hidden, pos)
-        ys = []  # eager steps: unknown lengths (growth first) or the tokens of a continuation, one at a time
-        for i in range(N):
-            if self.auto_maintain:
-                layer.maintain()
-            pos = (layer.cumulative_length - (N - i)).reshape(1)
-            s = slice(i, i + 1)
-            ys.append(self._decode(layer, query[:, :, s], k[:, :, s], v[:, :, s], hidden[:, s], pos))
-        return ys[0] if N == 1 else torch.cat(ys, dim=2)
+        # eager steps: unknown lengths (growth first) or the tokens of a continuation, one at a time
+        return self._steps(layer, query, k, v, hidden, (layer.cumulative_length - N).reshape(1))
 
 
 def _left_padding(attention_mask: Tensor | None, B: int, N: int, device) -> Tensor:
