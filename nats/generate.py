@@ -46,7 +46,7 @@ from nats.cache import decode
 from nats.cache.budget import resolve_budget
 from nats.cache.decode import check_graph, check_model
 from nats.cache.engine_cache import EngineCache
-from nats.cache.registry import available_caches, get_cache_class
+from nats.cache.registry import get_cache_class
 from nats.checks import check_hf_model, check_local_model
 from nats.cli import check_override_syntax, hydra_quoted, hydra_script
 from nats.utils import atomic_write, resolve_device
@@ -188,12 +188,7 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     prompt = enc.encode_ordinary(text) if text else [EOT]
     total = len(prompt) + new
     budget = resolve_budget(cfg.get("budget"), total, of=f"the {total} prompt + new tokens")
-    if budget is not None and not cls.budgeted:
-        raise ValueError(
-            f"cache policy {policy!r} keeps every token and takes no budget (got budget="
-            f"{cfg.budget}): drop budget= or choose a budgeted policy "
-            f"({', '.join(n for n in available_caches() if get_cache_class(n).budgeted)})"
-        )
+    cls.check_use(budget)
     options = _policy_options(cfg, policy)
     if cls.budgeted:  # before the (slow) model load; a budget >= the length keeps everything, as in generate
         cls.rule(**options).check_budget(budget, max(total, (budget or 0) + 1))
@@ -206,15 +201,7 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
             f"and cannot read this prompt"
         )
     check_model(model)
-    core = model.config.attention.get("name")
-    if cls.requires_core is not None and core != cls.requires_core:  # before the length checks of decoding
-        others = [
-            n for n in available_caches() if get_cache_class(n).requires_core is None and get_cache_class(n).decodable
-        ]
-        raise ValueError(
-            f"cache policy {policy!r} needs a model with {cls.requires_core} attention; this model "
-            f"uses attention {core!r}: decode it with {', '.join(others)}"
-        )
+    cls.check_core(model.config.attention.get("name"))  # before the length checks of decoding
     model = model.to(device=device, dtype=DTYPES[cfg.get("precision", "float32")]).eval()
     generator = None
     if float(cfg.temperature) > 0:

@@ -621,7 +621,7 @@ def test_budget_errors():
     refused = {  # (policy, max_len, budget): the message
         ("h2o", 64, 64): "budget B=64 >= N=64",
         ("streaming_llm", 64, 4): "too small for 4 attention sinks",
-        ("streaming_llm", 64, None): "needs a token budget",
+        ("streaming_llm", 64, None): "needs a budget",
         ("full", 64, 8): "takes no budget",
         ("h2o", 64, 1): "h2o: budget B=1 is too small",
         ("full", 100, None): "exceed the model's block_size",

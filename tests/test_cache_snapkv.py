@@ -372,7 +372,7 @@ def test_errors():
         make_caches(model, "adakv", 1, 40, budget=10, window=0)
     with pytest.raises(ValueError, match="budget B=40 >= N=40"):
         make_caches(model, "snapkv", 1, 40, budget=40, window=4)
-    with pytest.raises(ValueError, match="needs a token budget"):
+    with pytest.raises(ValueError, match="needs a budget"):
         make_caches(model, "snapkv", 1, 40)
     with pytest.raises(ValueError, match="beta must be >= 1"):
         make_caches(model, "pyramidkv", 1, 40, budget=10, window=4, beta=0.5)

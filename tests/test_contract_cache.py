@@ -161,3 +161,29 @@ def test_every_policy_has_a_config_composed_by_nats_eval(tmp_path):
         assert pcfg.name == name and get_cache_class(pcfg.name).name == name
         assert not pcfg.sequential or get_cache_class(name).decodable, name
     assert set(cfg.methods) <= set(cfg.policies)
+
+
+def _refusal(call) -> str:
+    with pytest.raises(ValueError) as err:
+        call()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_entry_point_refuses_a_misuse_in_the_rules_words(name):
+    """A budget where the policy takes none (or none where it needs one), and decoding with a prefill-only policy:
+    `FixedRule.check_use` words the refusal once, and the GPT path (make_caches, decoding) and the engine say it."""
+    from nats.cache.engine_cache import EngineCache
+
+    cls = get_cache_class(name)
+    model = model_for(cls)
+    cores = [b.attn.core if cls.requires_core else None for b in model.blocks]
+    wrong = None if cls.budgeted else 4  # the budget this policy must refuse
+    said = _refusal(lambda: cls.check_use(wrong, decode=False))
+    assert ("needs a budget" if cls.budgeted else "takes no budget") in said
+    assert said in _refusal(lambda: make_caches(model, name, 1, 8, budget=wrong))
+    assert said in _refusal(lambda: EngineCache(name, cores, reserve=None, budget=wrong, decodable=False))
+    if not cls.decodable:
+        said = _refusal(cls.check_decodes)
+        assert said in _refusal(lambda: policy_logits(model, tokens(), name, sequential=True, **budget_kw(cls, N)))
+        assert said in _refusal(lambda: EngineCache(name, cores, reserve=None, budget=4 if cls.budgeted else None))

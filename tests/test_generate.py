@@ -150,7 +150,7 @@ def test_errors(ckpts, tmp_path):
         ([dense, "policy=nats"], ValueError, "cache policy 'nats' needs a model with nats attention"),
         ([nats, "policy=h2o", "budget=0"], ValueError, "budget=0 must be a whole number of tokens >= 1"),
         ([nats, "policy=h2o", "budget=-4"], ValueError, "budget=-4 must be a whole number of tokens >= 1"),
-        ([nats, "policy=h2o"], ValueError, "needs a token budget"),
+        ([nats, "policy=h2o"], ValueError, "needs a budget"),
         ([nats, "policy=full", "budget=8"], ValueError, "takes no budget"),
         ([nats, "policy=h2o_dense", "budget=8"], ValueError, "parallel approximation and cannot decode"),
         ([nats, "policy=streaming_llm", "budget=3"], ValueError, "sinks"),

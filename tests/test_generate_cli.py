@@ -213,7 +213,7 @@ def test_another_console_script_answers_in_one_line(tmp_path):
         (["policy=streaming_llm", "budget=-2"], ValueError, "budget=-2 must be a whole number"),
         (["policy=h2o"], ValueError, "'h2o' needs a budget"),
         (["policy=full", "budget=4"], ValueError, "'full' takes no budget"),
-        (["policy=h2o_dense", "budget=4"], ValueError, "'h2o_dense' is evaluation-only"),
+        (["policy=h2o_dense", "budget=4"], ValueError, "'h2o_dense' is a parallel approximation"),
         (["policy=bogus"], ValueError, "unknown cache policy 'bogus'"),
         (["type_bias=[1.0,0.0,0.0]"], ValueError, "type_bias offsets NAtS scorers"),
     ],

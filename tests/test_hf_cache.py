@@ -102,7 +102,7 @@ def test_misuse_is_refused():
     use_policy_caches(plain)
     with pytest.raises(ValueError, match="attach_nats"):
         growing(plain, "nats", max_len=64)
-    with pytest.raises(ValueError, match="'nope' has no fixed-capacity form"):
+    with pytest.raises(ValueError, match="unknown cache policy 'nope'"):
         growing(plain, "nope", max_len=64)
     with pytest.raises(ValueError, match="'full' takes no budget"):
         growing(plain, "full", max_len=64, budget=8)

@@ -182,7 +182,7 @@ def test_errors():
     model = use_policy_caches(model)
     with pytest.raises(ValueError, match="needs NAtS scorers"):
         StaticPolicyCache(model, "nats", max_new_tokens=4)
-    with pytest.raises(ValueError, match="no fixed-capacity form.*evaluation-only"):
+    with pytest.raises(ValueError, match="is a parallel approximation and cannot decode"):
         StaticPolicyCache(model, "h2o_dense", max_new_tokens=4, budget=8)
     with pytest.raises(ValueError, match="needs a budget"):
         StaticPolicyCache(model, "streaming_llm", max_new_tokens=4)

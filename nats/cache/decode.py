@@ -32,7 +32,7 @@ from torch import Tensor
 
 from nats.attention.registry import ATTENTIONS, decodable_attention
 from nats.cache.engine_cache import EngineCache
-from nats.cache.registry import available_caches, get_cache_class
+from nats.cache.registry import get_cache_class
 from nats.cache.rule import FixedRule
 
 __all__ = [
@@ -86,16 +86,6 @@ def resolve_policy(policy: str | type[FixedRule]) -> type[FixedRule]:
     return get_cache_class(policy)
 
 
-def check_policy_budget(policy: str | type[FixedRule], budget: int | None, check_len: int, options: dict) -> None:
-    """Check a policy's budget: a budgeted policy's against sequences of `check_len` tokens and its `options`; the
-    others take none."""
-    cls = resolve_policy(policy)
-    if cls.budgeted:
-        cls.rule(**options).check_budget(budget, check_len)
-    elif budget is not None:
-        raise ValueError(f"cache policy {cls.name!r} takes no budget (got budget={budget})")
-
-
 def make_caches(
     model,
     policy: str | type[FixedRule],
@@ -137,14 +127,11 @@ def make_caches(
     unknown = sorted(set(options) - set(cls.accepted_options(options)))
     if unknown:
         raise TypeError(f"cache policy {policy!r} does not accept the options {unknown}")
-    check_policy_budget(cls, budget, budget_check_len or max_len, options)
-    if cls.requires_core is not None and any(b.attn.core.name != cls.requires_core for b in model.blocks):
-        others = [n for n in available_caches() if get_cache_class(n).requires_core is None]
-        raise ValueError(
-            f"cache policy {policy!r} needs a model with {cls.requires_core} attention (model.attention.name="
-            f"{cls.requires_core}); this model uses attention {c.attention.get('name')!r}: evaluate it with "
-            f"{', '.join(others)}"
-        )
+    cls.check_use(budget, decode=False)
+    if budget is not None:
+        cls.rule(**options).check_budget(budget, budget_check_len or max_len)
+    for block in model.blocks:
+        cls.check_core(block.attn.core.name)
     param = next(model.parameters())
     device = param.device if device is None else device
     cores = [b.attn.core if cls.requires_core is not None else None for b in model.blocks]
@@ -286,8 +273,8 @@ def policy_logits(
     B, N = idx.shape
     cls = resolve_policy(policy)
     caches = make_caches(model, cls, B, N, budget=budget, backend=backend, **options)
-    if not cls.decodable and sequential:
-        raise ValueError(f"cache policy {cls.name!r} is a parallel approximation and cannot decode token by token")
+    if sequential:
+        cls.check_decodes()
     with eval_mode(model):
         if not sequential:
             return prefill(model, caches, idx), caches
@@ -365,12 +352,7 @@ def generate(
             f"{model.config.block_size}: positions are kept, so shorten the prompt or generate fewer tokens"
         )
     cls = resolve_policy(policy)
-    if not cls.decodable:
-        decodable = [n for n in available_caches() if get_cache_class(n).decodable]
-        raise ValueError(
-            f"cache policy {cls.name!r} is a parallel approximation and cannot decode token by token: "
-            f"use one of {decodable}"
-        )
+    cls.check_decodes()
     caches = make_caches(
         model,
         cls,

@@ -31,7 +31,7 @@ from nats.cache.attention import resolve_backend
 from nats.cache.budget import check_budget_value, row_budgets
 from nats.cache.engine import EngineLayer, PoolLayout
 from nats.cache.registry import get_cache_class
-from nats.cache.rule import PromptState, RuleContext, fixed_policies
+from nats.cache.rule import PromptState, RuleContext
 
 __all__ = ["EngineCache", "LayerPort", "fixed_policy"]
 
@@ -39,13 +39,12 @@ __all__ = ["EngineCache", "LayerPort", "fixed_policy"]
 def fixed_policy(policy: str, who: str, decodable: bool = True):
     """The registered class of ``policy`` if it declares a fixed-capacity rule (and decodes, with ``decodable``), else
     a ValueError naming ``who``."""
-    fixed = fixed_policies(decodable)
-    if policy not in fixed:
-        raise ValueError(
-            f"{who}: policy {policy!r} has no fixed-capacity form; choose one of {', '.join(fixed)}"
-            " (evaluation-only policies do not decode)"
-        )
-    return get_cache_class(policy)
+    try:
+        cls = get_cache_class(policy)  # an unknown name fails with the registered ones
+        cls.check_use(1 if cls.budgeted else None, decode=decodable)  # the budget is checked with the cache
+    except ValueError as err:
+        raise ValueError(f"{who}: {err}") from None
+    return cls
 
 
 class EngineCache:
@@ -87,11 +86,8 @@ class EngineCache:
         self.cores, self.n_layer = list(cores), len(cores)
         if self.policy_cls.requires_core == "nats" and any(c is None for c in self.cores):
             raise ValueError(f"{who}: policy {policy!r} needs NAtS scorers: call nats.hf.attach_nats(model)")
-        if self.policy_cls.budgeted and budget is None:
-            raise ValueError(f"{who}: policy {policy!r} needs a budget (tokens, or a fraction in (0, 1))")
-        if budget is not None and not self.policy_cls.budgeted:  # it would be ignored: the policy keeps its own
-            raise ValueError(f"{who}: policy {policy!r} takes no budget (got budget={budget})")
         try:
+            self.policy_cls.check_use(budget, decode=decodable)
             check_budget_value(budget, "each row's prompt")
         except ValueError as err:
             raise ValueError(f"{who}: {err}") from None

@@ -97,14 +97,53 @@ class FixedRule:
         policies; a policy adds the checks its options need; the options alone are checked when the rule is made)."""
         if not self.budgeted:
             return
-        if budget is None:
-            raise ValueError(f"cache policy {self.name!r} needs a token budget (budget=B with 1 <= B < N)")
+        type(self).check_use(budget, decode=False)  # a budget at all
         if int(budget) != budget or budget < 1:
             raise ValueError(f"cache policy {self.name!r}: the budget must be a positive integer, got {budget!r}")
         if budget >= n:
             raise ValueError(
                 f"cache policy {self.name!r}: budget B={budget} >= N={n} tokens keeps everything (that is `full`); "
                 f"use a budget below N, e.g. N/2 = {n // 2}"
+            )
+
+    @classmethod
+    def check_use(cls, budget: Any = None, decode: bool = True) -> None:
+        """One clear ValueError unless the policy can be used as asked: it decodes (``decode``; the prefill-only
+        approximations do not), and it gets a budget if and only if it is budgeted (a budget given to another policy
+        would be ignored). Every entry point checks a request here (the budget's value: `check_budget`,
+        `nats.cache.budget.check_budget_value`)."""
+        if decode:
+            cls.check_decodes()
+        if cls.budgeted and budget is None:
+            raise ValueError(
+                f"cache policy {cls.name!r} needs a budget: budget=B (KV entries per layer and KV head, >= 1) or a "
+                "fraction in (0, 1) of the prompt"
+            )
+        if budget is not None and not cls.budgeted:
+            budgeted = [n for n in fixed_policies(decode) if _policy_class(n).budgeted]
+            raise ValueError(
+                f"cache policy {cls.name!r} takes no budget (got budget={budget}): drop the budget or choose a "
+                f"budgeted policy ({', '.join(budgeted)})"
+            )
+
+    @classmethod
+    def check_decodes(cls) -> None:
+        """One clear ValueError if the policy is a prefill-only approximation (``decodable = False``)."""
+        if not cls.decodable:
+            raise ValueError(
+                f"cache policy {cls.name!r} is a parallel approximation and cannot decode token by token: use one of "
+                f"{', '.join(fixed_policies())}"
+            )
+
+    @classmethod
+    def check_core(cls, core: str | None) -> None:
+        """One clear ValueError unless a model whose attention core is named ``core`` can run the policy
+        (``requires_core``: NAtS' cache needs NAtS' scorers)."""
+        if cls.requires_core is not None and core != cls.requires_core:
+            others = [n for n in fixed_policies() if _policy_class(n).requires_core is None]
+            raise ValueError(
+                f"cache policy {cls.name!r} needs a model with {cls.requires_core} attention (model.attention.name="
+                f"{cls.requires_core}); this model uses attention {core!r}: use one of {', '.join(others)}"
             )
 
     @classmethod
@@ -212,6 +251,12 @@ class AppendRule(FixedRule):
         layer.length.add_((~full).to(layer.length.dtype))
         write_kv(layer.kv_pool, dest, kr, vr)
         return attend(layer, qr, even=self.even_rows, backend=ctx.backend), layer.length
+
+
+def _policy_class(name: str) -> type[FixedRule]:
+    from nats.cache.registry import get_cache_class  # noqa: PLC0415  (the registry imports policies)
+
+    return get_cache_class(name)
 
 
 def fixed_policies(decodable: bool = True) -> tuple[str, ...]:

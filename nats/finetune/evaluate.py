@@ -100,8 +100,10 @@ def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
         if pcfg.get("kvpress"):  # a kvpress press (conf/kvpress/*.yaml; nats.finetune.kvpress_methods)
             runs += _plan_kvpress(cfg, method, pcfg)
             continue
-        if not cls.decodable:
-            raise ValueError(f"method {method!r} (policy {pcfg.name!r}) is evaluation-only and cannot decode")
+        try:
+            cls.check_use(0.5 if cls.budgeted else None)  # it decodes (the budgets are checked below)
+        except ValueError as err:
+            raise ValueError(f"method {method!r}: {err}") from None
         if cls.requires_core == "nats" and not has_scorers:
             raise ValueError(
                 f"method {method!r} needs scorers: pass scorers=<fine-tuning run>/scorers.pt (written by "

@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig
 
 from nats.cache.budget import check_budget_value, resolve_budget
-from nats.cache.registry import available_caches, get_cache_class
+from nats.cache.registry import get_cache_class
 
 
 def check_inputs(cfg: DictConfig) -> None:
@@ -35,22 +35,9 @@ def check_inputs(cfg: DictConfig) -> None:
     from nats.hf.pretrained import read_scorers, run_window, type_bias_of
 
     policy = str(cfg.policy)
-    cls = get_cache_class(policy)  # an unknown name fails here, with the registered ones
-    decodable = [n for n in available_caches() if get_cache_class(n).decodable]
-    if not cls.decodable:
-        raise ValueError(f"cache policy {policy!r} is evaluation-only and cannot decode: use one of {decodable}")
     budget = cfg.get("budget")
     check_budget_value(budget, "the prompt + new tokens")
-    if cls.budgeted and budget is None:
-        raise ValueError(
-            f"cache policy {policy!r} needs a budget: budget=B (KV entries per layer and KV head, >= 1) or a "
-            "fraction in (0, 1) of the prompt + new tokens"
-        )
-    if budget is not None and not cls.budgeted:
-        raise ValueError(
-            f"cache policy {policy!r} takes no budget (got budget={budget}): drop budget= or choose a budgeted "
-            f"policy ({', '.join(n for n in decodable if get_cache_class(n).budgeted)})"
-        )
+    get_cache_class(policy).check_use(budget)  # an unknown name fails here, with the registered ones
     scorers = cfg.get("scorers")
     if policy == "nats" and not scorers:
         raise ValueError("policy=nats needs the fine-tuned scorers: scorers=<run>/scorers.pt (or another policy)")
