@@ -11,8 +11,12 @@
 #   speed  Llama-3.1-8B's shape (random bf16 weights), 32k prompt, batch 1 and 8, 128 new tokens: the full cache and
 #          NAtS at 25% kept through nats-generate's loop (benchmarks/bench_hf_decode.py), the library of each version
 #          (the same benchmark script), one version after the other on an idle GPU
+#   decode GPT-2-small's shape (random bf16 weights), 32k prompt, batch 8: the GPT path's decode step (the full cache
+#          and NAtS, CUDA graphs) through each version's own benchmarks/bench_decode.py and library (the script
+#          reads the cache's internals, which the change renamed; BASE needs its benchmarks/ too)
 # WHEELS=<folder>: offline wheels (benchmarks/gpu_site.sh). PG19: the PG-19 subset (default ../shared/data/pg19-subset).
-# SPEED_METHODS (default: full nats), SPEED_BATCH (default: 1 8), SPEED_LIMIT (s per version, default 280).
+# SPEED_METHODS (default: full nats), SPEED_BATCH (default: 1 8), SPEED_LIMIT (s per version, default 280);
+# DECODE_LIMIT (s per version, default 150).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:?usage: bash experiments/gpu_carry_over.sh OUT BASE [STAGE...]}
@@ -70,7 +74,20 @@ for stage in $stages; do
         grep -E '^\||^Bandwidth' "$DEST/speed_$version.log" | tail -12
       done
       ;;
-    *) echo "unknown stage $stage (fig3 speed)" && exit 2 ;;
+    decode)
+      for version in base head; do
+        tree=$PWD
+        [ "$version" = base ] && tree=$BASE
+        links=$(mktemp -d)
+        ln -s "$tree/kernels" "$links/nats_kernels"
+        PYTHONPATH=$tree:$links${PYTHONPATH:+:$PYTHONPATH} timeout "${DECODE_LIMIT:-150}" python3 \
+          "$tree/benchmarks/bench_decode.py" --out "$DEST/decode_$version" --lengths 32768 --batch 8 \
+          --policies full,nats --modes graph >"$DEST/decode_$version.log" 2>&1 || echo "(decode $version stopped: exit $?)"
+        echo "== GPT decode, $version"
+        grep -E '^\||^Bandwidth|re-captures' "$DEST/decode_$version.log" | tail -8
+      done
+      ;;
+    *) echo "unknown stage $stage (fig3 speed decode)" && exit 2 ;;
   esac
   echo "($stage: $(($(date +%s) - t0)) s)"
 done

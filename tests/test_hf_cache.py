@@ -117,10 +117,10 @@ def test_misuse_is_refused():
 
 
 @pytest.mark.parametrize("policy", ["full", "nats"])
-def test_teacher_forcing_inside_continuing_equals_the_parallel_forward(policy):
-    """``with cache.continuing():`` a forward of several tokens extends the cached sequence (each token one decode
-    step, past the free slots planned: the pools grow) and predicts what the parallel forward over the whole sequence
-    predicts; outside, such a forward is refused as a second prompt, the cache unchanged."""
+def test_a_forward_of_several_tokens_continues_the_sequence(policy):
+    """A forward of several tokens through a cache that holds a sequence continues it (transformers' meaning of
+    ``past_key_values``; the rule's parallel continuation, past the free slots planned: the pools grow) and predicts
+    what the parallel forward over the whole sequence predicts."""
     if policy == "nats":
         model = attach_nats(tiny_model("llama"), window=4, init_std=0.5)
     else:
@@ -129,11 +129,8 @@ def test_teacher_forcing_inside_continuing_equals_the_parallel_forward(policy):
     cache = growing(model, policy, max_len=seq.shape[1])
     with torch.no_grad():
         first = model(seq[:, :PROMPT], use_cache=True, **cache_kwargs(model, cache)).logits
-        with pytest.raises(ValueError, match="make a new cache for each call"):
-            model(seq[:, PROMPT:], use_cache=True, **cache_kwargs(model, cache))
         assert int(cache.get_seq_length()) == cache.seen == PROMPT
-        with cache.continuing():
-            rest = model(seq[:, PROMPT:], use_cache=True, **cache_kwargs(model, cache)).logits
+        rest = model(seq[:, PROMPT:], use_cache=True, **cache_kwargs(model, cache)).logits
         full = model(seq).logits
     assert int(cache.get_seq_length()) == cache.seen == seq.shape[1]
     assert cache.reallocations() > 0  # more tokens than the free slots the prefill planned

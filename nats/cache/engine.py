@@ -55,6 +55,9 @@ __all__ = [
     "decode_splits",
     "pool_splits",
     "write_kv",
+    "segment_kv",
+    "chunk_attention",
+    "append_chunk",
     "attend",
     "pool_attention_op",
 ]
@@ -158,6 +161,37 @@ def write_kv(kv_pool: Tensor, dest: Tensor, k: Tensor, v: Tensor) -> None:
     functionalization copies the whole pool back at every layer and step (two copies of the cache per token,
     more bytes than the attention reads; tests/test_hf_static_cache.py inspects the compiled step)."""
     kv_pool.index_copy_(1, dest, torch.stack((k, v)))
+
+
+def segment_kv(layer) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's segment as dense tensors for a continuation's attention: keys and values ``[R, L, D]`` (L: the
+    longest row) and the slot index ``[L]`` (slot s of row r is valid where ``s < length[r]``). One host read (L)."""
+    L = max(int(layer.length.max()), 0)
+    slot = torch.arange(L, device=layer.seg.device)
+    idx = (layer.start[:, None] + slot).clamp(max=layer.kv_pool.shape[1] - 1)  # [R, L]
+    kv = layer.kv_pool[:, idx]  # [2, R, L, D]
+    return kv[0], kv[1], slot
+
+
+def chunk_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """A continuation's attention: queries ``q`` ``[R, G, n, D]`` (a row's GQA group) over its keys and values ``[R,
+    S, D]`` where ``mask`` ``[R, n, S]`` (bool; every query sees at least its own key). Returns ``[R, G, n, D]``."""
+    G = q.shape[1]
+    k = keys[:, None].expand(-1, G, -1, -1)
+    v = values[:, None].expand(-1, G, -1, -1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+
+
+def append_chunk(layer, keep: Tensor, k: Tensor, v: Tensor, base: Tensor) -> Tensor:
+    """Write the tokens of a continuation that each row keeps (``keep`` ``[R, n]``; k, v ``[R, n, D]``) in order
+    after the row's first ``base`` ``[R]`` tokens (its room made beforehand, `EngineLayer.make_room`); the others go to
+    the scratch slot. Sets and returns the rows' lengths."""
+    R, n, D = k.shape
+    rank = keep.long().cumsum(1) - 1
+    dest = torch.where(keep, layer.start[:, None] + base[:, None] + rank, layer.kv_pool.shape[1] - 1)
+    write_kv(layer.kv_pool, dest.reshape(-1), k.reshape(-1, D), v.reshape(-1, D))
+    layer.length.copy_(base + keep.sum(1))
+    return layer.length
 
 
 class SegmentStorage:
@@ -407,11 +441,26 @@ class EngineLayer(SegmentStorage):
         self.free_steps = free - 1
         return full
 
-    def grow(self) -> None:
-        """Lay the pool out again with `grown` capacities (every row: its tokens + their slack)."""
-        self.relayout(grown(self.length))
+    def grow(self, extra: int = 0) -> None:
+        """Lay the pool out again with `grown` capacities (every row: its tokens + ``extra`` + their slack)."""
+        self.relayout(grown(self.length + extra))
+        mark_static(self.kv_pool, self.seg)  # a compiled step's fixed buffers, as install marks them
         self.reallocations += 1
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
+
+    def make_room(self, n: int) -> bool:
+        """Before a continuation of a growing rule: at least ``n`` free slots in every row (one host read; a growth
+        where a row has fewer: True, the pool reallocated). The free steps are counted from what is left after n."""
+        if not self.rule.grows:
+            return False
+        free = int((self.cap - self.length).min())
+        grew = free < n
+        if grew:
+            self.grow(n)
+            free = int((self.cap - self.length).min())
+        if self.free_steps is not None:
+            self.free_steps = max(free - n, 0)
+        return grew
 
     # ------------------------------------------------------------------ measurements
     def record(self, size: Tensor) -> None:

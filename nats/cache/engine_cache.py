@@ -141,8 +141,11 @@ class EngineCache:
             layer.batch_size, layer.n_kv_head = k.shape[:2]
             layer.t = q.shape[2]
             return self._prefill(layer, q, k, v, hidden, pads)
-        first = pos if pos is not None else torch.full((1,), layer.t, dtype=torch.long, device=q.device)
-        y = self._steps(layer, q, k, v, hidden, first)
+        if q.shape[2] > 1:  # a continuation of the sequence (the next turn of a conversation)
+            y = self._extend(layer, q, k, v, hidden, layer.t if pos is None else int(pos))
+        else:
+            first = pos if pos is not None else torch.full((1,), layer.t, dtype=torch.long, device=q.device)
+            y = self._steps(layer, q, k, v, hidden, first)
         layer.t += q.shape[2]
         return y
 
@@ -278,6 +281,25 @@ class EngineCache:
             x = None if hidden is None else hidden[:, s]
             ys.append(self._decode(layer, q[:, :, s], k[:, :, s], v[:, :, s], x, first if i == 0 else first + i))
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
+
+    def _extend(self, layer, q, k, v, hidden, first: int) -> Tensor:
+        """The N tokens that continue every row's sequence at positions ``first`` .. ``first + N - 1``: the rule's
+        parallel `FixedRule.extend` after its rows' room is made for them (and for the reserve a fixed-capacity
+        caller decodes next; `EngineLayer.make_room`), else N decode steps in turn (`_steps`). The outputs ``[B, Hq,
+        N, D]``; the cache sizes recorded where tracked."""
+        B, Hq, N, D = q.shape
+        R = layer.seg.shape[1]
+        G = Hq // (R // B)
+        layer.make_room(N + (0 if self.auto_maintain else int(self.reserve or 0)))
+        out = self.rule.extend(layer.context, layer, self.cores[layer.layer_idx], q.reshape(R, G, N, D),
+                               k.reshape(R, N, D), v.reshape(R, N, D), hidden, first)  # fmt: skip
+        if out is None:
+            return self._steps(layer, q, k, v, hidden, torch.full((1,), first, dtype=torch.long, device=q.device))
+        y, sizes = out
+        if self.track:
+            layer.area.add_(sizes.sum(1).to(torch.float64))
+            torch.maximum(layer.peak, sizes.amax(1), out=layer.peak)
+        return y.reshape(B, Hq, N, D)
 
     def _decode(self, layer, q, k, v, hidden, pos) -> Tensor:
         """One decode step of every row of the layer: the new token (q ``[B, Hq, 1, D]``, k, v ``[B, Hkv, 1, D]``)

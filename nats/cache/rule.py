@@ -15,7 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nats.cache.engine import GROW_STEPS, attend, plan_rows, pool_fill, write_kv
+from nats.cache.engine import (
+    GROW_STEPS,
+    append_chunk,
+    attend,
+    chunk_attention,
+    plan_rows,
+    pool_fill,
+    segment_kv,
+    write_kv,
+)
 
 __all__ = ["RuleContext", "PromptState", "Plan", "FixedRule", "AppendRule", "fixed_policies"]
 
@@ -208,6 +217,16 @@ class FixedRule:
         where the context tracks: a rule may return None otherwise)."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ continuation
+    def extend(self, ctx: RuleContext, layer, core, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None,
+               first: int):  # fmt: skip
+        """The n tokens that continue a row's sequence at positions ``first`` .. ``first + n - 1`` (a conversation's
+        next turn; the rows' room made for n more tokens where the rule grows), in parallel: ``q`` ``[R, G, n, D]``,
+        ``k``, ``v`` ``[R, n, D]``, ``hidden`` ``[B, n, C]``. Returns ``(y [R, G, n, D], sizes [R, n] or None)``:
+        the same outputs, state and cache sizes as n decode steps in turn. None (the default): the engine runs the
+        n steps (`step`) one after the other."""
+        return None
+
     def kept(self, layer) -> Tensor:
         """Tokens each row holds now ``[R]``."""
         return layer.length
@@ -243,6 +262,18 @@ class AppendRule(FixedRule):
         cap = state.keep.sum(-1).view(R) + ctx.room
         keep, rank, rows, end = plan_rows(state.keep, cap)
         return Plan(rows, end, lambda size: pool_fill(keep, rank, rows, k, v, size))
+
+    def extend(self, ctx, layer, core, q, k, v, hidden, first):
+        # every held token and the chunk's causal part; every token appended (the room was made)
+        keys, values, slot = segment_kv(layer)
+        n = q.shape[2]
+        held = (slot[None, :] < layer.length[:, None])[:, None, :].expand(-1, n, -1)  # [R, n, L]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        mask = torch.cat((held, causal.expand(held.shape[0], -1, -1)), dim=-1)
+        y = chunk_attention(q, torch.cat((keys, k), 1), torch.cat((values, v), 1), mask)
+        sizes = layer.length[:, None] + torch.arange(1, n + 1, device=q.device) if ctx.track else None
+        append_chunk(layer, torch.ones(k.shape[:2], dtype=torch.bool, device=k.device), k, v, layer.length.clone())
+        return y, sizes
 
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
         scratch = layer.k_pool.shape[0] - 1

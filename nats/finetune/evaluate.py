@@ -207,9 +207,8 @@ def continue_one(model: Any, prompt: list[int], reference: list[int], cache: Any
     P = len(prompt)
     with torch.no_grad():
         logits = model(ids[:, :P], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits
-        if len(reference) > 1:  # the tokens that follow the prompt in the cache (a second prompt is refused)
-            with cache.continuing():
-                rest = model(ids[:, P:], use_cache=True, **cache_kwargs(model, cache)).logits
+        if len(reference) > 1:  # the tokens that follow the prompt: they continue the cached sequence
+            rest = model(ids[:, P:], use_cache=True, **cache_kwargs(model, cache)).logits
             logits = torch.cat([logits, rest], dim=1)
     logits = logits[0].float()
     nll = F.cross_entropy(logits, torch.tensor(reference, device=logits.device))

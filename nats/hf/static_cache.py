@@ -35,8 +35,6 @@ without a fixed-capacity rule (an evaluation-only approximation such as ``h2o_de
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,7 +45,7 @@ from nats.cache.engine import EngineLayer, mark_static
 from nats.cache.engine_cache import EngineCache, fixed_policy
 from nats.hf.buffers import CacheBuffers
 from nats.hf.cache import FixedRowsLayer
-from nats.hf.limits import check_context, context_length, reuse_message
+from nats.hf.limits import check_context, context_length
 
 
 class StaticPolicyLayer(FixedRowsLayer, EngineLayer):
@@ -88,8 +86,11 @@ class StaticPolicyLayer(FixedRowsLayer, EngineLayer):
                 check_context(owner.context, n, owner.max_new_tokens, "StaticPolicyCache",
                               "the max_new_tokens it was made for")  # fmt: skip
             self.lazy_initialization(key_states, value_states)
-        elif n > 1 and not owner.continuation:  # a new prompt (a decode step is one token: the compiled step has no
-            raise ValueError(reuse_message(owner, int(self.cumulative_length), "StaticPolicyCache"))  # check)
+        elif n > 1 and self.layer_idx == 0:  # a continuation (the next turn): within the context, with the reserve
+            check_context(owner.context, int(self.cumulative_length) + n, owner.max_new_tokens or 0,
+                          "StaticPolicyCache", "the max_new_tokens it was made for",
+                          what=None if owner.max_new_tokens else f"the {int(self.cumulative_length) + n} tokens "
+                          "of the conversation")  # fmt: skip
         # unknown lengths: the tokens so far, counted on the host (`auto_maintain`, a bool, is max_new_tokens is None:
         # the compiled step reads the flag, the same for every cache, not max_new_tokens, whose value it would guard)
         if self.layer_idx == 0 and owner.auto_maintain:
@@ -197,7 +198,6 @@ class StaticPolicyCache(EngineCache, Cache):
         self.n_head = config.num_attention_heads
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         self.context = context_length(config)  # prompt + max_new_tokens at most (nats.hf.limits)
-        self.continuation = False  # inside `continuing`: forwards of several tokens extend the sequence
         self.seen = 0  # tokens so far, counted on the host where the number of new tokens is unknown
         EngineCache.__init__(self, policy, cores, reserve=self.max_new_tokens, budget=budget, track=track,
                              prefill_kernel=prefill_kernel, backend=backend, row_slots=row_slots,
@@ -211,17 +211,6 @@ class StaticPolicyCache(EngineCache, Cache):
             for layer in self.layers:  # eager steps, each after its layer's growth check (EngineLayer.maintain)
                 layer.is_compileable = False
         Cache.__init__(self, layers=self.layers)
-
-    @contextlib.contextmanager
-    def continuing(self) -> Iterator[StaticPolicyCache]:
-        """Inside, forwards of several tokens feed the tokens that follow the sequence the cache holds (teacher
-        forcing: the model's positions follow ``get_seq_length``; each token one decode step); outside, such a forward
-        through a cache that holds tokens is refused as the prompt of a second ``generate`` call."""
-        self.continuation = True
-        try:
-            yield self
-        finally:
-            self.continuation = False
 
     def new_layer(self, layer_idx: int) -> StaticPolicyLayer:
         return StaticPolicyLayer(self, layer_idx)
@@ -245,7 +234,9 @@ class StaticPolicyCache(EngineCache, Cache):
         if N == 1 and not self.auto_maintain:  # the compiled fixed-capacity step
             pos = (layer.cumulative_length - 1).reshape(1)  # the new token's position (padding included)
             return self._decode(layer, query, k, v, hidden, pos)
-        # eager steps: unknown lengths (growth first) or the tokens of a continuation, one at a time
+        if N > 1:  # the tokens that continue the sequence (a conversation's next turn), in parallel where the rule can
+            return self._extend(layer, query, k, v, hidden, int(layer.cumulative_length) - N)
+        # an eager step (unknown lengths: growth first)
         return self._steps(layer, query, k, v, hidden, (layer.cumulative_length - N).reshape(1))
 
 

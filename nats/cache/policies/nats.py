@@ -35,7 +35,7 @@ from torch import Tensor
 
 from nats import functional as NF
 from nats.cache.attention import pool_attention, resolve_backend
-from nats.cache.engine import plan_rows, pool_fill
+from nats.cache.engine import append_chunk, chunk_attention, plan_rows, pool_fill, segment_kv
 from nats.cache.registry import register_cache
 from nats.cache.rule import FixedRule, Plan, PromptState, RuleContext
 
@@ -353,6 +353,56 @@ class NAtSRule(FixedRule):
             t = layer.last_type
             layer.type_counts.scatter_add_(1, t[:, None], torch.ones_like(t)[:, None])
         return y, size
+
+    def extend(self, ctx, layer, core, q, k, v, hidden, first):
+        """A continuation of n tokens at positions P0 = ``first`` .. P1 = P0 + n - 1 in parallel, with what n steps
+        would do: the types from the scorer (`scorer_types`' arithmetic; the type table's where it gives one), each
+        query over the NAtS mask of spec section 2 (the segment's globals always, its locals until a global of the
+        chunk has been queried, the ring's sliding tokens and the chunk's own for W positions, the chunk's globals
+        and locals as in a prompt), then the state after the last step: the locals dropped where the chunk has a
+        global, the chunk's globals and live locals appended, the ring holding the last W - 1 positions."""
+        R, G, n, D = q.shape
+        B, W = hidden.shape[0], layer.window
+        dev = q.device
+        z = (hidden @ core.scorer.weight.t()).to(hidden.dtype).float().view(B, n, -1, 3) + core.type_bias
+        t = z.argmax(-1).transpose(1, 2).reshape(R, n)  # [R, n]
+        table = layer.type_table
+        if table is not None:  # the given types of the chunk's positions within the table
+            pos = torch.arange(first, first + n, device=dev) - table.first_pos
+            inside = (pos >= 0) & (pos < table.table.shape[0])
+            given = table.table.index_select(0, pos.clamp(0, table.table.shape[0] - 1)).t()  # [R, n]
+            t = torch.where(inside & (given >= 0), given, t)
+        c = torch.arange(n, device=dev)
+        isg = t == GLOBAL
+        first_g = torch.where(isg, c, n).amin(1)  # the chunk's first global (n: none)
+        last_g = torch.where(isg, c, -1).amax(1)
+        keys, values, slot = segment_kv(layer)
+        seg = (slot[None, :] < layer.length[:, None])[:, None, :] & (
+            (slot[None, :] < layer.n_global[:, None])[:, None, :] | (c[None, :, None] <= first_g[:, None, None])
+        )  # [R, n, L]
+        w = torch.arange(W, device=dev)
+        p_w = (first - 1) - torch.remainder(first - 1 - w, W)  # the position ring slot w holds
+        ring = layer.ring_valid[:, None, :] & ((first + c)[:, None] - p_w[None, :] < W)[None]  # [R, n, W]
+        own = NF.nats_mask(t, W)  # [R, n, n]
+        mask = torch.cat((seg, ring, own), dim=-1)
+        y = chunk_attention(q, torch.cat((keys, layer.ring_k, k), 1), torch.cat((values, layer.ring_v, v), 1), mask)
+        sizes = mask.sum(-1) if ctx.track else None
+        # the state after the last query: the segment, then the ring, then the counters
+        keep = isg | ((t == LOCAL) & (c[None, :] > last_g[:, None]))
+        base = torch.where(first_g < n, layer.n_global, layer.length)
+        append_chunk(layer, keep, k, v, base)
+        layer.n_global.add_(isg.sum(1))
+        end = first + n - 1
+        p_end = end - torch.remainder(end - w, W)  # the position slot w holds after the chunk
+        mine = p_end >= first
+        idx = (p_end - first).clamp(0, n - 1)
+        layer.ring_kv.copy_(torch.where(mine[None, None, :, None], torch.stack((k, v))[:, :, idx], layer.ring_kv))
+        alive = p_end >= end - W + 2
+        layer.ring_valid.copy_(torch.where(mine[None, :], t[:, idx] == SLIDING, layer.ring_valid) & alive[None, :])
+        layer.last_type.copy_(t[:, -1])
+        if ctx.track:
+            layer.type_counts.add_((t[..., None] == torch.arange(3, device=dev)).sum(1))
+        return y, sizes
 
     def kept(self, layer):
         return layer.length + layer.ring_valid.sum(1)

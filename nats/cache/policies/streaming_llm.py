@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nats.cache.engine import attend, plan_rows, pool_fill, write_kv
+from nats.cache.engine import attend, chunk_attention, plan_rows, pool_fill, segment_kv, write_kv
 from nats.cache.registry import register_cache
 from nats.cache.rule import AppendRule, Plan, PromptState
 
@@ -94,6 +94,31 @@ class RingRule(AppendRule):
 
     def setup(self, ctx, layer):
         layer.sinks = int(self.sinks)
+
+    def extend(self, ctx, layer, core, q, k, v, hidden, first):
+        # by each token's write index m (the count when it was written; positions differ from it by a constant per
+        # row): query m_c sees key m_j iff m_j <= m_c and (m_j < sinks or m_c - m_j < cap - sinks), as the steps do
+        keys, values, slot = segment_kv(layer)
+        n, sinks = q.shape[2], layer.sinks
+        count, cap = layer.count[:, None], layer.cap[:, None]
+        recent = cap - sinks  # the ring's slots
+        last = count - 1  # the newest held token's index; slot s of the ring holds the latest index written there
+        held = last - torch.remainder(ring_slot(last, sinks, cap) - slot, recent.clamp(min=1))
+        held = torch.where(slot < sinks, slot, held)  # [R, L] each held slot's index
+        m = count + torch.arange(n, device=q.device)  # [R, n] the chunk's indices
+        m_keys = torch.cat((held, m), dim=1)  # [R, L + n]
+        valid = torch.cat((slot[None, :] < layer.length[:, None], torch.ones_like(m, dtype=torch.bool)), dim=1)
+        qi, kj = m[:, :, None], m_keys[:, None, :]
+        mask = valid[:, None, :] & (kj <= qi) & ((kj < sinks) | (qi - kj < recent[:, :, None]))
+        y = chunk_attention(q, torch.cat((keys, k), 1), torch.cat((values, v), 1), mask)
+        sizes = mask.sum(-1) if ctx.track else None
+        # the writes the steps would leave: a chunk token stays unless a later one of the chunk takes its slot
+        final = (m < sinks) | (m + recent > count + n - 1)
+        dest = torch.where(final, layer.start[:, None] + ring_slot(m, sinks, cap), layer.kv_pool.shape[1] - 1)
+        write_kv(layer.kv_pool, dest.reshape(-1), k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
+        layer.count.add_(n)
+        layer.length.copy_(torch.minimum(layer.count, layer.cap))
+        return y, sizes
 
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
         dest = layer.start + ring_slot(layer.count, layer.sinks, layer.cap)
