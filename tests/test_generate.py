@@ -157,7 +157,7 @@ def test_errors(ckpts, tmp_path):
         ([nats, "policy=lru"], ValueError, "lru"),
         ([nats, "max_new_tokens=200"], ValueError, "exceeds the model's block_size 64"),
         ([nats, "temperature=-1"], ValueError, "temperature must be >= 0"),
-        ([nats, "temperature=1", "top_k=0"], ValueError, "top_k must be >= 1"),
+        ([nats, "temperature=1", "top_k=0"], ValueError, "top_k must be a whole number >= 1"),
         ([nats, "num_samples=0"], ValueError, "num_samples must be >= 1"),
         ([nats, "precision=int8"], ValueError, "precision='int8'"),
         ([f"ckpt_path={tmp_path}/missing.ckpt"], FileNotFoundError, "does not exist"),

@@ -22,7 +22,6 @@ Positions are the original ones, so a sequence cannot outgrow the model's block_
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
@@ -34,6 +33,7 @@ from nats.attention.registry import ATTENTIONS, decodable_attention
 from nats.cache.engine_cache import EngineCache
 from nats.cache.registry import get_cache_class
 from nats.cache.rule import FixedRule
+from nats.sampling import check_sampling, sample
 
 __all__ = [
     "check_model",
@@ -292,19 +292,12 @@ def policy_logits(
         return torch.cat(out, dim=1), caches
 
 
-def _sample(logits: Tensor, temperature: float, top_k: int | None, generator, vocab_limit: int | None = None) -> Tensor:
-    """logits [B, V] -> next token [B, 1]: argmax at temperature 0, else a sample of softmax(logits / temperature)
-    over the top_k largest; ids >= vocab_limit never."""
+def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator,
+            vocab_limit: int | None = None) -> Tensor:  # fmt: skip
+    """logits [B, V] -> next token [B, 1] (`nats.sampling.sample`); ids >= vocab_limit never."""
     if vocab_limit is not None and vocab_limit < logits.size(-1):
         logits = logits[..., :vocab_limit]
-    if temperature == 0:
-        return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)
+    return sample(logits, temperature, top_k, top_p, generator)[:, None]
 
 
 def generate(
@@ -316,6 +309,7 @@ def generate(
     budget: int | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     vocab_limit: int | None = None,
     generator: torch.Generator | None = None,
     backend: str = "auto",
@@ -331,15 +325,13 @@ def generate(
     graph on CUDA (``graph="auto"``: when the caches allow it, `graph_capturable`; True insists, False decodes
     eagerly). The caches are planned for the `max_new_tokens` (``reserve``), so none reallocates while
     decoding. Greedy by default (``temperature=0``, as ``nats-generate`` and transformers' ``generate``); a
-    temperature > 0 samples softmax(logits / temperature) restricted to the `top_k` largest, from `generator`.
+    temperature > 0 samples softmax(logits / temperature) restricted to the `top_k` largest and the nucleus `top_p`,
+    from `generator`, on the device (`nats.sampling.sample`: no host synchronisation).
     Ids >= `vocab_limit` (e.g. the padding of a vocabulary rounded up) are never chosen. A dict `info` receives how
     the steps ran: ``decode`` ("cuda_graph" or "eager") and, for graphs, ``captures``."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or null (no cut), got {top_k}")
+    check_sampling(temperature, top_k, top_p)
     check_graph(graph)
     check_model(model)
     B, T = idx.shape
@@ -369,7 +361,7 @@ def generate(
     with eval_mode(model):
         logits = prefill(model, caches, idx)[:, -1]
         for s in range(max_new_tokens):
-            nxt = _sample(logits, temperature, top_k, generator, vocab_limit)
+            nxt = _sample(logits, temperature, top_k, top_p, generator, vocab_limit)
             out.append(nxt)
             if s + 1 < max_new_tokens:
                 logits = step(nxt[:, 0], T + s)

@@ -57,6 +57,25 @@ def _check_supported(model: nn.Module, what: str) -> None:
         )
 
 
+def _watch_generate(model: nn.Module) -> None:
+    """Wrap the model's ``prepare_inputs_for_generation`` (transformers' public hook of ``generate``, called with the
+    whole sequence before every forward) so that a cache with a ``history`` (`nats.hf.StaticPolicyCache`) checks a
+    continued conversation at a call's first forward (``is_first_iteration``: the prompt must continue the tokens it
+    holds, `StaticPolicyCache.check_history`) and keeps a reference to the sequence it will hold after each forward
+    (no copy, no host read at the decode steps). `detach_hooks` removes the wrapper."""
+    original = model.prepare_inputs_for_generation
+
+    def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+        cache = cache_from_kwargs(kwargs)
+        if hasattr(cache, "check_history"):
+            if kwargs.get("is_first_iteration"):
+                cache.check_history(input_ids, kwargs.get("attention_mask"), "model.generate")
+            cache.history = input_ids  # what the cache holds after this forward
+        return original(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare_inputs_for_generation
+
+
 def attach_hooks(model: nn.Module) -> nn.Module:
     """Route the model's attention through the ``"nats"`` attention function (registered when `nats.hf` is
     imported): add the pre-hooks that stash each attention module's input and cache, select it in the config.
@@ -69,6 +88,7 @@ def attach_hooks(model: nn.Module) -> nn.Module:
         attn = layer.self_attn
         attn._nats_hidden = attn._nats_cache = None
         hooks.append(attn.register_forward_pre_hook(_stash_hidden, with_kwargs=True))
+    _watch_generate(model)
     model._nats_hf = {"hooks": hooks, "attn_implementation": model.config._attn_implementation, "window": None}
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     return model

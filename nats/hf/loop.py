@@ -32,6 +32,7 @@ from torch import Tensor
 
 from nats.hf.compat import cache_kwargs, takes_cache_position
 from nats.hf.limits import check_context, check_unused, context_length
+from nats.sampling import check_sampling, sample
 from nats.utils import settings_key
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled decode steps, by key
@@ -80,16 +81,6 @@ def decode_step(
     return steps[key]
 
 
-def _choose(logits: Tensor, temperature: float, top_k: int | None, generator) -> Tensor:
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k:
-        kth = logits.topk(min(int(top_k), logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
-
-
 @torch.no_grad()
 def generate(
     model,
@@ -102,24 +93,35 @@ def generate(
     pad_token_id: int | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
     compile: bool | str | None = None,
     check_every: int = 32,
+    streamer: Any = None,
     on_prefill: Callable[[], None] | None = None,
     inductor: Mapping[str, Any] | None = None,
 ) -> Tensor:
     """``ids`` ``[B, P]`` (left-padded where ``attention_mask`` has zeros) and up to ``max_new_tokens`` tokens after
-    them, ``[B, P + n]``: greedy (``temperature`` 0) or sampled. With ``eos_token_id``, a row's tokens after its end
-    token are ``pad_token_id`` and decoding stops once every row has ended (checked every ``check_every`` tokens,
-    the only host reads before the end). ``compile``: the step compiled with CUDA graphs (default: on CUDA with a
-    cache planned for its tokens; a backend's name: compiled by it, without CUDA graphs). ``on_prefill``: called
-    once, after the prompt's forward and the first token's choice are queued and before the first decode step is (a
-    benchmark synchronises there and times the decode steps alone). ``inductor``: inductor settings of the compiled
-    step over `STEP_INDUCTOR`'s (`decode_step`; default: those alone)."""
+    them, ``[B, P + n]``: greedy (``temperature`` 0) or sampled on the device (`nats.sampling.sample`: ``top_k``,
+    ``top_p``, ``generator``). With ``eos_token_id``, a row's tokens after its end token are ``pad_token_id`` and
+    decoding stops once every row has ended (checked every ``check_every`` tokens, the only host reads before the
+    end). ``compile``: the step compiled with CUDA graphs (default: on CUDA with a cache planned for its tokens; a
+    backend's name: compiled by it, without CUDA graphs). ``on_prefill``: called once, after the prompt's forward and
+    the first token's choice are queued and before the first decode step is (a benchmark synchronises there and
+    times the decode steps alone). ``inductor``: inductor settings of the compiled step over `STEP_INDUCTOR`'s
+    (`decode_step`; default: those alone).
+
+    **A conversation**: through a `nats.hf.StaticPolicyCache` that holds one already (an earlier call's prompt and
+    tokens), ``ids`` is the conversation so far followed by the new text (as the chat template renders it); only the
+    tokens after those the cache holds are prefilled, onto what it kept (`nats.hf.StaticPolicyCache.check_history`
+    refuses ids that do not extend them, in one line). ``streamer``: an object with transformers' streamer interface
+    (``put(tokens)``, ``end()``; e.g. ``TextStreamer``): it gets ``ids`` first, then the new tokens ``[B, k]`` every
+    ``check_every`` tokens (one host read per ``check_every`` tokens, none per token) and ``end()``."""
+    check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
         return ids
     B, P = ids.shape
-    check_request(model, P, cache, max_new_tokens)
+    past = check_request(model, P, cache, max_new_tokens, attention_mask, ids)
     device = ids.device
     grows = bool(getattr(cache, "auto_maintain", False))  # made without max_new_tokens: eager steps, growth
     if grows and compile:
@@ -131,11 +133,18 @@ def generate(
     if attention_mask is not None and bool((attention_mask == 1).all()):
         attention_mask = None
     position = None if attention_mask is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=attention_mask, position_ids=position, use_cache=True, logits_to_keep=1,
-                **({"cache_position": torch.arange(P, device=device)} if takes_cache_position(model) else {}),
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    if hasattr(cache, "history"):  # while the call runs the cache's tokens are not those of a finished call
+        cache.history = None
+    new = ids[:, past:]
+    out = model(input_ids=new, attention_mask=attention_mask, use_cache=True, logits_to_keep=1,
+                position_ids=(torch.arange(past, P, device=device)[None].expand(B, -1) if position is None
+                              else position[:, past:]),
+                **({"cache_position": torch.arange(past, P, device=device)} if takes_cache_position(model) else {}),
                 **cache_kwargs(model, cache))  # fmt: skip
     tokens = torch.empty(B, max_new_tokens, dtype=ids.dtype, device=device)
-    cur = _choose(out.logits[:, -1].float(), temperature, top_k, generator)[:, None].to(ids.dtype)  # [B, 1]
+    cur = sample(out.logits[:, -1].float(), temperature, top_k, top_p, generator)[:, None].to(ids.dtype)  # [B, 1]
     tokens[:, :1] = cur
     del out
     eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
@@ -154,11 +163,16 @@ def generate(
     pos = (torch.full((B, 1), P, device=device) if position is None else position[:, -1:] + 1).long()
     cache_pos = torch.full((1,), P, dtype=torch.long, device=device)
     n = max_new_tokens
+    streamed = 0  # new tokens handed to the streamer
     graphs = compiled_graphs()
     for t in range(1, max_new_tokens):
-        if eos is not None and t % check_every == 0 and bool(done.all()):
-            n = t
-            break
+        if t % check_every == 0:  # one host read every check_every tokens: the streamer's tokens, the end tokens
+            if streamer is not None:
+                streamer.put(tokens[:, streamed:t].cpu())
+                streamed = t
+            if eos is not None and bool(done.all()):
+                n = t
+                break
         if compile is True:  # CUDA graphs: a new replay; its inputs are copied into the graph's own buffers
             torch.compiler.cudagraph_mark_step_begin()
         # the token as a tensor of its own (a column of `tokens` would carry its row stride, max_new_tokens, into
@@ -167,7 +181,7 @@ def generate(
             torch._dynamo.maybe_mark_dynamic(cur, 0)
             torch._dynamo.maybe_mark_dynamic(pos, 0)
         logits = step(cur, pos, cache_pos, cache)
-        nxt = _choose(logits, temperature, top_k, generator)
+        nxt = sample(logits, temperature, top_k, top_p, generator)
         if done is not None:
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             done |= torch.isin(nxt, eos)
@@ -177,15 +191,28 @@ def generate(
         cache_pos += 1
     if compiled_graphs() != graphs:  # the compiler's garbage (reference cycles) holds the cache it traced: free it
         gc.collect()
-    return torch.cat([ids, tokens[:, :n]], dim=1)
+    result = torch.cat([ids, tokens[:, :n]], dim=1)
+    if hasattr(cache, "history"):  # the tokens it holds: all but the last chosen one, which no forward has fed
+        cache.history = result[:, : P + n - 1]
+    if streamer is not None:
+        streamer.put(tokens[:, streamed:n].cpu())
+        streamer.end()
+    return result
 
 
-def check_request(model, prompt: int, cache, max_new_tokens: int, who: str = "nats.hf.loop.generate") -> None:
-    """Refuse, before any work, one line each: a ``cache`` that holds tokens of an earlier call, more
-    ``max_new_tokens`` than it was made for (`nats.hf.StaticPolicyCache`'s ``max_new_tokens``; another cache's
-    ``get_max_cache_shape()`` for prompt + new tokens), a ``prompt`` (tokens, padding included) + ``max_new_tokens``
-    beyond ``model``'s context."""
-    check_unused(cache, who)
+def check_request(model, prompt: int, cache, max_new_tokens: int, attention_mask: Tensor | None = None,
+                  ids: Tensor | None = None, who: str = "nats.hf.loop.generate") -> int:  # fmt: skip
+    """Refuse, before any work, one line each: ``ids`` (the prompt, ``prompt`` tokens padding included) that do not
+    extend what a `nats.hf.StaticPolicyCache` holds (`StaticPolicyCache.check_history`; another cache must be
+    unused), more ``max_new_tokens`` than it was made for (``max_new_tokens``; another cache's
+    ``get_max_cache_shape()`` for prompt + new tokens), ``prompt`` + ``max_new_tokens`` beyond ``model``'s context.
+    Returns the tokens the cache holds already (0: a fresh cache)."""
+    check = getattr(cache, "check_history", None)
+    if check is not None and ids is not None:
+        past = check(ids, attention_mask, who)
+    else:
+        check_unused(cache, who)
+        past = 0
     name = type(cache).__name__
     planned = getattr(cache, "max_new_tokens", None)
     if planned is not None and max_new_tokens > planned:
@@ -201,6 +228,7 @@ def check_request(model, prompt: int, cache, max_new_tokens: int, who: str = "na
             f"exceeds the {limit} tokens this {name} was made for: make a larger one"
         )
     check_context(context_length(model.config), prompt, max_new_tokens, who)
+    return past
 
 
 def compiled_graphs() -> int:

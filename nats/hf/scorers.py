@@ -127,6 +127,8 @@ def detach_nats(model: nn.Module) -> nn.Module:
             delattr(layer.self_attn, SCORER_NAME)
         layer.self_attn._nats_hidden = layer.self_attn._nats_cache = None
     model.config._attn_implementation = state["attn_implementation"]
+    if "prepare_inputs_for_generation" in vars(model):  # the generate hook (nats.hf.hooks), the class's method again
+        del model.prepare_inputs_for_generation
     model._nats_hf = None
     return model
 

@@ -199,6 +199,9 @@ class StaticPolicyCache(EngineCache, Cache):
         self.max_len = int(max_len or getattr(config, "max_position_embeddings", 0) or 0)
         self.context = context_length(config)  # prompt + max_new_tokens at most (nats.hf.limits)
         self.seen = 0  # tokens so far, counted on the host where the number of new tokens is unknown
+        # the token ids the cache holds [B, T] (set by generate: nats.hf.loop.generate at its end, model.generate at
+        # each step through the hook of nats.hf.hooks); None while a call runs or after a forward outside generate
+        self.history: Tensor | None = None
         EngineCache.__init__(self, policy, cores, reserve=self.max_new_tokens, budget=budget, track=track,
                              prefill_kernel=prefill_kernel, backend=backend, row_slots=row_slots,
                              who="StaticPolicyCache", **options)  # fmt: skip
@@ -211,6 +214,36 @@ class StaticPolicyCache(EngineCache, Cache):
             for layer in self.layers:  # eager steps, each after its layer's growth check (EngineLayer.maintain)
                 layer.is_compileable = False
         Cache.__init__(self, layers=self.layers)
+
+    def check_history(self, ids: Tensor, attention_mask: Tensor | None = None, who: str = "StaticPolicyCache") -> int:
+        """The tokens of ``ids`` ``[B, T]`` the cache holds already (0: a fresh cache), after one line refusing ids
+        that do not continue them: a generate call through a cache that holds a conversation must pass the
+        conversation so far (its earlier prompts and generated tokens, as the cache saw them) followed by new tokens,
+        all real (``attention_mask`` 1 after the held tokens). One host read of the held length and one comparison."""
+        held = int(self.get_seq_length()) if self.layers[0].is_initialized else 0
+        if not held:
+            return 0
+        hist = self.history
+        if hist is None or hist.shape[1] != held:
+            raise ValueError(
+                f"{who}: this cache holds {held} tokens that did not come from a finished generate call (a forward "
+                "outside generate, or a call that stopped): their ids are unknown, so no prompt can be checked "
+                "against them; make a new cache"
+            )
+        T = ids.shape[1]
+        same = ids.shape[0] == hist.shape[0] and T > held and torch.equal(ids[:, :held].to(hist.device), hist)
+        if not same:
+            raise ValueError(
+                f"{who}: the prompt ({tuple(ids.shape)}) does not continue the conversation this cache holds "
+                f"({hist.shape[0]} x {held} tokens): pass the conversation so far followed by the new text (as the "
+                "chat template renders it), or make a new cache for another prompt"
+            )
+        if attention_mask is not None and not bool(attention_mask[:, held:].all()):
+            raise ValueError(
+                f"{who}: padding after the {held} tokens the cache holds: a conversation's new tokens must all be "
+                "real (continue each conversation with its own cache, or give every row a new text of one length)"
+            )
+        return held
 
     def new_layer(self, layer_idx: int) -> StaticPolicyLayer:
         return StaticPolicyLayer(self, layer_idx)
