@@ -156,11 +156,13 @@ def pool_fill(keep: Tensor, rank: Tensor, rows: Tensor, k: Tensor, v: Tensor, si
 
 
 def write_kv(kv_pool: Tensor, dest: Tensor, k: Tensor, v: Tensor) -> None:
-    """Write the rows' new keys and values ``k``, ``v`` ``[R, D]`` into slots ``dest`` ``[R]`` of the pool ``[2, P,
-    D]``: one in-place op on the pool itself. Written through its key and value views instead, a compiled step's
-    functionalization copies the whole pool back at every layer and step (two copies of the cache per token,
-    more bytes than the attention reads; tests/test_hf_static_cache.py inspects the compiled step)."""
-    kv_pool.index_copy_(1, dest, torch.stack((k, v)))
+    """Write the rows' new keys and values ``k``, ``v`` (``[R, D]``, or ``[B, Hkv, D]`` views, e.g. of a fused qkv
+    product: rows ``r = b * Hkv + h``) into slots ``dest`` ``[R]`` of the pool ``[2, P, D]``: one stack (which reads
+    strided views as they are) and one in-place op on the pool itself. Written through its key and value views
+    instead, a compiled step's functionalization copies the whole pool back at every layer and step (two copies of the
+    cache per token, more bytes than the attention reads; tests/test_hf_static_cache.py inspects the compiled
+    step)."""
+    kv_pool.index_copy_(1, dest, torch.stack((k, v)).reshape(2, -1, k.shape[-1]))
 
 
 def segment_kv(layer) -> tuple[Tensor, Tensor, Tensor]:

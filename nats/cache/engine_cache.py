@@ -308,8 +308,10 @@ class EngineCache:
         R = layer.seg.shape[1]
         G = Hq // (R // B)
         x = None if hidden is None else hidden.reshape(B, -1)
-        y, size = self.rule.step(layer.context, layer, self.cores[layer.layer_idx], q.reshape(R, G, D),
-                                 k.reshape(R, D), v.reshape(R, D), pos, x)  # fmt: skip
+        # k and v as [B, Hkv, D] views where the projection wrote them: a rule reads them through their strides (the
+        # fused kernels, one stack in write_kv), not after a copy per tensor (two kernels a layer and step)
+        y, size = self.rule.step(layer.context, layer, self.cores[layer.layer_idx], q.reshape(R, G, D), k[:, :, 0],
+                                 v[:, :, 0], pos, x)  # fmt: skip
         if self.track:
             layer.record(size)
         return y.reshape(B, Hq, 1, D)

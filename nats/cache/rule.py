@@ -7,6 +7,7 @@ selecting policies); every other policy's rule lives in its own file of `nats.ca
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nats.cache.attention import resolve_backend
 from nats.cache.engine import (
     GROW_STEPS,
     append_chunk,
@@ -212,7 +214,8 @@ class FixedRule:
     # ------------------------------------------------------------------ decode
     def step(self, ctx: RuleContext, layer, core, qr: Tensor, kr: Tensor, vr: Tensor, pos: Tensor,
              hidden: Tensor) -> Tensor:  # fmt: skip
-        """Admit the new token of every row (``kr``, ``vr`` ``[R, D]``, position ``pos`` ``[1]``), attend
+        """Admit the new token of every row (``kr``, ``vr`` ``[B, Hkv, D]``, row ``r = b * Hkv + h``, possibly strided
+        views: `nats.cache.engine.write_kv` and NAtS' kernels read them as they are; position ``pos`` ``[1]``), attend
         (``qr`` ``[R, G, D]``) and return ``(y [R, G, D], size [R])``: the keys each row's query read (read only
         where the context tracks: a rule may return None otherwise)."""
         raise NotImplementedError
@@ -276,12 +279,29 @@ class AppendRule(FixedRule):
         return y, sizes
 
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
-        scratch = layer.k_pool.shape[0] - 1
-        full = layer.length >= layer.cap
-        dest = torch.where(full, torch.full_like(layer.start, scratch), layer.start + layer.length)
-        layer.length.add_((~full).to(layer.length.dtype))
-        write_kv(layer.kv_pool, dest, kr, vr)
+        compiled = kr.is_cuda and not torch.compiler.is_compiling()
+        compiled = compiled and resolve_backend(ctx.backend, kr.device) == "triton"
+        (_compiled_append() if compiled else append_step)(layer.kv_pool, layer.seg, kr, vr)
         return attend(layer, qr, even=self.even_rows, backend=ctx.backend), layer.length
+
+
+def append_step(kv_pool: Tensor, seg: Tensor, k: Tensor, v: Tensor) -> None:
+    """An appending step's writes: every row's new key and value after its tokens, its length + 1; a full row's go to
+    the scratch slot (the last) and its length stays."""
+    start, length, cap = seg[0], seg[1], seg[2]
+    full = length >= cap
+    dest = torch.where(full, torch.full_like(start, kv_pool.shape[1] - 1), start + length)
+    length.add_((~full).to(length.dtype))
+    write_kv(kv_pool, dest, k, v)
+
+
+@functools.cache
+def _compiled_append():
+    """`append_step` compiled once per process (every layer's buffers are its inputs): inductor's combo kernels launch
+    its comparisons, the stack of the strided key and value and the writes as one or two kernels where eager launches
+    six, at every layer of a decode step that runs outside an enclosing compile (the GPT path's CUDA graph; the
+    transformers step traces it into its own graph)."""
+    return torch.compile(append_step, fullgraph=True, dynamic=True, options={"combo_kernels": True})
 
 
 def _policy_class(name: str) -> type[FixedRule]:

@@ -155,6 +155,7 @@ class H2ORule(FixedRule):
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
         R, B = layer.slot_pos.shape
         kv = layer.kv_pool[:, : R * B].view(2, R, B, -1)
+        kr, vr = kr.reshape(R, -1), vr.reshape(R, -1)  # rows (the engine passes [B, Hkv, D] views)
         y, held = h2o_step(kv[0], kv[1], layer.slot_pos, layer.score, kr, vr, qr, pos, B, layer.h2o_recent,
                            layer.h2o_zero, write=lambda flat, k, v: write_kv(layer.kv_pool, flat, k, v))  # fmt: skip
         layer.length.copy_(held)

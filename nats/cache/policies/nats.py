@@ -168,6 +168,7 @@ def nats_decode(q: Tensor, x: Tensor, w_s: Tensor, bias: Tensor, pos: Tensor, ro
         return kernel(q, k_new, v_new, pos, t, k_pool, v_pool, start, length, n_global, ring_k, ring_v, ring_valid,
                       x=x, w_s=w_s, bias=bias, cap=cap, types=types,
                       types_from=None if types is None else types_from)  # fmt: skip
+    k_new, v_new = k_new.reshape(-1, k_new.shape[-1]), v_new.reshape(-1, v_new.shape[-1])  # rows [R, D]
     scratch = torch.full_like(start, k_pool.shape[0] - 1)  # the pool's last slot takes the skipped writes
     new = scorer_types(x, w_s, bias, pos)
     if types is not None:
