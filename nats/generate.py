@@ -49,6 +49,7 @@ from nats.cache.engine_cache import EngineCache
 from nats.cache.registry import get_cache_class
 from nats.checks import check_hf_model, check_local_model
 from nats.cli import check_override_syntax, hydra_quoted, hydra_script
+from nats.generation_report import summary
 from nats.utils import atomic_write, resolve_device
 
 log = logging.getLogger(__name__)
@@ -178,8 +179,14 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("precision", "float32") not in DTYPES:
         raise ValueError(f"precision={cfg.precision!r} is not one of {sorted(DTYPES)}")
     device = resolve_device(str(cfg.get("device", "auto")))
+    if cfg.get("chat") and cfg.get("hf_model") is None:
+        raise ValueError("chat=true needs a transformers chat model: hf_model=<name> (e.g. hf_model=smollm2_135m)")
     if cfg.get("hf_model") is not None:  # a transformers model: model.generate with a (fixed-capacity) policy cache
         check_hf_model(cfg)  # not on this machine: one line with the fix, no network retries
+        if cfg.get("chat"):  # a conversation through one cache (nats.hf.chat)
+            from nats.hf.chat import chat  # noqa: PLC0415
+
+            return chat(cfg, device, DTYPES[cfg.get("precision", "float32")])
         from nats.hf.generate import generate_hf  # noqa: PLC0415
 
         return generate_hf(cfg, _prompt(cfg), device, DTYPES[cfg.get("precision", "float32")])
@@ -254,36 +261,14 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def _fraction(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f}"
-
-
-def summary(report: dict[str, Any]) -> str:
-    """The statistics as a few lines of text (the report of either kind of model)."""
-    s = report["stats"]
-    budget = "" if report["budget"] is None else f", budget {report['budget']}"
-    lines = [
-        f"policy {report['policy']}{budget}: {report['prompt_tokens']} prompt + {report['new_tokens']} new tokens "
-        f"x {s['sequences']} sample(s), {report['seconds']:.2f} s ({report['tokens_per_s']} tokens/s) on "
-        f"{report['device']} in {report['precision']} ({report['decode'].replace('_', ' ')} decoding)",
-        f"kept KV entries per layer and KV head: {s['kept']:.1f} of {s['processed']} tokens processed (max "
-        f"{s['kept_max']}), KV fraction {s['kv_fraction']:.3f}; area fraction {_fraction(s['area'])}, peak "
-        f"fraction {_fraction(s['peak'])} ({s['layers']} layers x {s['kv_heads']} KV heads)",
-        f"KV bytes kept {s['kept_bytes']:,} of {s['full_bytes']:,} without eviction (allocated "
-        f"{s['allocated_bytes']:,})",
-    ]
-    if "type_fractions" in s:
-        lines.append("token types: " + ", ".join(f"{k} {v:.3f}" for k, v in s["type_fractions"].items()))
-    return "\n".join(lines)
-
-
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Generate, print the texts and the statistics, write generation.json to ${paths.output_dir}."""
     report = generate(cfg)
-    for i, text in enumerate(report["texts"]):
-        header = f"--- sample {i}" if len(report["texts"]) > 1 else "---"
-        log.info(f"{header}\n{text}")
-    log.info("---\n" + summary(report))
+    if not report.get("chat"):  # a conversation was printed turn by turn
+        for i, text in enumerate([] if report.get("streamed") else report["texts"]):  # streamed: printed already
+            header = f"--- sample {i}" if len(report["texts"]) > 1 else "---"
+            log.info(f"{header}\n{text}")
+        log.info("---\n" + summary(report))
     out_dir = cfg.get("paths", {}).get("output_dir") if cfg.get("paths") is not None else None
     if out_dir:
         path = Path(out_dir) / "generation.json"

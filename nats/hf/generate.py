@@ -55,55 +55,44 @@ def check_inputs(cfg: DictConfig) -> None:
     type_bias_of(cfg)  # its form
 
 
-def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Check the settings (`check_inputs`), load the model, decode ``prompt_text``: the report (nothing written)."""
-    from nats.hf import StaticPolicyCache
+def load_for_generation(cfg: DictConfig, device: torch.device, dtype: torch.dtype):
+    """Check the settings (`check_inputs`), load the model and its tokenizer, attach NAtS' scorers where given
+    (`nats.hf.pretrained.prepare_model`) and fuse the q/k/v and gate/up projections (`nats.hf.fused`; a model whose
+    projections cannot be fused keeps its own). Returns (model, tokenizer, NAtS window or None)."""
     from nats.hf.fused import fuse_projections
-    from nats.hf.limits import check_context, context_length
-    from nats.hf.loop import generate as loop
     from nats.hf.pretrained import load_pretrained, prepare_model, pretrained_kwargs
 
-    policy = str(cfg.policy)
     check_inputs(cfg)  # before the load: a mistake in the settings stops at once
     kwargs = pretrained_kwargs(cfg.hf_model)
     kwargs["dtype"] = str(dtype).split(".")[-1]
     model, tok = load_pretrained(**kwargs, device=device)
     window = prepare_model(cfg, model)
-    new, samples = int(cfg.max_new_tokens), int(cfg.get("num_samples", 1))
-    ids = tok(prompt_text or (tok.bos_token or ""), return_tensors="pt").input_ids.to(device)
-    ids = ids.expand(samples, -1).contiguous()
-    P = ids.shape[1]
-    check_context(context_length(model.config), P, new, "nats-generate")  # before any cache is made
-    budget = cfg.get("budget")  # tokens, or a fraction of prompt + new tokens (as for the GPT kind)
-    n_budget = resolve_budget(budget, P + new, of=f"the {P + new} prompt + new tokens")
-    options = dict(cfg.get("cache_options") or {})
-    cache = StaticPolicyCache(model, policy, max_new_tokens=max(new, 1), budget=n_budget, **options)
-    temperature = float(cfg.get("temperature", 0.0))
-    top_k = None if cfg.get("top_k") is None else int(cfg.top_k)
-    seed = int(cfg.get("seed", 0))
-    torch.manual_seed(seed)
-    t0 = time.perf_counter()
-    # the loop without a host synchronisation per token (nats.hf.loop), one q/k/v and one gate/up product
     try:
         fuse_projections(model)
     except ValueError as e:  # e.g. quantized projections: decoded with the model's own products
         print(f"nats-generate: {e}", flush=True)
-    gen = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
-    out = loop(model, ids, cache, new, temperature=temperature, top_k=top_k, generator=gen)
-    decode = "cuda_graph" if device.type == "cuda" else "eager"  # the loop's compiled step replays CUDA graphs
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    new_tokens = out[:, P:]
+    return model, tok, window
+
+
+def make_cache(cfg: DictConfig, model, total: int, new: int):
+    """The policy's `nats.hf.StaticPolicyCache` planned for ``new`` tokens a call; a ``budget`` fraction is of
+    ``total`` tokens (prompt + new)."""
+    from nats.hf import StaticPolicyCache
+
+    budget = resolve_budget(cfg.get("budget"), total, of=f"the {total} prompt + new tokens")
+    options = dict(cfg.get("cache_options") or {})
+    return StaticPolicyCache(model, str(cfg.policy), max_new_tokens=max(new, 1), budget=budget, **options), budget
+
+
+def cache_stats(cache, model, dtype: torch.dtype, sequences: int, processed: int) -> dict[str, Any]:
+    """What the cache keeps after ``processed`` tokens a row: the report's ``stats`` (`nats.generation_report.summary`)."""
     kept = cache.kept().double()
-    processed = P + new - 1
     layers, kv_heads = kept.shape[0], kept.shape[-1]
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     per_token = 2 * head_dim * torch.empty((), dtype=dtype).element_size()
-    allocated = cache.kv_nbytes()
     frac = cache.fractions() if cache.track else None
-    stats = {
-        "sequences": samples,
+    return {
+        "sequences": sequences,
         "kept": float(kept.mean()),
         "processed": processed,
         "kept_max": int(kept.max()),
@@ -113,9 +102,46 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
         "layers": layers,
         "kv_heads": kv_heads,
         "kept_bytes": int(kept.sum()) * per_token,
-        "full_bytes": samples * layers * kv_heads * processed * per_token,
-        "allocated_bytes": int(allocated),
+        "full_bytes": sequences * layers * kv_heads * processed * per_token,
+        "allocated_bytes": int(cache.kv_nbytes()),
     }
+
+
+def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Check the settings, load the model (`load_for_generation`), decode ``prompt_text``: the report (nothing
+    written). With ``stream`` (one sample) the new text is printed as it arrives (transformers' ``TextStreamer``,
+    handed the tokens every ``stream_every`` tokens by the loop)."""
+    from nats.hf.limits import check_context, context_length
+    from nats.hf.loop import generate as loop
+
+    policy = str(cfg.policy)
+    model, tok, window = load_for_generation(cfg, device, dtype)
+    new, samples = int(cfg.max_new_tokens), int(cfg.get("num_samples", 1))
+    ids = tok(prompt_text or (tok.bos_token or ""), return_tensors="pt").input_ids.to(device)
+    ids = ids.expand(samples, -1).contiguous()
+    P = ids.shape[1]
+    check_context(context_length(model.config), P, new, "nats-generate")  # before any cache is made
+    cache, n_budget = make_cache(cfg, model, P + new, new)
+    temperature = float(cfg.get("temperature", 0.0))
+    top_k = None if cfg.get("top_k") is None else int(cfg.top_k)
+    top_p = None if cfg.get("top_p") is None else float(cfg.top_p)
+    seed = int(cfg.get("seed", 0))
+    torch.manual_seed(seed)
+    streamer = None
+    if cfg.get("stream") and samples == 1:
+        from transformers import TextStreamer
+
+        print("---", flush=True)  # then the prompt and the continuation as it arrives, as the unstreamed text is shown
+        streamer = TextStreamer(tok, skip_special_tokens=True)
+    t0 = time.perf_counter()
+    gen = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
+    out = loop(model, ids, cache, new, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen,
+               streamer=streamer, check_every=int(cfg.get("stream_every", 8)) if streamer else 32)  # fmt: skip
+    decode = "cuda_graph" if device.type == "cuda" else "eager"  # the loop's compiled step replays CUDA graphs
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    new_tokens = out[:, P:]
     continuations = [tok.decode(row, skip_special_tokens=True) for row in new_tokens.tolist()]
     return {
         "model": str(cfg.hf_model.name_or_path),
@@ -128,14 +154,16 @@ def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: 
         "new_tokens": new,
         "temperature": temperature,
         "top_k": top_k,
+        "top_p": top_p,
         "seed": seed,
         "device": str(device),
         "precision": str(dtype).split(".")[-1],
         "decode": decode,
+        "streamed": streamer is not None,
         "texts": [prompt_text + c for c in continuations],
         "continuations": continuations,
         "tokens": new_tokens.tolist(),
-        "stats": stats,
+        "stats": cache_stats(cache, model, dtype, samples, P + new - 1),
         "seconds": round(seconds, 3),
         "tokens_per_s": round(samples * new / seconds, 1) if seconds > 0 else None,
     }

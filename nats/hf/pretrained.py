@@ -195,11 +195,20 @@ def load_tokenizer(
     return AutoTokenizer.from_pretrained(where, local_files_only=local_files_only, **extra)
 
 
-def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str] | None = None) -> Path:
+#: ChatML, the chat template of SmolLM2-Instruct (and Qwen2's), for the tiny chat model
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str] | None = None,
+                           chat: bool = False) -> Path:  # fmt: skip
     """Write a tiny model in the transformers layout into `folder`, offline: a random Llama (hidden 64, 4 heads /
     2 KV heads, vocabulary 1024, 512 positions, seed 0) and a byte-level BPE tokenizer (vocabulary ~1000) trained
-    on `texts` (default: the long-context generators' filler and source, ``nats.data.longctx``). For tests and demos;
-    returns `folder`."""
+    on `texts` (default: the long-context generators' filler and source, ``nats.data.longctx``); with ``chat``, the
+    ChatML template and its tokens (``<|im_start|>``, ``<|im_end|>``, the end token), as an instruction-tuned model
+    has them. For tests and demos; returns `folder`."""
     import inspect
 
     import tokenizers
@@ -216,11 +225,16 @@ def save_tiny_random_llama(folder: str | Path, n_layer: int = 2, texts: list[str
     trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=1000,
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"],
+        special_tokens=["<|endoftext|>", *(["<|im_start|>", "<|im_end|>"] if chat else [])],
         show_progress=False,
     )
     bpe.train_from_iterator(texts, trainer)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(folder)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>" if chat else "<|endoftext|>"
+    )
+    if chat:
+        tok.chat_template = CHATML
+    tok.save_pretrained(folder)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=1024,
