@@ -27,6 +27,17 @@ source benchmarks/gpu_site.sh
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 [ "$ngpu" -ge 1 ] || ngpu=1
 runs=${RUNS_DIR:-logs/carry_over}
+
+# in_version VERSION LIMIT LOG SCRIPT ARGS...: python3 SCRIPT ARGS with the library of VERSION (base: BASE, head: this
+# checkout) first on the path, stopped after LIMIT seconds, its output in LOG
+in_version() {
+  local tree=$PWD links
+  [ "$1" = base ] && tree=$BASE
+  links=$(mktemp -d)
+  ln -s "$tree/kernels" "$links/nats_kernels"
+  PYTHONPATH=$tree:$links${PYTHONPATH:+:$PYTHONPATH} timeout "$2" python3 "${@:4}" >"$3" 2>&1 ||
+    echo "($(basename "$3" .log) stopped: exit $?)"
+}
 for stage in $stages; do
   t0=$(date +%s)
   case $stage in
@@ -60,29 +71,21 @@ for stage in $stages; do
       cat "$DEST"/fig3_*/carry_over_gpt.md 2>/dev/null || tail -20 "$DEST"/eval_*.log
       ;;
     speed)
-      # shellcheck disable=SC2086 # the lists are word-split on purpose
       for version in base head; do
-        tree=$PWD
-        [ "$version" = base ] && tree=$BASE
-        links=$(mktemp -d)
-        ln -s "$tree/kernels" "$links/nats_kernels"
-        PYTHONPATH=$tree:$links${PYTHONPATH:+:$PYTHONPATH} timeout "${SPEED_LIMIT:-280}" python3 \
-          benchmarks/bench_hf_decode.py --out "$DEST/speed_$version" --model-shape llama-3.1-8b --prompt 32768 \
-          --batch ${SPEED_BATCH:-1 8} --kept 0.25 --new 128 --repeats 2 --methods ${SPEED_METHODS:-full nats} \
-          >"$DEST/speed_$version.log" 2>&1 || echo "(speed $version stopped: exit $?)"
+        # shellcheck disable=SC2086 # the lists are word-split on purpose
+        in_version "$version" "${SPEED_LIMIT:-280}" "$DEST/speed_$version.log" benchmarks/bench_hf_decode.py \
+          --out "$DEST/speed_$version" --model-shape llama-3.1-8b --prompt 32768 --batch ${SPEED_BATCH:-1 8} \
+          --kept 0.25 --new 128 --repeats 2 --methods ${SPEED_METHODS:-full nats}
         echo "== speed, $version"
         grep -E '^\||^Bandwidth' "$DEST/speed_$version.log" | tail -12
       done
       ;;
-    decode)
+    decode) # each version's own script: it reads the cache's internals, which the change renamed
       for version in base head; do
-        tree=$PWD
-        [ "$version" = base ] && tree=$BASE
-        links=$(mktemp -d)
-        ln -s "$tree/kernels" "$links/nats_kernels"
-        PYTHONPATH=$tree:$links${PYTHONPATH:+:$PYTHONPATH} timeout "${DECODE_LIMIT:-150}" python3 \
-          "$tree/benchmarks/bench_decode.py" --out "$DEST/decode_$version" --lengths 32768 --batch 8 \
-          --policies full,nats --modes graph >"$DEST/decode_$version.log" 2>&1 || echo "(decode $version stopped: exit $?)"
+        script=benchmarks/bench_decode.py
+        [ "$version" = base ] && script=$BASE/$script
+        in_version "$version" "${DECODE_LIMIT:-150}" "$DEST/decode_$version.log" "$script" \
+          --out "$DEST/decode_$version" --lengths 32768 --batch 8 --policies full,nats --modes graph
         echo "== GPT decode, $version"
         grep -E '^\||^Bandwidth|re-captures' "$DEST/decode_$version.log" | tail -8
       done
