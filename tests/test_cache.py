@@ -1013,10 +1013,10 @@ def test_nats_kernels_scorer_rounds_like_the_linear(bias):
 def test_nats_fused_step_launches_only_the_attentions_two_kernels(monkeypatch):
     """One fused step of a layer, untracked, runs no torch compute besides the copy of the model's q (a view of its
     fused projection) into the engine's rows [R, G, D] (k and v are read where the projection wrote them): the scorer,
-    the type offsets, the admission and the attention are all the attention's two kernels (nats_decode: the pool attention's split kernel
-    and the step's own merge, which admits the token), so those are the launches. The ops of the kernel's wrapper
-    inside the custom op nats::nats_decode are counted too; ops that only make views or allocate do not launch a
-    kernel and are not counted."""
+    the type offsets, the admission and the attention are all the attention's two kernels (nats_decode: the pool
+    attention's split kernel and the step's own merge, which admits the token), so those are the launches. The ops of
+    the kernel's wrapper inside the custom op nats::nats_decode are counted too; ops that only make views or allocate do
+    not launch a kernel and are not counted."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from nats_kernels.nats_attention import nats_step, pool_decode

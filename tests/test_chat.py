@@ -49,8 +49,8 @@ def test_the_next_turn_continues_the_conversation_as_the_template_renders_it(tin
         conv.add("What is the filler?", out, ids.shape[1])
         nxt = conv.next_ids("And the sky?")
         assert torch.equal(nxt[:, : out.shape[1]], out)  # it continues what the cache holds
-        assert tok.decode(nxt[0]) == tok.apply_chat_template(conv.messages + [{"role": "user", "content": "And the sky?"}],
-                                                             tokenize=False, add_generation_prompt=True)  # fmt: skip
+        turn = [*conv.messages, {"role": "user", "content": "And the sky?"}]
+        assert tok.decode(nxt[0]) == tok.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
 
 
 def test_chat_through_the_console_script(tiny_chat, tmp_path):

@@ -85,7 +85,8 @@ def make_cache(cfg: DictConfig, model, total: int, new: int):
 
 
 def cache_stats(cache, model, dtype: torch.dtype, sequences: int, processed: int) -> dict[str, Any]:
-    """What the cache keeps after ``processed`` tokens a row: the report's ``stats`` (`nats.generation_report.summary`)."""
+    """What the cache keeps after ``processed`` tokens a row: the report's ``stats``
+    (`nats.generation_report.summary`)."""
     kept = cache.kept().double()
     layers, kv_heads = kept.shape[0], kept.shape[-1]
     head_dim = model.config.hidden_size // model.config.num_attention_heads

@@ -6,14 +6,14 @@ the positions the model was trained for, and a cache that serves one call.
   ``rope_parameters`` (``rope_scaling`` before transformers 5) stretch the positions by a ``factor`` (``linear``,
   ``dynamic``, ``yarn``) allows that factor times its ``original_max_position_embeddings``. To run past the context
   on purpose, raise ``model.config.max_position_embeddings``: the one explicit switch.
-* **A used cache** (`held_tokens`, `check_unused`): the project's caches hold one sequence per row for one generate
-  call; a second call through the same cache continued the first one's sequence and gave other tokens (and, through
-  `nats.hf.StaticPolicyCache`, decoded the new prompt one token at a time).
+* **A used cache** (`held_tokens`, `check_unused`): a cache other than `nats.hf.StaticPolicyCache` (transformers'
+  ``StaticCache``) serves one generate call here; a second call through it would continue the first one's sequence
+  with a prompt it cannot check. (`StaticPolicyCache` continues a conversation and checks its ids itself:
+  `StaticPolicyCache.check_history`.)
 
 Who checks: `nats.hf.loop.generate` (all three, before its prefill: `nats.hf.loop.check_request`), ``nats-generate``
 (`nats.hf.generate`: the context, before it makes a cache) and `nats.hf.StaticPolicyCache` (the context at its
-prefill, or of its ``max_len`` when made without ``max_new_tokens``, and a second prompt at its update, which
-``model.generate`` reaches too).
+prefill, or of its ``max_len`` when made without ``max_new_tokens``, and at each continuation).
 """
 
 from __future__ import annotations

@@ -12,11 +12,12 @@ at the end (or every ``check_every`` tokens, to stop early at an end token). ``n
     out = generate(model, ids, cache, 256)                        # [B, P + 256], as model.generate returns
 
 Tokens equal ``model.generate``'s greedy ones through the same cache (`tests/test_hf_loop.py`). Sampling
-(``temperature`` > 0, ``top_k``) draws on the device outside the compiled step. Takes the project's
-`nats.hf.StaticPolicyCache` (any policy it runs, left-padded batches included) and transformers' ``StaticCache``
-(unpadded prompts). Refused before the prompt's forward, in one line each (`check_request`): a cache that holds
-tokens already (one call per cache), more new tokens than the cache was made for, a prompt + new tokens beyond the
-model's context (`nats.hf.limits`).
+(``temperature`` > 0, ``top_k``, ``top_p``) draws on the device outside the compiled step (`nats.sampling`). Takes the
+project's `nats.hf.StaticPolicyCache` (any policy it runs, left-padded batches included) and transformers'
+``StaticCache`` (unpadded prompts). A `StaticPolicyCache` that holds a conversation continues it: only the tokens after
+those it holds are prefilled (docs/hf.md, "A conversation through one cache"). Refused before the prompt's forward, in
+one line each (`check_request`): a prompt that does not continue what the cache holds (another cache must be unused),
+more new tokens than the cache was made for, a prompt + new tokens beyond the model's context (`nats.hf.limits`).
 """
 
 from __future__ import annotations

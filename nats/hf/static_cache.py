@@ -25,12 +25,16 @@ what the policy keeps of a prompt and how a decode step changes a row. This clas
   steps) and the appending policies stop admitting the row's new tokens (they are attended to in their own step
   only). `overflowed` says whether it happened. Plan ``max_new_tokens`` as for ``generate``.
 
+**A conversation**: a forward of several tokens through a cache that holds a sequence continues it (the rule's
+parallel `nats.cache.rule.FixedRule.extend` where it has one, else its steps; the rows' room grown first). A generate
+call through such a cache must pass the conversation so far followed by new tokens: `check_history` refuses other ids
+(the cache keeps the ids it holds in ``history``; docs/hf.md, "A conversation through one cache").
+
 Refused, in one line each: a prompt + ``max_new_tokens`` beyond the model's context (`nats.hf.limits`), checked at
-the prefill; a second ``generate`` call through the same cache (one call per cache: make a new one per batch),
-checked where a forward of several tokens reaches a cache that holds tokens (the prompt of the second call; the
-compiled decode step, one token, carries no check) and, whatever the prompt, by `nats.hf.loop.generate` before its
-prefill; beam search and ``num_return_sequences > 1`` (a row's cache cannot be duplicated or reordered); a policy
-without a fixed-capacity rule (an evaluation-only approximation such as ``h2o_dense``).
+the prefill and at each continuation; a prompt that does not continue what the cache holds (`check_history`, called
+by `nats.hf.loop.generate` and, through `nats.hf.hooks`, by ``model.generate``); beam search and
+``num_return_sequences > 1`` (a row's cache cannot be duplicated or reordered); a policy without a fixed-capacity
+rule (an evaluation-only approximation such as ``h2o_dense``).
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ class StaticPolicyLayer(FixedRowsLayer, EngineLayer):
     get_max_cache_shape = get_max_length  # the name before transformers 5.3
 
     def reset(self) -> None:
-        raise NotImplementedError("StaticPolicyCache: make a new cache per generate call")
+        raise NotImplementedError("StaticPolicyCache: make a new cache for a new conversation")
 
     @property
     def t(self) -> int:
