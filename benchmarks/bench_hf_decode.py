@@ -71,7 +71,13 @@ from pathlib import Path
 
 import torch
 
-from nats_kernels import configure_triton
+try:
+    from nats_kernels import configure_triton
+except ImportError:  # an earlier nats_kernels set Triton up when imported (experiments/gpu_carry_over.sh runs one)
+
+    def configure_triton() -> None:
+        """Nothing to do: the earlier package configured Triton at its import."""
+
 
 SMOLLM2 = dict(
     vocab_size=49152,
