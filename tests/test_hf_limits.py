@@ -1,10 +1,10 @@
 """`nats.hf.limits`: what a generate call may ask of a model and a cache, refused in one line before any work. A
-second generate call through the same cache (`StaticPolicyCache`, made for a number of new tokens or not) once
-continued the first call's
-sequence and gave other tokens (through `StaticPolicyCache` decoding the new prompt one token at a time: 333 s at
-Llama-3.1-8B's shape and 32k where a new cache took 2 s); more new tokens than a `StaticPolicyCache` was made for
-and a prompt + new tokens past ``max_position_embeddings`` ran silently. A new cache per call still gives the same
-tokens."""
+second generate call through the same cache once continued the first call's sequence with a prompt it never checked
+and gave other tokens (through `StaticPolicyCache` decoding the new prompt one token at a time: 333 s at
+Llama-3.1-8B's shape and 32k where a new cache took 2 s); now a `StaticPolicyCache` continues a conversation and
+refuses, before it changes, a prompt that does not continue the tokens it holds (tests/test_hf_conversation.py has
+the conversations). More new tokens than a `StaticPolicyCache` was made for and a prompt + new tokens past
+``max_position_embeddings`` ran silently. A new cache per prompt still gives the same tokens."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from nats.hf.limits import context_length  # noqa: E402
 from nats.hf.loop import generate  # noqa: E402
 
 NEW = 6
-REUSED = r"^\S+: this {} already holds \d+ tokens of an earlier generate call: make a new cache for each call"
+FOREIGN = r"^\S+: the prompt \(.*\) does not continue the conversation this cache holds"
 
 
 def model_for(policy):
@@ -37,7 +37,7 @@ def one_line(err: pytest.ExceptionInfo) -> str:
 
 @pytest.mark.parametrize("policy", ["full", "nats"])
 @pytest.mark.parametrize("path", ["loop", "model.generate"])
-def test_a_second_generate_through_a_static_cache_is_refused(policy, path):
+def test_the_same_prompt_again_is_refused_before_the_cache_changes(policy, path):
     model = model_for(policy)
     prompt = ids(n=24, b=2, seed=3)
 
@@ -48,51 +48,55 @@ def test_a_second_generate_through_a_static_cache_is_refused(policy, path):
 
     cache = StaticPolicyCache(model, policy, max_new_tokens=NEW)
     first = run(cache)
-    with pytest.raises(ValueError, match=REUSED.format("StaticPolicyCache")) as err:
+    held = int(cache.get_seq_length())
+    with pytest.raises(ValueError, match=FOREIGN) as err:
         run(cache)
-    assert "nats.hf.StaticPolicyCache(...)" in one_line(err)
+    assert "make a new cache for another prompt" in one_line(err)
+    assert int(cache.get_seq_length()) == held == 24 + NEW - 1
     assert torch.equal(run(StaticPolicyCache(model, policy, max_new_tokens=NEW)), first)  # a new cache: the same
 
 
-def test_a_second_prompt_through_a_static_cache_is_refused_before_the_cache_changes():
-    """model.generate passes a second prompt (of several tokens) to the cache's update, which refuses it before it
-    advances the position counter (the decode steps, one token, carry no check: the compiled step stays as it was)."""
+def test_a_forward_of_several_tokens_continues_and_generate_then_refuses_unknown_ids():
+    """A forward of several tokens through a cache that holds a sequence continues it (transformers' meaning); the
+    ids it fed are not the cache's to check, so a generate call after it is refused."""
     model = model_for("full")
     cache = StaticPolicyCache(model, "full", max_new_tokens=NEW)
-    greedy(model, ids(n=24, b=1), cache, n=NEW)
-    held = int(cache.layers[0].cumulative_length)
-    with pytest.raises(ValueError, match=REUSED.format("StaticPolicyCache")):
-        with torch.no_grad():
-            model(ids(n=5, b=1, seed=9), **cache_kwargs(model, cache))
-    assert int(cache.layers[0].cumulative_length) == held == 24 + NEW - 1
+    out = greedy(model, ids(n=24, b=1), cache, n=NEW)
+    with torch.no_grad():
+        model(ids(n=5, b=1, seed=9), **cache_kwargs(model, cache))
+    assert int(cache.layers[0].cumulative_length) == 24 + NEW - 1 + 5
+    with pytest.raises(ValueError, match="did not come from a finished generate call") as err:
+        greedy(model, torch.cat([out, ids(n=5, b=1, seed=9)], 1), cache, n=NEW)
+    one_line(err)
 
 
 @pytest.mark.parametrize("policy", ["full", "nats"])
-def test_a_second_generate_through_a_growing_cache_is_refused_before_it_changes(policy):
-    """Made for an unknown number of new tokens (eager steps), the cache refuses a second prompt as the fixed one
-    does, before it counts the prompt's tokens; it cannot be reset (a new cache gives the first call's tokens)."""
+def test_a_growing_cache_refuses_the_same_prompt_again_before_it_changes(policy):
+    """Made for an unknown number of new tokens (eager steps), the cache refuses a prompt that does not continue its
+    conversation as the fixed one does, before it counts the prompt's tokens; it cannot be reset (a new cache gives
+    the first call's tokens)."""
     model = model_for(policy)
     prompt = ids(n=24, b=1, seed=3)
     cache = StaticPolicyCache(model, policy, max_new_tokens=None, backend="torch")  # max_len: the context
     first = greedy(model, prompt, cache, n=NEW)
     held = (int(cache.get_seq_length()), cache.seen)
     assert held == (24 + NEW - 1,) * 2
-    with pytest.raises(ValueError, match=REUSED.format("StaticPolicyCache")) as err:
+    with pytest.raises(ValueError, match=FOREIGN) as err:
         greedy(model, prompt, cache, n=NEW)
-    assert "nats.hf.StaticPolicyCache(...)" in one_line(err)
+    one_line(err)
     assert (int(cache.get_seq_length()), cache.seen) == held
-    with pytest.raises(NotImplementedError, match="make a new cache per generate call"):
+    with pytest.raises(NotImplementedError, match="make a new cache for a new conversation"):
         cache.reset()
     again = StaticPolicyCache(model, policy, max_new_tokens=None, backend="torch")
     assert torch.equal(greedy(model, prompt, again, n=NEW), first)
 
 
-def test_the_loop_refuses_a_used_cache_whatever_its_prompt():
-    """A prompt of one token looks like a decode step to the cache; the loop checks the cache before its prefill."""
+def test_the_loop_refuses_a_prompt_of_one_token_that_does_not_continue():
+    """A prompt of one token looks like a decode step to the cache; the loop checks it against the cache's ids."""
     model = model_for("full")
     cache = StaticPolicyCache(model, "full", max_new_tokens=NEW)
     generate(model, ids(n=24, b=1), cache, NEW, compile=False)
-    with pytest.raises(ValueError, match=REUSED.format("StaticPolicyCache")):
+    with pytest.raises(ValueError, match=FOREIGN):
         generate(model, ids(n=1, b=1), cache, NEW, compile=False)
 
 

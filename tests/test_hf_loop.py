@@ -165,8 +165,12 @@ def test_transformers_static_cache_equals_model_generate():
     model.config._attn_implementation = "sdpa"
     prompt = ids(n=25, b=2, seed=8)
     ref = greedy(model, prompt, StaticCache(config=model.config, max_cache_len=25 + NEW), n=NEW)
-    got = generate(model, prompt, StaticCache(config=model.config, max_cache_len=25 + NEW), NEW, compile=False)
+    cache = StaticCache(config=model.config, max_cache_len=2 * (25 + NEW))
+    got = generate(model, prompt, cache, NEW, compile=False)
     assert torch.equal(got, ref)
+    # transformers' cache keeps no ids to check a conversation against: a second call through it is refused
+    with pytest.raises(ValueError, match=r"this StaticCache already holds \d+ tokens of an earlier generate call"):
+        generate(model, got, cache, NEW, compile=False)
 
 
 @pytest.mark.gpu

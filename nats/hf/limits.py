@@ -62,10 +62,9 @@ def held_tokens(cache: Any) -> int:
 def reuse_message(cache: Any, held: int, who: str) -> str:
     """The one line that refuses a cache holding ``held`` tokens of an earlier call."""
     name = type(cache).__name__
-    fix = f"nats.hf.{name}(...)" if name in ("StaticPolicyCache", "PolicyCache") else f"a new {name}, or reset() it"
     return (
         f"{who}: this {name} already holds {held} tokens of an earlier generate call: make a new cache for each "
-        f"call ({fix})"
+        f"call (a new {name}, or reset() it; nats.hf.StaticPolicyCache continues a conversation)"
     )
 
 
