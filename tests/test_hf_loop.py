@@ -187,6 +187,33 @@ def test_gpu_cuda_graph_loop_equals_eager(policy):
         assert torch.equal(got, eager), (policy, seed)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", ["nats", "full"])
+def test_gpu_sampled_decode_steps_never_synchronise(policy):
+    """Sampling on the device (`nats.sampling`), the compiled steps replayed as CUDA graphs from fixed buffers: from
+    the first decode step to the end of the loop nothing waits for the GPU (torch's sync debug mode set to "error"
+    by the loop's ``on_prefill``; no end token, no streamer, so no read every ``check_every`` tokens)."""
+    from nats.hf import CacheBuffers
+
+    model = model_for(policy).cuda()
+    buffers = CacheBuffers()
+    prompt = ids(n=40, b=2, seed=11).cuda()
+
+    def run(strict: bool):
+        cache = StaticPolicyCache(model, policy, max_new_tokens=NEW, row_slots=64, buffers=buffers)
+        gen = torch.Generator("cuda").manual_seed(3)
+        on = (lambda: torch.cuda.set_sync_debug_mode("error")) if strict else None
+        try:
+            return generate(model, prompt, cache, NEW, temperature=0.8, top_k=20, top_p=0.9, generator=gen,
+                            compile=True, on_prefill=on)  # fmt: skip
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    first = run(strict=False)  # compiles the step and records its graph over the buffers
+    assert torch.equal(run(strict=True), first)  # replays, the same seeded draws
+
+
 def test_a_changing_workload_compiles_few_graphs_and_never_falls_back_to_eager(monkeypatch):
     """One process serving requests of batch 1-16 and prompts of different lengths (the split-K count chosen as on a
     132-SM GPU): the compiled step is reused after at most two graphs, and dynamo never reaches its recompile limit
