@@ -10,30 +10,10 @@ import torch
 from torch import nn
 
 from nats.clipping import clip_gradients, clip_mode, grad_param_groups
-from nats.lightning_compat import attached_trainer, batches_that_stepped, should_update_logs
+from nats.lightning_compat import attached_trainer, batches_that_stepped
 from nats.models.gpt import GPT, GPTConfig
 from nats.optim import configure_optimizers, optimizer_config
-
-
-def logs_written_now(trainer) -> bool:
-    """Whether Lightning writes this optimizer step's logs (trainer.log_every_n_steps, fast_dev_run, a stopping
-    trainer): the test of its own LearningRateMonitor and ThroughputMonitor. The same answer in every hook of a
-    training batch (on_train_batch_start, training_step, on_before_optimizer_step, on_train_batch_end) and for
-    every micro-batch of an accumulated optimizer step. No trainer (a bare module): False."""
-    if trainer is None:
-        return False
-    if trainer.fast_dev_run:
-        return True
-    return should_update_logs(trainer)
-
-
-def host_scalar(value: float) -> torch.Tensor:
-    """A Python number for ``self.log`` without a device synchronisation. Lightning turns a float into a
-    tensor on the module's device: a blocking host-to-device copy from pageable memory, which waits for every
-    kernel queued before it, so the GPU then idles while the host queues the next work. A CPU tensor stays on the
-    CPU (Lightning's metric follows its value's device) and is written as it is; float64, so that the number
-    written is the float itself."""
-    return torch.tensor(float(value), dtype=torch.float64)
+from nats.step_logging import StagedMetrics, host_scalar, logs_written_now
 
 
 def _compile_backend(compile: bool | str) -> str | None:
@@ -104,7 +84,7 @@ class LitGPT(L.LightningModule):
             self._forward_eval = torch.compile(_eval_forward(self.model), backend=backend, **opts)
         self._eval_shape: torch.Size | None = None
         self._pending_logs: tuple | None = None  # training_step's metrics, logged in on_after_backward
-        self._staged_stats: list[tuple] = []  # (step, names, host values, copy event): see _log_stats
+        self._staged = StagedMetrics()  # the per-layer training statistics on their way to the host: _log_stats
         self._compiled = backend is not None
         # CUDA graphs (reduce-overhead) reuse their output memory at the next replay: every call starts a new
         # "step" (the outputs a step keeps, e.g. logged values, are cloned by Lightning's self.log)
@@ -248,33 +228,13 @@ class LitGPT(L.LightningModule):
             self.log(f"{split}/{name}", torch.stack(values).mean(), batch_size=batch_size, sync_dist=split != "train")
 
     def _stage_layer_stats(self, stats: Mapping[str, torch.Tensor]) -> None:
-        """Start copying ``stats`` (scalars) to the host, for `_write_layer_stats` at Lightning's logging step."""
+        """Start copying ``stats`` to the host, at the step Lightning's logs carry (`nats.step_logging`)."""
         trainer = attached_trainer(self)
-        step = self.global_step if trainer is None else batches_that_stepped(trainer)  # the step Lightning's logs carry
-        values = torch.stack([v.detach().float().reshape(()) for v in stats.values()])
-        event = None
-        if values.is_cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            values = host
-        # a later micro-batch of the same step replaces it: Lightning writes a step's last value too
-        self._staged_stats = [e for e in self._staged_stats if e[0] != step] + [(step, list(stats), values, event)]
+        self._staged.stage(self.global_step if trainer is None else batches_that_stepped(trainer), stats)
 
     def _write_layer_stats(self, wait: bool = False) -> None:
         """Write the staged statistics whose host copy has completed (all of them with ``wait``) to the loggers."""
-        keep = []
-        for step, names, values, event in self._staged_stats:
-            if event is not None and not event.query():
-                if not wait:
-                    keep.append((step, names, values, event))
-                    continue
-                event.synchronize()
-            metrics = dict(zip(names, values.tolist()))
-            for logger in self.loggers:
-                logger.log_metrics(metrics, step=step)
-        self._staged_stats = keep
+        self._staged.write(self.loggers, wait)
 
     def on_train_end(self) -> None:
         self._write_layer_stats(wait=True)

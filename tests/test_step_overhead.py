@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 
 import nats.lit
 import nats.optim
+import nats.step_logging
 import nats.train
 from conftest import compose
 from nats.attention.nats import NAtSAttention
@@ -97,7 +98,7 @@ def test_statistics_and_tau_only_where_needed(tmp_path, monkeypatch):
     original = nats.lit.LitGPT._log_stats
 
     def spy(self, split, stats, batch_size=None):
-        calls.append((split, self.trainer.global_step, nats.lit.logs_written_now(self.trainer)))
+        calls.append((split, self.trainer.global_step, nats.step_logging.logs_written_now(self.trainer)))
         return original(self, split, stats, batch_size)
 
     sets: list[float] = []
@@ -193,7 +194,7 @@ def test_training_logs_no_python_numbers(tmp_path, monkeypatch):
     assert not numbers, numbers
     for key in ("lr", "nats/tau", "nats/noise_scale"):
         assert seen[key].device.type == "cpu" and seen[key].dtype == torch.float64, (key, seen[key])
-    assert nats.lit.host_scalar(0.1).item() == 0.1  # the float itself is written
+    assert nats.step_logging.host_scalar(0.1).item() == 0.1  # the float itself is written
 
 
 def test_progress_bar_reads_the_loss_only_on_written_steps(tmp_path, monkeypatch):
@@ -206,7 +207,7 @@ def test_progress_bar_reads_the_loss_only_on_written_steps(tmp_path, monkeypatch
 
     def spy(self, trainer, pl_module):
         if trainer.training:
-            reads.append((trainer.global_step, nats.lit.logs_written_now(trainer)))
+            reads.append((trainer.global_step, nats.step_logging.logs_written_now(trainer)))
         return original(self, trainer, pl_module)
 
     monkeypatch.setattr(StepProgressBar, "get_metrics", spy)
@@ -338,3 +339,23 @@ def test_compiled_run_never_recompiles(tmp_path):
     assert len(train_entries) == 1, len(train_entries)
     assert len(eval_entries) == 1, len(eval_entries)
     torch._dynamo.reset()
+
+
+def test_staged_metrics_write_each_step_once_its_copy_is_done():
+    """`StagedMetrics`: a step staged twice keeps its last values; write hands every completed step to the loggers
+    at its own step and keeps nothing after."""
+
+    class Logger:
+        def __init__(self):
+            self.rows = []
+
+        def log_metrics(self, metrics, step):
+            self.rows.append((step, metrics))
+
+    staged, logger = nats.step_logging.StagedMetrics(), Logger()
+    staged.stage(3, {"a": torch.tensor(1.0), "b": torch.tensor(2.0)})
+    staged.stage(3, {"a": torch.tensor(5.0), "b": torch.tensor(6.0)})  # a later micro-batch of step 3
+    staged.stage(4, {"a": torch.tensor(7.0), "b": torch.tensor(8.0)})
+    assert len(staged) == 2
+    staged.write([logger])
+    assert logger.rows == [(3, {"a": 5.0, "b": 6.0}), (4, {"a": 7.0, "b": 8.0})] and len(staged) == 0

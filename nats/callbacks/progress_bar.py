@@ -93,7 +93,7 @@ class StepProgressBar(TQDMProgressBar):
         bar = self.train_progress_bar
         if bar is None or bar.disable:
             return
-        from nats.lit import logs_written_now
+        from nats.step_logging import logs_written_now
 
         if not self._step_tokens:
             tokens = batch[0].numel() if isinstance(batch, (list, tuple)) and hasattr(batch[0], "numel") else 0

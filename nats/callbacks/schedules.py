@@ -12,7 +12,7 @@ class _CoreSchedule(Callback):
     it) to ``value_at(trainer.global_step)`` before each training batch, where it differs (so once per optimizer
     step: the micro-batches of one step share it; the core's setter fills a buffer in place, so a compiled model
     does not recompile), and log it as ``nats/<attr>`` on the steps whose logs are written, as a CPU tensor
-    (``nats.lit.host_scalar``: a Python float logged would be a blocking host-to-device copy). The value is a
+    (``nats.step_logging.host_scalar``: a Python float logged would be a blocking host-to-device copy). The value is a
     function of the step alone, so a resumed run continues the schedule where it stopped."""
 
     attr = ""
@@ -22,7 +22,7 @@ class _CoreSchedule(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         from nats.attention.nats import NAtSAttention
-        from nats.lit import host_scalar, logs_written_now
+        from nats.step_logging import host_scalar, logs_written_now
 
         value = self.value_at(trainer.global_step)
         if getattr(self, "_cores_of", None) is not pl_module:  # the cores are found once per module

@@ -42,8 +42,8 @@ from nats.attention.nats import sparsity_loss
 from nats.hf.hooks import SCORER_NAME
 from nats.hf.scorers import attach_nats, nats_density, nats_state_dict, nats_stats, scorers
 from nats.lightning_compat import attached_trainer
-from nats.lit import host_scalar, logs_written_now
 from nats.optim import check_optim_keys, optimizer_node, optimizer_partial
+from nats.step_logging import host_scalar, logs_written_now
 from nats.utils import atomic_write
 
 log = logging.getLogger(__name__)
