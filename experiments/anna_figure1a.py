@@ -19,8 +19,13 @@ the JSON, unless --fresh); weights and CSV logs go to logs/anna_figure1a/.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import shlex
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -120,22 +125,46 @@ def merge_results(results: list[dict], path: Path) -> list[dict]:
     return sorted(merged, key=lambda r: (order.get(r["task"], 9), float(r["beta"])))
 
 
-def write_outputs(results: list[dict], args, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{args.name}.json"
-    results = merge_results([dict(r) for r in results], path) if not args.fresh else results
-    path.write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
+def answer(results: list[dict], ls: list[int], zs: list[int]) -> str:
+    """The sentence the file opens with: ANNA's error at the fewest and the most hash tables (the fewest bits),
+    and how far above the surrogate's own error it stays, read from the table's rounded values."""
+    lo, hi, z = min(ls), max(ls), min(zs)
+
+    def cells(l: int) -> list[float]:
+        return [float(f"{r['anna'][f'l={l},z={z}']['mean']:.4f}") for r in results if f"l={l},z={z}" in r["anna"]]
+
+    def span(xs: list[float]) -> str:
+        return f"{min(xs):.4f}" if min(xs) == max(xs) else f"{min(xs):.4f}-{max(xs):.4f}"
+
+    rows = [r for r in results if f"l={hi},z={z}" in r["anna"]]
+    if not rows:
+        return ""
+    gaps = [(float(f"{r['anna'][f'l={hi},z={z}']['mean']:.4f}") - float(f"{r['surrogate']:.4f}"), r) for r in rows]
+    gap, worst = max(gaps, key=lambda g: g[0])
+    above = (
+        f"at most {gap:.4f} above the surrogate's own error ({worst['task']}, beta {worst['beta']:g})"
+        if gap > 0
+        else "not above the surrogate's own error"
+    )
+    return (
+        f"**The answer.** The surrogate-trained weights evaluated with ANNA attention (z = {z} bit{'s' * (z > 1)} per "
+        f"hash) err on {span(cells(lo))} of the test positions with l = {lo} hash table{'s' * (lo > 1)} and "
+        f"{span(cells(hi))} with l = {hi}: {above}."
+    )
+
+
+def wrap(text: str) -> list[str]:
+    """Lines of at most 118 characters, never broken around an " = "."""
+    return [line.replace("\0", " ") for line in textwrap.wrap(text.replace(" = ", "\0=\0"), 118)]
+
+
+def markdown(results: list[dict], args, provenance: str, plot: bool = True) -> list[str]:
+    """The result file: the answer, the table, its provenance line, what the columns mean, the plot."""
     cols = [(l, z) for z in args.zs for l in args.ls]
     lines = [
         "# ANNA Figure 1a: test error of surrogate-trained models evaluated with ANNA attention",
         "",
-        "One layer, one head, d = 64, MLP 4d GELU; Adam at peak lr 0.01 (1000 warm-up steps, cosine to 1e-4, gradient "
-        "norm clipped at 1.0) unless overridden, batch 32, 10000 training samples"
-        + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "")
-        + "; "
-        f"steps as listed; test error over all target positions of the 256 test samples (surrogate: the trained "
-        f"softmax surrogate; l, z: the same weights with ANNA attention, mean over {args.hash_seeds} draws of the "
-        f"hash planes). Training time on a shared CPU, torch threads = {torch.get_num_threads()}.",
+        *wrap(answer(results, args.ls, args.zs)),
         "",
         "| task | beta | steps | train s | surrogate | " + " | ".join(f"l={l} z={z}" for l, z in cols) + " |",
         "|---|---|---|---|---|" + "---|" * len(cols),
@@ -148,6 +177,41 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
             + " | ".join(cells)
             + " |"
         )
+    notes = (
+        "Test error over all target positions of the 256 test samples; `surrogate`: the trained softmax surrogate; "
+        f"`l=.. z=..`: the same weights with ANNA attention, l hash tables of z bits, mean over {args.hash_seeds} "
+        "draws of the planes. One layer, one head, d = 64, MLP 4d GELU; Adam, peak lr 0.01, 1000 warm-up steps, "
+        "cosine to 1e-4, gradient norm clipped at 1.0, batch 32, 10000 training samples"
+        + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "")
+        + "."
+    )
+    lines += ["", provenance, "", *wrap(notes)]
+    if plot:
+        lines += ["", f"![ANNA test error against l, per task and z; dotted: the surrogate]({args.name}.png)"]
+    return lines
+
+
+def provenance() -> str:
+    """Date, commit and machine of this run, and the command that reproduces it."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    command = " ".join(["python experiments/anna_figure1a.py", *map(shlex.quote, sys.argv[1:])])
+    return (
+        f"{datetime.date.today()}, commit {commit}, a shared CPU (torch threads = {torch.get_num_threads()}): "
+        f"`{command}`"
+    )
+
+
+def write_outputs(results: list[dict], args, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{args.name}.json"
+    results = merge_results([dict(r) for r in results], path) if not args.fresh else results
+    path.write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
+    lines = markdown(results, args, provenance())
     (out_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
