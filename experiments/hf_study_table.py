@@ -1,12 +1,13 @@
 """One table and plot from several `nats-eval-hf` runs on the same examples.
 
     python experiments/hf_study_table.py <results.jsonl> [<results.jsonl> ...] --out DIR [--name hf_study]
-        [--target-kv 0.25] [--target-points 2] [--baseline-loss 5] [--nats LABEL=<results.jsonl> ...]
+        [--target-kv 0.25] [--target-points 2] [--baseline-loss 5] [--nats LABEL=<results.jsonl> ...] [--note TEXT]
 
 The runs' rows (``results.jsonl``, one per method, budget and example) are put together, a later file's row
 replacing an earlier one's for the same method, budget, task and example: e.g. the baselines of one run (they do
 not depend on the NAtS scorers) with ``full`` and ``nats`` of a later run with better scorers. Every file must
-hold the same examples (the same prompts) for the methods it is taken for. Writes ``<name>.md`` (the table of
+hold the same examples (the same prompts) for the methods it is taken for. Writes ``<name>.md`` (a title and the
+answer in a few lines: each row's mean accuracy against the full cache and the target's verdict; the table of
 `nats.finetune.evaluate`, then the KV target checked: NAtS at <= ``--target-kv`` of the KV cache within
 ``--target-points`` of the full cache's mean accuracy, the baselines at that budget losing >= ``--baseline-loss``,
 with a paired bootstrap interval of each method's difference to the full cache),
@@ -120,6 +121,29 @@ def target_check(summary: list[dict], target_kv: float, points: float, loss: flo
     return lines
 
 
+def answer(summary: list[dict], target_kv: float, points: float) -> str:
+    """The file's opening lines: the full cache's mean accuracy, each NAtS row and each baseline at the target
+    budget against it, and which NAtS rows meet the target (as `target_check` decides)."""
+    full = next((s for s in summary if s["method"] == "full"), None)
+    if full is None:
+        return "No `full` run: nothing to compare against."
+    ref = 100 * full["mean_accuracy"]
+
+    def item(s):
+        acc = 100 * s["mean_accuracy"]
+        return f"{_name(s)} {acc:.1f} ({acc - ref:+.1f}) at {s['kv_fraction']:.3f} of the KV kept"
+
+    nats = [s for s in summary if s["policy"] == "nats"]
+    base = [
+        s for s in summary if s["policy"] != "nats" and s["budget"] is not None and abs(s["budget"] - target_kv) < 1e-9
+    ]
+    met = [s for s in nats if s["kv_fraction"] <= target_kv and 100 * s["mean_accuracy"] - ref >= -points]
+    text = f"Mean accuracy over the tasks: full cache {ref:.1f}"
+    text += "".join(f"; {item(s)}" for s in nats + base) + "."
+    verdict = ", ".join(_name(s) for s in met) if met else "no NAtS row"
+    return text + f" **Target (<= {target_kv:g} of the KV kept, within {points:g} points) met by {verdict}.**"
+
+
 def labelled_files(items: list[str]) -> list[tuple[str, Path]]:
     """``--nats LABEL=FILE`` arguments as (label, file) pairs."""
     pairs = []
@@ -139,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-kv", type=float, default=0.25)
     p.add_argument("--target-points", type=float, default=2.0)
     p.add_argument("--baseline-loss", type=float, default=5.0)
+    p.add_argument("--note", default="", help="a line under the answer (date or commit, machine, command)")
     p.add_argument(
         "--nats",
         nargs="*",
@@ -157,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     header = header or f"accuracy vs KV budget ({len(rows)} rows)"
     if nats:  # the header names the positional run's scorers, which are not in the table
         header = header.split(", NAtS scorers ")[0] + ", NAtS: one row per scorer set (--nats)"
-    text = markdown_table(summary, tasks, header)
+    title = header.split(":")[0] if ":" in header else "nats-eval-hf runs"
+    text = f"# {title}: accuracy against the KV kept\n\n{answer(summary, args.target_kv, args.target_points)}\n\n"
+    if args.note:
+        text += f"{args.note}\n\n"
+    text += markdown_table(summary, tasks, header)
     check = target_check(summary, args.target_kv, args.target_points, args.baseline_loss, rows)
     text += "\n" + "\n".join(check) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,26 @@ def paired(rows: list[dict], a: tuple[str, float | None], b: tuple[str, float | 
     return mean, (stats[int(0.025 * n)], stats[int(0.975 * n) - 1]), sum(len(d) for d in by_task.values())
 
 
+def answer(summary: list[dict], pairs: list[tuple]) -> str:
+    """The file's opening lines: the full cache's mean accuracy, the range of the others', and how many ``--pair``
+    comparisons agree (with the differing ones named)."""
+    full = next((s for s in summary if s["method"] == "full"), None)
+    others = [s for s in summary if s is not full]
+    text = ""
+    if full is not None and others:
+        low, high = min(others, key=lambda s: s["mean_accuracy"]), max(others, key=lambda s: s["mean_accuracy"])
+        text = (
+            f"Mean accuracy over the tasks: full cache {100 * full['mean_accuracy']:.1f}; the other rows from "
+            f"{100 * low['mean_accuracy']:.1f} ({_name(low)}) to {100 * high['mean_accuracy']:.1f} ({_name(high)}). "
+        )
+    if pairs:
+        differ = [f"{p[0]} -> {p[1]} {p[4]:+.1f}" for p in pairs if p[7] == "no"]
+        agree = len(pairs) - len(differ)
+        text += f"**{agree} of {len(pairs)} pairs agree** (the paired 95% interval of B - A holds 0)"
+        text += f"; differ: {', '.join(differ)}." if differ else "."
+    return text.strip() or "No full cache and no pair: nothing to compare."
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", type=Path)
@@ -65,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="kvpress_comparison")
     p.add_argument("--pair", action="append", default=[], metavar="A=B", help="method@budget=method@budget")
     p.add_argument("--nats", action="append", default=[], metavar="LABEL=FILE")
-    p.add_argument("--note", default="", help="a line printed under the header (machine, versions)")
+    p.add_argument("--note", default="", help="a line under the answer (machine, versions)")
     p.add_argument("--exclude", action="append", default=[], metavar="METHOD", help="leave this method out")
     p.add_argument(
         "--plot-exclude",
@@ -81,9 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in runs if r["method"] not in args.exclude]
     summary = summarize(rows, runs, tasks)
     header = header.split(", NAtS scorers ")[0] + (", NAtS: " + ", ".join(label for label, _ in nats) if nats else "")
-    text = markdown_table(summary, tasks, header)
+    pairs = []  # (A, B, A mean, B mean, B - A, (lo, hi), examples, agree)
+    means = {(s["method"], s["budget"]): 100 * s["mean_accuracy"] for s in summary}
+    for item in args.pair:
+        left, _, right = item.partition("=")
+        a, b = parse_method(left), parse_method(right)
+        d = paired(rows, a, b)
+        if d is None:
+            raise SystemExit(f"--pair {item}: the two methods share no example")
+        mean, (lo, hi), n = d
+        pairs.append((left, right, means[a], means[b], mean, (lo, hi), n, "yes" if lo <= 0 <= hi else "no"))
+    title = header.split(":")[0] if ":" in header else "nats-eval-hf runs"
+    text = f"# {title}: kvpress beside the project's methods\n\n{answer(summary, pairs)}\n\n"
     if args.note:
-        text += f"\n{args.note}\n"
+        text += f"{args.note}\n\n"
+    text += markdown_table(summary, tasks, header)
     full = next((s for s in summary if s["method"] == "full"), None)
     if full is not None:
         text += (
@@ -106,17 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             "\n| A | B | A mean | B mean | B - A | 95% interval | examples | agree |\n"
             "|---|---|---:|---:|---:|---:|---:|---|\n"
         )
-        means = {(s["method"], s["budget"]): 100 * s["mean_accuracy"] for s in summary}
-        for item in args.pair:
-            left, _, right = item.partition("=")
-            a, b = parse_method(left), parse_method(right)
-            d = paired(rows, a, b)
-            if d is None:
-                raise SystemExit(f"--pair {item}: the two methods share no example")
-            mean, (lo, hi), n = d
-            agree = "yes" if lo <= 0 <= hi else "no"
+        for left, right, mean_a, mean_b, mean, (lo, hi), n, agree in pairs:
             text += (
-                f"| {left} | {right} | {means[a]:.1f} | {means[b]:.1f} | {mean:+.1f} | {lo:+.1f} .. {hi:+.1f} | {n} "
+                f"| {left} | {right} | {mean_a:.1f} | {mean_b:.1f} | {mean:+.1f} | {lo:+.1f} .. {hi:+.1f} | {n} "
                 f"| {agree} |\n"
             )
     text += (
