@@ -1,10 +1,11 @@
 """Where the time of the NAtS training kernels goes, per kernel and type mix, against torch SDPA, on a GPU.
 
 At the kernel benchmark's shape (B=16, H=12, N=1024, D=64, bf16) for three type mixes: the fwd+bwd
-total and its split into the plan, forward, dQ, dK/dV and type-gradient kernels, with the configs the
-autotuner chose. Tile sizes are autotuned (keyed on the head dim, never on N), once for all mixes as in
-training (the first mix decides), or afresh for each mix with ``--retune`` (what each mix would choose
-alone). The dK/dV variants measured with it and dropped: docs/results/kernel_breakdown_h100_*.md.
+total (the file's opening line: each mix's total against FlashAttention-2 and cuDNN) and its split into the plan,
+forward, dQ, dK/dV and type-gradient kernels, with the configs the autotuner chose. Tile sizes are autotuned (keyed
+on the head dim, never on N), once for all mixes as in training (the first mix decides), or afresh for each mix
+with ``--retune`` (what each mix would choose alone). The dK/dV variants measured with it and dropped:
+docs/results/kernel_breakdown_h100_*.md.
 
 Times are GPU times: the fwd+bwd total is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``, no
 Python launch overhead), and the per-kernel split comes from torch.profiler.
@@ -124,6 +125,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cudnn_fb = dense["sdpa (default: cuDNN)"][1]
+    totals = []  # the answer's line: each mix's fwd+bwd against FA2 / cuDNN
     tws = {}
     first = args.mixes[0]
     for mix in args.mixes:
@@ -151,6 +153,7 @@ def main() -> None:
             f"{total / cudnn_fb:.2f} |"
         )
         print(lines[-1], flush=True)
+        totals.append(f"{mix} {total:.3f} ms ({total / flash_fb:.2f}x / {total / cudnn_fb:.2f}x)")
         if mix == first or args.retune:
             for name, kern in (
                 ("fwd", fwd._nats_fwd_kernel),
@@ -165,6 +168,8 @@ def main() -> None:
     lines += ["", "Autotuned configs:", "", "| kernel | mix | tiles | warps | stages |", "|---|---|---|---|---|"]
     lines += configs
     lines += lines_other
+    answer = "NAtS fwd+bwd per type mix, against SDPA's FlashAttention-2 / cuDNN: " + ", ".join(totals) + "."
+    lines[:0] = [f"# NAtS training kernels against torch SDPA ({torch.cuda.get_device_name()})", "", answer, ""]
     text = "\n".join(lines)
     print(text)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -163,11 +163,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(out: Path, device, dtype, bw, labels: list[str], rows: list[dict], argv) -> str:
-    """The table (the default choice and the five fastest of each shape) and every row as JSON, in ``out``."""
+    """The answer (the default's time against the fastest choice's), the table (the default choice and the five
+    fastest of each shape) and every row as JSON, in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (interpreter)"
+    ratios = []  # per shape: (the default's time over the fastest choice's, shape, default us, fastest us)
+    for label in labels:
+        ok = [r for r in rows if r["shape"] == label and "us" in r]
+        default = next((r for r in ok if r["default"] == "default"), None)
+        if default is not None:
+            fastest = min(r["us"] for r in ok)
+            ratios.append((default["us"] / fastest, label, default["us"], fastest))
+    answer = "No shape timed yet."
+    if ratios:
+        worst = max(ratios)
+        answer = (
+            f"The default launch takes {min(ratios)[0]:.2f}-{worst[0]:.2f}x the time of the fastest choice timed, "
+            f"over {len(ratios)} shapes (the most at {worst[1]}: {worst[2]:.1f} against {worst[3]:.1f} us)."
+        )
     lines = [
         f"# Split-K pool attention over its launch choices ({name}, torch {torch.__version__}, {dtype})",
+        "",
+        answer,
         "",
         f"Bandwidth measured: {'-' if bw is None else f'{bw / 1e9:.0f} GB/s'}. Bytes: the keys and values read once. "
         f"Command: `python benchmarks/sweep_pool_attention.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
