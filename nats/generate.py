@@ -54,7 +54,7 @@ from nats.utils import atomic_write, resolve_device
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cache_stats", "load", "generate", "run", "main", "prompt_arguments"]
+__all__ = ["cache_stats", "load", "generate_report", "run", "main", "prompt_arguments"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _MODEL_HINT = (
@@ -164,7 +164,7 @@ def _decode_text(enc, tokens: list[int]) -> str:
     return "".join(parts)
 
 
-def generate(cfg: DictConfig) -> dict[str, Any]:
+def generate_report(cfg: DictConfig) -> dict[str, Any]:
     """Load, tokenise, decode; returns the texts, tokens and cache statistics (nothing written)."""
     from nats.data.tokenizer import EOT, get_tokenizer
 
@@ -187,9 +187,9 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
             from nats.hf.chat import chat  # noqa: PLC0415
 
             return chat(cfg, device, DTYPES[cfg.get("precision", "float32")])
-        from nats.hf.generate import generate_hf  # noqa: PLC0415
+        from nats.hf.generate import generate_hf_report  # noqa: PLC0415
 
-        return generate_hf(cfg, _prompt(cfg), device, DTYPES[cfg.get("precision", "float32")])
+        return generate_hf_report(cfg, _prompt(cfg), device, DTYPES[cfg.get("precision", "float32")])
     enc = get_tokenizer(str(cfg.get("tokenizer", "gpt2")))
     text = _prompt(cfg)
     prompt = enc.encode_ordinary(text) if text else [EOT]
@@ -263,7 +263,7 @@ def generate(cfg: DictConfig) -> dict[str, Any]:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Generate, print the texts and the statistics, write generation.json to ${paths.output_dir}."""
-    report = generate(cfg)
+    report = generate_report(cfg)
     if not report.get("chat"):  # a conversation was printed turn by turn
         for i, text in enumerate([] if report.get("streamed") else report["texts"]):  # streamed: printed already
             header = f"--- sample {i}" if len(report["texts"]) > 1 else "---"

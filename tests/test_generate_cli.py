@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 #: commas (a trailing one too), both quotes, brackets, braces, an interpolation, a backslash, a new line
 TEXT = 'Once upon a time, in a "small" village, it\'s ${x} [1] {a: b} C:\\path\nthe end,'
-#: the keys of the GPT kind's report (nats.generate.generate), which summary() reads
+#: the keys of the GPT kind's report (nats.generate.generate_report), which summary() reads
 REPORT_KEYS = {
     "prompt", "prompt_tokens", "new_tokens", "policy", "budget", "temperature", "top_k", "seed", "device", "precision",
     "decode", "texts", "continuations", "tokens", "stats", "seconds", "tokens_per_s", "model",
@@ -228,7 +228,7 @@ def test_settings_are_checked_before_the_model_loads(tiny, tmp_path, monkeypatch
     overrides = [a.format(tiny=tiny) for a in extra]
     cfg = compose(hf_args(tiny, "prompt=Hello", "max_new_tokens=3", *overrides), tmp_path, "generate")
     with pytest.raises(error, match=match):
-        G.generate(cfg)
+        G.generate_report(cfg)
 
 
 def test_missing_scorers_stop_before_a_model_that_would_not_load(tmp_path):

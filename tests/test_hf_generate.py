@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import compose  # noqa: E402
-from nats.generate import generate  # noqa: E402
+from nats.generate import generate_report  # noqa: E402
 from nats.hf import attach_nats, nats_state_dict  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 
@@ -39,7 +39,7 @@ def cfg(tiny, tmp_path, *overrides):
      ("h2o", ["budget=6"], "StaticPolicyCache")],
 )  # fmt: skip
 def test_policies(tiny, tmp_path, policy, extra, cache):
-    report = generate(cfg(tiny, tmp_path, f"policy={policy}", *extra))
+    report = generate_report(cfg(tiny, tmp_path, f"policy={policy}", *extra))
     assert report["cache"] == cache and len(report["tokens"][0]) == 6
     assert report["texts"][0].startswith("Once upon a time there was")
     s = report["stats"]
@@ -47,7 +47,7 @@ def test_policies(tiny, tmp_path, policy, extra, cache):
 
 
 def test_nats_scorers_equal_growing_cache_by_hand(tiny, tmp_path):
-    report = generate(cfg(tiny, tmp_path, "policy=nats", f"scorers={tiny}/scorers.pt", "window=4"))
+    report = generate_report(cfg(tiny, tmp_path, "policy=nats", f"scorers={tiny}/scorers.pt", "window=4"))
     from nats.hf import StaticPolicyCache, load_nats_state_dict
     from nats.hf.compat import cache_kwargs
 
@@ -68,4 +68,4 @@ def test_nats_scorers_equal_growing_cache_by_hand(tiny, tmp_path):
 
 def test_nats_without_scorers_is_refused(tiny, tmp_path):
     with pytest.raises(ValueError, match="scorers="):
-        generate(cfg(tiny, tmp_path, "policy=nats"))
+        generate_report(cfg(tiny, tmp_path, "policy=nats"))

@@ -108,7 +108,7 @@ def cache_stats(cache, model, dtype: torch.dtype, sequences: int, processed: int
     }
 
 
-def generate_hf(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+def generate_hf_report(cfg: DictConfig, prompt_text: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """Check the settings, load the model (`load_for_generation`), decode ``prompt_text``: the report (nothing
     written). With ``stream`` (one sample) the new text is printed as it arrives (transformers' ``TextStreamer``,
     handed the tokens every ``stream_every`` tokens by the loop)."""
