@@ -31,10 +31,12 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
 import time
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -243,24 +245,49 @@ def fmt(x, spec=",.0f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
 
 
-def report(results: list[dict], args, machine: str, device: str) -> str:
+def report(results: list[dict], args, machine: str, device: str, command: str = "") -> str:
+    def iso_of(x):
+        return x.get("isolated", {}).get("tokens_per_s", float("nan"))
+
+    def timer_of(x):
+        return x["timer"].get("tokens_per_s", float("nan"))
+
+    def monitor_of(x):
+        return x["monitor"]["median"]
+
+    dense = next((r for r in results if r["attention"] == "dense"), None)
+
+    def ratio(r, get):
+        a, b = get(r), get(dense)
+        return a / b if a == a and b == b and b else float("nan")
+
+    # the answer first: each model against dense through nats-train, each against its isolated step, recompiles
+    answer = [
+        f"{r['experiment']} / {dense['experiment']} through nats-train: {fmt(ratio(r, monitor_of), '.3f')} "
+        f"(throughput monitor), {fmt(ratio(r, timer_of), '.3f')} (step timer); isolated steps "
+        f"{fmt(ratio(r, iso_of), '.3f')}."
+        for r in results
+        if dense is not None and r is not dense
+    ]
+    answer.append(
+        "nats-train / isolated: "
+        + ", ".join(f"{r['experiment']} {fmt(monitor_of(r) / iso_of(r), '.3f')}" for r in results)
+        + "; recompiles: "
+        + ", ".join(f"{r['experiment']} {r['recompiles']['count']}" for r in results)
+        + ". Targets (one H100): dense nats-train / isolated >= 0.97; NAtS / dense via nats-train >= 0.90 "
+        "(moonshot 0.95); no recompiles."
+    )
     lines = [
         f"# nats-train vs the isolated step ({device})",
         "",
-        f"torch {torch.__version__}; micro-batch = global batch {args.batch}, "
-        f"{'N = model block size' if args.smoke else f'N = {args.seq}'}; {args.steps} steps through "
-        f"nats-train, log every {args.log_every}, warm-up excluded: {args.warmup_steps} steps; isolated: "
-        f"{args.isolated_steps} steps after {args.isolated_warmup} (benchmarks/bench_train.py).",
+        *answer,
         "",
         "| experiment | isolated tok/s | nats-train tok/s (monitor, median) | nats-train tok/s (step timer) | "
         "nats-train / isolated | startup s | first step s (compile) | first validation s | recompiles |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    dense = next((r for r in results if r["attention"] == "dense"), None)
     for r in results:
-        iso = r.get("isolated", {}).get("tokens_per_s", float("nan"))
-        mon = r["monitor"]["median"]
-        tim = r["timer"].get("tokens_per_s", float("nan"))
+        iso, mon, tim = iso_of(r), monitor_of(r), timer_of(r)
         lines.append(
             f"| {r['experiment']} | {fmt(iso)} | {fmt(mon)} | {fmt(tim)} | {fmt(mon / iso, '.3f')} | "
             f"{fmt(r.get('startup_s'), '.1f')} | {fmt(r['timer'].get('first_step_s'), '.1f')} | "
@@ -269,27 +296,22 @@ def report(results: list[dict], args, machine: str, device: str) -> str:
     if dense is not None:
         lines += ["", "| vs dense | isolated | nats-train (monitor) | nats-train (step timer) |", "|---|---|---|---|"]
         for r in results:
-            if r is dense:
-                continue
-
-            def ratio(get):
-                a, b = get(r), get(dense)
-                return a / b if a == a and b == b and b else float("nan")
-
-            lines.append(
-                f"| {r['experiment']} / {dense['experiment']} | "
-                f"{fmt(ratio(lambda x: x.get('isolated', {}).get('tokens_per_s', float('nan'))), '.3f')} | "
-                f"{fmt(ratio(lambda x: x['monitor']['median']), '.3f')} | "
-                f"{fmt(ratio(lambda x: x['timer'].get('tokens_per_s', float('nan'))), '.3f')} |"
-            )
+            if r is not dense:
+                lines.append(
+                    f"| {r['experiment']} / {dense['experiment']} | {fmt(ratio(r, iso_of), '.3f')} | "
+                    f"{fmt(ratio(r, monitor_of), '.3f')} | {fmt(ratio(r, timer_of), '.3f')} |"
+                )
+    lines += [
+        "",
+        f"{date.today().isoformat()}, {device}, torch {torch.__version__}; micro-batch = global batch {args.batch}, "
+        f"{'N = model block size' if args.smoke else f'N = {args.seq}'}; {args.steps} steps through "
+        f"nats-train, log every {args.log_every}, warm-up excluded: {args.warmup_steps} steps; isolated: "
+        f"{args.isolated_steps} steps after {args.isolated_warmup} (benchmarks/bench_train.py)."
+        + (f" Command: `{command}`." if command else ""),
+    ]
     recomp = [(r["experiment"], reason) for r in results for reason in r["recompiles"]["reasons"]]
     if recomp:
         lines += ["", "Recompiles (TORCH_LOGS=recompiles):", ""] + [f"* {e}: {why}" for e, why in recomp]
-    lines += [
-        "",
-        "Targets (one H100): dense nats-train / isolated >= 0.97; NAtS / dense via nats-train "
-        ">= 0.90 (moonshot 0.95); no recompiles.",
-    ]
     return "\n".join(lines) + "\n"
 
 
@@ -371,7 +393,8 @@ def main() -> None:
             print(json.dumps({"experiment": res["experiment"], "isolated": res["isolated"]}), flush=True)
     if args.no_table:
         return
-    table = report(results, args, machine, device)
+    command = shlex.join(["python", "benchmarks/bench_nats_train.py", *sys.argv[1:]])
+    table = report(results, args, machine, device, command)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"bench_nats_train_{machine}.md").write_text(table)
     (out / f"bench_nats_train_{machine}.json").write_text(

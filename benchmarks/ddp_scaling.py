@@ -38,11 +38,13 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import signal
 import statistics
 import subprocess
 import sys
 import time
+from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,17 +236,30 @@ def read_run(run_dir: Path, steps: int) -> dict:
     }
 
 
-def report(results: dict, args: argparse.Namespace, notes: list[str], out: Path) -> str:
+def report(results: dict, args: argparse.Namespace, notes: list[str], out: Path, command: str = "") -> str:
     r4, r1 = results.get("ddp"), results.get("single")
     n = args.devices
     lines = [
         f"# DDP scaling: {results['experiment']} on {args.data}, global batch {args.global_batch} x "
         f"{results['block_size']} tokens",
         "",
-        f"Device: {results.get('device', '?')}; micro-batch {results['micro']}; compile={args.compile}; "
-        f"{args.steps} planned steps, LR warm-up {args.warmup} then cosine over {args.steps}.",
-        "",
     ]
+    both = r4 and r1 and r4.get("loss") and r1.get("loss")
+    if both:  # the answer first: the speed-up, and the validation loss of both runs at their last common step
+        speedup = r4["tokens_per_s"] / r1["tokens_per_s"]
+        results["speedup"] = speedup
+        common = sorted(set(r4["val_loss"]) & set(r1["val_loss"]))
+        val = (
+            f" Validation loss at step {common[-1]} (the same windows): {r4['val_loss'][common[-1]]:.3f} on {n} GPUs, "
+            f"{r1['val_loss'][common[-1]]:.3f} on 1."
+            if common
+            else ""
+        )
+        lines += [
+            f"**Speed-up {n} GPUs / 1 GPU: {speedup:.2f}x** (tokens/s; {100 * speedup / n:.0f}% scaling "
+            f"efficiency; target >= {args.target if args.target else 0.875 * n:.2f}x).{val}",
+            "",
+        ]
     lines += [
         "| GPUs | steps | accumulation | tokens/s (all GPUs) | tokens/s per GPU | first loss | last loss | "
         "val loss | wall s |",
@@ -263,18 +278,22 @@ def report(results: dict, args: argparse.Namespace, notes: list[str], out: Path)
             f"{r['loss'][steps[-1]]:.3f} (step {steps[-1]}) | {last_val:.3f} | "
             f"{results[key + '_wall_s']:.0f} |"
         )
-    if r4 and r1 and r4.get("loss") and r1.get("loss"):
-        speedup = r4["tokens_per_s"] / r1["tokens_per_s"]
-        results["speedup"] = speedup
+    lines += [
+        "",
+        f"{date.today().isoformat()}, {results.get('device', '?')}; micro-batch {results['micro']}; "
+        f"compile={args.compile}; {args.steps} planned steps, LR warm-up {args.warmup} then cosine over {args.steps}."
+        + (f" Command: `{command}`." if command else ""),
+    ]
+    if notes:
+        lines += ["", "Notes: " + "; ".join(notes) + "."]
+    if both:
         lines += [
             "",
-            f"**Speed-up {n} GPUs / 1 GPU: {speedup:.2f}x** (tokens/s; {100 * speedup / n:.0f}% scaling "
-            f"efficiency; target >= {args.target if args.target else 0.875 * n:.2f}x).",
+            "## Losses at the same optimizer steps",
             "",
-            f"Losses at the same optimizer steps (the same {args.global_batch} sequences per step in both runs). "
-            "Validation loss: the same validation windows, so the two columns should agree up to bf16 "
-            "rounding. Train loss: Lightning logs rank 0's last micro-batch, which holds different "
-            "sequences in the two runs, so those agree only up to batch noise.",
+            f"The same {args.global_batch} sequences per step in both runs. Validation loss: the same validation "
+            "windows, so the two columns should agree up to bf16 rounding. Train loss: Lightning logs rank 0's last "
+            "micro-batch, which holds different sequences in the two runs, so those agree only up to batch noise.",
             "",
             f"| step | val loss, {n} GPUs | val loss, 1 GPU | train loss, {n} GPUs | train loss, 1 GPU |",
             "|---|---|---|---|---|",
@@ -288,8 +307,7 @@ def report(results: dict, args: argparse.Namespace, notes: list[str], out: Path)
                 f"| {s} | {f3(r4['val_loss'].get(s))} | {f3(r1['val_loss'].get(s))} | "
                 f"{f3(r4['loss'].get(s))} | {f3(r1['loss'].get(s))} |"
             )
-    if notes:
-        lines += ["", "Notes: " + "; ".join(notes)]
+        lines += ["", "![train loss of both runs](ddp_scaling_loss.png)"]
     text = "\n".join(lines) + "\n"
     (out / "ddp_scaling.md").write_text(text)
     (out / "ddp_scaling.json").write_text(
@@ -347,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, gloo: tests the script")
     args = ap.parse_args(argv)
+    command = shlex.join(["python", "benchmarks/ddp_scaling.py", *(sys.argv[1:] if argv is None else argv)])
     t_start = time.time()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -401,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             prev["single"][curve] = {int(k): v for k, v in prev["single"][curve].items()}
         results.update(single_rc=prev["single_rc"], single_wall_s=prev["single_wall_s"], single=prev["single"])
         notes.append(f"the 1-GPU run is the one of {args.single_from}")
-        log(report(results, args, notes, out))
+        log(report(results, args, notes, out, command))
         return 0 if results["ddp_rc"] == 0 else 1
 
     # 2. the 1-GPU run, as many steps as the budget leaves
@@ -427,9 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     if rc != 0:
         log(tail(out / "gpu1.log"))
     if steps1 < args.steps:
-        notes.append(f"the 1-GPU run did {steps1} of the {args.steps} steps (time budget); tokens/s compare")
+        notes.append(
+            f"the 1-GPU run did {steps1} of the {args.steps} steps (time budget); tokens/s, a rate, still compare"
+        )
 
-    log(report(results, args, notes, out))
+    log(report(results, args, notes, out, command))
     log(f"total {time.time() - t_start:.0f}s; outputs in {out}")
     ok = results["ddp_rc"] == 0 and results["single_rc"] == 0
     return 0 if ok else 1

@@ -22,6 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import sys
+from datetime import date
 from pathlib import Path
 
 import collect  # experiments/collect.py, beside this script
@@ -192,17 +195,47 @@ def comparisons(rows: list[dict]) -> list[dict]:
     return [compare(test[a], test[b]) for a, b in COMPARISONS if a in test and b in test]
 
 
-def markdown(runs: dict, rows: list[dict], device: str, checkpoint: str = "last") -> str:
+def _label(model: str, setting: str) -> str:
+    """A test row in words: 'NAtS lambda=0.05 + headwise gate', 'dense, h2o B=N/16', 'dense, full cache'."""
+    gate = model.rsplit("_", 1)[-1]
+    gate = f" + {gate} gate" if gate in ("headwise", "elementwise") else ""
+    if setting.startswith("NAtS"):
+        return setting + gate
+    return f"dense{gate}, " + ("full cache" if setting == "full" else setting)
+
+
+def answer(rows: list[dict], pairs: list[dict], most: int = 4) -> list[str]:
+    """The report's opening: the first ``most`` comparisons of COMPARISONS (the study's claims) in words."""
+    test = {(r["model"], r["setting"]): r for r in rows if r["split"] == "test"}
+    lines = []
+    for c in pairs[:most]:
+        a, b = test[c["a"]], test[c["b"]]
+        area = f"{a['area_mean']:.4f}" + ("" if b["policy"] == "full" else f" against {b['area_mean']:.4f}")
+        verdict = (
+            "beyond the seed spread"
+            if c["exceeds"]
+            else ("within the seed spread" if c["judged"] else "one seed, not judged")
+        )
+        lines.append(
+            f"- {_label(*c['a'])} against {_label(*c['b'])}: {a['ppl_mean']:.2f} against {b['ppl_mean']:.2f} "
+            f"({100 * c['rel']:+.1f}%) at KV area {area}; {verdict}."
+        )
+    if lines:
+        lines = ["Test perplexity (mean over seeds) and the share of the KV cache kept (KV area):", *lines, ""]
+    return lines
+
+
+def markdown(runs: dict, rows: list[dict], device: str, checkpoint: str = "last", command: str = "") -> str:
     which = "" if checkpoint == "last" else " Evaluations of each run's best checkpoint by validation loss."
-    lines = [
-        "# Figure 3 at reduced scale: perplexity against KV-cache size",
-        "",
-        f"Produced by `experiments/figure3.py` from the run folders; trained and evaluated on {device}. Setting: "
+    pairs = comparisons(rows)
+    lines = ["# Figure 3 at reduced scale: perplexity against KV-cache size", "", *answer(rows, pairs)]
+    provenance = (
+        f"Trained and evaluated on {device}. Setting: "
         + "; ".join(sorted({r["setting"] for r in runs.values()}))
-        + "."
-        + which,
-        "",
-    ]
+        + ". Mean ± sample standard deviation over seeds where there are several."
+        + which
+        + (f" Report of {date.today().isoformat()}: `{command}`." if command else "")
+    )
     full_test = [r for r in rows if r["split"] == "test" and r["policy"] == "full"]
     ref = full_test[0]["ppl_mean"] if full_test else None
     for split in ("test", "validation"):
@@ -230,7 +263,10 @@ def markdown(runs: dict, rows: list[dict], device: str, checkpoint: str = "last"
                 f"{rel} |"
             )
         lines.append("")
-    pairs = comparisons(rows)
+        if split == "test":
+            lines += [provenance, "", "![test perplexity against KV area](figure3_ppl_vs_area.png)", ""]
+    if not any(r["split"] == "test" for r in rows):
+        lines[2:2] = [provenance, ""]
     if pairs:
         lines += [
             "## Which differences exceed the seed spread (test perplexity)",
@@ -272,10 +308,7 @@ def markdown(runs: dict, rows: list[dict], device: str, checkpoint: str = "last"
             f"| {name} | {'-' if steps is None else steps} | {fmt(val, 4)} | {fmt(dens)} | {fmt(tps and round(tps))} |"
         )
     lines.append("")
-    lines.append(
-        "Mean ± sample standard deviation over seeds where there are several. Plots: "
-        "figure3_ppl_vs_area.png, figure3_ppl_vs_peak.png, figure3_loss.png, figure3_kv_layers.png."
-    )
+    lines.append("More plots: figure3_ppl_vs_peak.png, figure3_loss.png, figure3_kv_layers.png.")
     return "\n".join(lines) + "\n"
 
 
@@ -465,7 +498,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     along = "\n" + along_training(runs) if args.along_training else ""
-    (out / "figure3.md").write_text(markdown(runs, rows, args.device, args.checkpoint) + along)
+    command = shlex.join(["python", "experiments/figure3.py", *(sys.argv[1:] if argv is None else argv)])
+    (out / "figure3.md").write_text(markdown(runs, rows, args.device, args.checkpoint, command) + along)
     kept_curves = ("train/loss", "val/loss", "train/density")  # the JSON keeps these (and the last tokens/s)
     slim = {
         n: {**{k: v for k, v in r.items() if k not in ("kv_fractions", "curves")},

@@ -18,6 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import sys
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -60,28 +63,15 @@ def run_one(gate: str, steps: int | None, run_dir: Path, extra: list[str], diag_
     }
 
 
-def write_outputs(results: list[dict], args, out_dir: Path) -> None:
+def write_outputs(results: list[dict], args, out_dir: Path, command: str = "") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gate_study.json").write_text(
         json.dumps({"args": vars(args), "results": results}, indent=2, default=str)
     )
     n_layer = len(results[0]["first_token_share"])
-    lines = [
-        "# Gate study: dense attention with and without the output gate",
-        "",
-        f"Default tiny model of conf/train.yaml (4 layers, 4 heads, d = 128, RoPE, context 128) on the default "
-        f"data (gutenberg), **{results[0]['steps']} optimizer steps**, seeds {sorted({r['seed'] for r in results})} "
-        f"(a seed sets the initialisation and the data order, the same for every gate)"
-        + (f"; overrides: `{' '.join(args.overrides)}`" if args.overrides else "")
-        + ". "
-        f"Validation loss/perplexity over the validation windows (all of them unless data.max_eval_windows caps "
-        f"them); first-token share (attention probability on key 0, mean over heads and queries; the first "
-        f"query, which can only see key 0, included; uniform causal attention would give H_N / N = "
-        f"{sum(1 / i for i in range(1, 129)) / 128:.4f} at N = 128) and mean gate per layer over "
-        f"{args.diag_batches} validation batches. Device: {results[0]['device']}"
-        + (f", torch threads = {torch.get_num_threads()}" if results[0]["device"] == "cpu" else "")
-        + ".",
-        "",
+    seeds = sorted({r.get("seed", 0) for r in results})
+    uniform = sum(1 / i for i in range(1, 129)) / 128
+    per_run = [
         "| gate | seed | params | train s | val loss | val ppl | "
         + " | ".join(f"sink L{i}" for i in range(n_layer))
         + " | "
@@ -92,34 +82,65 @@ def write_outputs(results: list[dict], args, out_dir: Path) -> None:
     for r in results:
         sinks = " | ".join(f"{s:.3f}" for s in r["first_token_share"])
         gates = " | ".join("-" if math.isnan(g) else f"{g:.3f}" for g in r["gate_mean"])
-        lines.append(
+        per_run.append(
             f"| {r['gate']} | {r.get('seed', 0)} | {r['params'] / 1e6:.2f}M | {r['train_seconds']:.0f} | "
             f"{r['val_loss']:.4f} | {r['val_ppl']:.2f} | {sinks} | {gates} |"
         )
     by_gate: dict[str, list[dict]] = {}
     for r in results:
         by_gate.setdefault(r["gate"], []).append(r)
-    if any(len(rs) > 1 for rs in by_gate.values()):
-        lines += [
-            "",
-            "Mean ± standard deviation over the seeds:",
-            "",
-            "| gate | seeds | val ppl | mean first-token share | mean gate |",
-            "|---|---|---|---|---|",
-        ]
-        for gate, rs in by_gate.items():
-            ppl = torch.tensor([r["val_ppl"] for r in rs], dtype=torch.float64)
-            sink = torch.tensor([sum(r["first_token_share"]) / n_layer for r in rs], dtype=torch.float64)
-            gmean = [sum(r["gate_mean"]) / n_layer for r in rs]
+    means, ppl_words, sink_words = [], [], []
+    for gate, rs in by_gate.items():
+        ppl = torch.tensor([r["val_ppl"] for r in rs], dtype=torch.float64)
+        sink = torch.tensor([sum(r["first_token_share"]) / n_layer for r in rs], dtype=torch.float64)
+        gmean = [sum(r["gate_mean"]) / n_layer for r in rs]
 
-            def std(t):
-                return float(t.std()) if len(t) > 1 else 0.0
+        def std(t):
+            return float(t.std()) if len(t) > 1 else 0.0
 
-            g = "-" if any(math.isnan(x) for x in gmean) else f"{sum(gmean) / len(gmean):.3f}"
-            lines.append(
-                f"| {gate} | {len(rs)} | {float(ppl.mean()):.2f} ± {std(ppl):.2f} | "
-                f"{float(sink.mean()):.4f} ± {std(sink):.4f} | {g} |"
-            )
+        spread = len(rs) > 1
+        ppl_words.append(f"{gate} {float(ppl.mean()):.2f}" + (f" ± {std(ppl):.2f}" if spread else ""))
+        sink_words.append(f"{gate} {float(sink.mean()):.4f}")
+        g = "-" if any(math.isnan(x) for x in gmean) else f"{sum(gmean) / len(gmean):.3f}"
+        means.append(
+            f"| {gate} | {len(rs)} | {float(ppl.mean()):.2f} ± {std(ppl):.2f} | "
+            f"{float(sink.mean()):.4f} ± {std(sink):.4f} | {g} |"
+        )
+    several = any(len(rs) > 1 for rs in by_gate.values())
+    lines = [
+        "# Gate study: dense attention with and without the output gate",
+        "",
+        f"Validation perplexity after {results[0]['steps']} optimizer steps"
+        + (f" (mean ± standard deviation over seeds {seeds})" if several else "")
+        + ": "
+        + ", ".join(ppl_words)
+        + ". Mean first-token share (attention on key 0; uniform causal attention would give "
+        f"{uniform:.4f}): " + ", ".join(sink_words) + ".",
+        "",
+    ]
+    if several:
+        lines += ["| gate | seeds | val ppl | mean first-token share | mean gate |", "|---|---|---|---|---|", *means]
+    else:
+        lines += per_run
+    lines += [
+        "",
+        f"{date.today().isoformat()}, {results[0]['device']}"
+        + (f" (torch threads = {torch.get_num_threads()})" if results[0]["device"] == "cpu" else "")
+        + f": `{command or 'python experiments/gate_study.py'}`. Default tiny model of conf/train.yaml (4 layers, "
+        f"4 heads, d = 128, RoPE, context 128) on the default data (gutenberg), "
+        + (
+            f"seeds {seeds} (a seed sets the initialisation and the data order, the same for every gate)"
+            if all("seed" in r for r in results)
+            else "the same seed and data order for every row"
+        )
+        + ". Validation loss/perplexity over the "
+        "validation windows (all of them unless data.max_eval_windows caps them); first-token share (attention "
+        "probability on key 0, mean over heads and queries; the first query, which can only see key 0, included; "
+        f"uniform causal attention would give H_N / N = {uniform:.4f} at N = 128) and mean gate per layer over "
+        f"{args.diag_batches} validation batches.",
+    ]
+    if several:
+        lines += ["", "## Per seed", "", *per_run]
     (out_dir / "gate_study.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
@@ -135,6 +156,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args()
+    command = shlex.join(["python", "experiments/gate_study.py", *sys.argv[1:]])
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
@@ -147,7 +169,7 @@ def main() -> None:
                 f"[{gate}, seed {seed}] {r['steps']} steps in {r['train_seconds']:.0f}s: val ppl {r['val_ppl']:.2f}",
                 flush=True,
             )
-            write_outputs(results, args, args.out)
+            write_outputs(results, args, args.out, command)
 
 
 if __name__ == "__main__":

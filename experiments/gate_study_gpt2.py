@@ -26,6 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import sys
+from datetime import date
 from pathlib import Path
 
 import collect  # experiments/collect.py, beside this script
@@ -204,19 +207,40 @@ def caption(runs: dict, device: str | None) -> str:
     return f"Setting: {'; '.join(parts) or 'unrecorded'}; evaluated on {device}."
 
 
-def markdown(rows: list[dict], setting: str) -> str:
+def answer(rows: list[dict], uniform: tuple | None) -> list[str]:
+    """The report's opening in words: each model's test perplexity against dense's (NAtS: at its KV area), and the
+    first-token share of each model's layer with the most, against uniform attention's."""
+    st = {r["model"]: r["stats"] for r in rows}
+    dense = st.get("dense", {}).get("test_ppl")
+    parts = []
+    for r in rows:
+        s = r["stats"]
+        if r["model"] == "dense" or "test_ppl" not in s:
+            continue
+        rel = f" ({100 * (s['test_ppl']['mean'] / dense['mean'] - 1):+.1f}%)" if dense else ""
+        area = f" at KV area {s['area']['mean']:.4f}" if "area" in s else ""
+        parts.append(f"{r['label']} {s['test_ppl']['mean']:.2f}{rel}{area}")
+    lines = []
+    if parts:
+        head = (
+            f"Test perplexity (mean over seeds) against dense's {dense['mean']:.2f}: " if dense else "Test perplexity: "
+        )
+        lines.append(head + ", ".join(parts) + ".")
+    sinks = [f"{r['label']} {r['stats']['sink_max']['mean']:.4f}" for r in rows if "sink_max" in r["stats"]]
+    if sinks:
+        ref = f" (uniform causal attention: {uniform[0]:.4f})" if uniform else ""
+        lines.append(f"First-token share of each model's layer with the most{ref}: " + ", ".join(sinks) + ".")
+    return lines
+
+
+def markdown(rows: list[dict], setting: str, command: str = "") -> str:
     st = {r["model"]: r["stats"] for r in rows}
     dense_test = st.get("dense", {}).get("test_ppl")
     n_layer = max((len(r["stats"]["sink_layers"]["mean"]) for r in rows if "sink_layers" in r["stats"]), default=0)
     uniform = next(((r["uniform_share"], r["skip"]) for r in rows if "uniform_share" in r), None)
-    lines = [
-        "# Gated attention at GPT-2-small scale, and the gate in NAtS",
-        "",
-        "Produced by `experiments/gate_study_gpt2.py` from the run folders (docs/gate_study_gpt2.md). "
-        f"{setting} Perplexities: `nats-eval` on the first windows of each split; first-token share, gate and "
-        "the NAtS types per layer: the first validation windows (`analysis.json` of each run). Mean ± sample "
-        "standard deviation over seeds where there are several.",
-        "",
+    lines = ["# Gated attention at GPT-2-small scale, and the gate in NAtS", ""]
+    lines += [part for line in answer(rows, uniform) for part in (line, "")]  # a paragraph each
+    lines += [
         "| model | seeds | val ppl | test ppl | test vs dense | first-token share (mean over layers) | "
         "max layer | mean gate | KV area (test) | KV peak (test) | globals at position 0 | globals per head |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -234,6 +258,17 @@ def markdown(rows: list[dict], setting: str) -> str:
             f"{pm(s.get('sink'), 4)} | {pm(s.get('sink_max'), 4)} | {pm(s.get('gate'), 3)} | {pm(s.get('area'), 4)} "
             f"| {pm(s.get('peak'), 4)} | {pm(s.get('pos0_share'), 3)} | {pm(s.get('globals_per_head'), 1)} |"
         )
+    lines += [
+        "",
+        f"{setting} Perplexities: `nats-eval` on the first windows of each split; first-token share, gate and the "
+        "NAtS types per layer: the first validation windows (`analysis.json` of each run). Mean ± sample standard "
+        "deviation over seeds where there are several."
+        + (
+            f" Report of {date.today().isoformat()}: `{command}`; the runs: docs/gate_study_gpt2.md." if command else ""
+        ),
+        "",
+        "![first-token share and gate per layer](gate_study_gpt2_sink.png)",
+    ]
     if uniform is not None:
         lines += [
             "",
@@ -297,8 +332,8 @@ def markdown(rows: list[dict], setting: str) -> str:
             lines.append("Per head: `analysis.json` of each run (`*_heads`), and `eval_test/kv_fractions.json`.")
     lines += [
         "",
-        "Plots: gate_study_gpt2_sink.png (first-token share and gate per layer), gate_study_gpt2_kv.png (NAtS per "
-        "layer), gate_study_gpt2_ppl_vs_area.png (test perplexity against KV area, NAtS and the baselines).",
+        "More plots: gate_study_gpt2_kv.png (NAtS per layer), gate_study_gpt2_ppl_vs_area.png (test perplexity "
+        "against KV area, NAtS and the baselines).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -423,7 +458,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     setting = caption(runs, args.device)
-    (out / "gate_study_gpt2.md").write_text(markdown(rows, setting))
+    command = shlex.join(["python", "experiments/gate_study_gpt2.py", *(sys.argv[1:] if argv is None else argv)])
+    (out / "gate_study_gpt2.md").write_text(markdown(rows, setting, command))
     (out / "gate_study_gpt2.json").write_text(  # compact: the md is the readable form
         json.dumps({"setting": setting, "rows": rows, "runs": runs}, separators=(",", ":"))
     )
