@@ -1,9 +1,9 @@
 """Split archives (``<split>.tar.xz`` read unextracted), the PG-19 subset config, and training from a token cache
 alone (the raw data absent, as on a GPU node that received only ``data/<cache>/``).
 
-Everything runs on tiny synthetic corpora under tmp_path (CPU, seconds); the checks against the real PG-19
-subset in ``../shared/data/pg19-subset`` are skipped where it is absent, and the one that tokenises a split is
-marked ``slow``.
+Everything runs on tiny synthetic corpora under tmp_path (CPU, seconds), one of them in the PG-19 subset's own format;
+the same checks run on the real subset too where this machine has it (``../shared/data/pg19-subset``), and the one
+that tokenises a split is marked ``slow``.
 """
 
 from __future__ import annotations
@@ -325,34 +325,56 @@ def test_train_from_the_cache_alone_through_the_configs(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the real PG-19 subset (skipped where it is absent)
+# the PG-19 subset's format: a made subset, and the real one where this machine has it
 # ----------------------------------------------------------------------------------------------------
-needs_subset = pytest.mark.skipif(not (SUBSET / "validation.tar.xz").is_file(), reason=f"no PG-19 subset at {SUBSET}")
+REAL = (SUBSET / "validation.tar.xz").is_file()
 
 
-@needs_subset
-def test_real_subset_listing_matches_books_csv():
-    with open(SUBSET / "books.csv", newline="") as f:
+def made_subset(root: Path) -> Path:
+    """A small corpus in the PG-19 subset's format (books.csv: id, split, bytes, year, title; one .tar.xz per split
+    holding ``<split>/<id>.txt``), with ids whose names sort as strings, not numbers ("126" < "513" < "93")."""
+    ids = {"train": [10, 201, 7], "validation": [126, 513, 848, 93], "test": [293, 41]}
+    books = {split: {f"{i}.txt": f"Book {i} of the {split} split. " * (20 + i % 17) for i in bookids}
+             for split, bookids in ids.items()}  # fmt: skip
+    write_archives(root, books, prefix="{split}/", junk=False)
+    with open(root / "books.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "split", "bytes", "year", "title"])
+        for split, files in books.items():
+            for name, text in files.items():
+                w.writerow([name[:-4], split, len(text.encode()), 1900, f"Book {name[:-4]}"])
+    return root
+
+
+@pytest.fixture(params=["made", "real"] if REAL else ["made"])
+def subset(request, tmp_path) -> Path:
+    """The PG-19 subset's format: a made one always, the real subset too where it is on this machine
+    (``../shared/data/pg19-subset`` or NATS_PG19_SUBSET)."""
+    return SUBSET if request.param == "real" else made_subset(tmp_path / "pg19-subset")
+
+
+def test_subset_listing_matches_books_csv(subset):
+    with open(subset / "books.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["split"] == "validation"]
-    src = S.get_source("pg19", REPO / "data", path=SUBSET)
+    src = S.get_source("pg19", REPO / "data", path=subset)
     entries = src.entries("validation")
-    assert len(entries) == len(rows) == 50
+    assert len(entries) == len(rows) == (50 if subset == SUBSET else 4)
     assert {e.name: e.size for e in entries} == {f"{r['id']}.txt": int(r["bytes"]) for r in rows}
     assert [e.name for e in entries] == sorted(e.name for e in entries)  # "1xx.txt" < "5xx.txt" < "9x.txt"
 
 
 @pytest.mark.slow
-@needs_subset
-def test_real_subset_validation_tokens(tmp_path):
-    """Tokenise the real validation split (~3.9M tokens, ~5 s on 2 cores) and compare with the prepared cache
-    in data/ when there is one."""
-    src = S.get_source("pg19", tmp_path, path=SUBSET)
+def test_subset_validation_tokens(subset, tmp_path):
+    """Tokenise the validation split (the real one: ~3.9M tokens, ~5 s on 2 cores): every book, in the listing's
+    order; compared with the prepared cache in data/ when there is one."""
+    src = S.get_source("pg19", tmp_path, path=subset)
     names: list[str] = []
     n = TF.write_token_bin(tmp_path / "validation.bin",
                           TC._tokenize(src.documents("validation"), "gpt2", names, TC.tqdm(disable=True)))  # fmt: skip
-    assert len(names) == 50 and 3_000_000 < n < 5_000_000
+    assert names == [e.name for e in src.entries("validation")]
+    assert 3_000_000 < n < 5_000_000 if subset == SUBSET else n > 4 * 20
     cache = TC.cache_folder(REPO / "data", src, "gpt2", "pg19-subset")
-    if TC.is_complete_cache(cache):
+    if subset == SUBSET and TC.is_complete_cache(cache):
         made, cached = TF.open_token_bin(tmp_path / "validation.bin"), TF.open_token_bin(cache / "validation.bin")
         assert np.array_equal(made, cached)
         assert json.loads((cache / "meta.json").read_text())["documents"]["validation"] == names
