@@ -718,7 +718,7 @@ def test_decode_benchmark_helpers_on_cpu():
     for a, b in zip(ref_cache.layers, cache.layers):  # the same tokens kept (keys differ by the attention's rounding)
         for name in ("start", "length", "n_global", "ring_valid"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
-        for r in range(a.seg.shape[1]):  # the segments (past its length the PyTorch step leaves a moved global's copy)
+        for r in range(a.rows.shape[1]):  # the segments (past its length the PyTorch step leaves a moved global's copy)
             s, n = int(a.start[r]), int(a.length[r])
             assert torch.allclose(a.k_pool[s : s + n], b.k_pool[s : s + n], atol=1e-4, rtol=0), r
     assert int(cache.layers[0].n_global[0]) == int((types[0, 0] == 0).sum()) + 1  # the synthetic global at L + 3
@@ -820,7 +820,7 @@ def assert_same_nats_state(a: EngineLayer, b: EngineLayer) -> None:
     """Two NAtS layers hold the same tokens: metadata, pool segments and valid ring slots (scratch slots aside)."""
     for name in ("start", "cap", "length", "n_global", "ring_valid", "type_counts"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    for r in range(a.seg.shape[1]):
+    for r in range(a.rows.shape[1]):
         s, n = int(a.start[r]), int(a.length[r])
         assert torch.equal(a.k_pool[s : s + n], b.k_pool[s : s + n]), r
         assert torch.equal(a.v_pool[s : s + n], b.v_pool[s : s + n]), r
@@ -1101,10 +1101,10 @@ def test_full_cache_append_writes_the_new_token_in_place_compiled_or_not():
     compiled = torch.compile(eager, fullgraph=True, backend="aot_eager")
     for p in range(4, 10):  # compiled and eager steps in turn, on the same buffers
         q, k, v = (torch.randn(R, *shape, D, generator=gen) for shape in ((1,), (), ()))
-        ptrs = [t.data_ptr() for t in (layer.kv_pool, layer.seg)]
+        ptrs = [t.data_ptr() for t in (layer.kv_pool, layer.rows)]
         ref = layer.kv_pool.clone()
         dest = layer.start + layer.length
         ref[0, dest], ref[1, dest] = k, v
         (compiled if p % 2 else eager)(q, k, v, torch.tensor([p]))
-        assert [t.data_ptr() for t in (layer.kv_pool, layer.seg)] == ptrs
+        assert [t.data_ptr() for t in (layer.kv_pool, layer.rows)] == ptrs
         assert torch.equal(layer.length, torch.full((R,), p + 1)) and torch.equal(layer.kv_pool, ref), p

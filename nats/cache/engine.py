@@ -169,7 +169,7 @@ def segment_kv(layer) -> tuple[Tensor, Tensor, Tensor]:
     """Each row's segment as dense tensors for a continuation's attention: keys and values ``[R, L, D]`` (L: the
     longest row) and the slot index ``[L]`` (slot s of row r is valid where ``s < length[r]``). One host read (L)."""
     L = max(int(layer.length.max()), 0)
-    slot = torch.arange(L, device=layer.seg.device)
+    slot = torch.arange(L, device=layer.rows.device)
     idx = (layer.start[:, None] + slot).clamp(max=layer.kv_pool.shape[1] - 1)  # [R, L]
     kv = layer.kv_pool[:, idx]  # [2, R, L, D]
     return kv[0], kv[1], slot
@@ -202,12 +202,12 @@ class SegmentStorage:
 
     The buffers are packed into few tensors, the named ones being views of them: every tensor a compiled decode step
     reads from the cache is a graph input that dynamo guards before each replay, and the guard check is host time at
-    every step. ``kv_pool`` ``[2, P, D]`` (keys, values; the last slot is the scratch slot), ``seg`` ``[6, R]`` int64
+    every step. ``kv_pool`` ``[2, P, D]`` (keys, values; the last slot is the scratch slot), ``rows`` ``[6, R]`` int64
     (segment start, length, capacity, NAtS' global count and the last token's type, the ring rule's count), and for
     rules with a ring ``ring_kv`` ``[2, R, W, D]`` and ``ring_valid`` ``[R, W]``."""
 
     kv_pool: Tensor
-    seg: Tensor
+    rows: Tensor  # [6, R]: start, length, capacity, global count, last type, count (the views below)
     ring_kv: Tensor | None = None
     ring_valid: Tensor | None = None
 
@@ -215,21 +215,21 @@ class SegmentStorage:
     v_pool = property(lambda self: self.kv_pool[1])
     ring_k = property(lambda self: self.ring_kv[0])
     ring_v = property(lambda self: self.ring_kv[1])
-    start = property(lambda self: self.seg[0])
-    length = property(lambda self: self.seg[1])
-    cap = property(lambda self: self.seg[2])
-    n_global = property(lambda self: self.seg[3])
-    last_type = property(lambda self: self.seg[4])  # NAtS: the last token's type (-1: none yet)
-    count = property(lambda self: self.seg[5])  # the ring rule: tokens written so far
+    start = property(lambda self: self.rows[0])
+    length = property(lambda self: self.rows[1])
+    cap = property(lambda self: self.rows[2])
+    n_global = property(lambda self: self.rows[3])
+    last_type = property(lambda self: self.rows[4])  # NAtS: the last token's type (-1: none yet)
+    count = property(lambda self: self.rows[5])  # the ring rule: tokens written so far
 
     def storage_tensors(self) -> list[Tensor]:
         """The packed buffers (the views' bases)."""
-        return [t for t in (self.kv_pool, self.seg, self.ring_kv, self.ring_valid) if t is not None]
+        return [t for t in (self.kv_pool, self.rows, self.ring_kv, self.ring_valid) if t is not None]
 
     def storage_dynamic_dims(self) -> list[tuple[Tensor, tuple[int, ...]]]:
         """The packed buffers with the dimensions that depend on the batch and on what the prompt keeps: the
         pool's slots, the rows (the head dim and the ring's width do not change)."""
-        dims = [(self.kv_pool, (1,)), (self.seg, (1,))]
+        dims = [(self.kv_pool, (1,)), (self.rows, (1,))]
         if self.ring_kv is not None:
             dims += [(self.ring_kv, (1,)), (self.ring_valid, (0,))]
         return dims
@@ -243,18 +243,18 @@ class SegmentStorage:
         order (O(kept tokens)); the scratch slot last. The counters are kept."""
         length = self.length
         R = length.shape[0]
-        seg = self.seg.clone()
-        seg[2] = torch.maximum(cap, length)
-        end = seg[2].cumsum(0)
-        seg[0] = end - seg[2]
+        new = self.rows.clone()
+        new[2] = torch.maximum(cap, length)
+        end = new[2].cumsum(0)
+        new[0] = end - new[2]
         size = int(end[-1]) + 1
         kv_pool = self.kv_pool.new_zeros(2, size, self.kv_pool.shape[-1])
         total = int(length.sum())
         if total:
             rows = torch.repeat_interleave(torch.arange(R, device=length.device), length)
             off = torch.arange(total, device=length.device) - (torch.cumsum(length, 0) - length)[rows]
-            kv_pool[:, seg[0][rows] + off] = self.kv_pool[:, self.start[rows] + off]
-        self.kv_pool, self.seg = kv_pool, seg
+            kv_pool[:, new[0][rows] + off] = self.kv_pool[:, self.start[rows] + off]
+        self.kv_pool, self.rows = kv_pool, new
 
 
 class PoolLayout:
@@ -378,7 +378,7 @@ class EngineLayer(SegmentStorage):
         the rule's own buffers where it has them, the prompt's area and peak where tracked (all marked static); then
         the rule's ``setup``. ``real`` ``[R]``: each row's real prompt tokens, ``width``: the prompt's tokens, padding
         included; the free steps a growing rule has (its planned room) and the bytes taken are known from here."""
-        self.kv_pool, self.seg = pool, plan.rows
+        self.kv_pool, self.rows = pool, plan.rows
         self.real, self.prompt_width = real, width
         if self.context.track:
             self.area, self.peak = plan.sizes.sum(-1).double(), plan.sizes.amax(-1)
@@ -446,7 +446,7 @@ class EngineLayer(SegmentStorage):
     def grow(self, extra: int = 0) -> None:
         """Lay the pool out again with `grown` capacities (every row: its tokens + ``extra`` + their slack)."""
         self.relayout(grown(self.length + extra))
-        mark_static(self.kv_pool, self.seg)  # a compiled step's fixed buffers, as install marks them
+        mark_static(self.kv_pool, self.rows)  # a compiled step's fixed buffers, as install marks them
         self.reallocations += 1
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
 

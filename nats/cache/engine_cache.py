@@ -288,7 +288,7 @@ class EngineCache:
         caller decodes next; `EngineLayer.make_room`), else N decode steps in turn (`_steps`). The outputs ``[B, Hq,
         N, D]``; the cache sizes recorded where tracked."""
         B, Hq, N, D = q.shape
-        R = layer.seg.shape[1]
+        R = layer.rows.shape[1]
         G = Hq // (R // B)
         layer.make_room(N + (0 if self.auto_maintain else int(self.reserve or 0)))
         out = self.rule.extend(layer.context, layer, self.cores[layer.layer_idx], q.reshape(R, G, N, D),
@@ -305,7 +305,7 @@ class EngineCache:
         """One decode step of every row of the layer: the new token (q ``[B, Hq, 1, D]``, k, v ``[B, Hkv, 1, D]``)
         at position ``pos`` ``[1]`` (padding included); device tensors only, no host synchronisation."""
         B, Hq, _, D = q.shape
-        R = layer.seg.shape[1]
+        R = layer.rows.shape[1]
         G = Hq // (R // B)
         x = None if hidden is None else hidden.reshape(B, -1)
         # k and v as [B, Hkv, D] views where the projection wrote them: a rule reads them through their strides (the

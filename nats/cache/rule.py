@@ -281,14 +281,14 @@ class AppendRule(FixedRule):
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
         compiled = kr.is_cuda and not torch.compiler.is_compiling()
         compiled = compiled and resolve_backend(ctx.backend, kr.device) == "triton"
-        (_compiled_append() if compiled else append_step)(layer.kv_pool, layer.seg, kr, vr)
+        (_compiled_append() if compiled else append_step)(layer.kv_pool, layer.rows, kr, vr)
         return attend(layer, qr, even=self.even_rows, backend=ctx.backend), layer.length
 
 
-def append_step(kv_pool: Tensor, seg: Tensor, k: Tensor, v: Tensor) -> None:
+def append_step(kv_pool: Tensor, rows: Tensor, k: Tensor, v: Tensor) -> None:
     """An appending step's writes: every row's new key and value after its tokens, its length + 1; a full row's go to
     the scratch slot (the last) and its length stays."""
-    start, length, cap = seg[0], seg[1], seg[2]
+    start, length, cap = rows[0], rows[1], rows[2]
     full = length >= cap
     dest = torch.where(full, torch.full_like(start, kv_pool.shape[1] - 1), start + length)
     length.add_((~full).to(length.dtype))

@@ -134,7 +134,7 @@ class H2ORule(FixedRule):
         length = (h["slot_pos"] >= 0).sum(1)
         start = torch.arange(R, device=length.device) * B
         zero = torch.zeros_like(length)
-        seg = torch.stack((start, length, torch.full_like(length, B), zero, zero - 1, zero))
+        rows = torch.stack((start, length, torch.full_like(length, B), zero, zero - 1, zero))
 
         def fill(size):
             pool = h["k"].new_zeros(2, size, h["k"].shape[-1])
@@ -143,7 +143,7 @@ class H2ORule(FixedRule):
             return pool
 
         extra = {"slot_pos": h["slot_pos"], "score": h["score"], "h2o_zero": h["score"].new_zeros(())}
-        return Plan(seg, start[-1:] + B, fill, extra=extra)
+        return Plan(rows, start[-1:] + B, fill, extra=extra)
 
     def setup(self, ctx, layer):
         layer.h2o_budget = layer.slot_pos.shape[1]

@@ -333,7 +333,8 @@ class NAtSRule(FixedRule):
         return Plan(rows, end, fill, (ring_kv, ring_valid, W), self._sizes(ctx, types, core), self._counts(ctx, types))
 
     def setup(self, ctx, layer):
-        layer.type_table = None if self.type_table is None else self.type_table.to(layer.seg.shape[1], layer.seg.device)
+        table = self.type_table
+        layer.type_table = None if table is None else table.to(layer.rows.shape[1], layer.rows.device)
 
     def buffers(self, layer):
         counts = getattr(layer, "type_counts", None)
@@ -347,7 +348,7 @@ class NAtSRule(FixedRule):
         # op's two launches alone
         size = self.kept(layer) + 1 if ctx.track else None
         table = layer.type_table
-        y = nats_decode(qr, hidden, core.scorer.weight, core.type_bias, pos, layer.seg, kr, vr, layer.ring_kv,
+        y = nats_decode(qr, hidden, core.scorer.weight, core.type_bias, pos, layer.rows, kr, vr, layer.ring_kv,
                         layer.ring_valid, layer.kv_pool, ctx.backend, None if table is None else table.table,
                         0 if table is None else table.first_pos)  # fmt: skip
         if ctx.track:  # the new token's type (the step wrote it into the rows' last type)
