@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
+from datetime import date
 from pathlib import Path
 
 from nats.finetune.analysis import FinetuneRun, load_finetune_run, plot_distillation, plot_finetune_layers
@@ -51,7 +54,7 @@ def fmt(x: float | None, digits: int = 4) -> str:
     return "" if x is None else f"{x:.{digits}f}"
 
 
-def report(run: Path, out: Path, name: str) -> str:
+def report(run: Path, out: Path, name: str, command: str = "") -> str:
     ft = read_run(run)
     curves, stats = ft.curves, ft.stats
     timing = step_seconds(run)
@@ -73,16 +76,24 @@ def report(run: Path, out: Path, name: str) -> str:
             f"{d.get('min_length') or d.get('max_length', 0) // 2}-{d.get('max_length')} tokens, precision "
             f"{cfg.get('trainer', {}).get('precision')}"
         )
-    lines = [f"# NAtS scorer fine-tuning: {run.name}", ""]
-    if setting:
-        lines += [setting, ""]
-    if timing:
-        lines += [
-            f"Time per optimizer step: **{timing['median']:.3f} s** (median over {timing['steps']} steps, "
-            f"validations excluded); the first step took {timing['first']:.1f} s (Triton compile and autotune).",
-            "",
-        ]
     val_steps = sorted(curves.get("val/mse", {}))
+    answer = []  # the answer first: the last validation against the first, and the time per step
+    if val_steps:
+        first, last = val_steps[0], val_steps[-1]
+        earlier = f" ({fmt(curves['val/mse'][first])} at step {first})" if first != last else ""
+        answer.append(
+            f"After {last} optimizer steps the validation distillation MSE is {fmt(curves['val/mse'][last])}{earlier}"
+            f", at a KV area (density) of {fmt(curves.get('val/density', {}).get(last))} and a peak of "
+            f"{fmt(curves.get('val/peak', {}).get(last))}."
+        )
+    if timing:
+        answer.append(
+            f"Time per optimizer step: **{timing['median']:.3f} s** (median over {timing['steps']} steps, "
+            f"validations excluded); the first step took {timing['first']:.1f} s (Triton compile and autotune)."
+        )
+    lines = [f"# NAtS scorer fine-tuning: {run.name}", ""]
+    if answer:
+        lines += [" ".join(answer), ""]
     lines += [
         "| step | train MSE | train density | val MSE | val density | val peak |",
         "|---:|---:|---:|---:|---:|---:|",
@@ -94,12 +105,22 @@ def report(run: Path, out: Path, name: str) -> str:
             f"{fmt(curves.get('val/mse', {}).get(s))} | {fmt(curves.get('val/density', {}).get(s))} | "
             f"{fmt(curves.get('val/peak', {}).get(s))} |"
         )
+    lines += [
+        "",
+        f"{date.today().isoformat()}: `{command or 'python experiments/finetune_report.py ' + str(run)}`"
+        + (f"; {setting}" if setting else "")
+        + ".",
+        "",
+        f"![distillation curve]({name}_loss.png)",
+    ]
     if stats:
         per = stats["per_layer"]
         lines += [
             "",
-            f"KV fractions at step {stats['step']} (validation, {stats['examples']} examples, W = {stats['window']}): "
-            f"mean area {stats['mean']['density']:.3f}, mean peak {stats['mean']['peak']:.3f}.",
+            f"## KV kept per layer (validation, step {stats['step']})",
+            "",
+            f"{stats['examples']} examples, W = {stats['window']}: mean area {stats['mean']['density']:.3f}, mean "
+            f"peak {stats['mean']['peak']:.3f}.",
             "",
             "| layer | area | peak | area per KV head |",
             "|---:|---:|---:|---|",
@@ -107,6 +128,7 @@ def report(run: Path, out: Path, name: str) -> str:
         heads = stats["per_layer_head"]["density"]
         for i, (a, p) in enumerate(zip(per["density"], per["peak"])):
             lines.append(f"| {i} | {a:.3f} | {p:.3f} | {', '.join(f'{h:.3f}' for h in heads[i])} |")
+        lines += ["", f"![KV area and peak per layer and KV head]({name}_kv_layers.png)"]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
@@ -134,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default="finetune_smollm2")
     args = ap.parse_args(argv)
-    print(report(args.run, args.out or args.run, args.name))
+    command = shlex.join(["python", "experiments/finetune_report.py", *(sys.argv[1:] if argv is None else argv)])
+    print(report(args.run, args.out or args.run, args.name, command))
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def write_outputs(results: list[dict], args, out_dir: Path, command: str = "") -
     by_gate: dict[str, list[dict]] = {}
     for r in results:
         by_gate.setdefault(r["gate"], []).append(r)
-    means, ppl_words, sink_words = [], [], []
+    means, ppl_words, sink_means = [], [], []
     for gate, rs in by_gate.items():
         ppl = torch.tensor([r["val_ppl"] for r in rs], dtype=torch.float64)
         sink = torch.tensor([sum(r["first_token_share"]) / n_layer for r in rs], dtype=torch.float64)
@@ -100,7 +100,7 @@ def write_outputs(results: list[dict], args, out_dir: Path, command: str = "") -
 
         spread = len(rs) > 1
         ppl_words.append(f"{gate} {float(ppl.mean()):.2f}" + (f" ± {std(ppl):.2f}" if spread else ""))
-        sink_words.append(f"{gate} {float(sink.mean()):.4f}")
+        sink_means.append(float(sink.mean()))
         g = "-" if any(math.isnan(x) for x in gmean) else f"{sum(gmean) / len(gmean):.3f}"
         means.append(
             f"| {gate} | {len(rs)} | {float(ppl.mean()):.2f} ± {std(ppl):.2f} | "
@@ -114,8 +114,7 @@ def write_outputs(results: list[dict], args, out_dir: Path, command: str = "") -
         + (f" (mean ± standard deviation over seeds {seeds})" if several else "")
         + ": "
         + ", ".join(ppl_words)
-        + ". Mean first-token share (attention on key 0; uniform causal attention would give "
-        f"{uniform:.4f}): " + ", ".join(sink_words) + ".",
+        + f". Mean first-token share {min(sink_means):.4f}-{max(sink_means):.4f} (uniform attention: {uniform:.4f}).",
         "",
     ]
     if several:
@@ -126,17 +125,16 @@ def write_outputs(results: list[dict], args, out_dir: Path, command: str = "") -
         "",
         f"{date.today().isoformat()}, {results[0]['device']}"
         + (f" (torch threads = {torch.get_num_threads()})" if results[0]["device"] == "cpu" else "")
-        + f": `{command or 'python experiments/gate_study.py'}`. Default tiny model of conf/train.yaml (4 layers, "
-        f"4 heads, d = 128, RoPE, context 128) on the default data (gutenberg), "
+        + f": `{command or 'python experiments/gate_study.py'}`. The tiny model of conf/train.yaml (4 layers, 4 "
+        "heads, d = 128, RoPE, context 128) on gutenberg; "
         + (
-            f"seeds {seeds} (a seed sets the initialisation and the data order, the same for every gate)"
+            "a seed sets the initialisation and the data order, the same for every gate"
             if all("seed" in r for r in results)
             else "the same seed and data order for every row"
         )
-        + ". Validation loss/perplexity over the "
-        "validation windows (all of them unless data.max_eval_windows caps them); first-token share (attention "
-        "probability on key 0, mean over heads and queries; the first query, which can only see key 0, included; "
-        f"uniform causal attention would give H_N / N = {uniform:.4f} at N = 128) and mean gate per layer over "
+        + ". Validation over all validation windows unless data.max_eval_windows caps them; first-token share "
+        "(sink): attention probability on key 0, mean over heads and queries, the first query included (uniform "
+        f"causal attention: H_N / N = {uniform:.4f} at N = 128); gate: mean gate value; both per layer over "
         f"{args.diag_batches} validation batches.",
     ]
     if several:
