@@ -5,8 +5,9 @@
 Reads the run folder (``csv/metrics.csv``, ``nats_stats.json``, ``step_times.json`` when the run had
 ``'callbacks=[default,step_timer]'``, ``metrics.json``) and writes into ``--out`` (default: the run folder):
 
-* ``<name>.md``: the setting, the distillation curve (train MSE, density, validation MSE and density at each
-  validation), time per optimizer step, and the learned KV area / peak fractions per layer (and per KV head);
+* ``<name>.md``: first the last validation (MSE, KV area, peak) and the time per optimizer step, then the
+  distillation curve (train MSE, density, validation MSE and density at each validation), the date, command and
+  setting, and the learned KV area / peak fractions per layer (and per KV head);
 * ``<name>_loss.png``: train MSE and density per step, validation MSE and density;
 * ``<name>_kv_layers.png``: KV area and peak fraction per layer, one mark per KV head.
 """
