@@ -38,7 +38,13 @@ def inputs(n_kv_head: int, seed: int = 0, requires_grad: bool = False):
 
 
 def core(name: str, n_kv_head: int = HQ):
-    return build_attention({"name": name}, dims(n_kv_head)).double()
+    """The core as the model builds it: a core that reads its layer's query projection (``bind_query``, DMS' decisions)
+    gets one (C -> Hq * head_dim, as the model's fused qkv projection starts)."""
+    c = build_attention({"name": name}, dims(n_kv_head))
+    if hasattr(c, "bind_query"):
+        torch.manual_seed(5)
+        c.bind_query(torch.nn.Linear(C, HQ * 8).double())
+    return c.double()
 
 
 def test_every_core_has_a_config_and_the_registry_lists_them():

@@ -37,7 +37,7 @@ def model_for(cls) -> GPT:
     """A tiny float64 GQA model with the attention the policy needs (dense unless `requires_core` says)."""
     torch.manual_seed(0)
     attention = {"name": cls.requires_core or "dense"}
-    if cls.requires_core == "nats":
+    if cls.requires_core in ("nats", "dms"):
         attention["window"] = 4
     cfg = GPTConfig(vocab_size=V, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, attention=attention)
     model = GPT(cfg).double().eval()

@@ -32,7 +32,7 @@ from nats.cache import available_caches, get_cache_class  # noqa: E402
 from nats.cache.decode import generate as gpt_generate  # noqa: E402
 from nats.cache.decode import policy_logits  # noqa: E402
 from nats.cache.rule import FixedRule, fixed_policies  # noqa: E402
-from nats.hf import StaticPolicyCache, attach_nats, use_policy_caches  # noqa: E402
+from nats.hf import StaticPolicyCache, attach_dms, attach_nats, use_policy_caches  # noqa: E402
 from nats.hf.compat import cache_kwargs  # noqa: E402
 from nats.hf.loop import generate as loop_generate  # noqa: E402
 
@@ -58,6 +58,8 @@ def model_for(name: str):
     model = tiny_model("llama").double()
     if get_cache_class(name).requires_core == "nats":
         return attach_nats(model, window=4, init_std=0.5)
+    if get_cache_class(name).requires_core == "dms":
+        return attach_dms(model, window=4, alpha_offset=0.0)
     return use_policy_caches(model)
 
 
@@ -92,7 +94,11 @@ def test_gpt_generate_equals_teacher_forcing_through_a_growing_cache(name):
     """The GPT path: `generate` (pools planned for the new tokens, no growth) and the sequential `policy_logits`
     over the same tokens (no reserve: the pools grow) give the same greedy tokens; exact policies the forward's."""
     cls = get_cache_class(name)
-    model = gpt_nats_model(block_size=96) if cls.requires_core == "nats" else gpt_tiny({"name": "dense"}, block_size=96)
+    if cls.requires_core == "nats":
+        model = gpt_nats_model(block_size=96)
+    else:
+        model = gpt_tiny({"name": cls.requires_core or "dense", "window": 4, "alpha_offset": 0.0}
+                         if cls.requires_core == "dms" else {"name": "dense"}, block_size=96)  # fmt: skip
     P, new = 40, 24  # more new tokens than a growing pool's first room (GROW_STEPS)
     idx = torch.randint(0, 61, (2, P), generator=torch.Generator().manual_seed(3))
     kw = options(name)

@@ -12,12 +12,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_nats import ids  # noqa: E402
+from test_hf_nats import ids, tiny_model  # noqa: E402
 from test_hf_static_cache import greedy, nats_model  # noqa: E402
 
 from nats.cache.registry import get_cache_class  # noqa: E402
 from nats.cache.rule import fixed_policies  # noqa: E402
-from nats.hf import StaticPolicyCache  # noqa: E402
+from nats.hf import StaticPolicyCache, attach_dms  # noqa: E402
 from nats.hf.compat import cache_kwargs  # noqa: E402
 from nats.hf.loop import generate  # noqa: E402
 
@@ -121,7 +121,7 @@ def test_a_continuation_equals_the_decode_steps(policy):
     policy's prompt rule (SnapKV's selection) runs once, on the first prompt, and its continuation is its decode steps
     (SnapKV's family appends in parallel, H2O evicts step by step)."""
     cls = get_cache_class(policy)
-    model = nats_model()
+    model = attach_dms(tiny_model("llama"), window=4, alpha_offset=0.0) if cls.requires_core == "dms" else nats_model()
     kw = {"budget": 16} if cls.budgeted else {}
     kw.update({"window": 4} if cls.prefill_time else {})
     prompt, more = user_text(30, 11), user_text(13, 12)

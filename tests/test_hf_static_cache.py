@@ -180,7 +180,7 @@ def test_errors():
     with pytest.raises(ValueError, match="use_policy_caches"):
         StaticPolicyCache(model, "full", max_new_tokens=4)
     model = use_policy_caches(model)
-    with pytest.raises(ValueError, match="needs NAtS scorers"):
+    with pytest.raises(ValueError, match="needs the model.s nats attention in every layer .*nats.hf.attach_nats"):
         StaticPolicyCache(model, "nats", max_new_tokens=4)
     with pytest.raises(ValueError, match="is a parallel approximation and cannot decode"):
         StaticPolicyCache(model, "h2o_dense", max_new_tokens=4, budget=8)

@@ -84,8 +84,13 @@ class EngineCache:
         self.policy, self.policy_cls = policy, fixed_policy(policy, who, decodable)
         self.rule = self.policy_cls.rule(**options)  # the policy's options bound to its rule
         self.cores, self.n_layer = list(cores), len(cores)
-        if self.policy_cls.requires_core == "nats" and any(c is None for c in self.cores):
-            raise ValueError(f"{who}: policy {policy!r} needs NAtS scorers: call nats.hf.attach_nats(model)")
+        need = self.policy_cls.requires_core
+        if need is not None and any(getattr(c, "name", None) != need for c in self.cores):
+            attach = {"nats": "nats.hf.attach_nats(model)", "dms": "nats.hf.attach_dms(model)"}.get(need, need)
+            raise ValueError(
+                f"{who}: policy {policy!r} needs the model's {need} attention in every layer (a transformers model: "
+                f"{attach}; a GPT: model.attention.name={need})"
+            )
         try:
             self.policy_cls.check_use(budget, decode=decodable)
             check_budget_value(budget, "each row's prompt")

@@ -1,6 +1,7 @@
-"""Schedules of a NAtS core attribute over the optimizer steps: `TemperatureSchedule` (the Gumbel-softmax
-temperature, conf/callbacks/tau_schedule.yaml) and `NoiseSchedule` (the scale of the Gumbel noise,
-conf/callbacks/noise_schedule.yaml)."""
+"""Schedules of an attention core's attribute over the optimizer steps: `TemperatureSchedule` (NAtS' Gumbel-softmax
+temperature, conf/callbacks/tau_schedule.yaml), `NoiseSchedule` (the scale of NAtS' Gumbel noise,
+conf/callbacks/noise_schedule.yaml) and `CompressionSchedule` (the compression ratio DMS' loss asks for,
+conf/callbacks/dms_schedule.yaml)."""
 
 from __future__ import annotations
 
@@ -8,25 +9,27 @@ from lightning.pytorch.callbacks import Callback
 
 
 class _CoreSchedule(Callback):
-    """Set an attribute of every NAtS core (`nats.attention.nats.NAtSAttention`, found by type; other cores lack
-    it) to ``value_at(trainer.global_step)`` before each training batch, where it differs (so once per optimizer
-    step: the micro-batches of one step share it; the core's setter fills a buffer in place, so a compiled model
-    does not recompile), and log it as ``nats/<attr>`` on the steps whose logs are written, as a CPU tensor
-    (``nats.step_logging.host_scalar``: a Python float logged would be a blocking host-to-device copy). The value is a
-    function of the step alone, so a resumed run continues the schedule where it stopped."""
+    """Set an attribute of every core of one kind (``core``: `nats.attention.nats.NAtSAttention` by default, found by
+    type; other cores lack it) to ``value_at(trainer.global_step)`` before each training batch, where it differs (so
+    once per optimizer step: the micro-batches of one step share it; the core's setter fills a buffer in place, so a
+    compiled model does not recompile), and log it as ``nats/<attr>`` on the steps whose logs are written, as a CPU
+    tensor (``nats.step_logging.host_scalar``: a Python float logged would be a blocking host-to-device copy). The value
+    is a function of the step alone, so a resumed run continues the schedule where it stopped."""
 
     attr = ""
+    core = "nats"  # the attention cores it sets (the registered name; the others lack the attribute)
 
     def value_at(self, step: int) -> float:
         raise NotImplementedError
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        from nats.attention.nats import NAtSAttention
+        from nats.attention.registry import ATTENTIONS
         from nats.step_logging import host_scalar, logs_written_now
 
         value = self.value_at(trainer.global_step)
         if getattr(self, "_cores_of", None) is not pl_module:  # the cores are found once per module
-            self._cores = [m for m in pl_module.modules() if isinstance(m, NAtSAttention)]
+            cls = ATTENTIONS.get(self.core)
+            self._cores = [m for m in pl_module.modules() if isinstance(m, cls)]
             self._cores_of = pl_module
         for module in self._cores:
             if getattr(module, self.attr) != value:
@@ -69,6 +72,25 @@ class NoiseSchedule(_CoreSchedule):
         super().__init__()
         if not (start >= 0 and end >= 0) or steps < 1:
             raise ValueError(f"NoiseSchedule needs start, end >= 0 and steps >= 1 (got {start}, {end}, {steps})")
+        self.start, self.end, self.steps = float(start), float(end), int(steps)
+
+    def value_at(self, step: int) -> float:
+        frac = min(step, self.steps) / self.steps
+        return self.start + (self.end - self.start) * frac
+
+
+class CompressionSchedule(_CoreSchedule):
+    """Anneal the compression ratio that every DMS core's auxiliary loss asks for (`nats.attention.dms`,
+    ``target_cr``): linearly from `start` (1: no eviction asked) to `end` over `steps` optimizer steps, then `end`,
+    as DMS' retrofitting does. Logged as ``nats/target_cr``."""
+
+    attr = "target_cr"
+    core = "dms"
+
+    def __init__(self, start: float = 1.0, end: float = 4.0, steps: int = 1000):
+        super().__init__()
+        if not (start >= 1 and end >= 1) or steps < 1:
+            raise ValueError(f"CompressionSchedule needs start, end >= 1 and steps >= 1 (got {start}, {end}, {steps})")
         self.start, self.end, self.steps = float(start), float(end), int(steps)
 
     def value_at(self, step: int) -> float:

@@ -14,6 +14,7 @@ from nats.hf import attention as _attention
 from nats.hf.attention import ATTN_IMPLEMENTATION, nats_attention_forward
 from nats.hf.buffers import CacheBuffers
 from nats.hf.cache import use_policy_caches
+from nats.hf.dms import attach_dms
 from nats.hf.fused import fuse_projections, unfuse_projections
 from nats.hf.hooks import SUPPORTED_MODEL_TYPES
 from nats.hf.scorers import (
@@ -36,6 +37,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "HFNAtSScorer",
     "StaticPolicyCache",
+    "attach_dms",
     "attach_nats",
     "detach_nats",
     "fuse_projections",

@@ -93,6 +93,16 @@ def nats_attention_forward(
     if policy_cache:  # the cache's policy attends over what it keeps (spec section 5; left padding allowed)
         y = cache.attend(module.layer_idx, query, hidden, attention_mask if N > 1 else None)
         return y.transpose(1, 2).contiguous(), None
+    if getattr(core, "decode_policy", None) == "dms":  # DMS (nats.hf.dms): its masked attention, no other cache
+        if N != key.shape[-2]:
+            raise NotImplementedError(
+                "nats attention (transformers): a DMS model decodes through its evicting cache: pass "
+                "nats.hf.StaticPolicyCache(model, 'dms', ...) to generate"
+            )
+        _check_mask(attention_mask, N, N)
+        out = core(query, key, value, hidden)
+        core.last_aux, core.last_stats = out.aux_loss, out.stats
+        return out.y.transpose(1, 2).contiguous(), None
     Nk = key.shape[-2]
     sliding = kwargs.get("sliding_window")
     if sliding is not None and Nk > sliding:

@@ -201,6 +201,8 @@ class Attention(nn.Module):
             causal=c.causal,
         )
         self.core = build_attention(attn_cfg, dims)
+        if hasattr(self.core, "bind_query"):  # a core that reads the layer's own query projection (DMS' decisions)
+            self.core.bind_query(self.qkv)
         self.resid_dropout = nn.Dropout(c.dropout)
 
     def project(self, x: torch.Tensor, rope: RotaryEmbedding | None, positions: torch.Tensor):

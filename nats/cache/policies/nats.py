@@ -364,10 +364,8 @@ class NAtSRule(FixedRule):
         and locals as in a prompt), then the state after the last step: the locals dropped where the chunk has a
         global, the chunk's globals and live locals appended, the ring holding the last W - 1 positions."""
         R, G, n, D = q.shape
-        B, W = hidden.shape[0], layer.window
-        dev = q.device
-        z = (hidden @ core.scorer.weight.t()).to(hidden.dtype).float().view(B, n, -1, 3) + core.type_bias
-        t = z.argmax(-1).transpose(1, 2).reshape(R, n)  # [R, n]
+        W, dev = layer.window, q.device
+        t = self.chunk_types(core, q, hidden)  # [R, n]
         table = layer.type_table
         if table is not None:  # the given types of the chunk's positions within the table
             pos = torch.arange(first, first + n, device=dev) - table.first_pos
@@ -405,6 +403,13 @@ class NAtSRule(FixedRule):
         if ctx.track:
             layer.type_counts.add_((t[..., None] == torch.arange(3, device=dev)).sum(1))
         return y, sizes
+
+    @staticmethod
+    def chunk_types(core, q: Tensor, hidden: Tensor) -> Tensor:
+        """A continuation's types ``[R, n]`` from the scorer (`scorer_types`' arithmetic, no token at position 0)."""
+        R, n, B = q.shape[0], q.shape[2], hidden.shape[0]
+        z = (hidden @ core.scorer.weight.t()).to(hidden.dtype).float().view(B, n, -1, 3) + core.type_bias
+        return z.argmax(-1).transpose(1, 2).reshape(R, n)
 
     def kept(self, layer):
         return layer.length + layer.ring_valid.sum(1)
