@@ -38,6 +38,24 @@ class _CoreSchedule(Callback):
             pl_module.log(f"nats/{self.attr}", host_scalar(value))  # a float would sync the device
 
 
+class _LinearSchedule(_CoreSchedule):
+    """A value going linearly from `start` to `end` over `steps` optimizer steps, then `end`; both at least
+    ``lowest``."""
+
+    lowest = 0.0
+
+    def __init__(self, start: float, end: float, steps: int):
+        super().__init__()
+        if not (start >= self.lowest and end >= self.lowest) or steps < 1:
+            name, low = type(self).__name__, self.lowest
+            raise ValueError(f"{name} needs start, end >= {low:g} and steps >= 1 (got {start}, {end}, {steps})")
+        self.start, self.end, self.steps = float(start), float(end), int(steps)
+
+    def value_at(self, step: int) -> float:
+        frac = min(step, self.steps) / self.steps
+        return self.start + (self.end - self.start) * frac
+
+
 class TemperatureSchedule(_CoreSchedule):
     """Anneal the Gumbel-softmax temperature of every NAtS core: exponentially from `start` to `end` over
     `steps` optimizer steps, then constant (`end`). Logged as ``nats/tau``."""
@@ -55,7 +73,7 @@ class TemperatureSchedule(_CoreSchedule):
         return self.start * (self.end / self.start) ** frac
 
 
-class NoiseSchedule(_CoreSchedule):
+class NoiseSchedule(_LinearSchedule):
     """Scale the Gumbel noise of every NAtS core's training types, argmax(z + s G) (``noise_scale``; the spec's
     sampling is s = 1): linearly from `start` to `end` over `steps` optimizer steps, then constant (`end`).
     Logged as ``nats/noise_scale``.
@@ -67,32 +85,20 @@ class NoiseSchedule(_CoreSchedule):
     section 1 (which samples with s = 1); off unless this callback is added."""
 
     attr = "noise_scale"
+    lowest = 0.0
 
     def __init__(self, start: float = 1.0, end: float = 0.0, steps: int = 1000):
-        super().__init__()
-        if not (start >= 0 and end >= 0) or steps < 1:
-            raise ValueError(f"NoiseSchedule needs start, end >= 0 and steps >= 1 (got {start}, {end}, {steps})")
-        self.start, self.end, self.steps = float(start), float(end), int(steps)
-
-    def value_at(self, step: int) -> float:
-        frac = min(step, self.steps) / self.steps
-        return self.start + (self.end - self.start) * frac
+        super().__init__(start, end, steps)
 
 
-class CompressionSchedule(_CoreSchedule):
+class CompressionSchedule(_LinearSchedule):
     """Anneal the compression ratio that every DMS core's auxiliary loss asks for (`nats.attention.dms`,
     ``target_cr``): linearly from `start` (1: no eviction asked) to `end` over `steps` optimizer steps, then `end`,
     as DMS' retrofitting does. Logged as ``nats/target_cr``."""
 
     attr = "target_cr"
     core = "dms"
+    lowest = 1.0
 
     def __init__(self, start: float = 1.0, end: float = 4.0, steps: int = 1000):
-        super().__init__()
-        if not (start >= 1 and end >= 1) or steps < 1:
-            raise ValueError(f"CompressionSchedule needs start, end >= 1 and steps >= 1 (got {start}, {end}, {steps})")
-        self.start, self.end, self.steps = float(start), float(end), int(steps)
-
-    def value_at(self, step: int) -> float:
-        frac = min(step, self.steps) / self.steps
-        return self.start + (self.end - self.start) * frac
+        super().__init__(start, end, steps)

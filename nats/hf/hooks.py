@@ -29,6 +29,23 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def layer_dims(model: nn.Module, layer_idx: int):
+    """The `nats.attention.registry.AttentionDims` of decoder layer ``layer_idx`` of a transformers model (the cores
+    `attach_nats` and `attach_dms` give its attention modules)."""
+    from nats.attention.registry import AttentionDims  # noqa: PLC0415
+
+    config = model.config
+    return AttentionDims(
+        n_embd=config.hidden_size,
+        n_head=config.num_attention_heads,
+        n_kv_head=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        block_size=getattr(config, "max_position_embeddings", 0) or 0,
+        layer_idx=layer_idx,
+        n_layer=len(_decoder_layers(model)),
+    )
+
+
 def routed_cores(model: nn.Module, who: str) -> list:
     """Each decoder layer's NAtS scorer (None where it has none), once the model is checked to route its attention
     through nats (the hooks installed and the attention function selected); `who` names the caller in the error."""

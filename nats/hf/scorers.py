@@ -17,7 +17,7 @@ from torch import nn
 from nats import ops
 from nats.attention.nats import NAtSAttention
 from nats.attention.registry import AttentionDims
-from nats.hf.hooks import SCORER_NAME, _check_supported, _decoder_layers, attach_hooks
+from nats.hf.hooks import SCORER_NAME, _check_supported, _decoder_layers, attach_hooks, layer_dims
 
 
 class HFNAtSScorer(NAtSAttention):
@@ -81,25 +81,14 @@ def attach_nats(
         set to ``"nats"``; the previous implementation is restored by `detach_nats`).
     """
     _check_supported(model, "attach_nats")
-    config = model.config
     if is_attached(model):
         raise ValueError("nats.hf.attach_nats: NAtS is already attached to this model (nats.hf.detach_nats first)")
     attach_hooks(model)
     layers = _decoder_layers(model)
-    n_kv = config.num_key_value_heads or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     ref = next(model.parameters())
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        dims = AttentionDims(
-            n_embd=config.hidden_size,
-            n_head=config.num_attention_heads,
-            n_kv_head=n_kv,
-            head_dim=head_dim,
-            block_size=getattr(config, "max_position_embeddings", 0) or 0,
-            layer_idx=i,
-            n_layer=len(layers),
-        )
+        dims = layer_dims(model, i)
         scorer = HFNAtSScorer(
             dims, window=int(window), tau=tau, backend=backend, mask_grad=mask_grad, noise_scale=noise_scale
         )
