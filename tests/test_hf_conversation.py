@@ -167,3 +167,17 @@ def test_streamer_receives_every_token_in_order(new, every):
     assert all(p.device.type == "cpu" for p in rec.parts)
     assert torch.equal(torch.cat(rec.parts[1:], dim=1), out[:, prompt.shape[1] :])
     assert len(rec.parts) - 1 <= -(-new // every) + 1  # a read every `every` tokens, not one per token
+
+
+def test_the_generate_hook_keeps_the_model_picklable_and_detach_removes_it():
+    """The wrapper of prepare_inputs_for_generation that checks a conversation is a module-level object: the routed
+    model pickles (and its copy checks too); detach_nats gives the class's method back."""
+    import pickle
+
+    from nats.hf import detach_nats
+
+    model = nats_model()
+    copy = pickle.loads(pickle.dumps(model))
+    assert copy.prepare_inputs_for_generation.model is copy
+    detach_nats(model)
+    assert "prepare_inputs_for_generation" not in vars(model)

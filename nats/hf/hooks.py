@@ -74,23 +74,30 @@ def _check_supported(model: nn.Module, what: str) -> None:
         )
 
 
-def _watch_generate(model: nn.Module) -> None:
-    """Wrap the model's ``prepare_inputs_for_generation`` (transformers' public hook of ``generate``, called with the
-    whole sequence before every forward) so that a cache with a ``history`` (`nats.hf.StaticPolicyCache`) checks a
+class _WatchedPrepare:
+    """The model's ``prepare_inputs_for_generation`` (transformers' public hook of ``generate``, called with the whole
+    sequence before every forward) after a cache with a ``history`` (`nats.hf.StaticPolicyCache`) has checked a
     continued conversation at a call's first forward (``is_first_iteration``: the prompt must continue the tokens it
-    holds, `StaticPolicyCache.check_history`) and keeps a reference to the sequence it will hold after each forward
-    (no copy, no host read at the decode steps). `detach_hooks` removes the wrapper."""
-    original = model.prepare_inputs_for_generation
+    holds, `StaticPolicyCache.check_history`) and kept a reference to the sequence it will hold after the forward (no
+    copy, no host read at the decode steps). A module-level class, so that the model still pickles."""
 
-    def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, input_ids, *args, **kwargs):
         cache = cache_from_kwargs(kwargs)
         if hasattr(cache, "check_history"):
             if kwargs.get("is_first_iteration"):
                 cache.check_history(input_ids, kwargs.get("attention_mask"), "model.generate")
             cache.history = input_ids  # what the cache holds after this forward
-        return original(input_ids, *args, **kwargs)
+        return type(self.model).prepare_inputs_for_generation(self.model, input_ids, *args, **kwargs)
 
-    model.prepare_inputs_for_generation = prepare_inputs_for_generation
+
+def _watch_generate(model: nn.Module) -> None:
+    """Route the model's ``prepare_inputs_for_generation`` through `_WatchedPrepare`; `nats.hf.detach_nats` removes
+    it."""
+    if hasattr(type(model), "prepare_inputs_for_generation"):
+        model.prepare_inputs_for_generation = _WatchedPrepare(model)
 
 
 def attach_hooks(model: nn.Module) -> nn.Module:
