@@ -71,6 +71,7 @@ def test_three_turns_equal_a_fresh_cache_over_the_conversation(policy, kw, path)
         conv = out
     held = int(cache.get_seq_length())
     assert held == conv.shape[1] - 1
+    assert not cache.overflowed()  # each turn's room was planned again for its new tokens
     if policy != "full":
         assert (cache.kept() < held).any()  # it evicted on the way
     widths.handle.remove()

@@ -113,6 +113,7 @@ class EngineCache:
         self._unallocated: list[tuple] = []  # prefilled layers whose pools are allocated at the next layer
         self._sizes_host: Tensor | None = None  # CUDA: the layers' pool sizes, copied into pinned memory ...
         self._stream = None  # ... on this stream (both set by the first prefilled layer)
+        self._continued_to: int | None = None  # tokens per row at the end of the last continuation (`_extend`)
         self._budgets: Tensor | None = None  # budgeted policies: tokens per sequence, set by the prefill ...
         self._budgets_host: list[int] = []  # ... and the same on the host ...
         self._row_budgets: Tensor | None = None  # ... and per row (sequence x KV head)
@@ -296,6 +297,8 @@ class EngineCache:
         R = layer.rows.shape[1]
         G = Hq // (R // B)
         layer.make_room(N + (0 if self.auto_maintain else int(self.reserve or 0)))
+        if layer.layer_idx == 0:  # the reserve is planned again after a continuation (`overflowed`)
+            self._continued_to = first + N
         out = self.rule.extend(layer.context, layer, self.cores[layer.layer_idx], q.reshape(R, G, N, D),
                                k.reshape(R, N, D), v.reshape(R, N, D), hidden, first)  # fmt: skip
         if out is None:
@@ -362,10 +365,14 @@ class EngineCache:
         return sum(layer.kept_nbytes() for layer in self.layers if layer.ready)
 
     def overflowed(self) -> bool:
-        """True if more tokens were decoded than the reserve planned (the rule's overflow bound: NAtS kept a global
-        or local token of a full segment as a sliding one, the appending rules stopped admitting)."""
+        """True if more tokens were decoded than the reserve planned after the prompt or the last continuation (the
+        rule's overflow bound: NAtS kept a global or local token of a full segment as a sliding one, the appending
+        rules stopped admitting)."""
         layer = self.layers[0]
-        return layer.ready and self.reserve is not None and layer.t - layer.prompt_width > self.reserve
+        if not layer.ready or self.reserve is None:
+            return False
+        planned = layer.prompt_width if self._continued_to is None else self._continued_to  # the last prefill's end
+        return layer.t - planned > self.reserve
 
 
 class LayerPort:
