@@ -325,3 +325,44 @@ def test_build_script_makes_the_file_the_evaluation_reads(pretrained, tmp_path, 
     settings = json.loads((tmp_path / "out" / E.SETTINGS).read_text())
     assert settings["examples"] == built[0].name and built[0].stat().st_mtime_ns == stamp  # read, not rebuilt
     assert list((data_dir / "hf_longctx").glob("longctx-*.jsonl")) == built
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kvpress' protocol: the context compressed without its question
+# ----------------------------------------------------------------------------------------------------------------
+def test_question_start_splits_each_task_before_its_question(pretrained):
+    """Every task with a question splits where it starts (the context's tokens are the prompt's own, and the rest
+    decodes to the question); the PG-19 continuation is all context."""
+    from nats.data.longctx.tasks import QUESTION_MARKERS, build_examples, question_start
+
+    tok = transformers.AutoTokenizer.from_pretrained(pretrained)
+    examples = build_examples(tok, tasks=["passkey", "niah", "variable_tracking"], num_examples=2, max_length=480)
+    for ex in examples:
+        n = question_start(ex, tok)
+        assert 0 < n < len(ex.prompt_ids), ex.task
+        assert QUESTION_MARKERS[ex.task].strip() in tok.decode(ex.prompt_ids[n:]), ex.task
+    whole = LongContextExample("pg19_continuation", [5, 6, 7], [8])
+    assert question_start(whole, tok) == 3
+    with pytest.raises(ValueError, match="no known question marker"):
+        question_start(LongContextExample("other", [1, 2], [3]), tok)
+
+
+def test_kvpress_protocol_compresses_the_context_and_feeds_the_question(pretrained, tmp_path):
+    """protocol=kvpress: the full cache answers as under the project's protocol (nothing is dropped either way);
+    StreamingLLM keeps its budget of the context (the compression ratio's complement), then holds the question and
+    the answer on top, so its budget is smaller than the project protocol's at the same kept share; kvpress' presses
+    and bad ratios are refused in one line."""
+    common = ["methods=[full,streaming_llm]", "data.tasks=[passkey]"]
+    project = E.run(eval_hf_config(pretrained, tmp_path / "p", *common, "budgets=[0.5]"))
+    kv = E.run(eval_hf_config(pretrained, tmp_path / "k", *common, "protocol=kvpress", "compression_ratios=[0.5]"))
+    by = {name: {r["method"]: r for r in rep["rows"]} for name, rep in (("project", project), ("kvpress", kv))}
+    assert by["kvpress"]["full"]["generated"] == by["project"]["full"]["generated"]
+    assert by["kvpress"]["streaming_llm"]["budget_tokens"] < by["project"]["streaming_llm"]["budget_tokens"]
+    run_json = json.loads((tmp_path / "k" / E.SETTINGS).read_text())
+    assert run_json["protocol"] == "kvpress"
+    with pytest.raises(ValueError, match="compression_ratios in \\(0, 1\\)"):
+        E.check_inputs(
+            eval_hf_config(pretrained, tmp_path / "x", *common, "protocol=kvpress", "compression_ratios=[1.5]")
+        )
+    with pytest.raises(ValueError, match="protocol='other'"):
+        E.check_inputs(eval_hf_config(pretrained, tmp_path / "y", *common, "protocol=other"))

@@ -63,7 +63,7 @@ from nats.data.longctx.scoring import (  # noqa: F401 (nats.finetune.evaluate.sc
     score,
     token_accuracy,
 )
-from nats.data.longctx.tasks import check_pg19_path
+from nats.data.longctx.tasks import check_pg19_path, question_start
 from nats.evaluation import configured_methods
 from nats.hf.compat import cache_kwargs, generate_through
 from nats.hf.pretrained import PRETRAINED_KEYS, check_scorers_path, prepare_model, type_bias_of
@@ -84,6 +84,7 @@ RESUME_KEYS = (
     "longbench",
     "answer_margin",
     "continuation_tokens",
+    "protocol",
 )
 
 
@@ -98,6 +99,11 @@ def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
     runs = []
     for method, pcfg, cls, options in configured_methods(cfg):
         if pcfg.get("kvpress"):  # a kvpress press (conf/kvpress/*.yaml; nats.finetune.kvpress_methods)
+            if check_protocol(cfg) == "kvpress":
+                raise ValueError(
+                    f"method {method!r}: kvpress' presses run under protocol=project only (their question-agnostic "
+                    "run is not built yet): drop it from methods or use protocol=project"
+                )
             runs += _plan_kvpress(cfg, method, pcfg)
             continue
         try:
@@ -119,7 +125,26 @@ def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
     return runs
 
 
+PROTOCOLS = ("project", "kvpress")
+
+
+def check_protocol(cfg: DictConfig) -> str:
+    """``protocol`` (one line unless ``project`` or ``kvpress``): kvpress' compresses each example's context before its
+    question (question-agnostic, `nats.data.longctx.tasks.question_start`) at ``compression_ratios`` (the share
+    removed), then feeds the question uncompressed; the project's compresses the whole prompt at ``budgets``."""
+    protocol = str(cfg.get("protocol", "project"))
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+    if protocol == "kvpress":
+        ratios = cfg.get("compression_ratios") or []
+        if not ratios or any(isinstance(r, bool) or not 0 < float(r) < 1 for r in ratios):
+            raise ValueError(f"protocol=kvpress needs compression_ratios in (0, 1) (the share removed), got {ratios}")
+    return protocol
+
+
 def _budgets(cfg: DictConfig, method: str) -> list[float]:
+    if check_protocol(cfg) == "kvpress":  # the kept share of each example's context
+        return [1 - float(r) for r in cfg.compression_ratios]
     if not cfg.get("budgets"):
         raise ValueError(f"method {method!r} needs budgets: set budgets=[0.5,0.25,...] (prompt fractions)")
     budgets = []
@@ -226,7 +251,9 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
     prompt = example.prompt_ids
     k = int(cfg.continuation_tokens)
     n_new = new_tokens(example, int(cfg.answer_margin), k)
-    b = budget_tokens(run["budget"], len(prompt))
+    # the compressed part: the whole prompt, or (kvpress' protocol) its context before the question
+    context = question_start(example, tokenizer) if check_protocol(cfg) == "kvpress" else len(prompt)
+    b = budget_tokens(run["budget"], context)
     extra = {} if b is None else {"budget": b}
     # the engine's cache with growth (the number of new tokens is not known: decoding stops at the end token), its
     # NAtS prefill by the PyTorch reference (the quality tables are measured on it)
@@ -234,6 +261,11 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
                               prefill_kernel="torch", **extra, **run["options"])  # fmt: skip
     t0 = time.time()
     nll = None
+    if context < len(prompt):  # the context alone compressed, then the question continues it (uncompressed)
+        with torch.no_grad():
+            model(torch.tensor([prompt[:context]], device=model.device), use_cache=True, logits_to_keep=1,
+                  **cache_kwargs(model, cache))  # fmt: skip
+        cache.history = torch.tensor([prompt[:context]], device=model.device)  # what generate continues
     if example.task == "pg19_continuation":
         generated, nll = continue_one(model, prompt, example.answer_ids[:n_new], cache)
     else:
@@ -292,6 +324,7 @@ def check_settings(out: Path, settings: dict[str, Any]) -> None:
     path = out / SETTINGS
     if path.is_file():
         saved = json.loads(path.read_text())
+        saved.setdefault("protocol", "project")  # a folder written before the protocols: the project's
         differ = [k for k in RESUME_KEYS if saved.get(k) != settings.get(k)]
         old, new = saved.get("policies", {}), settings["policies"]
         differ += [f"policies.{m}" for m in new if m in old and old[m] != new[m]]
@@ -491,6 +524,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "data": data,
         "answer_margin": int(cfg.answer_margin),
         "continuation_tokens": int(cfg.continuation_tokens),
+        "protocol": check_protocol(cfg),
         "policies": {r["method"]: r["options"] for r in runs},
         "device": str(device),
     }

@@ -439,6 +439,40 @@ def build_examples(
     return out
 
 
+#: where each task's question starts in its prompt (the text after the context; the last occurrence), for a protocol
+#: that compresses the context without the question (kvpress'); pg19_continuation has none (its prompt is context)
+QUESTION_MARKERS: dict[str, str | None] = {
+    "pg19_continuation": None,
+    "passkey": "\n\nWhat is the pass key?",
+    "niah": "\nWhat is the special magic number for",
+    "variable_tracking": "\nQuestion: Find all variables",
+    "common_words": "\nQuestion: What are the",
+    "frequent_words": "\nQuestion: Do not provide any explanation.",
+    "qa_squad": "\n\n" + ruler.QA_INSTRUCTION + "\n\nQuestion:",
+    "qa_hotpot": "\n\n" + ruler.QA_INSTRUCTION + "\n\nQuestion:",
+}
+
+
+def question_start(example: LongContextExample, tokenizer: Any) -> int:
+    """The number of ``example.prompt_ids`` that are its context, before the task's question (`QUESTION_MARKERS`;
+    the whole prompt for a task without one). The context's tokens are the prompt's own: where the tokenizer would
+    merge tokens across the boundary, the split moves back to the last token boundary that both share."""
+    marker = QUESTION_MARKERS.get(example.task, "")
+    if marker == "":
+        raise ValueError(f"task {example.task!r} has no known question marker (QUESTION_MARKERS): cannot split it")
+    prompt = list(example.prompt_ids)
+    if marker is None:
+        return len(prompt)
+    text = tokenizer.decode(prompt)
+    at = text.rfind(marker)
+    if at < 0:
+        raise ValueError(f"task {example.task!r}: the prompt has no question marker {marker!r}")
+    n = len(encode_fn(tokenizer)(text[:at]))
+    while n > 0 and list(encode_fn(tokenizer)(tokenizer.decode(prompt[:n]))) != prompt[:n]:
+        n -= 1  # the context's own tokens
+    return n
+
+
 #: build_examples' settings and their defaults (all of them go into the cache key)
 _BUILD_DEFAULTS = {k: p.default for k, p in inspect.signature(build_examples).parameters.items() if k != "tokenizer"}
 #: settings added after the first caches: keyed only when not at their defaults, so those caches stay valid
