@@ -179,3 +179,46 @@ def test_a_transformers_model_with_dms_decodes_as_its_forward_and_refuses_other_
     attach_nats(model, window=4)
     with pytest.raises(ValueError, match="needs the model's dms attention in every layer .*attach_dms"):
         StaticPolicyCache(model, "dms", max_new_tokens=8)
+
+
+def test_the_transformers_retrofit_trains_the_query_projections_only(tmp_path):
+    """experiment=finetune_smollm2_dms on a tiny Llama, through nats-train's build: only q_proj changes, the
+    compression schedule raises the ratio, the run writes dms_q_proj.pt (q_proj's weights alone) and
+    dms_stats.json, and the checkpoint holds q_proj alone; loaded after attach_dms, the weights give the trained
+    model's logits."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    from test_hf_finetune import overrides
+
+    from nats.hf import attach_dms
+    from nats.hf.pretrained import save_tiny_random_llama
+    from nats.train import compose_config
+
+    pretrained = save_tiny_random_llama(tmp_path / "tiny")
+    out = tmp_path / "run"
+    args = [a for a in overrides(pretrained, out, tmp_path / "data") if not a.startswith(("experiment=", "module."))]
+    schedule = ["callbacks.dms_schedule.steps=2", "callbacks.dms_schedule.end=4"]
+    cfg = compose_config(["experiment=finetune_smollm2_dms", *args, "module.window=16", "trainer.max_steps=4",
+                          *schedule, "final_validation=false"])  # fmt: skip
+    datamodule, module, trainer = build(cfg)
+    before = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    trainer.fit(module, datamodule=datamodule)
+    after = module.model.state_dict()
+    changed = {k for k, v in after.items() if not torch.equal(v, before[k])}
+    assert changed and all(".q_proj." in k for k in changed), sorted(changed)[:4]
+    saved = torch.load(out / "dms_q_proj.pt", weights_only=True)
+    assert set(saved) == {k for k in after if ".q_proj." in k}
+    stats = json.loads((out / "dms_stats.json").read_text())
+    assert {"density", "peak", "evicted"} <= set(stats["mean"]) and stats["window"] == 16
+    rows = list(csv.DictReader(open(out / "csv" / "metrics.csv")))
+    ratios = [float(r["nats/target_cr"]) for r in rows if r.get("nats/target_cr")]
+    assert ratios[0] == 1.0 and ratios[-1] == 4.0
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert ckpt["state_dict"] and all(".q_proj." in k for k in ckpt["state_dict"])
+    model = attach_dms(transformers.AutoModelForCausalLM.from_pretrained(pretrained), window=16).eval()
+    model.load_state_dict(saved, strict=False)
+    ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    module.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, module.model(ids).logits)

@@ -138,9 +138,10 @@ def soft_mask(alpha: torch.Tensor, window: int, q: torch.Tensor) -> torch.Tensor
 
 
 def _stats(evicted: torch.Tensor, types: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
-    """The layer's statistics: the share of evicted tokens and the KV area fraction of the hard decisions (spec
-    section 6, NAtS' `kv_cache_sizes` with two types)."""
+    """The layer's statistics: the share of evicted tokens and the KV area and peak fractions of the hard decisions
+    (spec section 6, NAtS' `kv_cache_sizes` with two types)."""
     N = types.shape[-1]
     sizes = NF.kv_cache_sizes(types, window).double()  # [B, Hkv, N]
     area = sizes.sum(-1) / (N * (N + 1) / 2)
-    return {"evicted": evicted.float().mean(), "density": area.float().mean()}
+    peak = sizes.amax(-1) / N
+    return {"evicted": evicted.float().mean(), "density": area.float().mean(), "peak": peak.float().mean()}

@@ -121,6 +121,7 @@ class LitNAtSDistill(L.LightningModule):
     """
 
     loss_is_cross_entropy = False  # nats-train: val/loss is an MSE + density, no perplexity
+    adapter_file, stats_file = SCORERS_FILE, STATS_FILE  # the run folder's files of the trained weights, the stats
 
     def __init__(
         self,
@@ -155,14 +156,8 @@ class LitNAtSDistill(L.LightningModule):
         self.sparsity_lambda = float(sparsity_lambda)
         self.teacher_attn_implementation = teacher_attn_implementation
         self.seed = int(seed)
-        from nats.hf.pretrained import load_pretrained, pretrained_kwargs
-
-        hf, _ = load_pretrained(**pretrained_kwargs(model))
-        # load_pretrained returns the model in eval mode, and Lightning keeps submodules' modes (it does not call
-        # .train() at fit start): in eval mode the scorers take argmax types, which have no gradient
-        hf.train()
         self.model = attach_nats(
-            hf,
+            self._load(model),
             window=int(window),
             tau=tau,
             noise_scale=noise_scale,
@@ -175,6 +170,31 @@ class LitNAtSDistill(L.LightningModule):
         self._attn_modules = [m for m in self.model.modules() if hasattr(m, "_nats_hidden")]
         self._val_sums: dict[str, torch.Tensor] = {}
         self._val_count: torch.Tensor | None = None
+
+    @staticmethod
+    def _load(model: Mapping[str, Any]) -> nn.Module:
+        """The pretrained model of the ``hf_model`` node, in training mode: load_pretrained returns it in eval mode,
+        and Lightning keeps submodules' modes (it does not call .train() at fit start), where the scorers would take
+        argmax types, which have no gradient."""
+        from nats.hf.pretrained import load_pretrained, pretrained_kwargs
+
+        hf, _ = load_pretrained(**pretrained_kwargs(model))
+        return hf.train()
+
+    # ------------------------------------------------------------------ what the method trains and measures
+    def kv_density(self, argmax: bool = False) -> torch.Tensor:
+        """The KV area fraction of the last student forward (`nats.hf.nats_density`; ``argmax``: of the inference
+        types)."""
+        return nats_density(self.model, argmax=argmax)
+
+    def layer_stats(self) -> dict[str, torch.Tensor]:
+        """The last forward's KV statistics per layer and KV head ``[n_layer, Hkv]`` (``density`` and ``peak``
+        among them)."""
+        return nats_stats(self.model)
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """The trained weights, by their keys in the model (the scorers: `nats.hf.nats_state_dict`)."""
+        return nats_state_dict(self.model)
 
     # ------------------------------------------------------------------ forwards
     def scorer_parameters(self) -> list[nn.Parameter]:
@@ -219,7 +239,7 @@ class LitNAtSDistill(L.LightningModule):
         """``(mse, density)`` of a batch: the teacher, then the student (in the module's train/eval mode)."""
         teacher = self.teacher_hidden(input_ids)
         student = self.student_hidden(input_ids)
-        return masked_mse(student, teacher, mask), nats_density(self.model)
+        return masked_mse(student, teacher, mask), self.kv_density()
 
     def sparsity(self) -> torch.Tensor:
         """lambda * mean(rho) of the last student forward: `nats.attention.nats.sparsity_loss` of every layer,
@@ -239,7 +259,7 @@ class LitNAtSDistill(L.LightningModule):
             self.log("train/mse", mse)
             self.log("train/density", density)
             # the density of the argmax types of the same batch (inference's; the sampled ones' is train/density)
-            self.log("train/density_argmax", nats_density(self.model, argmax=True))
+            self.log("train/density_argmax", self.kv_density(argmax=True))
             self.log("lr", host_scalar(self.optimizers().param_groups[0]["lr"]))  # no device sync
         return loss
 
@@ -254,7 +274,7 @@ class LitNAtSDistill(L.LightningModule):
         self.log("val/loss", loss, batch_size=b, prog_bar=True, sync_dist=True)
         self.log("val/mse", mse, batch_size=b, sync_dist=True)
         self.log("val/density", density, batch_size=b, sync_dist=True)
-        for name, value in nats_stats(self.model).items():  # [n_layer, Hkv], batch means
+        for name, value in self.layer_stats().items():  # [n_layer, Hkv], batch means
             self._val_sums[name] = self._val_sums.get(name, 0) + value * b
         n = torch.tensor(float(b), device=input_ids.device)
         self._val_count = n if self._val_count is None else self._val_count + n
@@ -278,7 +298,7 @@ class LitNAtSDistill(L.LightningModule):
 
     def write_stats(self, means: Mapping[str, torch.Tensor], count: int) -> Path:
         """``<run folder>/nats_stats.json``: the validation KV statistics per layer and KV head."""
-        path = Path(self.trainer.default_root_dir) / STATS_FILE
+        path = Path(self.trainer.default_root_dir) / self.stats_file
         payload = {
             "step": int(self.trainer.global_step),
             "window": int(self.model._nats_hf["window"]),
@@ -327,7 +347,7 @@ class LitNAtSDistill(L.LightningModule):
     # ------------------------------------------------------------------ checkpoints: the scorers only
     def scorer_keys(self) -> set[str]:
         """The scorer weights' keys in this module's state dict (``model.model.layers.<i>.self_attn.nats_scorer.*``)."""
-        return {f"model.{k}" for k in nats_state_dict(self.model)}
+        return {f"model.{k}" for k in self.trained_state()}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep the scorer weights alone: the backbone is the pretrained model's, loaded by ``__init__``."""
@@ -354,6 +374,6 @@ class LitNAtSDistill(L.LightningModule):
         if not self.trainer.is_global_zero:
             return
         buf = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in nats_state_dict(self.model).items()}, buf)
-        path = atomic_write(Path(self.trainer.default_root_dir) / SCORERS_FILE, buf.getvalue())
+        torch.save({k: v.detach().cpu() for k, v in self.trained_state().items()}, buf)
+        path = atomic_write(Path(self.trainer.default_root_dir) / self.adapter_file, buf.getvalue())
         log.info(f"scorer weights: {path}")
