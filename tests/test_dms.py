@@ -222,3 +222,36 @@ def test_the_transformers_retrofit_trains_the_query_projections_only(tmp_path):
     module.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, module.model(ids).logits)
+
+
+def test_nats_eval_hf_evaluates_a_dms_retrofit(tmp_path):
+    """dms=<run>/dms_q_proj.pt: nats-eval-hf attaches DMS with the run's delay and query projections and evaluates
+    method dms through its cache (fewer keys kept than the full cache); misuse is one line each."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    from helpers import eval_hf_config
+    from nats.finetune import evaluate as E
+    from nats.hf import attach_dms
+    from nats.hf.pretrained import save_tiny_random_llama
+
+    pretrained = save_tiny_random_llama(tmp_path / "tiny")
+    run = tmp_path / "retrofit"
+    run.mkdir()
+    model = attach_dms(transformers.AutoModelForCausalLM.from_pretrained(pretrained), window=8)
+    state = {k: v * 1.5 for k, v in model.state_dict().items() if ".q_proj." in k}  # a "trained" projection
+    torch.save(state, run / "dms_q_proj.pt")
+    (run / "dms_stats.json").write_text(json.dumps({"window": 8}))
+    common = ["data.tasks=[passkey]", "methods=[full,dms]"]
+    report = E.run(eval_hf_config(pretrained, tmp_path / "out", f"dms={run}/dms_q_proj.pt", *common))
+    rows = {r["method"]: r for r in report["rows"]}
+    assert rows["dms"]["kv_fraction"] < rows["full"]["kv_fraction"] == 1
+    settings = json.loads((tmp_path / "out" / E.SETTINGS).read_text())
+    assert settings["dms"].endswith("dms_q_proj.pt") and settings["window"] == 8
+    with pytest.raises(ValueError, match="method 'dms' needs DMS' retrofit: pass dms="):
+        E.check_inputs(eval_hf_config(pretrained, tmp_path / "a", *common))
+    both = [f"dms={run}/dms_q_proj.pt", f"scorers={run}/dms_q_proj.pt"]
+    with pytest.raises(ValueError, match="scorers= and dms= both given"):
+        E.check_inputs(eval_hf_config(pretrained, tmp_path / "c", *both, "data.tasks=[passkey]", "methods=[full]"))
+    with pytest.raises(FileNotFoundError, match="dms=.* does not exist"):
+        E.check_inputs(eval_hf_config(pretrained, tmp_path / "b", "dms=/nowhere/dms_q_proj.pt", *common))

@@ -78,6 +78,7 @@ TABLE, SUMMARY, PLOT, KV_FRACTIONS = "results.md", "summary.json", "accuracy_vs_
 RESUME_KEYS = (
     "model",
     "scorers",
+    "dms",
     "window",
     "type_bias",
     "examples",
@@ -110,6 +111,11 @@ def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
             cls.check_use(0.5 if cls.budgeted else None)  # it decodes (the budgets are checked below)
         except ValueError as err:
             raise ValueError(f"method {method!r}: {err}") from None
+        if cls.requires_core == "dms" and not cfg.get("dms"):
+            raise ValueError(
+                f"method {method!r} needs DMS' retrofit: pass dms=<retrofit run>/dms_q_proj.pt (written by nats-train "
+                "experiment=finetune_smollm2_dms), or drop it from methods"
+            )
         if cls.requires_core == "nats" and not has_scorers:
             raise ValueError(
                 f"method {method!r} needs scorers: pass scorers=<fine-tuning run>/scorers.pt (written by "
@@ -325,6 +331,7 @@ def check_settings(out: Path, settings: dict[str, Any]) -> None:
     if path.is_file():
         saved = json.loads(path.read_text())
         saved.setdefault("protocol", "project")  # a folder written before the protocols: the project's
+        saved.setdefault("dms", None)  # ... before DMS' retrofit
         differ = [k for k in RESUME_KEYS if saved.get(k) != settings.get(k)]
         old, new = saved.get("policies", {}), settings["policies"]
         differ += [f"policies.{m}" for m in new if m in old and old[m] != new[m]]
@@ -481,6 +488,10 @@ def check_inputs(cfg: DictConfig) -> list[dict[str, Any]]:
     runs = plan_methods(cfg, has_scorers=bool(cfg.get("scorers")))
     if cfg.get("scorers"):
         check_scorers_path(cfg.scorers)
+    if cfg.get("dms") and cfg.get("scorers"):
+        raise ValueError("scorers= and dms= both given: one model per run (DMS' retrofit changes its q_proj)")
+    if cfg.get("dms") and not Path(cfg.dms).is_file():
+        raise FileNotFoundError(f"dms={cfg.dms} does not exist: pass <DMS retrofit run>/dms_q_proj.pt")
     check_pg19_path(cfg.data.get("pg19_path"))
     max_context = cfg.hf_model.get("max_context")
     longest = int(cfg.data.max_length) + int(cfg.answer_margin)
@@ -517,6 +528,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     settings = {
         "model": {k: cfg.hf_model.get(k) for k in PRETRAINED_KEYS},
         "scorers": str(Path(cfg.scorers).resolve()) if cfg.get("scorers") else None,
+        "dms": str(Path(cfg.dms).resolve()) if cfg.get("dms") else None,
         "window": window,
         "type_bias": type_bias_of(cfg) if window else None,
         "examples": examples_path.name,

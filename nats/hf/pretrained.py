@@ -292,12 +292,60 @@ def run_window(path: Path) -> int | None:
     return None
 
 
+def read_dms(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int | None]:
+    """``(q_proj weights by their keys in the model, the eviction delay w or None)`` of a DMS retrofit's
+    ``dms_q_proj.pt`` (`nats.finetune.dms.LitDMSDistill`); w from its ``dms_stats.json`` or .hydra/config.yaml."""
+    import torch
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dms={path} does not exist: pass <DMS retrofit run>/dms_q_proj.pt")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to read is the same problem for the user
+        raise ValueError(f"dms={path} is not a readable torch file ({type(err).__name__}: {err})") from err
+    if not isinstance(state, dict) or not state or not all(".q_proj." in k for k in state):
+        raise ValueError(f"dms={path} holds no query projection weights (keys '...q_proj...'): not a dms_q_proj.pt")
+    stats, config = path.parent / "dms_stats.json", path.parent / ".hydra" / "config.yaml"
+    window = json.loads(stats.read_text()).get("window") if stats.is_file() else None
+    if window is None and config.is_file():
+        window = OmegaConf.select(OmegaConf.load(config), "module.window")
+    return state, window
+
+
+def _prepare_dms(cfg: DictConfig, model: Any) -> int:
+    """DMS' retrofit on the model: `nats.hf.attach_dms` with its delay and its query projections loaded."""
+    from nats.hf import attach_dms
+
+    if cfg.get("scorers"):
+        raise ValueError(
+            "scorers= and dms= both given: one model per run (DMS' retrofit changes the query projections, NAtS' "
+            "scorers read the pretrained ones); evaluate them in two runs"
+        )
+    path = Path(cfg.dms)
+    state, window = read_dms(path)
+    window = cfg.get("window") or window
+    if not window:
+        raise ValueError(f"the eviction delay of dms={path} is not known (no dms_stats.json beside it): pass window=w")
+    own = model.state_dict()
+    wrong = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"dms={path} does not fit hf_model={cfg.hf_model.name_or_path}: keys {wrong[:3]} differ")
+    attach_dms(model, window=int(window))
+    model.load_state_dict(state, strict=False)
+    model.eval()
+    return int(window)
+
+
 def prepare_model(cfg: DictConfig, model: Any) -> int | None:
-    """Attach NAtS and load the scorer weights (``scorers`` given), else route attention through the policy caches;
-    returns the NAtS window W (None without scorers)."""
+    """Attach NAtS and load the scorer weights (``scorers`` given), or DMS' retrofit (``dms`` given: its query
+    projections), else route attention through the policy caches; returns the window (None without either)."""
     from nats.attention.nats import set_type_bias
     from nats.hf import attach_nats, load_nats_state_dict, use_policy_caches
 
+    if cfg.get("dms"):
+        return _prepare_dms(cfg, model)
     if not cfg.get("scorers"):
         if type_bias_of(cfg):
             raise ValueError("type_bias offsets NAtS scorers' logits: pass scorers=<run>/scorers.pt or drop type_bias")
