@@ -350,8 +350,8 @@ def test_question_start_splits_each_task_before_its_question(pretrained):
 def test_kvpress_protocol_compresses_the_context_and_feeds_the_question(pretrained, tmp_path):
     """protocol=kvpress: the full cache answers as under the project's protocol (nothing is dropped either way);
     StreamingLLM keeps its budget of the context (the compression ratio's complement), then holds the question and
-    the answer on top, so its budget is smaller than the project protocol's at the same kept share; kvpress' presses
-    and bad ratios are refused in one line."""
+    the answer on top, so its budget is smaller than the project protocol's at the same kept share; a bad ratio or
+    protocol is refused in one line. (kvpress' own presses under it: tests/test_kvpress.py.)"""
     common = ["methods=[full,streaming_llm]", "data.tasks=[passkey]"]
     project = E.run(eval_hf_config(pretrained, tmp_path / "p", *common, "budgets=[0.5]"))
     kv = E.run(eval_hf_config(pretrained, tmp_path / "k", *common, "protocol=kvpress", "compression_ratios=[0.5]"))

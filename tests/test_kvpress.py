@@ -210,3 +210,26 @@ def test_unknown_press_and_missing_budget(pretrained, tmp_path):
     cfg = compose_config([*base, "methods=[kvpress_snapkv]", "policies.kvpress_snapkv.kvpress=nope"], "eval_hf")
     with pytest.raises(ValueError, match="unknown kvpress press"):
         E.plan_methods(cfg, has_scorers=False)
+
+
+def test_kvpress_protocol_compresses_the_context_before_the_question(pretrained, tmp_path):
+    """protocol=kvpress: a press compresses the context alone (its budget a share of the context), the question is
+    fed uncompressed after it, then the answer is decoded; the press that keeps everything answers as the full
+    cache does under the project's protocol."""
+    from transformers import AutoTokenizer
+
+    from nats.data.longctx.tasks import question_start
+
+    out = tmp_path / "eval"
+    cfg = eval_hf_config(pretrained, out, "methods=[full,kvpress_full,kvpress_streaming_llm]", "protocol=kvpress",
+                         "compression_ratios=[0.5]", "data.tasks=[passkey]", "order=examples")  # fmt: skip
+    E.run(cfg)
+    rows = {r["method"]: r for r in (json.loads(x) for x in (out / E.RESULTS).read_text().splitlines())}
+    assert rows["kvpress_full"]["generated"] == rows["full"]["generated"]
+    tok = AutoTokenizer.from_pretrained(pretrained)
+    example = E.load_or_build_examples(tok, **E.OmegaConf.to_container(cfg.data, resolve=True))[0][0]
+    context = question_start(example, tok)
+    r = rows["kvpress_streaming_llm"]
+    assert r["budget_tokens"] == round(0.5 * context) and context < r["prompt_tokens"]
+    fed = r["seen"] - context  # the question, then the decoded tokens but the last
+    assert fed == r["prompt_tokens"] - context + r["new_tokens"] - 1 and r["kept"] == r["budget_tokens"] + fed

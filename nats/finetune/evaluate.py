@@ -100,11 +100,6 @@ def plan_methods(cfg: DictConfig, has_scorers: bool) -> list[dict[str, Any]]:
     runs = []
     for method, pcfg, cls, options in configured_methods(cfg):
         if pcfg.get("kvpress"):  # a kvpress press (conf/kvpress/*.yaml; nats.finetune.kvpress_methods)
-            if check_protocol(cfg) == "kvpress":
-                raise ValueError(
-                    f"method {method!r}: kvpress' presses run under protocol=project only (their question-agnostic "
-                    "run is not built yet): drop it from methods or use protocol=project"
-                )
             runs += _plan_kvpress(cfg, method, pcfg)
             continue
         try:

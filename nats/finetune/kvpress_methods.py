@@ -22,9 +22,9 @@ How a press runs (kvpress' own protocol, as its ``KVPressTextGenerationPipeline`
 Budgets: the project's budget fraction b keeps ``B = round(b x N)`` of an N-token prompt per layer and KV head,
 the observation window (SnapKV) and the sinks (StreamingLLM) included. kvpress keeps
 ``int(N x (1 - compression_ratio))``; `compression_ratio` = (N - B - 1/2) / N makes that exactly B (1 - b would
-keep B or B - 1 depending on rounding). The whole prompt, question included, is compressed (kvpress' pipeline would
-compress only a context given apart from the question; the project's examples end with their question, as the
-project's methods see them).
+keep B or B - 1 depending on rounding). Under ``protocol=project`` the whole prompt, question included, is
+compressed, as the project's methods see it; under ``protocol=kvpress`` (kvpress' pipeline and leaderboard) the
+context alone is, and the question is fed uncompressed after it (`nats.data.longctx.tasks.question_start`).
 
 Measurements, as the project's SnapKV counts them (spec section 6): prompt query i reads i + 1 keys (exact
 prefill), decode query s reads the B kept keys plus the s new ones; ``area``, ``peak`` and ``kv_fraction`` follow.
@@ -214,25 +214,31 @@ def shared_prefill(model, prompt: list[int]) -> Prefill:
     return _LAST["prefill"]
 
 
-def decode(model, prefill: Prefill, cache, *, n_new: int = 0, reference: list[int] | None = None):
+def decode(model, prefill: Prefill, cache, *, n_new: int = 0, reference: list[int] | None = None,
+           question: list[int] | None = None):  # fmt: skip
     """Greedy decoding (or teacher forcing of `reference`) after `prefill`, through `cache` (its compression):
-    ``(generated ids, NLL of the reference or None, tokens fed after the prompt)``, as `run_press`."""
+    ``(generated ids, NLL of the reference or None, tokens fed after the prompt)``, as `run_press`. ``question``:
+    tokens fed uncompressed first, after a prefill of the context alone (kvpress' protocol; counted as fed)."""
     device, P = model.device, len(prefill.prompt)
     logits = prefill.logits
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    asked = len(question or [])
     with torch.no_grad(), plain_attention(model):
+        if asked:
+            logits = _step_logits(model, torch.tensor([question], device=device), cache, P)[-1:]
+            P += asked
         if reference is not None:
             if len(reference) > 1:
                 rest = _step_logits(model, torch.tensor([reference[:-1]], device=device), cache, P)
                 logits = torch.cat([logits, rest], dim=0)
             nll = float(F.cross_entropy(logits, torch.tensor(reference, device=logits.device)))
-            return logits.argmax(-1).tolist(), nll, len(reference) - 1
+            return logits.argmax(-1).tolist(), nll, asked + len(reference) - 1
         generated = [int(logits[-1].argmax())]
         while len(generated) < n_new and generated[-1] not in eos:
             nxt = _step_logits(model, torch.tensor([[generated[-1]]], device=device), cache, P + len(generated) - 1)
             generated.append(int(nxt[-1].argmax()))
-    return generated, None, len(generated) - 1
+    return generated, None, asked + len(generated) - 1
 
 
 def accounting(prompt_len: int, kept: int, fed: int) -> dict[str, float]:
@@ -246,27 +252,31 @@ def accounting(prompt_len: int, kept: int, fed: int) -> dict[str, float]:
 def evaluate_one(model, tokenizer, example, run: dict[str, Any], cfg) -> dict[str, Any]:
     """`nats.finetune.evaluate.evaluate_one` for a kvpress method: the same row (score and KV measurements)."""
     from nats.data.longctx import scoring as E
+    from nats.data.longctx.tasks import question_start
 
     prompt = example.prompt_ids
     k = int(cfg.continuation_tokens)
     n_new = E.new_tokens(example, int(cfg.answer_margin), k)
-    B = E.budget_tokens(run["budget"], len(prompt))
-    press = None if B is None or B >= len(prompt) else make_press(run["press"], B, len(prompt), **run["options"])
+    # the compressed prefill: the whole prompt, or (kvpress' protocol) its context, the question fed after it
+    n = question_start(example, tokenizer) if cfg.get("protocol", "project") == "kvpress" else len(prompt)
+    B = E.budget_tokens(run["budget"], n)
+    press = None if B is None or B >= n else make_press(run["press"], B, n, **run["options"])
     t0 = time.time()
-    prefill = shared_prefill(model, prompt)  # one exact prefill per example, shared by the presses
+    prefill = shared_prefill(model, prompt[:n])  # one exact prefill per example, shared by the presses
     cache = prefill.compressed(press)
+    question = prompt[n:]
     if example.task == "pg19_continuation":
-        generated, nll, fed = decode(model, prefill, cache, reference=example.answer_ids[:n_new])
+        generated, nll, fed = decode(model, prefill, cache, reference=example.answer_ids[:n_new], question=question)
     else:
-        generated, nll, fed = decode(model, prefill, cache, n_new=n_new)
+        generated, nll, fed = decode(model, prefill, cache, n_new=n_new, question=question)
     seconds = time.time() - t0  # without the prefill when an earlier method of this example ran it
     text = tokenizer.decode(generated, skip_special_tokens=True)
     held = torch.tensor([[layer.keys.shape[-2]] * layer.keys.shape[1] for layer in cache.layers], dtype=torch.float64)
     kept = int(held[0, 0]) - fed  # after the prefill's compression (every layer and head the same)
     if not torch.all(held == kept + fed):
         raise RuntimeError(f"kvpress {run['press']}: layers or heads hold different lengths {held.unique().tolist()}")
-    acc = accounting(len(prompt), kept, fed)
+    acc = accounting(n, kept, fed)
     shape = held.shape
     per_head = {key: E._round(torch.full(shape, value_, dtype=torch.float64)) for key, value_ in acc.items()}
     return E.result_row(run, example, budget_tokens=B, generated=generated, text=text, k=k, nll=nll, kv=acc,
-                        kept=kept + fed, seen=len(prompt) + fed, seconds=seconds, per_head=per_head)  # fmt: skip
+                        kept=kept + fed, seen=n + fed, seconds=seconds, per_head=per_head)  # fmt: skip
