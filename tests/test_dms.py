@@ -255,3 +255,26 @@ def test_nats_eval_hf_evaluates_a_dms_retrofit(tmp_path):
         E.check_inputs(eval_hf_config(pretrained, tmp_path / "c", *both, "data.tasks=[passkey]", "methods=[full]"))
     with pytest.raises(FileNotFoundError, match="dms=.* does not exist"):
         E.check_inputs(eval_hf_config(pretrained, tmp_path / "b", "dms=/nowhere/dms_q_proj.pt", *common))
+
+
+def test_nats_generate_decodes_a_dms_retrofit(tmp_path):
+    """nats-generate hf_model=... dms=<file> policy=dms: the retrofit's cache decodes the prompt; policy=dms without
+    the file is one line."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    from conftest import compose as compose_cfg
+    from nats.generate import generate_report
+    from nats.hf import attach_dms
+    from nats.hf.pretrained import save_tiny_random_llama
+
+    pretrained = save_tiny_random_llama(tmp_path / "tiny")
+    model = attach_dms(transformers.AutoModelForCausalLM.from_pretrained(pretrained), window=8)
+    torch.save({k: v for k, v in model.state_dict().items() if ".q_proj." in k}, tmp_path / "dms_q_proj.pt")
+    (tmp_path / "dms_stats.json").write_text(json.dumps({"window": 8}))
+    base = ["hf_model=smollm2_135m", f"hf_model.name_or_path={pretrained}", "device=cpu", "prompt='Once upon a time'",
+            "max_new_tokens=5", "stream=false"]  # fmt: skip
+    report = generate_report(compose_cfg([*base, "policy=dms", f"dms={tmp_path}/dms_q_proj.pt"], tmp_path, "generate"))
+    assert report["policy"] == "dms" and report["window"] == 8 and len(report["tokens"][0]) == 5
+    with pytest.raises(ValueError, match="policy=dms needs DMS' retrofit"):
+        generate_report(compose_cfg([*base, "policy=dms"], tmp_path, "generate"))

@@ -38,6 +38,10 @@ def check_inputs(cfg: DictConfig) -> None:
     budget = cfg.get("budget")
     check_budget_value(budget, "the prompt + new tokens")
     get_cache_class(policy).check_use(budget)  # an unknown name fails here, with the registered ones
+    if policy == "dms" and not cfg.get("dms"):
+        raise ValueError("policy=dms needs DMS' retrofit: dms=<run>/dms_q_proj.pt (or another policy)")
+    if cfg.get("dms") and cfg.get("scorers"):
+        raise ValueError("scorers= and dms= both given: one model (DMS' retrofit changes its q_proj)")
     scorers = cfg.get("scorers")
     if policy == "nats" and not scorers:
         raise ValueError("policy=nats needs the fine-tuned scorers: scorers=<run>/scorers.pt (or another policy)")
