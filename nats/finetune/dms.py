@@ -32,8 +32,8 @@ __all__ = ["LitDMSDistill"]
 
 class LitDMSDistill(LitNAtSDistill):
     """DMS' retrofit (module docstring). Args: ``model``, ``optim``, ``teacher_attn_implementation``, ``seed`` and the
-    compile keys as `LitNAtSDistill`'s; ``window`` (the eviction delay), ``target_cr``, ``dms_lambda``, ``tau``,
-    ``alpha_scale``, ``alpha_offset``, ``backend``: `nats.attention.dms.DMSAttention`'s."""
+    compile keys as `LitNAtSDistill`'s; ``window`` (the eviction delay) and ``dms`` (``target_cr``, ``dms_lambda``,
+    ``tau``, ``alpha_scale``, ``alpha_offset``, ``backend``): `nats.attention.dms.DMSAttention`'s."""
 
     adapter_file, stats_file = "dms_q_proj.pt", "dms_stats.json"
 
@@ -43,17 +43,12 @@ class LitDMSDistill(LitNAtSDistill):
         optim: Mapping[str, Any],
         window: int = 256,
         *,
-        target_cr: float = 4.0,
-        dms_lambda: float = 1.0,
-        tau: float = 0.1,
-        alpha_scale: float = 100.0,
-        alpha_offset: float = 5.0,
-        backend: str = "auto",
         teacher_attn_implementation: str = "sdpa",
         seed: int = 0,
         compile: bool | str = False,
         compile_mode: str | None = None,
         compile_split_ddp: bool = False,
+        **dms: Any,
     ):
         L.LightningModule.__init__(self)  # not LitNAtSDistill's: it attaches NAtS
         if compile not in (False, None, "false", "False") or compile_mode is not None:
@@ -69,8 +64,7 @@ class LitDMSDistill(LitNAtSDistill):
         hf = self._load(model)
         for p in hf.parameters():
             p.requires_grad_(False)
-        self.model = attach_dms(hf, window=int(window), target_cr=target_cr, dms_lambda=dms_lambda, tau=tau,
-                                alpha_scale=alpha_scale, alpha_offset=alpha_offset, backend=backend)  # fmt: skip
+        self.model = attach_dms(hf, window=int(window), **dms)
         for p in self.scorer_parameters():
             p.requires_grad_(True)
         self._attn_modules = [m for m in self.model.modules() if hasattr(m, "_nats_hidden")]
