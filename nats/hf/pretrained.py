@@ -255,8 +255,10 @@ def check_scorers_path(path: str | os.PathLike) -> Path:
     """``path`` as a Path when it is a file; FileNotFoundError naming ``scorers=`` and what to pass otherwise (a
     check that reads nothing: nats-eval-hf makes it before the model is loaded)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"scorers={path} does not exist: pass <fine-tuning run>/scorers.pt (or its .ckpt)")
+    if not path.is_file() and not (path / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"scorers={path} does not exist: pass <fine-tuning run>/scorers.pt (or its .ckpt, or an adapter folder)"
+        )
     return path
 
 
@@ -266,6 +268,11 @@ def read_scorers(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int 
     import torch
 
     path = check_scorers_path(path)
+    if path.is_dir():  # an adapter folder (nats.hf.adapter)
+        from nats.hf.adapter import read_adapter  # noqa: PLC0415
+
+        meta, weights = read_adapter(path)
+        return weights, int(meta["window"])
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any failure to read is the same problem for the user
@@ -352,6 +359,10 @@ def prepare_model(cfg: DictConfig, model: Any) -> int | None:
         use_policy_caches(model)
         return None
     path = Path(cfg.scorers)
+    if path.is_dir():  # an adapter folder: made for this model (its shape and config revision)
+        from nats.hf.adapter import check_fits, read_adapter  # noqa: PLC0415
+
+        check_fits(read_adapter(path)[0], model, f"scorers={path}")
     state, window = read_scorers(path)
     window = cfg.get("window") or window or run_window(path)
     if not window:
