@@ -241,4 +241,4 @@ def test_missing_scorers_stop_before_a_model_that_would_not_load(tmp_path):
     args = [f"hydra.run.dir={tmp_path / 'run'}", *hf_args(broken, f"scorers={tmp_path}/missing.pt", "prompt=Hi")]
     line = one_line(nats_generate(args))
     assert line == f"nats-generate: scorers={tmp_path}/missing.pt does not exist: pass <fine-tuning run>/scorers.pt " \
-        "(or its .ckpt)"  # fmt: skip
+        "(or its .ckpt, or an adapter folder)"  # fmt: skip

@@ -17,7 +17,8 @@ pytest.importorskip("safetensors")
 from helpers import eval_hf_config  # noqa: E402
 from nats.finetune import evaluate as E  # noqa: E402
 from nats.hf import StaticPolicyCache, attach_nats, nats_state_dict  # noqa: E402
-from nats.hf.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CARD, export_nats_adapter, load_nats_adapter  # noqa: E402
+from nats.hf.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CARD, load_nats_adapter  # noqa: E402
+from nats.hf.adapter_export import export_nats_adapter  # noqa: E402
 from nats.hf.loop import generate  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 
