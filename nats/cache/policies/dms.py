@@ -5,10 +5,12 @@ overwritten). The decisions are the model's own: the sign of the logit its query
 (`nats.attention.dms.DMSAttention.decision_logits`), in the prompt, in each step and in a continuation, so that
 decoding equals the eval forward.
 
+The prompt is NAtS' (`NAtSRule.prompt` with the core's `hard_types`), not its fused prefill from a scorer's logits.
 The step is NAtS' admission without locals in PyTorch operations (the attention is the engine's pool kernel, Triton
-on CUDA; device tensors only, CUDA-graph safe): the ring slot of the position written, the kept tokens appended (a
-full segment keeps the token as an evicted one, as NAtS does), then the ring slot whose window the query closed
-marked invalid.
+on CUDA; device tensors only, CUDA-graph safe), written to the packed buffers (NAtS' `step_torch` writes through
+views, which a compiled transformers step would copy whole at every layer): the ring slot of the position written,
+the kept tokens appended (a full segment keeps the token as an evicted one, as NAtS does), then the ring slot whose
+window the query closed marked invalid.
 """
 
 from __future__ import annotations
@@ -16,11 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nats import functional as NF
 from nats.cache.engine import attend, write_kv
 from nats.cache.policies.nats import GLOBAL, SLIDING, NAtSRule
 from nats.cache.registry import register_cache
-from nats.cache.rule import PromptState
 
 
 @register_cache("dms")
@@ -31,14 +31,9 @@ class DMSRule(NAtSRule):
     name = "dms"
     requires_core = "dms"
 
-    def direct(self, ctx, core, q, k, v, hidden):
-        return None  # NAtS' fused prefill reads its scorer's logits; DMS' decisions come from the queries
-
-    def prompt(self, ctx, core, q, k, v, hidden, budget, offset=0):
-        types = core.hard_types(hidden)  # [b, Hkv, n]
-        if self.type_table is not None:
-            types = self._given(types, offset)
-        return PromptState(NF.nats_attention_types(q, k, v, types, core.window, backend=core.backend), types=types)
+    def scored(self, ctx, q, k, backend: str) -> bool:
+        # NAtS' fused prefill reads its scorer's logits: the prompt takes the core's hard_types (DMS' decisions)
+        return False
 
     @staticmethod
     def chunk_types(core, q: Tensor, hidden: Tensor) -> Tensor:
@@ -48,9 +43,8 @@ class DMSRule(NAtSRule):
     def step(self, ctx, layer, core, qr, kr, vr, pos, hidden):
         size = self.kept(layer) + 1 if ctx.track else None  # the keys query pos reads: its row's and itself
         t = self.chunk_types(core, qr[:, :, None], hidden[:, None])[:, 0]  # [R] (hidden [B, C]: one token)
-        table = layer.type_table
-        if table is not None:
-            given = table.table.index_select(0, pos.reshape(1) - table.first_pos)[0]
+        if layer.type_table is not None:
+            given = layer.type_table.at(pos)
             t = torch.where(given >= 0, given, t)
         t = torch.where((t != SLIDING) & (layer.length >= layer.cap), torch.full_like(t, SLIDING), t)  # full row
         layer.last_type.copy_(t)

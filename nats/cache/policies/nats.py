@@ -366,12 +366,8 @@ class NAtSRule(FixedRule):
         R, G, n, D = q.shape
         W, dev = layer.window, q.device
         t = self.chunk_types(core, q, hidden)  # [R, n]
-        table = layer.type_table
-        if table is not None:  # the given types of the chunk's positions within the table
-            pos = torch.arange(first, first + n, device=dev) - table.first_pos
-            inside = (pos >= 0) & (pos < table.table.shape[0])
-            given = table.table.index_select(0, pos.clamp(0, table.table.shape[0] - 1)).t()  # [R, n]
-            t = torch.where(inside & (given >= 0), given, t)
+        if self.type_table is not None:  # the given types of the chunk's positions within the table
+            t = self._given(t.view(hidden.shape[0], -1, n), first).reshape(R, n)
         c = torch.arange(n, device=dev)
         isg = t == GLOBAL
         first_g = torch.where(isg, c, n).amin(1)  # the chunk's first global (n: none)
