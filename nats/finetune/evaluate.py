@@ -66,7 +66,7 @@ from nats.data.longctx.scoring import (  # noqa: F401 (nats.finetune.evaluate.sc
 from nats.data.longctx.tasks import check_pg19_path, question_start
 from nats.evaluation import configured_methods
 from nats.hf.compat import cache_kwargs, generate_through
-from nats.hf.pretrained import PRETRAINED_KEYS, check_scorers_path, prepare_model, type_bias_of
+from nats.hf.pretrained import PRETRAINED_KEYS, check_dms, check_scorers_path, prepare_model, type_bias_of
 from nats.utils import atomic_path, atomic_write, resolve_device
 from nats.utils import markdown_table as table
 
@@ -263,10 +263,10 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
     t0 = time.time()
     nll = None
     if context < len(prompt):  # the context alone compressed, then the question continues it (uncompressed)
+        ids = torch.tensor([prompt[:context]], device=model.device)
         with torch.no_grad():
-            model(torch.tensor([prompt[:context]], device=model.device), use_cache=True, logits_to_keep=1,
-                  **cache_kwargs(model, cache))  # fmt: skip
-        cache.history = torch.tensor([prompt[:context]], device=model.device)  # what generate continues
+            model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+        cache.history = ids  # what generate continues
     if example.task == "pg19_continuation":
         generated, nll = continue_one(model, prompt, example.answer_ids[:n_new], cache)
     else:
@@ -483,10 +483,7 @@ def check_inputs(cfg: DictConfig) -> list[dict[str, Any]]:
     runs = plan_methods(cfg, has_scorers=bool(cfg.get("scorers")))
     if cfg.get("scorers"):
         check_scorers_path(cfg.scorers)
-    if cfg.get("dms") and cfg.get("scorers"):
-        raise ValueError("scorers= and dms= both given: one model per run (DMS' retrofit changes its q_proj)")
-    if cfg.get("dms") and not Path(cfg.dms).is_file():
-        raise FileNotFoundError(f"dms={cfg.dms} does not exist: pass <DMS retrofit run>/dms_q_proj.pt")
+    check_dms(cfg)
     check_pg19_path(cfg.data.get("pg19_path"))
     max_context = cfg.hf_model.get("max_context")
     longest = int(cfg.data.max_length) + int(cfg.answer_margin)

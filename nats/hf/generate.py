@@ -32,7 +32,7 @@ def check_inputs(cfg: DictConfig) -> None:
     """The settings that fail without the model, checked before its (slow) load: the policy decodes, its budget
     (a budgeted policy needs one, the others take none; a whole number >= 1 or a fraction in (0, 1)), NAtS' scorer
     file (it exists, holds scorer weights, its window W is known) and ``type_bias`` (only with scorers)."""
-    from nats.hf.pretrained import read_scorers, run_window, type_bias_of
+    from nats.hf.pretrained import check_dms, read_scorers, run_window, type_bias_of
 
     policy = str(cfg.policy)
     budget = cfg.get("budget")
@@ -40,8 +40,7 @@ def check_inputs(cfg: DictConfig) -> None:
     get_cache_class(policy).check_use(budget)  # an unknown name fails here, with the registered ones
     if policy == "dms" and not cfg.get("dms"):
         raise ValueError("policy=dms needs DMS' retrofit: dms=<run>/dms_q_proj.pt (or another policy)")
-    if cfg.get("dms") and cfg.get("scorers"):
-        raise ValueError("scorers= and dms= both given: one model (DMS' retrofit changes its q_proj)")
+    check_dms(cfg)
     scorers = cfg.get("scorers")
     if policy == "nats" and not scorers:
         raise ValueError("policy=nats needs the fine-tuned scorers: scorers=<run>/scorers.pt (or another policy)")

@@ -299,15 +299,35 @@ def run_window(path: Path) -> int | None:
     return None
 
 
+def check_dms(cfg: DictConfig) -> None:
+    """The DMS retrofit of a run (``dms=``), checked without reading it: one line if its file is missing or if
+    ``scorers=`` is given too (one model per run: DMS' retrofit changes the query projections, NAtS' scorers read the
+    pretrained ones)."""
+    if not cfg.get("dms"):
+        return
+    if cfg.get("scorers"):
+        raise ValueError(
+            "scorers= and dms= both given: one model per run (DMS' retrofit changes the query projections, NAtS' "
+            "scorers read the pretrained ones); evaluate them in two runs"
+        )
+    check_dms_path(cfg.dms)
+
+
+def check_dms_path(path: str | os.PathLike) -> Path:
+    """``path`` as a Path when it is a file; FileNotFoundError naming ``dms=`` and what to pass otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dms={path} does not exist: pass <DMS retrofit run>/dms_q_proj.pt")
+    return path
+
+
 def read_dms(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int | None]:
     """``(q_proj weights by their keys in the model, the eviction delay w or None)`` of a DMS retrofit's
     ``dms_q_proj.pt`` (`nats.finetune.dms.LitDMSDistill`); w from its ``dms_stats.json`` or .hydra/config.yaml."""
     import torch
     from omegaconf import OmegaConf
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"dms={path} does not exist: pass <DMS retrofit run>/dms_q_proj.pt")
+    path = check_dms_path(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any failure to read is the same problem for the user
@@ -325,11 +345,7 @@ def _prepare_dms(cfg: DictConfig, model: Any) -> int:
     """DMS' retrofit on the model: `nats.hf.attach_dms` with its delay and its query projections loaded."""
     from nats.hf import attach_dms
 
-    if cfg.get("scorers"):
-        raise ValueError(
-            "scorers= and dms= both given: one model per run (DMS' retrofit changes the query projections, NAtS' "
-            "scorers read the pretrained ones); evaluate them in two runs"
-        )
+    check_dms(cfg)
     path = Path(cfg.dms)
     state, window = read_dms(path)
     window = cfg.get("window") or window

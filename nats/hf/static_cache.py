@@ -91,10 +91,10 @@ class StaticPolicyLayer(FixedRowsLayer, EngineLayer):
                               "the max_new_tokens it was made for")  # fmt: skip
             self.lazy_initialization(key_states, value_states)
         elif n > 1 and self.layer_idx == 0:  # a continuation (the next turn): within the context, with the reserve
-            check_context(owner.context, int(self.cumulative_length) + n, owner.max_new_tokens or 0,
-                          "StaticPolicyCache", "the max_new_tokens it was made for",
-                          what=None if owner.max_new_tokens else f"the {int(self.cumulative_length) + n} tokens "
-                          "of the conversation")  # fmt: skip
+            total = int(self.cumulative_length) + n  # one host read
+            check_context(owner.context, total, owner.max_new_tokens or 0, "StaticPolicyCache",
+                          "the max_new_tokens it was made for",
+                          what=None if owner.max_new_tokens else f"the {total} tokens of the conversation")  # fmt: skip
         # unknown lengths: the tokens so far, counted on the host (`auto_maintain`, a bool, is max_new_tokens is None:
         # the compiled step reads the flag, the same for every cache, not max_new_tokens, whose value it would guard)
         if self.layer_idx == 0 and owner.auto_maintain:
