@@ -72,11 +72,14 @@ class LitDMSDistill(LitNAtSDistill):
         self._val_count: torch.Tensor | None = None
 
     def _cores(self) -> list[DMSAttention]:
-        return [m for m in self.model.modules() if isinstance(m, DMSAttention)]
+        """The DMS cores, found once (they are read at every step)."""
+        if not hasattr(self, "_dms_cores"):
+            self._dms_cores = [m for m in self.model.modules() if isinstance(m, DMSAttention)]
+        return self._dms_cores
 
     def scorer_parameters(self) -> list[nn.Parameter]:
         """The trained parameters: every layer's query projection (the source of DMS' decisions)."""
-        return [p for name, p in self.model.named_parameters() if ".q_proj." in f".{name}"]
+        return list(self.trained_state().values())
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         return {name: p for name, p in self.model.named_parameters() if ".q_proj." in f".{name}"}

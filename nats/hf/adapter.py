@@ -46,10 +46,9 @@ def model_shape(config: Any) -> dict[str, Any]:
 
 def model_revision(config: Any) -> str:
     """A short hash of the model's config (its architecture and sizes; not its weights)."""
-    keys = sorted(
-        k for k in config.to_dict() if not k.startswith(("_", "transformers_version", "torch_dtype", "dtype"))
-    )
-    text = json.dumps({k: config.to_dict()[k] for k in keys}, sort_keys=True, default=str)
+    values = config.to_dict()
+    skip = ("_", "transformers_version", "torch_dtype", "dtype")
+    text = json.dumps({k: v for k, v in values.items() if not k.startswith(skip)}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
