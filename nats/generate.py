@@ -50,6 +50,7 @@ from nats.cache.registry import get_cache_class
 from nats.checks import check_hf_model, check_local_model
 from nats.cli import check_override_syntax, hydra_quoted, hydra_script
 from nats.generation_report import summary
+from nats.sampling import sampling_options
 from nats.utils import atomic_write, resolve_device
 
 log = logging.getLogger(__name__)
@@ -210,9 +211,7 @@ def generate_report(cfg: DictConfig) -> dict[str, Any]:
     check_model(model)
     cls.check_core(model.config.attention.get("name"))  # before the length checks of decoding
     model = model.to(device=device, dtype=DTYPES[cfg.get("precision", "float32")]).eval()
-    generator = None
-    if float(cfg.temperature) > 0:
-        generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
+    sampling = sampling_options(cfg, device)
     graph = cfg.get("graph", "auto")
     check_graph(graph)
     idx = torch.tensor([prompt] * samples, dtype=torch.long, device=device)
@@ -224,11 +223,8 @@ def generate_report(cfg: DictConfig) -> dict[str, Any]:
         new,
         cls,
         budget=budget,
-        temperature=float(cfg.temperature),
-        top_k=None if cfg.get("top_k") is None else int(cfg.top_k),
-        top_p=None if cfg.get("top_p") is None else float(cfg.top_p),
+        **sampling,
         vocab_limit=enc.n_vocab,
-        generator=generator,
         graph=graph,
         info=info,
         return_caches=True,

@@ -13,11 +13,12 @@ graph can hold it. ``generator``: a `torch.Generator` on the logits' device; the
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["check_sampling", "sample"]
+__all__ = ["check_sampling", "sample", "sampling_options"]
 
 
 def check_sampling(temperature: float, top_k: int | None = None, top_p: float | None = None) -> None:
@@ -56,3 +57,14 @@ def sample(
         probs = probs.masked_fill(torch.empty_like(outside).scatter_(-1, order, outside), 0.0)
     race = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / race).argmax(-1)
+
+
+def sampling_options(cfg: Any, device: Any) -> dict[str, Any]:
+    """The sampling settings of a config node (``temperature``, ``top_k``, ``top_p``, checked) and, where it samples,
+    a `torch.Generator` on ``device`` seeded by its ``seed``: the keyword arguments of the decode loops."""
+    temperature = float(cfg.get("temperature", 0.0))
+    top_k = None if cfg.get("top_k") is None else int(cfg.top_k)
+    top_p = None if cfg.get("top_p") is None else float(cfg.top_p)
+    check_sampling(temperature, top_k, top_p)
+    generator = torch.Generator(device).manual_seed(int(cfg.get("seed", 0))) if temperature > 0 else None
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": generator}

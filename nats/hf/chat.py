@@ -101,6 +101,7 @@ def chat(cfg: DictConfig, device: torch.device, dtype: torch.dtype, stdin: IO[st
     from nats.hf.generate import cache_stats, load_for_generation, make_cache
     from nats.hf.limits import check_context, context_length
     from nats.hf.loop import generate as loop
+    from nats.sampling import sampling_options
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     if int(cfg.get("num_samples", 1)) != 1:
@@ -112,10 +113,7 @@ def chat(cfg: DictConfig, device: torch.device, dtype: torch.dtype, stdin: IO[st
     new = int(cfg.max_new_tokens)
     context = context_length(model.config)
     eos = _end_tokens(model, tok)
-    temperature = float(cfg.get("temperature", 0.0))
-    top_k = None if cfg.get("top_k") is None else int(cfg.top_k)
-    top_p = None if cfg.get("top_p") is None else float(cfg.top_p)
-    gen = torch.Generator(device).manual_seed(int(cfg.get("seed", 0))) if temperature > 0 else None
+    sampling = sampling_options(cfg, device)
     every = int(cfg.get("stream_every", 8))
     conv = Conversation(tok, device)
     cache, budget = make_cache(cfg, model, context or 4096, new)
@@ -164,8 +162,8 @@ def chat(cfg: DictConfig, device: torch.device, dtype: torch.dtype, stdin: IO[st
             timing["prefill"] = time.perf_counter() - timing["start"]
 
         timing["start"] = time.perf_counter()
-        out = loop(model, ids, cache, new, eos_token_id=eos, temperature=temperature, top_k=top_k, top_p=top_p,
-                   generator=gen, streamer=streamer, check_every=every, on_prefill=first_token)  # fmt: skip
+        out = loop(model, ids, cache, new, eos_token_id=eos, **sampling, streamer=streamer, check_every=every,
+                   on_prefill=first_token)  # fmt: skip
         seconds = time.perf_counter() - timing["start"]
         answer = conv.add(message, out, ids.shape[1])
         n_new = len(conv.answer_ids)

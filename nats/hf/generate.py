@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from nats.cache.budget import check_budget_value, resolve_budget
 from nats.cache.registry import get_cache_class
+from nats.sampling import sampling_options
 
 
 def check_inputs(cfg: DictConfig) -> None:
@@ -126,9 +127,7 @@ def generate_hf_report(cfg: DictConfig, prompt_text: str, device: torch.device, 
     P = ids.shape[1]
     check_context(context_length(model.config), P, new, "nats-generate")  # before any cache is made
     cache, n_budget = make_cache(cfg, model, P + new, new)
-    temperature = float(cfg.get("temperature", 0.0))
-    top_k = None if cfg.get("top_k") is None else int(cfg.top_k)
-    top_p = None if cfg.get("top_p") is None else float(cfg.top_p)
+    sampling = sampling_options(cfg, device)
     seed = int(cfg.get("seed", 0))
     torch.manual_seed(seed)
     streamer = None
@@ -138,9 +137,8 @@ def generate_hf_report(cfg: DictConfig, prompt_text: str, device: torch.device, 
         print("---", flush=True)  # then the prompt and the continuation as it arrives, as the unstreamed text is shown
         streamer = TextStreamer(tok, skip_special_tokens=True)
     t0 = time.perf_counter()
-    gen = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
-    out = loop(model, ids, cache, new, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen,
-               streamer=streamer, check_every=int(cfg.get("stream_every", 8)) if streamer else 32)  # fmt: skip
+    out = loop(model, ids, cache, new, **sampling, streamer=streamer,
+               check_every=int(cfg.get("stream_every", 8)) if streamer else 32)  # fmt: skip
     decode = "cuda_graph" if device.type == "cuda" else "eager"  # the loop's compiled step replays CUDA graphs
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -156,9 +154,9 @@ def generate_hf_report(cfg: DictConfig, prompt_text: str, device: torch.device, 
         "prompt": prompt_text,
         "prompt_tokens": P,
         "new_tokens": new,
-        "temperature": temperature,
-        "top_k": top_k,
-        "top_p": top_p,
+        "temperature": sampling["temperature"],
+        "top_k": sampling["top_k"],
+        "top_p": sampling["top_p"],
         "seed": seed,
         "device": str(device),
         "precision": str(dtype).split(".")[-1],
