@@ -41,7 +41,8 @@ def fixed_policy(policy: str, who: str, decodable: bool = True):
     a ValueError naming ``who``."""
     try:
         cls = get_cache_class(policy)  # an unknown name fails with the registered ones
-        cls.check_use(1 if cls.budgeted else None, decode=decodable)  # the budget is checked with the cache
+        if decodable:  # the budget is checked with the cache
+            cls.check_decodes()
     except ValueError as err:
         raise ValueError(f"{who}: {err}") from None
     return cls
