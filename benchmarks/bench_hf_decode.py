@@ -79,32 +79,17 @@ except ImportError:  # an earlier nats_kernels set Triton up when imported (expe
         """Nothing to do: the earlier package configured Triton at its import."""
 
 
-SMOLLM2 = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
-LLAMA32_1B = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    tie_word_embeddings=True,
-)
-LLAMA31_8B = dict(
-    LLAMA32_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128, tie_word_embeddings=False
-)
+# a Llama-architecture config's sizes in LlamaConfig's order of these keys; the rest as the named models set them
+SIZE_KEYS = "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads".split()
+
+
+def llama_shape(*sizes: int, **rest) -> dict:
+    return {**dict(zip(SIZE_KEYS, sizes, strict=True)), "rms_norm_eps": 1e-5, "tie_word_embeddings": True, **rest}
+
+
+SMOLLM2 = llama_shape(49152, 576, 1536, 30, 9, 3, rope_theta=100000.0)
+LLAMA32_1B = llama_shape(128256, 2048, 8192, 16, 32, 8, head_dim=64, rope_theta=500000.0)
+LLAMA31_8B = llama_shape(128256, 4096, 14336, 32, 32, 8, head_dim=128, rope_theta=500000.0, tie_word_embeddings=False)
 SHAPES = {"smollm2-135m": SMOLLM2, "llama-3.2-1b": LLAMA32_1B, "llama-3.1-8b": LLAMA31_8B}
 TINY = dict(SMOLLM2, vocab_size=256, hidden_size=72, intermediate_size=128, num_hidden_layers=2)
 # the methods whose scorers are calibrated to a kept share

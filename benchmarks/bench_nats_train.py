@@ -343,15 +343,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per nats-train run")
     args = ap.parse_args()
     small = args.smoke
-    for name, default, smoke in (
-        ("steps", 200, 6),
-        ("log_every", 10, 2),
-        ("warmup_steps", 50, 2),
-        ("batch", 32, 4),
-        ("eval_windows", 64, 8),
-        ("isolated_steps", 30, 3),
-        ("isolated_warmup", 5, 1),
-    ):
+    # the settings left unset: (a measurement's default, the smoke run's)
+    unset = dict(steps=(200, 6), log_every=(10, 2), warmup_steps=(50, 2), batch=(32, 4), eval_windows=(64, 8),
+                 isolated_steps=(30, 3), isolated_warmup=(5, 1))  # fmt: skip
+    for name, (default, smoke) in unset.items():
         if getattr(args, name) is None:
             setattr(args, name, smoke if small else default)
     if args.steps % args.log_every:

@@ -61,12 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="logs/bench/sweep_pool_attention")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--shapes", default="", help="comma-separated substrings: only the shapes whose label has one")
-    ap.add_argument(
-        "--only",
-        default="",
-        help="KEY=VALUE,...: only the choices with those block_n, num_warps, "
-        "num_stages, splits, split or programs (the default choices are always timed)",
-    )
+    only = "KEY=VALUE,...: only the choices with those block_n, num_warps, num_stages, splits, split or programs"
+    ap.add_argument("--only", default="", help=only + " (the default choices are always timed)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -17,16 +17,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from nats import functional as NF  # noqa: E402
-from nats.hf import (  # noqa: E402
-    attach_nats,
-    detach_nats,
-    load_nats_state_dict,
-    nats_density,
-    nats_state_dict,
-    nats_stats,
-    scorers,
-    set_force_type,
-)
+from nats.hf import attach_nats, detach_nats, nats_density, nats_stats, scorers, set_force_type  # noqa: E402
+from nats.hf.scorers import load_nats_state_dict, nats_state_dict  # noqa: E402
 
 TINY = dict(
     vocab_size=128,

@@ -24,47 +24,30 @@ import torch
 from torch import nn
 
 from nats.attention.dms import DMSAttention
-from nats.finetune.lit import LitNAtSDistill, finetune_optim_config
+from nats.finetune.lit import LitNAtSDistill
 from nats.hf.dms import attach_dms
 
 __all__ = ["LitDMSDistill"]
 
+# the settings of every retrofit (`LitNAtSDistill._setup`); the other settings are DMS' (`nats.hf.attach_dms`)
+TRAINING_KEYS = ("teacher_attn_implementation", "seed", "compile", "compile_mode", "compile_split_ddp")
+
 
 class LitDMSDistill(LitNAtSDistill):
-    """DMS' retrofit (module docstring). Args: ``model``, ``optim``, ``teacher_attn_implementation``, ``seed`` and the
-    compile keys as `LitNAtSDistill`'s; ``window`` (the eviction delay) and ``dms`` (``target_cr``, ``dms_lambda``,
+    """DMS' retrofit (module docstring). Args: ``model``, ``optim`` and the ``settings`` of `TRAINING_KEYS` as
+    `LitNAtSDistill`'s; ``window`` (the eviction delay) and the other ``settings`` (``target_cr``, ``dms_lambda``,
     ``tau``, ``alpha_scale``, ``alpha_offset``, ``backend``): `nats.attention.dms.DMSAttention`'s."""
 
     adapter_file, stats_file = "dms_q_proj.pt", "dms_stats.json"
 
-    def __init__(
-        self,
-        model: Mapping[str, Any],
-        optim: Mapping[str, Any],
-        window: int = 256,
-        *,
-        teacher_attn_implementation: str = "sdpa",
-        seed: int = 0,
-        compile: bool | str = False,
-        compile_mode: str | None = None,
-        compile_split_ddp: bool = False,
-        **dms: Any,
-    ):
+    def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], window: int = 256, **settings: Any):
         L.LightningModule.__init__(self)  # not LitNAtSDistill's: it attaches NAtS
-        if compile not in (False, None, "false", "False") or compile_mode is not None:
-            raise ValueError(
-                "DMS retrofitting of a transformers model does not support torch.compile: set compile=false"
-            )
-        if teacher_attn_implementation == "nats":
-            raise ValueError("module.teacher_attn_implementation must be a dense attention (sdpa or eager), not nats")
         self.save_hyperparameters()
-        self.optim_cfg = finetune_optim_config(optim)
-        self.teacher_attn_implementation = teacher_attn_implementation
-        self.seed = int(seed)
-        hf = self._load(model)
+        training = {k: settings.pop(k) for k in TRAINING_KEYS if k in settings}
+        hf = self._setup("DMS retrofitting", model, optim, **training)
         for p in hf.parameters():
             p.requires_grad_(False)
-        self.model = attach_dms(hf, window=int(window), **dms)
+        self.model = attach_dms(hf, window=int(window), **settings)
         for p in self.scorer_parameters():
             p.requires_grad_(True)
         self._attn_modules = [m for m in self.model.modules() if hasattr(m, "_nats_hidden")]

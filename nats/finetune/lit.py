@@ -135,29 +135,16 @@ class LitNAtSDistill(L.LightningModule):
         backend: str = "auto",
         mask_grad: str = "dense",
         noise_scale: float = 1.0,
-        teacher_attn_implementation: str = "sdpa",
-        seed: int = 0,
-        compile: bool | str = False,
-        compile_mode: str | None = None,
-        compile_split_ddp: bool = False,
+        **training: Any,
     ):
         super().__init__()
-        if compile not in (False, None, "false", "False") or compile_mode is not None:
-            raise ValueError(
-                "NAtS fine-tuning of a transformers model does not support torch.compile: set compile=false "
-                "(and compile_mode=null)"
-            )
         if sparsity_lambda < 0:
             raise ValueError(f"module.sparsity_lambda must be >= 0, got {sparsity_lambda}")
-        if teacher_attn_implementation == "nats":
-            raise ValueError("module.teacher_attn_implementation must be a dense attention (sdpa or eager), not nats")
         self.save_hyperparameters()
-        self.optim_cfg = finetune_optim_config(optim)
         self.sparsity_lambda = float(sparsity_lambda)
-        self.teacher_attn_implementation = teacher_attn_implementation
-        self.seed = int(seed)
+        hf = self._setup("NAtS fine-tuning", model, optim, **training)
         self.model = attach_nats(
-            self._load(model),
+            hf,
             window=int(window),
             tau=tau,
             noise_scale=noise_scale,
@@ -170,6 +157,32 @@ class LitNAtSDistill(L.LightningModule):
         self._attn_modules = [m for m in self.model.modules() if hasattr(m, "_nats_hidden")]
         self._val_sums: dict[str, torch.Tensor] = {}
         self._val_count: torch.Tensor | None = None
+
+    def _setup(
+        self,
+        method: str,
+        model: Mapping[str, Any],
+        optim: Mapping[str, Any],
+        teacher_attn_implementation: str = "sdpa",
+        seed: int = 0,
+        compile: bool | str = False,
+        compile_mode: str | None = None,
+        compile_split_ddp: bool = False,  # conf/train.yaml's module node sets it; nothing here compiles
+    ) -> nn.Module:
+        """What every retrofit of a pretrained model sets up before attaching its method (the class docstring's
+        ``teacher_attn_implementation``, ``seed`` and compile keys): checks them, reads ``optim``, and returns
+        the pretrained model of ``model`` in training mode."""
+        if compile not in (False, None, "false", "False") or compile_mode is not None:
+            raise ValueError(
+                f"{method} of a transformers model does not support torch.compile: set compile=false "
+                "(and compile_mode=null)"
+            )
+        if teacher_attn_implementation == "nats":
+            raise ValueError("module.teacher_attn_implementation must be a dense attention (sdpa or eager), not nats")
+        self.optim_cfg = finetune_optim_config(optim)
+        self.teacher_attn_implementation = teacher_attn_implementation
+        self.seed = int(seed)
+        return self._load(model)
 
     @staticmethod
     def _load(model: Mapping[str, Any]) -> nn.Module:
