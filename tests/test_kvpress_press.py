@@ -11,8 +11,9 @@ Checked:
   tells NAtS apart;
 * after the prefill kvpress' cache holds fewer positions than the prompt, at least what its fullest KV head keeps
   (per-head lengths differ: the rest is masked per head);
-* scorers trained for another model (other width; other depth) and a model without scorers are refused in one line,
-  and a failed load leaves no scorers attached.
+* the run's adapter folder (nats.hf.adapter_export) as ``scorers=`` generates what its scorers.pt does;
+* scorers trained for another model (other width; other depth; an adapter folder of another model) and a model without
+  scorers are refused in one line, and a failed load leaves no scorers attached.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ def pretrained(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny_llama_press")
     save_tiny_random_llama(root, chat=True)
     run = root / "finetune_run"
-    run.mkdir()
+    (run / ".hydra").mkdir(parents=True)
     model = attach_nats(transformers.AutoModelForCausalLM.from_pretrained(root), window=WINDOW, init_std=0.5)
     torch.save(nats_state_dict(model), run / "scorers.pt")
     (run / "nats_stats.json").write_text(json.dumps({"window": WINDOW}))
+    (run / ".hydra" / "config.yaml").write_text(f"hf_model:\n  name_or_path: {root}\nmodule:\n  window: {WINDOW}\n")
     return root
 
 
@@ -173,6 +175,22 @@ def test_kvpress_cache_holds_what_some_head_keeps(setup, press_runs):
         press.compression_ratio = 0.5
 
 
+def test_an_adapter_folder_is_the_same_press(pretrained, setup, press_runs, tmp_path):
+    """NAtSPress(scorers=<adapter folder>) (nats.hf.adapter_export of the run) generates what its scorers.pt does."""
+    from kvpress import KVPressTextGenerationPipeline
+
+    from nats.hf.adapter_export import export_nats_adapter
+    from nats.kvpress import NAtSPress
+
+    _, _, _, examples = setup
+    adapter = export_nats_adapter(pretrained / "finetune_run", tmp_path / "adapter")
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=transformers.AutoTokenizer.from_pretrained(pretrained))
+    ids, logits, _ = pipeline_run(pipe, *examples[0], NAtSPress(scorers=adapter))
+    assert ids == press_runs[0]["ids"]
+    torch.testing.assert_close(logits, press_runs[0]["logits"], rtol=0, atol=1e-5)
+
+
 def _other_scorers(folder: Path, **sizes) -> Path:
     """A scorers.pt trained (randomly) on a Llama of other sizes (hidden 64 / 2 layers unless given)."""
     config = transformers.LlamaConfig(vocab_size=1024, hidden_size=sizes.get("hidden", 64), intermediate_size=128,
@@ -207,3 +225,19 @@ def test_scorers_of_another_model_are_refused_in_one_line(pretrained, setup, tmp
     with pytest.raises(ValueError, match=r"^NAtSPress needs NAtS scorers: NAtSPress\(scorers=") as err:
         pipe(examples[0][0], question=examples[0][1], press=NAtSPress(), max_new_tokens=2)
     assert "\n" not in str(err.value)
+
+
+def test_an_adapter_folder_of_another_model_is_refused_in_one_line(pretrained, setup, tmp_path):
+    from kvpress import KVPressTextGenerationPipeline
+
+    from nats.hf.adapter_export import export_nats_adapter
+    from nats.kvpress import NAtSPress
+
+    _, _, _, examples = setup
+    adapter = export_nats_adapter(pretrained / "finetune_run", tmp_path / "adapter")
+    other = save_tiny_random_llama(tmp_path / "other", n_layer=3, chat=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(other).eval()
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=transformers.AutoTokenizer.from_pretrained(other))
+    with pytest.raises(ValueError, match="^NAtSPress: .* was made for .* not this model") as err:
+        pipe(examples[0][0], question=examples[0][1], press=NAtSPress(scorers=adapter), max_new_tokens=2)
+    assert "\n" not in str(err.value) and not is_attached(model)
