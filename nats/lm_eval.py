@@ -58,7 +58,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-PROGRAM = "nats-lm-eval"
+PROGRAM = "nats.lm_eval"  # python -m nats.lm_eval (not a console script: those are Hydra apps, tests/test_cli.py)
 #: HFLM's arguments that apply to a model nats loads (the others load or place a model: refused, with this list)
 HFLM_ARGS = (
     "batch_size",
@@ -628,7 +628,7 @@ def network_refusal(err: BaseException, datasets_offline: bool = True) -> str | 
     dataset = f"{path!r}" + (f" (subset {subset!r})" if subset else "")
     load = f"datasets.load_dataset('{path}'" + (f", '{subset}'" if subset else "") + ")"
     why = (
-        "nats-lm-eval runs offline (HF_DATASETS_OFFLINE=1; set HF_DATASETS_OFFLINE=0 to let it download)"
+        "python -m nats.lm_eval runs offline (HF_DATASETS_OFFLINE=1; set HF_DATASETS_OFFLINE=0 to let it download)"
         if datasets_offline
         else "the network cannot be reached from here"
     )
@@ -642,7 +642,7 @@ def network_refusal(err: BaseException, datasets_offline: bool = True) -> str | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m nats.lm_eval`` (``nats-lm-eval``): the harness' command line (``lm_eval``'s arguments, e.g.
+    """``python -m nats.lm_eval``: the harness' command line (``lm_eval``'s arguments, e.g.
     ``--model nats --model_args ... --tasks ...``) with the ``nats`` model registered, offline by default (`offline`);
     a mistake in the settings and a task whose data is not here end with one line (exit status 1)."""
     from lm_eval.__main__ import cli_evaluate

@@ -253,7 +253,7 @@ def test_a_task_that_needs_the_hub_is_refused_in_one_line(tiny):
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 1, res.stderr[-3000:]
     message = res.stderr.strip().splitlines()[-1]
-    assert message.startswith("nats-lm-eval: task 'hellaswag' needs the dataset 'Rowan/hellaswag' from the Hugging"), (
+    assert message.startswith("nats.lm_eval: task 'hellaswag' needs the dataset 'Rowan/hellaswag' from the Hugging"), (
         res.stderr[-3000:]
     )
     for fix in ("HF_DATASETS_OFFLINE=1", "--include_path", "dataset_path: json", "load_dataset('Rowan/hellaswag')"):
