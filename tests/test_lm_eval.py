@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -247,10 +248,12 @@ def test_snapkv_window_against_a_short_context_is_one_line(tiny, tasks):
 
 def test_a_task_that_needs_the_hub_is_refused_in_one_line(tiny):
     """The harness' hellaswag (Rowan/hellaswag on the hub) through ``python -m nats.lm_eval``, as a user runs it (the
-    module registers ``nats`` once, beside the harness' models): one line on stderr, exit status 1."""
+    module registers ``nats`` once, beside the harness' models), offline by its own default (neither variable set):
+    one line on stderr, exit status 1."""
     cmd = [sys.executable, "-m", "nats.lm_eval", "--model", "nats", "--model_args", f"pretrained={tiny}",
            "--tasks", "hellaswag", "--device", "cpu"]  # fmt: skip
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 1, res.stderr[-3000:]
     message = res.stderr.strip().splitlines()[-1]
     assert message.startswith("nats.lm_eval: task 'hellaswag' needs the dataset 'Rowan/hellaswag' from the Hugging"), (
