@@ -35,8 +35,11 @@ in_version() {
   [ "$1" = base ] && tree=$BASE
   links=$(mktemp -d)
   ln -s "$tree/kernels" "$links/nats_kernels"
-  PYTHONPATH=$tree:$links${PYTHONPATH:+:$PYTHONPATH} timeout "$2" python3 "${@:4}" >"$3" 2>&1 ||
-    echo "($(basename "$3" .log) stopped: exit $?)"
+  local rc=0
+  PYTHONPATH=$tree:$links${PYTHONPATH:+:$PYTHONPATH} timeout "$2" python3 "${@:4}" >"$3" 2>&1 || rc=$?
+  local why="exit $rc"
+  [ "$rc" = 124 ] && why="past its $2 s"
+  [ "$rc" = 0 ] || echo "($(basename "$3" .log) stopped: $why)"
 }
 for stage in $stages; do
   t0=$(date +%s)
