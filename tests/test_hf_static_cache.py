@@ -93,6 +93,20 @@ def test_left_padded_batch_equals_each_prompt_alone(policy, kw, track):
     assert int(kept.max()) <= 26 + NEW - 1
 
 
+def test_left_padded_h2o_rows_take_the_batch_largest_budget():
+    # a fraction budget resolves per sequence (13 and 20 tokens here); H2O's rows share one width, the largest
+    model = nats_model()
+    p1, p2 = ids(n=26, b=1, seed=3), ids(n=40, b=1, seed=4)
+    alone = [
+        greedy(model, p, StaticPolicyCache(model, "h2o", budget=20, max_new_tokens=NEW, max_len=64)) for p in (p1, p2)
+    ]
+    pad = torch.zeros(1, 14, dtype=torch.long)
+    batch = torch.cat([torch.cat([pad, p1], 1), p2])
+    mask = torch.cat([torch.cat([pad, torch.ones_like(p1)], 1), torch.ones_like(p2)])
+    out = greedy(model, batch, StaticPolicyCache(model, "h2o", budget=0.5, max_new_tokens=NEW, max_len=64), mask=mask)
+    assert torch.equal(out[0, 40:], alone[0][0, 26:]) and torch.equal(out[1, 40:], alone[1][0, 40:])
+
+
 def test_sampled_decoding_runs_and_right_padding_is_refused():
     model = nats_model()
     prompt = ids(n=PROMPT, b=2)

@@ -245,7 +245,8 @@ class EngineCache:
         Hkv = k.shape[1]
         whole = PromptState(torch.zeros_like(q))
         for rows, p in groups:
-            bb = None if self._budgets is None else max(self._budgets_host[rows])
+            shared = slice(None) if self.rule.shared_budget else rows  # the batch's rows, or the sequence's
+            bb = None if self._budgets is None else max(self._budgets_host[shared])
             x = None if hidden is None else hidden[rows, p:]
             part = self.rule.prompt(layer.context, core, q[rows, :, p:], k[rows, :, p:], v[rows, :, p:], x, bb,
                                     offset=p)  # fmt: skip

@@ -102,6 +102,9 @@ class FixedRule:
     # wave of programs in equal shares, so a row that holds more keys takes more programs
     # (`nats_kernels.nats_attention.pool_decode`; `attend`'s ``even``)
     even_rows = False
+    # the rows of one batch take its largest budget (H2O: its per-row buffers are one width); otherwise a left-padded
+    # batch's rows each take their own (a fraction budget resolved per sequence), as each prompt alone would
+    shared_budget = False
 
     def check_budget(self, budget: int | None, n: int) -> None:
         """Raise a clear ValueError unless `budget` suits a sequence of `n` tokens and the rule's options (budgeted

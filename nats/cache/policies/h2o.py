@@ -103,6 +103,7 @@ class H2ORule(FixedRule):
 
     name = "h2o"
     budgeted = True
+    shared_budget = True
 
     def __init__(self, *, recent: int | None = None, **unused):
         self.recent = recent  # as given: checked with the budget (check_budget)
