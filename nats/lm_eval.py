@@ -91,10 +91,6 @@ NATS_ARGS = (
 )
 #: ``pretrained=smollm2``: the default model of conf/hf_model
 ALIASES = {"smollm2": "smollm2_135m"}
-#: policies whose left-padded batch must share one budget in tokens: `nats.cache.engine_cache.EngineCache`'s padded
-#: prefill joins H2O's per-row buffers, sized by each row's budget (rows of different budgets: a torch.cat error), so a
-#: fractional budget is resolved here and the rows of one budget run together
-ROW_BUDGETS = ("h2o",)
 
 
 class NAtSLM(HFLM):
@@ -264,8 +260,8 @@ class NAtSLM(HFLM):
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         """The harness' ``model.generate`` call (stop sequences, sampling settings) through a fresh cache of the
-        policy for the batch ``context`` (left-padded: ``attention_mask``); rows whose budgets the engine cannot
-        batch (`ROW_BUDGETS`) in one call per budget."""
+        policy for the batch ``context`` (left-padded: ``attention_mask``); a policy whose rows share a batch's budget
+        (`_row_budget`) in one call per budget."""
         mask = generation_kwargs.get("attention_mask")
         lengths = mask.sum(-1).tolist() if mask is not None else [context.shape[1]] * context.shape[0]
         self._check_budget(self.budget, lengths, "prompt")
@@ -371,11 +367,12 @@ class NAtSLM(HFLM):
 
     def _row_budget(self, n: int):
         """The budget of a row whose prompt has ``n`` tokens, as a batch passes it to the cache: the setting (a
-        fraction is resolved by the cache, per row), or, for the policies of `ROW_BUDGETS`, the fraction resolved
-        (rows of one batch then share it)."""
+        fraction is resolved by the cache, per row), or, where the policy's rows of one batch share its largest budget
+        (`nats.cache.rule.FixedRule.shared_budget`: H2O), the fraction resolved here, so that the rows of one budget
+        run together and a request's score does not depend on the requests batched with it."""
         from nats.cache.budget import resolve_budget
 
-        if isinstance(self.budget, float) and self.policy_cls.name in ROW_BUDGETS:
+        if isinstance(self.budget, float) and self.policy_cls.shared_budget:
             return resolve_budget(self.budget, n)
         return self.budget
 
