@@ -34,7 +34,16 @@ from nats.hf import StaticPolicyCache, attach_nats, is_attached, nats_state_dict
 from nats.hf.compat import cache_kwargs  # noqa: E402
 from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+# at module level: importing kvpress wraps the attention functions registered by then, "nats" among them (a TypeError in
+# every NAtS attention call afterwards, nats/kvpress.py says why), and nats.kvpress puts "nats" back; a test process
+# (each pytest-xdist worker) imports every test module before it runs a test, so the whole suite runs with it back
+from nats.kvpress import NAtSPress  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),  # conftest.py
+    # kvpress' pipeline passes the cache as past_key_values, which transformers 5.24 takes with this warning
+    pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+]
 WINDOW, NEW = 8, 12  # NAtS' window; the tokens generated per example
 
 
@@ -60,7 +69,6 @@ def setup(pretrained):
     from kvpress import KVPressTextGenerationPipeline
 
     from nats.data.longctx.tasks import build_examples, question_start
-    from nats.kvpress import NAtSPress
 
     tok = transformers.AutoTokenizer.from_pretrained(pretrained)
     model = transformers.AutoModelForCausalLM.from_pretrained(pretrained).eval()
@@ -180,7 +188,6 @@ def test_an_adapter_folder_is_the_same_press(pretrained, setup, press_runs, tmp_
     from kvpress import KVPressTextGenerationPipeline
 
     from nats.hf.adapter_export import export_nats_adapter
-    from nats.kvpress import NAtSPress
 
     _, _, _, examples = setup
     adapter = export_nats_adapter(pretrained / "finetune_run", tmp_path / "adapter")
@@ -211,8 +218,6 @@ def _other_scorers(folder: Path, **sizes) -> Path:
 def test_scorers_of_another_model_are_refused_in_one_line(pretrained, setup, tmp_path, sizes, match):
     from kvpress import KVPressTextGenerationPipeline
 
-    from nats.kvpress import NAtSPress
-
     _, _, _, examples = setup
     tok = transformers.AutoTokenizer.from_pretrained(pretrained)
     model = transformers.AutoModelForCausalLM.from_pretrained(pretrained).eval()
@@ -231,7 +236,6 @@ def test_an_adapter_folder_of_another_model_is_refused_in_one_line(pretrained, s
     from kvpress import KVPressTextGenerationPipeline
 
     from nats.hf.adapter_export import export_nats_adapter
-    from nats.kvpress import NAtSPress
 
     _, _, _, examples = setup
     adapter = export_nats_adapter(pretrained / "finetune_run", tmp_path / "adapter")
