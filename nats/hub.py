@@ -194,7 +194,19 @@ model = PretrainedGPT.from_pretrained("<this folder or hub id>")
 
 Decode text with any KV-cache policy: `nats-generate model_dir=<this folder or hub id> prompt="..." policy=h2o
 budget=64`.
-"""
+{% if trained %}
+## What it keeps
+
+{{ trained }}
+{% endif %}{% if evaluation %}
+## Evaluation
+
+| method | test perplexity | KV area | KV peak |
+|---|---:|---:|---:|
+{% for r in evaluation %}| {{ r.label }} | {{ r.ppl }} | {{ r.area }} | {{ r.peak }} |
+{% endfor %}
+{{ evaluation_source }}
+{% endif %}"""
 
 
 class PretrainedGPT(
@@ -335,9 +347,50 @@ def load_checkpoint(path: str | os.PathLike | None, key: str | None = None) -> P
 
 def export_checkpoint(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, **kwargs: Any) -> Path:
     """Write the model of a nats-train checkpoint to `out_dir` in the save_pretrained format; returns out_dir.
-    (The optimizer state, schedule and data position stay in the checkpoint: resume training from that.)"""
+    (The optimizer state, schedule and data position stay in the checkpoint: resume training from that.) The card
+    states what the run recorded beside the checkpoint (`card_facts`)."""
     model = load_checkpoint(ckpt_path)
+    facts = card_facts(ckpt_path)
+    if facts:
+        kwargs["model_card_kwargs"] = {**facts, **kwargs.get("model_card_kwargs", {})}
     return save_pretrained(model, out_dir, **kwargs)
+
+
+def card_facts(ckpt_path: str | os.PathLike) -> dict[str, Any]:
+    """What the run folder of a nats-train checkpoint (``<run>/checkpoints/*.ckpt``, or a file in ``<run>``) says of
+    the model, for its card: ``trained`` (a sentence: steps, tokens, final validation perplexity and, for NAtS,
+    the KV kept: area and peak; from ``metrics.json``) and ``evaluation`` (the rows of the run's nats-eval results,
+    ``eval_*/results.json``, written by ``callbacks/eval_after``). Empty where the run recorded neither."""
+    from nats.runs import read_metrics
+
+    path = Path(ckpt_path)
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    facts: dict[str, Any] = {}
+    record = read_metrics(run) or {}
+    metrics = record.get("metrics", {})
+    if metrics:
+        tokens = record.get("tokens_seen")
+        parts = [
+            f"{record.get('global_step', '?')} steps" + (f" ({tokens:,} tokens)" if isinstance(tokens, int) else "")
+        ]
+        if "val/ppl" in metrics:
+            parts.append(f"validation perplexity {metrics['val/ppl']:.3f}")
+        if "val/density" in metrics:
+            peak = f", peak {metrics['val/peak']:.4f}" if "val/peak" in metrics else ""
+            parts.append(f"KV kept {metrics['val/density']:.4f} of the full cache (area{peak}) at validation")
+        facts["trained"] = "Trained " + "; ".join(parts) + " (the run's `metrics.json`)."
+    rows, sources = [], []
+    for results in sorted(run.glob("eval_*/results.json")):
+        report = json.loads(results.read_text())
+        rows += [r for r in report.get("results", []) if {"ppl", "area", "peak"} <= r.keys()]
+        sources.append(results.parent.name)
+    if rows:
+        facts["evaluation"] = [
+            {"label": r.get("label", r.get("method", "?")), "ppl": f"{r['ppl']:.3f}", "area": f"{r['area']:.4f}",
+             "peak": f"{r['peak']:.4f}"} for r in rows
+        ]  # fmt: skip
+        facts["evaluation_source"] = f"From the run's nats-eval results ({', '.join(sources)}/results.json)."
+    return facts
 
 
 def load_model(path: str | os.PathLike, map_location: Any = "cpu") -> PretrainedGPT:

@@ -5,6 +5,7 @@ checkpoint to that folder; clear errors."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,25 @@ def test_checkpoint_export_equals_the_trained_module(nats_ckpt, tmp_path):
     assert_same_model(lit.model, from_pretrained(folder))
     assert_same_model(lit.model, load_model(nats_ckpt))  # a .ckpt file, read directly
     assert_same_model(lit.model, load_model(folder))
+
+
+def test_card_states_what_the_run_kept_and_its_evaluation(nats_ckpt, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    shutil.copy(nats_ckpt, ckpt)
+    plain = (export_checkpoint(ckpt, tmp_path / "plain") / "README.md").read_text()
+    assert "What it keeps" not in plain and "## Evaluation" not in plain  # the run recorded neither
+    metrics = {"val/loss": 5.0, "val/ppl": 148.41, "val/density": 0.0785, "val/peak": 0.0662}
+    (run / "metrics.json").write_text(json.dumps({"metrics": metrics, "global_step": 4, "tokens_seen": 2048}))
+    (run / "eval_test").mkdir()
+    rows = [{"method": "nats", "label": "NAtS cache", "ppl": 150.123, "area": 0.0791, "peak": 0.0671, "per_head": {}}]
+    (run / "eval_test" / "results.json").write_text(json.dumps({"results": rows}))
+    card = (export_checkpoint(ckpt, tmp_path / "card") / "README.md").read_text()
+    assert "Trained 4 steps (2,048 tokens); validation perplexity 148.410; KV kept 0.0785" in card
+    assert "(area, peak 0.0662)" in card
+    assert "| NAtS cache | 150.123 | 0.0791 | 0.0671 |" in card and "eval_test/results.json" in card
+    assert_same_model(from_pretrained(tmp_path / "card"), from_pretrained(tmp_path / "plain"))
 
 
 def test_export_cli(nats_ckpt, tmp_path, capsys):
