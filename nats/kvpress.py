@@ -82,6 +82,7 @@ __all__ = ["ATTENTION", "NAtSPress", "held"]
 #: the name of the press's attention function in transformers' registry (selected inside ``with press(model)``)
 ATTENTION = "nats_kvpress"
 _PRESS = "_nats_kvpress"  # the attribute of an attention module that points to the press running it
+_LOADED = "_nats_kvpress_scorers"  # the attribute of a model: the scorers (and window) a press loaded into it
 _RULE = NAtSRule()
 
 
@@ -129,7 +130,6 @@ class NAtSPress(PrefillDecodingPress):
     window: int | None = None
     prefill_kernel: str = "auto"
     _layers: dict[int, _Layer] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _loaded: Any = field(default=None, init=False, repr=False, compare=False)  # the model it attached scorers to
 
     def __post_init__(self):
         if self.prefilling_press is not None or self.decoding_press is not None:
@@ -147,14 +147,15 @@ class NAtSPress(PrefillDecodingPress):
         calls it before it selects the press's attention; kvpress' own call, inside, finds it done)."""
         if model.config._attn_implementation == ATTENTION:
             return
-        if self.scorers is not None and self._loaded is not model:
+        loaded = None if self.scorers is None else (str(self.scorers), self.window)
+        if loaded is not None and not (is_attached(model) and getattr(model, _LOADED, None) == loaded):  # once
             if is_attached(model):
                 raise ValueError(
-                    "NAtSPress: this model has NAtS scorers attached already; use NAtSPress() without scorers= "
-                    "(or a model without them)"
+                    f"NAtSPress: this model has other NAtS scorers attached already than scorers={self.scorers}; use "
+                    "NAtSPress() without scorers= (or a model without them)"
                 )
             self._load(model)
-            self._loaded = model
+            setattr(model, _LOADED, loaded)
         if not is_attached(model):
             raise ValueError(
                 "NAtSPress needs NAtS scorers: NAtSPress(scorers=<run>/scorers.pt or an adapter folder), or a model "

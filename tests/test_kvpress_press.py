@@ -161,12 +161,14 @@ def test_dense_attention_answers_otherwise(setup, press_runs):
     assert max(float((ours["logits"] - d).abs().max()) for ours, d in zip(press_runs, dense)) > 1e-2
 
 
-def test_kvpress_cache_holds_what_some_head_keeps(setup, press_runs):
+def test_kvpress_cache_holds_what_some_head_keeps(pretrained, setup, press_runs):
     """After a prefill under the press, kvpress' DynamicCache holds, per layer, the positions some KV head keeps: fewer
-    than the prompt, at least the fullest head's (the others' extra positions are masked in their attention)."""
+    than the prompt, at least the fullest head's (the others' extra positions are masked in their attention). A new
+    press of the same scorers takes the model as the first one left it (a press per call)."""
     from transformers import DynamicCache
 
-    model, pipe, press, examples = setup
+    model, pipe, _, examples = setup
+    press = NAtSPress(scorers=pretrained / "finetune_run" / "scorers.pt")
     inputs = pipe.preprocess(examples[0][0], questions=[""], answer_prefix="", max_context_length=10**9)
     ids = inputs["context_ids"]
     cache = DynamicCache()
