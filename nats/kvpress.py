@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from nats.cache.engine import chunk_attention
 from nats.cache.policies.nats import SLIDING, NAtSRule, kept_after_prompt
 from nats.cache.rule import RuleContext
-from nats.hf.attention import rescaled
+from nats.hf.attention import _check_mask, rescaled
 from nats.hf.compat import cache_from_kwargs
 from nats.hf.hooks import _decoder_layers, routed_cores
 from nats.hf.scorers import detach_nats, is_attached, nats_state_dict
@@ -311,6 +311,10 @@ def press_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
         raise RuntimeError(f"attention {ATTENTION!r} runs only inside `with NAtSPress()(model)` (kvpress' pipeline)")
     if dropout:
         raise NotImplementedError("NAtSPress: attention dropout is not supported (model.eval())")
+    # the prompt: one unpadded sequence per row (kvpress' pipeline); later, transformers builds one mask for every layer
+    # from layer 0's cache length while each layer holds its own number of keys: the press builds the rows itself
+    if query.shape[2] == key.shape[2]:
+        _check_mask(attention_mask, query.shape[2], key.shape[2])
     return press.attend(module, query, key, value, scaling), None
 
 
