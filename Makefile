@@ -44,6 +44,9 @@ $(STAMP): pyproject.toml
 	@$(BIN)/pip uninstall -q -y nats 2>/dev/null || true
 	@echo "set-up: installing nats-attention (editable) and its dependencies into $(VENV) ..."
 	@$(BIN)/pip install -q -e ".[dev]"
+	@# kvpress for NAtS' press (nats.kvpress, tests/test_kvpress_press.py) without its dependencies: kvpress 0.5.5 pins
+	@# transformers < 5.3, the press runs on the 5.24 the dev extra resolves (what kvpress imports is in the dev extra)
+	@$(BIN)/pip install -q --no-deps "kvpress==0.5.5"
 	@touch $(STAMP)
 	@echo "set-up done: $(VENV) with torch $$($(BIN)/python -c 'import torch; print(torch.__version__)')"
 

@@ -321,16 +321,7 @@ def press_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
 def _register() -> None:
     from transformers import AttentionInterface  # noqa: PLC0415
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: PLC0415
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
 
-    from nats.hf import attention  # noqa: PLC0415
-
-    # kvpress' import wraps every attention function registered by then (its head-wise masks,
-    # kvpress/attention_patch.py: ALL_ATTENTION_FUNCTIONS[name] = wrapper) and calls the wrapped one with ``dropout`` as
-    # the sixth positional argument, which is `nats_attention_forward`'s ``scaling``: a TypeError in every "nats"
-    # attention call (the NAtS cache's included) once kvpress is imported after nats.hf. "nats" is set back to the
-    # project's function (kvpress' own presses run on SDPA: nats.finetune.kvpress_methods.plain_attention)
-    ALL_ATTENTION_FUNCTIONS[attention.ATTN_IMPLEMENTATION] = attention.nats_attention_forward
     AttentionInterface.register(ATTENTION, press_attention_forward)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # transformers builds a mask per implementation (unused)
 

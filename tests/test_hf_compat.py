@@ -74,3 +74,15 @@ def test_update_cache_calls_update_as_each_release_does():
     assert update_cache(Recorder(), "k", "v", 3, kwargs, "cos", "sin", new_style=True) == ("k", "v")
     update_cache(Recorder(), "k", "v", 3, kwargs, "cos", "sin", new_style=False)
     assert calls == [(3, (), {"kwargs": kwargs}), (3, ({"sin": "sin", "cos": "cos", "cache_position": "pos"},), {})]
+
+
+def test_attention_functions_take_transformers_argument_order():
+    # wrappers of registered attention functions (kvpress' head-wise masks) pass dropout and scaling by position
+    import inspect
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from nats.hf.attention import nats_attention_forward
+
+    order = list(inspect.signature(sdpa_attention_forward).parameters)[:7]
+    assert list(inspect.signature(nats_attention_forward).parameters)[:7] == order

@@ -20,9 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 kvpress = pytest.importorskip("kvpress")
+if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 3):
+    pytest.skip(
+        "kvpress 0.5.5's presses need transformers < 5.3 (their hook reads the attention's past_key_values and "
+        "cache_position, which 5.24 passes as cache and not at all): run this file in the kvpress environment "
+        "(docs/kvpress.md); NAtS' own press (tests/test_kvpress_press.py) runs here",
+        allow_module_level=True,
+    )
 
 from helpers import eval_hf_config  # noqa: E402
 from nats.finetune import evaluate as E  # noqa: E402

@@ -62,11 +62,13 @@ def nats_attention_forward(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
     dropout: float = 0.0,
+    scaling: float | None = None,
     **kwargs,
 ):
-    """transformers attention function (registered as ``"nats"``); returns ``(out [B, N, Hq, D], None)``."""
+    """transformers attention function (registered as ``"nats"``; its arguments in the order of transformers' own,
+    e.g. ``sdpa_attention_forward``, for wrappers that pass them by position, as kvpress' head-wise masks do);
+    returns ``(out [B, N, Hq, D], None)``."""
     core = getattr(module, "nats_scorer", None)
     hidden = getattr(module, "_nats_hidden", None)
     cache = getattr(module, "_nats_cache", None)
