@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness model ``nats`` (nats/lm_eval.py) on the tiny random Llama of the HF tests, with three
+"""The lm-evaluation-harness model ``nats`` (nats/lm_eval/) on the tiny random Llama of the HF tests, with three
 local tasks written here (a jsonl file, task YAMLs; no hub): multiple choice (loglikelihood, acc), generate_until
 (exact_match, chrF) and loglikelihood_rolling (word perplexity, several windows).
 

@@ -30,7 +30,7 @@ batch; KV area; NAtS' global / local / sliding shares) is logged after each requ
 results' ``config["nats"]`` (`NAtSLM.get_model_info`).
 
 lm-eval 0.4.13 finds a model only among its own (``lm_eval.models``) or classes registered by a module that is
-imported: it has no plugin entry point for models. ``python -m nats.lm_eval`` (`nats.lm_eval_cli`) is therefore
+imported: it has no plugin entry point for models. ``python -m nats.lm_eval`` (`nats/lm_eval/__main__.py`) is therefore
 the harness' own command line with ``nats`` registered, offline by default (``HF_DATASETS_OFFLINE=1``,
 ``HF_HUB_OFFLINE=1`` unless set), a task whose data is not on this machine refused in one line; from Python,
 ``import nats.lm_eval`` and then ``lm_eval.simple_evaluate(model="nats", ...)``.
@@ -55,7 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("nats.lm_eval")  # the package's name, what users filter on
 
 PROGRAM = "nats.lm_eval"  # python -m nats.lm_eval (not a console script: those are Hydra apps, tests/test_cli.py)
 #: HFLM's arguments that apply to a model nats loads (the others load or place a model: refused, with this list)
@@ -554,9 +554,3 @@ def _quiet_preloaded():
         yield
     finally:
         logger.removeFilter(drop)
-
-
-if __name__ == "__main__":  # python -m nats.lm_eval: the command line (nats.lm_eval_cli), the model registered
-    from nats.lm_eval_cli import main
-
-    main()

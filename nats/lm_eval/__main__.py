@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from nats.lm_eval import PROGRAM  # registers the model
+from nats.lm_eval.model import PROGRAM  # registers the model
 
 
 @contextlib.contextmanager
@@ -116,3 +116,7 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(f"{PROGRAM}: {message}")
     finally:
         sys.argv = saved
+
+
+if __name__ == "__main__":
+    main()
