@@ -1,5 +1,5 @@
 """What several test files share besides conftest's fixtures: `nats-train` run as a user runs it, the overrides of
-the tiny GPT those runs train, and the config of a quick `nats-eval-hf` run."""
+the tiny GPT those runs train, the config of a quick `nats-eval-hf` run and the scorers of a fine-tuning run."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 NATS_TRAIN = str(Path(sys.executable).parent / "nats-train")
 # the tiny GPT of the command-line runs: overrides of the model's sizes
@@ -50,3 +51,25 @@ def interrupt_text_dir_prepare(monkeypatch, split: str = "test"):
 
     monkeypatch.setattr(S.TextDirSource, "documents", failing)
     return real
+
+
+def tiny_model_and_scorers(root: Path, window: int, **model: Any) -> Path:
+    """The tiny random Llama in the transformers layout in ``root`` (`nats.hf.pretrained.save_tiny_random_llama`,
+    ``model`` its options) and a "fine-tuning run" beside it (``root/finetune_run``): random NAtS scorers
+    (``scorers.pt``, std 0.5, so that the types vary) and its ``nats_stats.json`` naming the window, as nats-eval-hf's
+    ``scorers=`` reads them (a ``.hydra`` folder too, as nats-train leaves it). Returns ``root``."""
+    import json
+
+    import torch
+    import transformers
+
+    from nats.hf import attach_nats, nats_state_dict
+    from nats.hf.pretrained import save_tiny_random_llama
+
+    save_tiny_random_llama(root, **model)
+    run = root / "finetune_run"
+    (run / ".hydra").mkdir(parents=True)
+    scored = attach_nats(transformers.AutoModelForCausalLM.from_pretrained(root), window=window, init_std=0.5)
+    torch.save(nats_state_dict(scored), run / "scorers.pt")
+    (run / "nats_stats.json").write_text(json.dumps({"window": window}))
+    return root

@@ -18,11 +18,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from helpers import eval_hf_config  # noqa: E402
+from helpers import eval_hf_config, tiny_model_and_scorers  # noqa: E402
 from nats.data.longctx import LongContextExample  # noqa: E402
 from nats.finetune import evaluate as E  # noqa: E402
-from nats.hf import attach_nats, nats_state_dict  # noqa: E402
-from nats.hf.pretrained import read_scorers, save_tiny_random_llama  # noqa: E402
+from nats.hf import attach_nats  # noqa: E402
+from nats.hf.pretrained import read_scorers  # noqa: E402
 
 WINDOW, BUDGET = 8, 0.25
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -31,15 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
     """A random 2-layer Llama (vocabulary 1024) and a byte-level BPE tokenizer, in the transformers layout."""
-    root = tmp_path_factory.mktemp("tiny_llama")
-    save_tiny_random_llama(root)
-    # the scorers of a "fine-tuning run": random weights, and its nats_stats.json naming the window
-    run = root / "finetune_run"
-    run.mkdir()
-    model = attach_nats(transformers.AutoModelForCausalLM.from_pretrained(root), window=WINDOW, init_std=0.5)
-    torch.save(nats_state_dict(model), run / "scorers.pt")
-    (run / "nats_stats.json").write_text(json.dumps({"window": WINDOW}))
-    return root
+    return tiny_model_and_scorers(tmp_path_factory.mktemp("tiny_llama"), WINDOW)  # and a run's random scorers
 
 
 def eval_cfg(pretrained: Path, out: Path, *extra: str):

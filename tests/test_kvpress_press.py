@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("kvpress")
 
+from helpers import tiny_model_and_scorers  # noqa: E402
 from nats.finetune import evaluate as E  # noqa: E402
 from nats.finetune.kvpress_methods import plain_attention  # noqa: E402
 from nats.hf import StaticPolicyCache, attach_nats, is_attached, nats_state_dict  # noqa: E402
@@ -51,14 +52,9 @@ WINDOW, NEW = 8, 12  # NAtS' window; the tokens generated per example
 def pretrained(tmp_path_factory) -> Path:
     """The tiny model (ChatML tokenizer) and the scorers of a "fine-tuning run" (random weights, W in its
     nats_stats.json), as nats-eval-hf reads them."""
-    root = tmp_path_factory.mktemp("tiny_llama_press")
-    save_tiny_random_llama(root, chat=True)
-    run = root / "finetune_run"
-    (run / ".hydra").mkdir(parents=True)
-    model = attach_nats(transformers.AutoModelForCausalLM.from_pretrained(root), window=WINDOW, init_std=0.5)
-    torch.save(nats_state_dict(model), run / "scorers.pt")
-    (run / "nats_stats.json").write_text(json.dumps({"window": WINDOW}))
-    (run / ".hydra" / "config.yaml").write_text(f"hf_model:\n  name_or_path: {root}\nmodule:\n  window: {WINDOW}\n")
+    root = tiny_model_and_scorers(tmp_path_factory.mktemp("tiny_llama_press"), WINDOW, chat=True)
+    config = f"hf_model:\n  name_or_path: {root}\nmodule:\n  window: {WINDOW}\n"
+    (root / "finetune_run" / ".hydra" / "config.yaml").write_text(config)
     return root
 
 

@@ -29,8 +29,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 import nats.lm_eval as NL  # noqa: E402
 from conftest import REPO  # noqa: E402
-from nats.hf import attach_nats, nats_state_dict  # noqa: E402
-from nats.hf.pretrained import save_tiny_random_llama  # noqa: E402
+from helpers import tiny_model_and_scorers  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 TASKS = ["nats_mc", "nats_gen", "nats_ppl"]
@@ -50,14 +49,7 @@ def offline():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     """The tiny random Llama in the transformers layout and random NAtS scorers beside it (finetune_run/)."""
-    root = tmp_path_factory.mktemp("tiny_llama")
-    save_tiny_random_llama(root)
-    run = root / "finetune_run"
-    run.mkdir()
-    model = attach_nats(transformers.AutoModelForCausalLM.from_pretrained(root), window=WINDOW, init_std=0.5)
-    torch.save(nats_state_dict(model), run / "scorers.pt")
-    (run / "nats_stats.json").write_text(json.dumps({"window": WINDOW}))
-    return root
+    return tiny_model_and_scorers(tmp_path_factory.mktemp("tiny_llama"), WINDOW)
 
 
 @pytest.fixture(scope="module")
