@@ -201,9 +201,9 @@ budget=64`.
 {% endif %}{% if evaluation %}
 ## Evaluation
 
-| method | test perplexity | KV area | KV peak |
-|---|---:|---:|---:|
-{% for r in evaluation %}| {{ r.label }} | {{ r.ppl }} | {{ r.area }} | {{ r.peak }} |
+| split | method | perplexity | KV area | KV peak |
+|---|---|---:|---:|---:|
+{% for r in evaluation %}| {{ r.split }} | {{ r.label }} | {{ r.ppl }} | {{ r.area }} | {{ r.peak }} |
 {% endfor %}
 {{ evaluation_source }}
 {% endif %}"""
@@ -382,14 +382,15 @@ def card_facts(ckpt_path: str | os.PathLike) -> dict[str, Any]:
     rows, sources = [], []
     for results in sorted(run.glob("eval_*/results.json")):
         report = json.loads(results.read_text())
-        rows += [r for r in report.get("results", []) if {"ppl", "area", "peak"} <= r.keys()]
-        sources.append(results.parent.name)
+        split = report.get("split") or results.parent.name.removeprefix("eval_")
+        rows += [{"split": split, **r} for r in report.get("results", []) if {"ppl", "area", "peak"} <= r.keys()]
+        sources.append(f"{results.parent.name}/results.json")
     if rows:
         facts["evaluation"] = [
-            {"label": r.get("label", r.get("method", "?")), "ppl": f"{r['ppl']:.3f}", "area": f"{r['area']:.4f}",
-             "peak": f"{r['peak']:.4f}"} for r in rows
+            {"split": r["split"], "label": r.get("label", r.get("method", "?")), "ppl": f"{r['ppl']:.3f}",
+             "area": f"{r['area']:.4f}", "peak": f"{r['peak']:.4f}"} for r in rows
         ]  # fmt: skip
-        facts["evaluation_source"] = f"From the run's nats-eval results ({', '.join(sources)}/results.json)."
+        facts["evaluation_source"] = f"From the run's nats-eval results ({', '.join(sources)})."
     return facts
 
 

@@ -138,7 +138,7 @@ def test_card_states_what_the_run_kept_and_its_evaluation(nats_ckpt, tmp_path):
     card = (export_checkpoint(ckpt, tmp_path / "card") / "README.md").read_text()
     assert "Trained 4 steps (2,048 tokens); validation perplexity 148.410; KV kept 0.0785" in card
     assert "(area, peak 0.0662)" in card
-    assert "| NAtS cache | 150.123 | 0.0791 | 0.0671 |" in card and "eval_test/results.json" in card
+    assert "| test | NAtS cache | 150.123 | 0.0791 | 0.0671 |" in card and "eval_test/results.json" in card
     assert_same_model(from_pretrained(tmp_path / "card"), from_pretrained(tmp_path / "plain"))
 
 
