@@ -343,11 +343,15 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
     make_cache = cache_maker(model, method, P, n_new, kept, B, **serving)
     skips0 = cudagraph_skips()
     projections(model, method, args)
+    row = f"bench_hf_decode: {method}, prompt {P}, batch {B}"
     with attention_of(model, method):
         # warm-up: compiled, autotuned, CUDA graphs recorded
+        t0 = time.perf_counter()
+        print(f"{row}: warm-up (compiles the decode step, tunes the kernels)", flush=True)
         generate(model, prompt, make_cache(), min(n_new, 4), method=method, inductor=args.inductor)
         generate(model, prompt, make_cache(), min(n_new, 4), method=method, inductor=args.inductor)
         sync(device)
+        print(f"{row}: warm-up done in {time.perf_counter() - t0:.1f} s", flush=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         g0, r0 = compiled_graphs(), cudagraph_recordings()
@@ -361,6 +365,7 @@ def run(model, method: str, prompt: torch.Tensor, args, device, kept: float | No
             )
             prefills.append(prefill_s)
             decodes.append(decode_s)
+            print(f"{row}: request {len(decodes)}: prefill {prefill_s:.3f} s, decode {decode_s:.3f} s", flush=True)
         new_graphs, recorded = compiled_graphs() - g0, cudagraph_recordings() - r0
     prefill_s = statistics.median(prefills)
     decode_s = statistics.median(decodes)
