@@ -13,6 +13,7 @@ from torch import nn
 
 from nats.attention.dms import DMSAttention
 from nats.hf.hooks import SCORER_NAME, _check_supported, _decoder_layers, attach_hooks, layer_dims
+from nats.hf.scorers import is_attached
 
 __all__ = ["attach_dms"]
 
@@ -22,9 +23,7 @@ def attach_dms(model: nn.Module, window: int = 256, **options: Any) -> nn.Module
     eviction delay, ``options`` the rest of `nats.attention.dms.DMSAttention`'s arguments (``target_cr``,
     ``dms_lambda``, ``tau``, ``alpha_scale``, ``alpha_offset``, ``backend``). Undo with `nats.hf.detach_nats`."""
     _check_supported(model, "attach_dms")
-    if getattr(model, "_nats_hf", None) is not None and any(
-        hasattr(layer.self_attn, SCORER_NAME) for layer in _decoder_layers(model)
-    ):
+    if is_attached(model):
         raise ValueError("nats.hf.attach_dms: NAtS or DMS is attached to this model already (detach_nats first)")
     attach_hooks(model)
     ref = next(model.parameters())

@@ -286,17 +286,18 @@ def read_scorers(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int 
     return obj, window
 
 
-def run_window(path: Path) -> int | None:
-    """The window W of the fine-tuning run that wrote `path`: its nats_stats.json or .hydra/config.yaml."""
+def run_window(path: Path, stats: str = "nats_stats.json") -> int | None:
+    """The window W of the fine-tuning run that wrote `path` (for DMS' retrofit, ``stats="dms_stats.json"``: its
+    eviction delay): its ``stats`` file where that names it, else its .hydra/config.yaml."""
     from omegaconf import OmegaConf
 
-    stats = path.parent / "nats_stats.json"
-    if stats.is_file():
-        return json.loads(stats.read_text()).get("window")
+    window = None
+    if (path.parent / stats).is_file():
+        window = json.loads((path.parent / stats).read_text()).get("window")
     config = path.parent / ".hydra" / "config.yaml"
-    if config.is_file():
-        return OmegaConf.select(OmegaConf.load(config), "module.window")
-    return None
+    if window is None and config.is_file():
+        window = OmegaConf.select(OmegaConf.load(config), "module.window")
+    return window
 
 
 def check_dms(cfg: DictConfig) -> None:
@@ -325,7 +326,6 @@ def read_dms(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int | No
     """``(q_proj weights by their keys in the model, the eviction delay w or None)`` of a DMS retrofit's
     ``dms_q_proj.pt`` (`nats.finetune.dms.LitDMSDistill`); w from its ``dms_stats.json`` or .hydra/config.yaml."""
     import torch
-    from omegaconf import OmegaConf
 
     path = check_dms_path(path)
     try:
@@ -334,11 +334,7 @@ def read_dms(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int | No
         raise ValueError(f"dms={path} is not a readable torch file ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict) or not state or not all(".q_proj." in k for k in state):
         raise ValueError(f"dms={path} holds no query projection weights (keys '...q_proj...'): not a dms_q_proj.pt")
-    stats, config = path.parent / "dms_stats.json", path.parent / ".hydra" / "config.yaml"
-    window = json.loads(stats.read_text()).get("window") if stats.is_file() else None
-    if window is None and config.is_file():
-        window = OmegaConf.select(OmegaConf.load(config), "module.window")
-    return state, window
+    return state, run_window(path, "dms_stats.json")
 
 
 def _prepare_dms(cfg: DictConfig, model: Any) -> int:

@@ -49,7 +49,7 @@ class HFNAtSScorer(NAtSAttention):
 
 
 def is_attached(model: nn.Module) -> bool:
-    """NAtS scorers are attached (`attach_nats`)."""
+    """NAtS scorers (`attach_nats`) or DMS cores (`nats.hf.attach_dms`) are attached: the model has a window."""
     state = getattr(model, "_nats_hf", None)
     return state is not None and state.get("window") is not None
 
