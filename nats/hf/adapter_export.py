@@ -24,7 +24,7 @@ def export_nats_adapter(run: str | Path, out: str | Path, evaluation: str | Path
     from transformers import AutoConfig
 
     from nats.hf.pretrained import read_scorers, resolve_pretrained, run_window
-    from nats.utils import atomic_write
+    from nats.utils import atomic_path, atomic_write
 
     run, out = Path(run), Path(out)
     state, window = read_scorers(run / "scorers.pt")
@@ -65,9 +65,8 @@ def export_nats_adapter(run: str | Path, out: str | Path, evaluation: str | Path
         meta["evaluation"] = scores
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    tmp = out / (ADAPTER_WEIGHTS + ".tmp")
-    save_file(weights, str(tmp))
-    tmp.replace(out / ADAPTER_WEIGHTS)
+    with atomic_path(out / ADAPTER_WEIGHTS) as tmp:
+        save_file(weights, str(tmp))
     atomic_write(out / ADAPTER_CONFIG, json.dumps(meta, indent=2) + "\n")
     atomic_write(out / CARD, _card(meta))
     return out
