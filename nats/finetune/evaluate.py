@@ -55,6 +55,7 @@ from nats.data.longctx.longbench import fingerprint, load_longbench
 from nats.data.longctx.scoring import (  # noqa: F401 (nats.finetune.evaluate.score & co. stay importable)
     _round,
     budget_tokens,
+    compressed_length,
     key_of,
     match_score,
     new_tokens,
@@ -63,7 +64,7 @@ from nats.data.longctx.scoring import (  # noqa: F401 (nats.finetune.evaluate.sc
     score,
     token_accuracy,
 )
-from nats.data.longctx.tasks import check_pg19_path, question_start
+from nats.data.longctx.tasks import check_pg19_path
 from nats.evaluation import configured_methods
 from nats.hf.compat import cache_kwargs, generate_through
 from nats.hf.pretrained import PRETRAINED_KEYS, check_dms, check_scorers_path, prepare_model, type_bias_of
@@ -252,8 +253,7 @@ def evaluate_one(model, tokenizer, example: LongContextExample, run: dict[str, A
     prompt = example.prompt_ids
     k = int(cfg.continuation_tokens)
     n_new = new_tokens(example, int(cfg.answer_margin), k)
-    # the compressed part: the whole prompt, or (kvpress' protocol) its context before the question
-    context = question_start(example, tokenizer) if check_protocol(cfg) == "kvpress" else len(prompt)
+    context = compressed_length(example, tokenizer, check_protocol(cfg))
     b = budget_tokens(run["budget"], context)
     extra = {} if b is None else {"budget": b}
     # the engine's cache with growth (the number of new tokens is not known: decoding stops at the end token), its

@@ -252,13 +252,12 @@ def accounting(prompt_len: int, kept: int, fed: int) -> dict[str, float]:
 def evaluate_one(model, tokenizer, example, run: dict[str, Any], cfg) -> dict[str, Any]:
     """`nats.finetune.evaluate.evaluate_one` for a kvpress method: the same row (score and KV measurements)."""
     from nats.data.longctx import scoring as E
-    from nats.data.longctx.tasks import question_start
 
     prompt = example.prompt_ids
     k = int(cfg.continuation_tokens)
     n_new = E.new_tokens(example, int(cfg.answer_margin), k)
     # the compressed prefill: the whole prompt, or (kvpress' protocol) its context, the question fed after it
-    n = question_start(example, tokenizer) if cfg.get("protocol", "project") == "kvpress" else len(prompt)
+    n = E.compressed_length(example, tokenizer, cfg.get("protocol", "project"))
     B = E.budget_tokens(run["budget"], n)
     press = None if B is None or B >= n else make_press(run["press"], B, n, **run["options"])
     t0 = time.time()

@@ -1,6 +1,6 @@
 """Scoring the answers of long-context examples, and naming a result row: what `nats-eval-hf` and the kvpress
 methods share (no transformers). RULER's string match, token accuracy for the continuation task, LongBench's own
-metrics; how many tokens to generate; a budget fraction in tokens."""
+metrics; how many tokens to generate; a budget fraction in tokens, of the part of the prompt a protocol compresses."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from nats.data.longctx import LongContextExample
 from nats.data.longctx.longbench import score_longbench
+from nats.data.longctx.tasks import question_start
 
 
 def references(example: LongContextExample) -> list[str]:
@@ -66,6 +67,13 @@ def new_tokens(example: LongContextExample, margin: int, k: int) -> int:
 
 def budget_tokens(fraction: float | None, prompt_len: int) -> int | None:
     return None if fraction is None else max(1, round(fraction * prompt_len))
+
+
+def compressed_length(example: LongContextExample, tokenizer: Any, protocol: str) -> int:
+    """The prompt tokens of ``example`` that a method compresses under ``protocol``: all of them (``project``), or
+    the context before the question (``kvpress``: `nats.data.longctx.tasks.question_start`), the question then fed
+    uncompressed."""
+    return question_start(example, tokenizer) if protocol == "kvpress" else len(example.prompt_ids)
 
 
 def _round(t: torch.Tensor) -> list:
